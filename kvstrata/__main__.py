@@ -1,0 +1,5 @@
+import sys
+
+from kvstrata.cli import main
+
+sys.exit(main())
