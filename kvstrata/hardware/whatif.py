@@ -1,0 +1,82 @@
+"""What-if upgrades: a profile with its NICs, PCIe generation or NIC host links changed.
+
+Each upgrade returns a new profile; nothing is edited in place. Devices keep their own
+limits: an H200 stays at Gen5 in a Gen6 slot, a CX-7 stays at Gen5 however new the slot.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import replace
+
+from kvstrata.hardware.catalog import nic_model
+from kvstrata.hardware.profile import HardwareProfile, ProfileError, Slot
+
+
+class Upgrade(enum.Enum):
+    CX8 = "cx8"  # every NIC (local, peer and pool) to CX-8 800G InfiniBand, same slots
+    CX8_ETH = "cx8-eth"  # every NIC to CX-8 2x400GbE, same slots
+    GEN6 = "gen6"  # every slot and switch uplink to PCIe Gen6 (devices keep their limits)
+    SOCKET_DIRECT = "socket-direct"  # every NIC gets a second x16 link to the other socket
+
+    @classmethod
+    def parse(cls, text: str) -> "Upgrade":
+        try:
+            return cls(text.strip().lower().lstrip("+"))
+        except ValueError:
+            known = ", ".join(f"+{u.value}" for u in cls)
+            raise ProfileError(f"unknown upgrade {text!r}; known: {known}") from None
+
+
+def with_nics(profile: HardwareProfile, model: str) -> HardwareProfile:
+    nic_model(model)
+    nics = tuple(replace(n, model=model) for n in profile.nics)
+    pool = replace(profile.pool, nic_model=model) if profile.pool else None
+    return replace(profile, name=f"{profile.name}+{model.lower()}", nics=nics, pool=pool)
+
+
+def with_pcie_gen(profile: HardwareProfile, gen: int) -> HardwareProfile:
+    def slot(s: Slot) -> Slot:
+        return replace(s, gen=gen)
+
+    return replace(
+        profile,
+        name=f"{profile.name}+gen{gen}",
+        switches=tuple(replace(s, uplink=slot(s.uplink)) for s in profile.switches),
+        gpus=tuple(replace(g, slot=slot(g.slot)) for g in profile.gpus),
+        nics=tuple(replace(n, slot=slot(n.slot)) for n in profile.nics),
+        pool=replace(profile.pool, slot=slot(profile.pool.slot)) if profile.pool else None,
+    )
+
+
+def with_socket_direct(profile: HardwareProfile) -> HardwareProfile:
+    """Each single-link NIC gains a second link to a socket other than its own."""
+    if len(profile.sockets) < 2:
+        raise ProfileError(f"profile {profile.name!r}: Socket Direct needs two sockets")
+    nics = []
+    for n in profile.nics:
+        if len(n.attach) == 2:
+            nics.append(n)
+            continue
+        home = profile.socket_of(n.attach[0])
+        other = next(s.name for s in profile.sockets if s.name != home)
+        nics.append(replace(n, attach=(n.attach[0], other)))
+    pool = replace(profile.pool, host_links=2) if profile.pool else None
+    return replace(profile, name=f"{profile.name}+socket-direct", nics=tuple(nics), pool=pool)
+
+
+def upgrade(profile: HardwareProfile, what: Upgrade) -> HardwareProfile:
+    if what is Upgrade.CX8:
+        return with_nics(profile, "CX-8")
+    if what is Upgrade.CX8_ETH:
+        return with_nics(profile, "CX-8-ETH")
+    if what is Upgrade.GEN6:
+        return with_pcie_gen(profile, 6)
+    return with_socket_direct(profile)
+
+
+def apply_upgrades(profile: HardwareProfile, spec: str) -> HardwareProfile:
+    """``"+cx8+gen6"`` -> the profile with both upgrades, in order."""
+    for part in filter(None, spec.split("+")):
+        profile = upgrade(profile, Upgrade.parse(part))
+    return profile
