@@ -16,6 +16,12 @@ from rich.console import Console
 _COMMAND_MODULES = ("plan", "hardware", "kv")
 
 
+def console() -> Console:
+    """A console for tables: the terminal's width, or 120 columns when output is piped."""
+    out = Console()
+    return out if out.is_terminal else Console(width=120)
+
+
 class CliError(Exception):
     """A user error worth one clear line on stderr and exit code 2, never a traceback."""
 

@@ -1,0 +1,141 @@
+"""``kvstrata plan``: restore time per path and the seven architectures, for a model on hardware."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from kvstrata import cli
+from kvstrata.hardware.profile import HardwareProfile, load_profile
+from kvstrata.hardware.whatif import apply_upgrades
+from kvstrata.kv.presets import load_geometry
+from kvstrata.plan.planner import Plan, make_plan, ratios
+
+DEFAULT_MODEL = "llama-3-70b"
+DEFAULT_HARDWARE = "h200-cx7-gen5"
+DEFAULT_CONTEXT = 32768
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="restore time per path and the seven KV architectures")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset or config.json path (default {DEFAULT_MODEL})")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help=f"profile name or .toml (default {DEFAULT_HARDWARE})")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="context tokens of the request")
+    p.add_argument("--cached", type=int, default=None, help="cached prefix tokens to restore (default: all)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs the request spans (default: fewest that fit)")
+    p.add_argument("--dtype", default=None, help="KV dtype (default: the model config's)")
+    p.add_argument("--vs", default=None, help="other profile, or upgrades like +cx8, +gen6, +socket-direct")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw restore time vs context per path")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def resolve_profile(text: str, base: HardwareProfile | None = None) -> HardwareProfile:
+    """``name``, ``file.toml``, ``name+cx8`` or (with a base) ``+cx8``."""
+    name, plus, upgrades = text.partition("+")
+    if not name:
+        if base is None:
+            raise ValueError(f"--vs {text!r}: upgrades need a base profile")
+        return apply_upgrades(base, text)
+    profile = load_profile(name)
+    return apply_upgrades(profile, plus + upgrades) if plus else profile
+
+
+def run(args: argparse.Namespace) -> int:
+    geometry = load_geometry(args.model, args.dtype)
+    profile = resolve_profile(args.hardware)
+    plan = make_plan(geometry, profile, args.context, args.cached, args.gpus)
+    other = None
+    if args.vs:
+        other = make_plan(geometry, resolve_profile(args.vs, profile), args.context, args.cached, plan.tp)
+    if args.plot:
+        from kvstrata.plan.plot import plot_restore_curves
+
+        profiles = [profile] + ([other.profile] if other else [])
+        plot_restore_curves(geometry, profiles, plan.tp, max(args.context, 1024), args.plot)
+    if args.json:
+        doc = plan.to_json()
+        if other:
+            doc["vs"] = other.to_json() | {"ratios": ratios(plan, other)}
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = cli.console()
+    render(console, plan)
+    if other:
+        render(console, other)
+        render_ratios(console, plan, other)
+    if args.plot:
+        console.print(f"plot written to [bold]{args.plot}[/]")
+    return 0
+
+
+def _s(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:,.2f} ms" if seconds < 1 else f"{seconds:,.2f} s"
+
+
+def _n(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def render(console: Console, plan: Plan) -> None:
+    g = plan.geometry
+    console.print(
+        f"[bold]{g.name}[/] ({g.attention.name}, {g.dtype.name.lower()}) on [bold]{plan.profile.name}[/]: "
+        f"{plan.context_tokens:,}-token context, {plan.cached_tokens:,} cached, {plan.tp} GPU(s) "
+        f"({', '.join(plan.gpus)}); {g.bytes_per_token:,} KV bytes/token, "
+        f"{g.bytes_per_token_per_gpu(plan.tp):,} per GPU; restore {plan.restore_bytes / 1e9:,.2f} GB"
+    )
+    t = Table(title="KV restore of the cached prefix, per path (decimal GB/s; one direction)")
+    for col in ("path", "time", "GB/s", "bottleneck", "stages"):
+        t.add_column(col, justify="right" if col in ("time", "GB/s") else "left")
+    for r in plan.restore:
+        if not r.available:
+            t.add_row(r.path.short, "-", "-", f"[dim]n/a: {r.unavailable}[/]", "")
+            continue
+        stages = "; ".join(f"{_s(s.seconds)} @ {s.gbps:,.1f}" for s in r.stages) if len(r.stages) > 1 else ""
+        t.add_row(r.path.short, _s(r.seconds), f"{r.gbps:,.1f}", r.bottleneck, stages)
+    console.print(t)
+    a = Table(title="The seven architectures: capacity, first wait, per-decode-step cost (one request)")
+    for col in ("architecture", "capacity tokens", "requests", "first wait", "step: external", "step time", "bound by"):
+        a.add_column(col, justify="left" if col in ("architecture", "bound by") else "right")
+    for e in plan.architectures:
+        if e.unavailable and e.capacity_tokens is None:
+            a.add_row(e.arch.value, "-", "-", "-", "-", "-", f"[dim]n/a: {e.unavailable}[/]")
+            continue
+        ext = f"{e.per_step_external_bytes / 1e9:,.2f} GB/GPU" if e.per_step_external_bytes else "0"
+        a.add_row(
+            e.arch.value,
+            _n(e.capacity_tokens),
+            _n(e.concurrent_requests),
+            _s(e.first_wait_s),
+            ext,
+            _s(e.per_step_s),
+            e.bound_by + (f" [dim]({e.unavailable})[/]" if e.unavailable else ""),
+        )
+    console.print(a)
+    console.print(
+        "[dim]" + "; ".join(f"{e.arch.value}: {e.arch.title}" for e in plan.architectures) + "[/]", highlight=False
+    )
+
+
+def render_ratios(console: Console, a: Plan, b: Plan) -> None:
+    r = ratios(a, b)
+    t = Table(title=f"{b.profile.name} vs {a.profile.name}: speed-up (>1 = faster)")
+    t.add_column("path / architecture")
+    t.add_column(a.profile.name, justify="right")
+    t.add_column(b.profile.name, justify="right")
+    t.add_column("speed-up", justify="right")
+    for ra, rb in zip(a.restore, b.restore):
+        x = r["restore_speedup"][ra.path.value]
+        t.add_row(
+            ra.path.short,
+            f"{_s(ra.seconds)} ({ra.bottleneck})" if ra.available else "-",
+            f"{_s(rb.seconds)} ({rb.bottleneck})" if rb.available else "-",
+            f"{x:.2f}x" if x else "-",
+        )
+    console.print(t)

@@ -1,0 +1,1 @@
+"""The planner: restore time along every path of the seed, and its seven architectures compared."""

@@ -1,0 +1,189 @@
+"""Restore time of a cached prefix along each of the seed's paths, into the GPUs of one instance.
+
+A request on K GPUs (tensor parallel) restores K shards at once, one into each GPU; the
+shards share links max-min fairly, so a shared switch uplink or a NIC serving two GPUs shows
+up in the aggregate. The restore's time is the slowest shard's; its bottleneck is that
+shard's bottleneck link.
+
+Paths (the seed's three, and NVMe):
+  local DRAM -> HBM: each GPU reads its NUMA-local socket's DRAM over PCIe (a CUDA copy).
+  remote DRAM -> HBM (GDR): pool DRAM -> pool NIC -> fabric -> local NIC -> PCIe -> HBM.
+  remote -> local DRAM -> HBM: RDMA into local DRAM, then a CUDA copy (two hops, in sequence).
+  NVMe -> DRAM -> HBM: the drive on the GPU's socket into DRAM, then a CUDA copy.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvstrata.hardware.catalog import nic_model
+from kvstrata.hardware.flows import GB, Flow, flow_along, run_concurrently
+from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.topology import NodeKind
+
+
+class RestorePath(enum.Enum):
+    LOCAL_DRAM = "local DRAM -> HBM (CUDA copy)"
+    REMOTE_GDR = "remote DRAM -> HBM (GPUDirect RDMA)"
+    REMOTE_TWO_HOP = "remote DRAM -> local DRAM -> HBM (two hops)"
+    NVME = "NVMe -> DRAM -> HBM"
+    PD_HANDOFF = "prefill GPU -> decode GPU (P/D handoff)"
+
+    @property
+    def short(self) -> str:
+        return _SHORT[self]
+
+
+_SHORT = {
+    RestorePath.LOCAL_DRAM: "DRAM -> HBM",
+    RestorePath.REMOTE_GDR: "remote -> HBM (GDR)",
+    RestorePath.REMOTE_TWO_HOP: "remote -> DRAM -> HBM",
+    RestorePath.NVME: "NVMe -> DRAM -> HBM",
+    RestorePath.PD_HANDOFF: "P/D handoff",
+}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One hop of a restore, all GPUs' shards moving concurrently."""
+
+    route: str  # the first shard's route, for display
+    seconds: float
+    gbps: float  # aggregate over all shards
+    bottleneck: str
+
+
+@dataclass(frozen=True)
+class RestoreEstimate:
+    path: RestorePath
+    size_bytes: int
+    stages: tuple[Stage, ...]
+    unavailable: str | None = None  # why this hardware has no such path
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable is None
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+    @property
+    def gbps(self) -> float:
+        """Bytes restored per second, end to end (stages in sequence)."""
+        return self.size_bytes / self.seconds / GB if self.seconds > 0 else float("inf")
+
+    @property
+    def bottleneck(self) -> str:
+        return max(self.stages, key=lambda s: s.seconds).bottleneck if self.stages else "-"
+
+
+def instance_gpus(profile: HardwareProfile, count: int) -> list[str]:
+    if not 1 <= count <= len(profile.gpus):
+        raise ValueError(f"gpus must be between 1 and {len(profile.gpus)} for profile {profile.name!r}, got {count}")
+    return [g.name for g in profile.gpus[:count]]
+
+
+def local_dram(profile: HardwareProfile, gpu: str) -> str:
+    return f"{profile.socket_of(profile.gpu(gpu).attach)}.dram"
+
+
+def nic_for(profile: HardwareProfile, gpu: str) -> str:
+    """The NIC a GPU receives through: the k-th NIC beside it for the k-th GPU beside it."""
+    attach = profile.gpu(gpu).attach
+    peers = [g.name for g in profile.gpus if g.attach == attach]
+    nics = [n.name for n in profile.nics if attach in n.attach]
+    if not nics:  # none on its switch: any NIC on its socket, else the first
+        socket = profile.socket_of(attach)
+        nics = [n.name for n in profile.nics if any(profile.socket_of(a) == socket for a in n.attach)]
+        nics = nics or [n.name for n in profile.nics]
+    return nics[peers.index(gpu) % len(nics)]
+
+
+def _ports(profile: HardwareProfile, nic: str) -> int:
+    return len(nic_model(next(n.model for n in profile.nics if n.name == nic)).port_gbit)
+
+
+def _stage(flows: list[Flow]) -> Stage:
+    done = run_concurrently(flows)
+    slowest = max(done, key=lambda c: c.finish_s)
+    total = sum(f.size_bytes for f in flows)
+    transfer_s = max(c.finish_s - c.flow.latency_s for c in done)
+    return Stage(
+        route=flows[0].path.describe() if flows[0].path else flows[0].name,
+        seconds=slowest.finish_s,
+        gbps=total / transfer_s / GB if transfer_s > 0 else float("inf"),
+        bottleneck=slowest.bottleneck.label,
+    )
+
+
+def _split(size: int, parts: int) -> list[int]:
+    base, extra = divmod(size, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class RestorePlanner:
+    """Restore estimates for one profile and one set of GPUs."""
+
+    def __init__(self, profile: HardwareProfile, gpus: list[str]) -> None:
+        self.profile = profile
+        self.topology = profile.topology
+        self.gpus = gpus
+
+    def _network_flows(self, src_of, dst_of, shard_bytes: list[int], pool_side: bool) -> list[Flow]:
+        """One flow per GPU shard and NIC port: the transfer spreads work over every port."""
+        flows = []
+        for i, (gpu, size) in enumerate(zip(self.gpus, shard_bytes)):
+            nic = nic_for(self.profile, gpu)
+            ports = _ports(self.profile, nic)
+            for port, part in enumerate(_split(size, ports)):
+                if pool_side:
+                    pool_nics = self.profile.pool.nics
+                    far = f"pool.nic{i % pool_nics}.p{port}"
+                else:
+                    far = f"peer.{nic}.p{port}"
+                path = self.topology.route(src_of(gpu), dst_of(gpu), via=(far, f"{nic}.p{port}"))
+                flows.append(flow_along(self.topology, path, part))
+        return flows
+
+    def _local_flows(self, shard_bytes: list[int], src_of) -> list[Flow]:
+        return [
+            flow_along(self.topology, self.topology.route(src_of(g), g), size) for g, size in zip(self.gpus, shard_bytes)
+        ]
+
+    def restore(self, path: RestorePath, shard_bytes: list[int]) -> RestoreEstimate:
+        total = sum(shard_bytes)
+        p, dram = self.profile, lambda g: local_dram(self.profile, g)
+        if path is RestorePath.LOCAL_DRAM:
+            return RestoreEstimate(path, total, (_stage(self._local_flows(shard_bytes, dram)),))
+        if path in (RestorePath.REMOTE_GDR, RestorePath.REMOTE_TWO_HOP):
+            if p.pool is None or not p.nics:
+                return RestoreEstimate(path, total, (), "no remote DRAM pool or no NIC in this profile")
+            if path is RestorePath.REMOTE_GDR:
+                flows = self._network_flows(lambda g: "pool.dram", lambda g: g, shard_bytes, pool_side=True)
+                return RestoreEstimate(path, total, (_stage(flows),))
+            first = _stage(self._network_flows(lambda g: "pool.dram", dram, shard_bytes, pool_side=True))
+            return RestoreEstimate(path, total, (first, _stage(self._local_flows(shard_bytes, dram))))
+        if path is RestorePath.NVME:
+            if not p.nvmes:
+                return RestoreEstimate(path, total, (), "no NVMe drive in this profile")
+            first = _stage(
+                [
+                    flow_along(self.topology, self.topology.route(self._drive_for(g), dram(g)), size)
+                    for g, size in zip(self.gpus, shard_bytes)
+                ]
+            )
+            return RestoreEstimate(path, total, (first, _stage(self._local_flows(shard_bytes, dram))))
+        if path is RestorePath.PD_HANDOFF:
+            if not p.nics:
+                return RestoreEstimate(path, total, (), "no NIC in this profile: no cross-node handoff")
+            flows = self._network_flows(lambda g: f"peer.{g}", lambda g: g, shard_bytes, pool_side=False)
+            return RestoreEstimate(path, total, (_stage(flows),))
+        raise ValueError(f"unknown restore path {path!r}")
+
+    def _drive_for(self, gpu: str) -> str:
+        """The NVMe drive on the GPU's socket (else the first); drives are shared when fewer."""
+        socket = self.profile.socket_of(self.profile.gpu(gpu).attach)
+        drives = [n.name for n in self.topology.of_kind(NodeKind.FLASH) if n.socket == socket]
+        return (drives or [n.name for n in self.topology.of_kind(NodeKind.FLASH)])[0]
