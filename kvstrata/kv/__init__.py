@@ -1,0 +1,23 @@
+"""KV geometry: bytes of KV per token from a model config, and the built-in model presets."""
+
+from kvstrata.kv.geometry import (
+    Attention,
+    DType,
+    GeometryError,
+    KVGeometry,
+    geometry_from_config,
+)
+from kvstrata.kv.params import ParamCount
+from kvstrata.kv.presets import list_presets, load_config, load_geometry
+
+__all__ = [
+    "Attention",
+    "DType",
+    "GeometryError",
+    "KVGeometry",
+    "ParamCount",
+    "geometry_from_config",
+    "list_presets",
+    "load_config",
+    "load_geometry",
+]

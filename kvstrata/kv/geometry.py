@@ -1,0 +1,403 @@
+"""KV-cache geometry: the bytes of KV one token occupies, and what a model weighs.
+
+Pure: :func:`geometry_from_config` takes an already-parsed Hugging Face ``config.json`` dict;
+reading files and presets is :mod:`kvstrata.kv.presets`' job.
+
+Bytes per token (one sequence position, summed over layers):
+
+* MHA / GQA / MQA cache K and V per KV head:
+  ``2 * layers * kv_heads * head_dim * dtype bytes``.
+* MLA (DeepSeek-V2/V3) caches one compressed latent per layer, ``kv_lora_rank`` values that
+  both K and V are expanded from plus ``qk_rope_head_dim`` values of decoupled RoPE key:
+  ``layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes``. It is modelled as a single
+  "KV head" of width ``kv_lora_rank + qk_rope_head_dim`` that is stored once, not twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kvstrata.kv.fields import GeometryError, check_int, get_int, require_int
+from kvstrata.kv.params import count_params
+
+
+class DType(Enum):
+    """Element type of cached K/V (or of weights)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes per element."""
+        return _DTYPE_SIZE_BYTES[self]
+
+    @classmethod
+    def parse(cls, text: str) -> DType:
+        """Parse a dtype name as written by users, torch or Hugging Face configs.
+
+        Args:
+            text: e.g. ``"bf16"``, ``"bfloat16"``, ``"torch.float16"``, ``"float8_e4m3fn"``.
+
+        Returns:
+            The matching DType.
+
+        Raises:
+            GeometryError: ``text`` names no dtype we know; the message lists the allowed names.
+        """
+        key = text.strip().lower().removeprefix("torch.") if isinstance(text, str) else None
+        if key not in _DTYPE_ALIASES:
+            allowed = ", ".join(sorted(_DTYPE_ALIASES))
+            raise GeometryError(f"unknown dtype {text!r}; allowed: {allowed}")
+        return _DTYPE_ALIASES[key]
+
+
+_DTYPE_SIZE_BYTES = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
+
+_DTYPE_ALIASES = {
+    **dict.fromkeys(("fp32", "float32", "float", "f32"), DType.FP32),
+    **dict.fromkeys(("bf16", "bfloat16"), DType.BF16),
+    **dict.fromkeys(("fp16", "float16", "half", "f16"), DType.FP16),
+    **dict.fromkeys(
+        ("fp8", "float8", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"),
+        DType.FP8,
+    ),
+}
+
+
+class Attention(Enum):
+    """How a model's attention shapes its KV cache."""
+
+    MHA = "mha"  # one KV head per query head
+    GQA = "gqa"  # query heads share KV heads in equal groups
+    MQA = "mqa"  # one KV head shared by all query heads
+    MLA = "mla"  # one low-rank latent per token per layer (DeepSeek)
+
+
+def attention_for_heads(num_attention_heads: int, num_kv_heads: int, kv_label: str) -> Attention:
+    """Classify standard (non-MLA) attention from its head counts.
+
+    Args:
+        num_attention_heads: Query heads.
+        num_kv_heads: KV heads.
+        kv_label: How to name the KV-head field in an error, e.g. ``"config field 'x'"``.
+
+    Raises:
+        GeometryError: the KV heads do not split the query heads into equal groups.
+    """
+    if num_kv_heads > num_attention_heads or num_attention_heads % num_kv_heads:
+        raise GeometryError(
+            f"{kv_label} ({num_kv_heads}) must divide the {num_attention_heads} attention heads"
+        )
+    if num_kv_heads == num_attention_heads:
+        return Attention.MHA
+    return Attention.MQA if num_kv_heads == 1 else Attention.GQA
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one model's KV cache, and the parameter counts that size its weights.
+
+    Attributes:
+        name: Model name, for display.
+        attention: Attention kind; must agree with the head counts.
+        num_layers: Decoder layers that keep KV.
+        num_kv_heads: KV heads per layer; 1 for MLA (one latent per token per layer).
+        head_dim: Elements per KV head; ``kv_lora_rank + qk_rope_head_dim`` for MLA.
+        dtype: Element type of the cached KV (and the default for weights).
+        total_params: All parameters, every expert of a MoE included (sizes weight memory).
+        active_params: Parameters used per token: MoE counts shared + top-k routed experts
+            (sizes compute).
+        num_attention_heads: Query heads (for the attention FLOPs term).
+        kv_lora_rank: MLA latent width; None otherwise.
+        qk_rope_head_dim: MLA decoupled-RoPE key width; None otherwise.
+    """
+
+    name: str
+    attention: Attention
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType
+    total_params: int
+    active_params: int
+    num_attention_heads: int
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise GeometryError(
+                f"KVGeometry field 'name' must be a non-empty string, got {self.name!r}"
+            )
+        for field_name, enum_type in (("attention", Attention), ("dtype", DType)):
+            if not isinstance(getattr(self, field_name), enum_type):
+                raise GeometryError(
+                    f"KVGeometry field {field_name!r} must be a {enum_type.__name__}, "
+                    f"got {getattr(self, field_name)!r}"
+                )
+        for field_name in (
+            "num_layers", "num_kv_heads", "head_dim", "total_params", "active_params",
+            "num_attention_heads",
+        ):
+            check_int(f"KVGeometry field {field_name!r}", getattr(self, field_name))
+        if self.active_params > self.total_params:
+            raise GeometryError(
+                f"KVGeometry field 'active_params' ({self.active_params}) exceeds "
+                f"'total_params' ({self.total_params})"
+            )
+        if self.attention is Attention.MLA:
+            self._check_mla()
+        else:
+            for field_name in ("kv_lora_rank", "qk_rope_head_dim"):
+                if getattr(self, field_name) is not None:
+                    raise GeometryError(
+                        f"KVGeometry field {field_name!r} is only for MLA attention"
+                    )
+            kind = attention_for_heads(
+                self.num_attention_heads, self.num_kv_heads, "KVGeometry field 'num_kv_heads'"
+            )
+            if kind is not self.attention:
+                raise GeometryError(
+                    f"KVGeometry field 'attention' is {self.attention.name}, but "
+                    f"{self.num_kv_heads} KV heads for {self.num_attention_heads} query heads "
+                    f"is {kind.name}"
+                )
+
+    def _check_mla(self) -> None:
+        for field_name in ("kv_lora_rank", "qk_rope_head_dim"):
+            check_int(f"KVGeometry field {field_name!r}", getattr(self, field_name))
+        if self.num_kv_heads != 1:
+            raise GeometryError(
+                f"KVGeometry field 'num_kv_heads' must be 1 for MLA, got {self.num_kv_heads}"
+            )
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.head_dim != latent:
+            raise GeometryError(
+                f"KVGeometry field 'head_dim' must be kv_lora_rank + qk_rope_head_dim = {latent} "
+                f"for MLA, got {self.head_dim}"
+            )
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers, on all GPUs together."""
+        return self._bytes_per_token_for(self.num_kv_heads)
+
+    def bytes_per_token_per_gpu(self, tp: int = 1) -> int:
+        """KV bytes one token occupies on each GPU of a tensor-parallel group.
+
+        Args:
+            tp: Tensor-parallel degree.
+
+        Raises:
+            GeometryError: ``tp`` is not positive, or it neither divides nor is a multiple of
+                the KV heads (for MHA/GQA/MQA).
+        """
+        check_int("'tp'", tp)
+        if self.attention is Attention.MLA:
+            # The latent is shared by every query head, so MLA TP (DeepSeek's reference code,
+            # vLLM, SGLang) splits the heads and replicates the whole latent on every rank:
+            # a rank's cache is the full per-token latent.
+            return self.bytes_per_token
+        if tp <= self.num_kv_heads:
+            if self.num_kv_heads % tp:
+                raise GeometryError(f"'tp' ({tp}) must divide the {self.num_kv_heads} KV heads")
+            return self._bytes_per_token_for(self.num_kv_heads // tp)
+        if tp % self.num_kv_heads:
+            raise GeometryError(
+                f"'tp' ({tp}) exceeds the {self.num_kv_heads} KV heads and is not a multiple "
+                "of them"
+            )
+        # More ranks than KV heads: each KV head is replicated on tp / kv_heads ranks, so every
+        # rank still holds one whole head.
+        return self._bytes_per_token_for(1)
+
+    def bytes_per_block(self, block_tokens: int, tp: int = 1) -> int:
+        """KV bytes of one paged-cache block on one GPU.
+
+        Args:
+            block_tokens: Tokens per block.
+            tp: Tensor-parallel degree.
+        """
+        check_int("'block_tokens'", block_tokens)
+        return block_tokens * self.bytes_per_token_per_gpu(tp)
+
+    def kv_bytes(self, tokens: int, tp: int = 1) -> int:
+        """KV bytes of ``tokens`` tokens on one GPU (all of them when ``tp`` is 1).
+
+        Args:
+            tokens: Number of tokens; zero is allowed.
+            tp: Tensor-parallel degree.
+        """
+        check_int("'tokens'", tokens, minimum=0)
+        return tokens * self.bytes_per_token_per_gpu(tp)
+
+    def weight_bytes(self, weight_dtype: DType | None = None) -> int:
+        """Bytes of all weights, unsharded.
+
+        Args:
+            weight_dtype: Element type of the weights; defaults to the KV dtype.
+        """
+        return self.total_params * (weight_dtype or self.dtype).size_bytes
+
+    def with_dtype(self, dtype: DType) -> KVGeometry:
+        """The same geometry with KV stored as ``dtype``."""
+        return dataclasses.replace(self, dtype=dtype)
+
+    def _bytes_per_token_for(self, kv_heads: int) -> int:
+        # K and V are stored separately, except MLA's latent, which serves as both.
+        tensors = 1 if self.attention is Attention.MLA else 2
+        return tensors * self.num_layers * kv_heads * self.head_dim * self.dtype.size_bytes
+
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+# Decoders that keep a fixed-size recurrent state instead of (or beside) a per-token KV cache:
+# bytes per token would be meaningless or only part of the story, so refuse rather than guess.
+_RECURRENT_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "rwkv5", "rwkv6", "recurrent_gemma", "xlstm",
+    "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid",
+    "qwen3_next", "lfm2",
+})
+# Per-layer attention kinds that keep KV for every past token; anything else (sliding, chunked,
+# linear attention) caps or replaces the cache in a way this model does not capture.
+_FULL_ATTENTION_KINDS = frozenset({"full_attention", "full", "global"})
+
+
+def geometry_from_config(
+    config: Mapping[str, Any], *, name: str = "model", dtype: DType | str | None = None
+) -> KVGeometry:
+    """Derive a model's KV geometry and parameter counts from its Hugging Face config.
+
+    Reads the decoder fields from the top level, or from ``text_config`` when the top level
+    has no layer count (multimodal wrappers).
+
+    Args:
+        config: A parsed ``config.json``.
+        name: Model name to carry.
+        dtype: KV dtype; wins over the config's ``torch_dtype``/``dtype``; bf16 if neither.
+
+    Returns:
+        The geometry.
+
+    Raises:
+        GeometryError: A required field is missing or not a positive integer, the head counts
+            are inconsistent, or the architecture (recurrent, hybrid, sliding-window, an
+            unsupported MoE layout) cannot be sized without guessing. The message names the
+            config field.
+    """
+    if not isinstance(config, Mapping):
+        raise GeometryError(f"config must be a JSON object, got {type(config).__name__}")
+    section = _decoder_section(config)
+    _reject_unsizable(section)
+    layers = require_int(section, *_LAYER_KEYS)
+    heads = require_int(section, "num_attention_heads")
+    hidden = require_int(section, "hidden_size")
+    kv_lora_rank = get_int(section, "kv_lora_rank")
+    if kv_lora_rank is None:
+        rope_dim = None
+        kv_heads = get_int(section, "num_key_value_heads") or heads
+        attention = attention_for_heads(heads, kv_heads, "config field 'num_key_value_heads'")
+        head_dim = get_int(section, "head_dim") or _head_dim_from_hidden(hidden, heads)
+    else:
+        rope_dim = require_int(section, "qk_rope_head_dim")
+        attention, kv_heads, head_dim = Attention.MLA, 1, kv_lora_rank + rope_dim
+    params = count_params(
+        section,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=rope_dim,
+    )
+    return KVGeometry(
+        name=name,
+        attention=attention,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=_resolve_dtype(dtype, section, config),
+        total_params=params.total,
+        active_params=params.active,
+        num_attention_heads=heads,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=rope_dim,
+    )
+
+
+def _decoder_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    text_config = config.get("text_config")
+    if any(key in config for key in _LAYER_KEYS) or not isinstance(text_config, Mapping):
+        return config
+    return text_config
+
+
+def _reject_unsizable(section: Mapping[str, Any]) -> None:
+    model_type = section.get("model_type")
+    if model_type in _RECURRENT_MODEL_TYPES:
+        raise GeometryError(
+            f"config field 'model_type' is {model_type!r}, a recurrent or hybrid architecture "
+            "without a uniform per-token KV cache; it cannot be sized"
+        )
+    for key in ("layer_types", "attention_types", "attention_type"):
+        kinds = set(_strings_in(section.get(key))) - _FULL_ATTENTION_KINDS
+        if kinds:
+            raise GeometryError(
+                f"config field {key!r} declares {sorted(kinds)} attention; only full attention "
+                "is sized"
+            )
+    # Qwen2 configs carry a sliding_window value that use_sliding_window switches off.
+    if section.get("sliding_window") is not None and section.get("use_sliding_window", True):
+        raise GeometryError(
+            f"config field 'sliding_window' is {section['sliding_window']!r}: a windowed cache "
+            "stops growing past the window, which is not modelled"
+        )
+    if section.get("attention_chunk_size") is not None:
+        raise GeometryError(
+            "config field 'attention_chunk_size' is set: chunked attention is not modelled"
+        )
+
+
+def _strings_in(value: Any) -> list[str]:
+    """Every string inside a possibly nested list (GPT-Neo nests its attention_types)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [text for item in value for text in _strings_in(item)]
+    return []
+
+
+def _head_dim_from_hidden(hidden: int, heads: int) -> int:
+    if hidden % heads:
+        raise GeometryError(
+            f"config field 'hidden_size' ({hidden}) is not divisible by 'num_attention_heads' "
+            f"({heads}) and no 'head_dim' is given"
+        )
+    return hidden // heads
+
+
+def _resolve_dtype(
+    dtype: DType | str | None, section: Mapping[str, Any], config: Mapping[str, Any]
+) -> DType:
+    if isinstance(dtype, DType):
+        return dtype
+    if dtype is not None:
+        return DType.parse(dtype)
+    # Multimodal wrappers often keep torch_dtype only at the top level.
+    for source in (section, config):
+        for key in _DTYPE_KEYS:
+            if source.get(key) is not None:
+                try:
+                    return DType.parse(source[key])
+                except GeometryError as exc:
+                    raise GeometryError(f"config field {key!r}: {exc}") from None
+    return DType.BF16
