@@ -130,6 +130,7 @@ class KVGeometry:
     num_attention_heads: int
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    weight_dtype: DType | None = None  # None: weights stored as the KV dtype
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -242,9 +243,10 @@ class KVGeometry:
         """Bytes of all weights, unsharded.
 
         Args:
-            weight_dtype: Element type of the weights; defaults to the KV dtype.
+            weight_dtype: Element type of the weights; defaults to the config's weight dtype
+                (fp8 under an fp8 quantization_config), else the KV dtype.
         """
-        return self.total_params * (weight_dtype or self.dtype).size_bytes
+        return self.total_params * (weight_dtype or self.weight_dtype or self.dtype).size_bytes
 
     def with_dtype(self, dtype: DType) -> KVGeometry:
         """The same geometry with KV stored as ``dtype``."""
@@ -331,7 +333,17 @@ def geometry_from_config(
         num_attention_heads=heads,
         kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=rope_dim,
+        weight_dtype=_weight_dtype(section, config),
     )
+
+
+def _weight_dtype(section: Mapping[str, Any], config: Mapping[str, Any]) -> DType:
+    """The weights' element type: fp8 under an fp8 ``quantization_config`` (DeepSeek-V3 ships
+    so), else the config's own dtype. A KV dtype override never changes it."""
+    quant = config.get("quantization_config") or section.get("quantization_config")
+    if isinstance(quant, Mapping) and str(quant.get("quant_method", "")).lower() == "fp8":
+        return DType.FP8
+    return _resolve_dtype(None, section, config)
 
 
 def _decoder_section(config: Mapping[str, Any]) -> Mapping[str, Any]:

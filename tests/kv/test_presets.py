@@ -93,3 +93,13 @@ def test_unknown_preset_lists_the_available_ones():
     with pytest.raises(GeometryError, match="unknown model 'llama-9'") as excinfo:
         load_config("llama-9")
     assert all(name in str(excinfo.value) for name in PRESETS)
+
+
+def test_weight_dtype_follows_the_config_not_the_kv_dtype_override():
+    # DeepSeek-V3 ships fp8 weights (quantization_config fp8): 1 byte per parameter.
+    v3 = load_geometry("deepseek-v3")
+    assert v3.weight_bytes() == v3.total_params
+    # Storing Llama's KV as fp8 halves KV bytes, never the bf16 weights.
+    llama = load_geometry("llama-3-70b", "fp8")
+    assert llama.bytes_per_token == 163_840
+    assert llama.weight_bytes() == 2 * llama.total_params
