@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from rich.console import Console
@@ -17,9 +18,9 @@ _COMMAND_MODULES = ("plan", "hardware", "kv")
 
 
 def console() -> Console:
-    """A console for tables: the terminal's width, or 120 columns when output is piped."""
+    """A console for tables: the terminal's width (or $COLUMNS), else 120 columns when piped."""
     out = Console()
-    return out if out.is_terminal else Console(width=120)
+    return out if out.is_terminal or "COLUMNS" in os.environ else Console(width=120)
 
 
 class CliError(Exception):

@@ -33,12 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_profile(text: str, base: HardwareProfile | None = None) -> HardwareProfile:
+def resolve_profile(text: str, base: HardwareProfile | None = None, flag: str = "--hardware") -> HardwareProfile:
     """``name``, ``file.toml``, ``name+cx8`` or (with a base) ``+cx8``."""
     name, plus, upgrades = text.partition("+")
     if not name:
         if base is None:
-            raise ValueError(f"--vs {text!r}: upgrades need a base profile")
+            raise ValueError(f"{flag} {text!r}: upgrades alone need a base profile (try NAME{text})")
         return apply_upgrades(base, text)
     profile = load_profile(name)
     return apply_upgrades(profile, plus + upgrades) if plus else profile
@@ -50,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(geometry, profile, args.context, args.cached, args.gpus)
     other = None
     if args.vs:
-        other = make_plan(geometry, resolve_profile(args.vs, profile), args.context, args.cached, plan.tp)
+        other_profile = resolve_profile(args.vs, profile, "--vs")
+        # Same GPU count where the other profile has that many; else its own default.
+        other_gpus = args.gpus if args.gpus is not None else (plan.tp if plan.tp <= len(other_profile.gpus) else None)
+        other = make_plan(geometry, other_profile, args.context, args.cached, other_gpus)
     if args.plot:
         from kvstrata.plan.plot import plot_restore_curves
 
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         doc = plan.to_json()
         if other:
             doc["vs"] = other.to_json() | {"ratios": ratios(plan, other)}
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(doc, indent=2, allow_nan=False))
         return 0
     console = cli.console()
     render(console, plan)

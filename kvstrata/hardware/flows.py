@@ -52,7 +52,8 @@ def memory_resource(topology: Topology, name: str) -> Resource | None:
 
 
 def flow_along(topology: Topology, path: Path, size_bytes: int = 0, name: str | None = None) -> Flow:
-    """A flow from ``path.src`` to ``path.dst``: the source read, each hop, the target write."""
+    """A flow from ``path.src`` to ``path.dst``: the source read, each hop, the target write,
+    and a write plus a read of any staging memory the path passes through."""
     weights: dict[str, int] = {}
     resources: dict[str, Resource] = {}
 
@@ -64,6 +65,10 @@ def flow_along(topology: Topology, path: Path, size_bytes: int = 0, name: str | 
 
     use(memory_resource(topology, path.src))
     for hop in path.hops:
+        if hop.src != path.src and topology.node(hop.src).kind.is_memory:
+            # A staging memory inside the path is written and read again: it draws twice.
+            use(memory_resource(topology, hop.src))
+            use(memory_resource(topology, hop.src))
         bw = hop.bandwidth
         if bw is not None:
             label = f"{hop.link.label or hop.link.kind.value} {hop.src}->{hop.dst}"

@@ -9,7 +9,9 @@ by its reads and writes; a full-duplex link has one capacity per direction.
 from __future__ import annotations
 
 import enum
-from collections import deque
+import heapq
+import itertools
+import math
 from dataclasses import dataclass, field
 
 from kvstrata.hardware.figures import Bandwidth
@@ -112,6 +114,12 @@ class Path:
     def latency_s(self) -> float:
         return sum(h.link.latency_s for h in self.hops)
 
+    @property
+    def width_gbps(self) -> float:
+        """The narrowest link direction's effective GB/s (inf when nothing constrains it)."""
+        widths = [h.bandwidth.effective_gbps for h in self.hops if h.bandwidth is not None]
+        return min(widths, default=math.inf)
+
     def describe(self) -> str:
         return " -> ".join(self.nodes)
 
@@ -124,6 +132,8 @@ class Topology:
     nodes: dict[str, Node] = field(default_factory=dict)
     links: list[Link] = field(default_factory=list)
     _adjacent: dict[str, list[tuple[str, Link]]] = field(default_factory=dict, repr=False)
+    _routes: dict[tuple, "Path"] = field(default_factory=dict, repr=False)  # the graph is read-only once built
+    _widths: list[float] = field(default_factory=list, repr=False)
 
     def add_node(self, node: Node) -> Node:
         if node.name in self.nodes:
@@ -133,6 +143,8 @@ class Topology:
         return node
 
     def add_link(self, link: Link) -> Link:
+        self._routes.clear()
+        self._widths.clear()
         for end in (link.a, link.b):
             if end not in self.nodes:
                 raise ValueError(f"link {link.name} names unknown node {end!r}")
@@ -153,40 +165,84 @@ class Topology:
     def neighbours(self, name: str) -> list[tuple[str, Link]]:
         return list(self._adjacent[self.node(name).name])
 
-    def route(self, src: str, dst: str, via: tuple[str, ...] = ()) -> Path:
-        """The fewest-hop path from ``src`` to ``dst`` through ``via`` in order.
+    def route(self, src: str, dst: str, via: tuple[str, ...] = (), size_bytes: int | None = None) -> Path:
+        """A path from ``src`` to ``dst`` through ``via`` in order.
 
-        Memories are never transited. Ties go to the neighbour added first, so routes are
-        deterministic; pass ``via`` to pin a NIC, a port or a staging memory.
+        Without ``size_bytes``: the widest path (largest bottleneck in the direction of
+        travel), then the lowest latency, then the fewest hops, then the neighbour added
+        first, so routes are deterministic and GPU to GPU takes NVLink, not a PCIe switch.
+        With ``size_bytes``: the quickest path for that many bytes (size / width + latency),
+        so a wider link or a higher efficiency never makes a transfer slower.
+        Memories are never transited unless named in ``via`` (a staging buffer).
         """
-        stops = (src,) + tuple(via) + (dst,)
-        hops: list[Hop] = []
-        for a, b in zip(stops, stops[1:]):
-            hops.extend(self._shortest(a, b))
-        return Path(src, dst, tuple(hops))
+        key = (src, dst, tuple(via), size_bytes)
+        if key not in self._routes:
+            self._routes[key] = self._route(src, dst, tuple(via), size_bytes)
+        return self._routes[key]
 
-    def _shortest(self, src: str, dst: str) -> list[Hop]:
-        self.node(src), self.node(dst)
+    def _route(self, src: str, dst: str, via: tuple[str, ...], size_bytes: int | None) -> Path:
+        stops = (src,) + via + (dst,)
+        for stop in stops:
+            self.node(stop)
+        # Quickest-path by thresholds: for each capacity c, the lowest-latency path using only
+        # link directions of at least c; the best over all c is exact for size / width + latency.
+        best: tuple[float, float, Path] | None = None
+        for threshold in self._thresholds():
+            if best is not None and (size_bytes is None or size_bytes / (threshold * 1e9) >= best[0]):
+                break
+            legs = [self._lowest_latency(a, b, threshold) for a, b in zip(stops, stops[1:])]
+            if any(leg is None for leg in legs):
+                continue
+            path = Path(src, dst, tuple(hop for leg in legs for hop in leg))
+            width = path.width_gbps
+            seconds = (size_bytes or 0) / (width * 1e9) + path.latency_s
+            if best is None or (seconds, -width) < (best[0], -best[1]):
+                best = (seconds, width, path)
+        if best is None:
+            raise ValueError(f"no path from {src!r} to {dst!r} via {list(via)} in topology {self.name!r}")
+        return best[2]
+
+    def _thresholds(self) -> list[float]:
+        """Distinct effective capacities of all link directions, widest first (inf for none)."""
+        if not self._widths:
+            widths = {math.inf}
+            for link in self.links:
+                for bw in (link.forward, link.backward):
+                    widths.add(bw.effective_gbps if bw is not None else math.inf)
+            self._widths.extend(sorted(widths, reverse=True))
+        return self._widths
+
+    def _lowest_latency(self, src: str, dst: str, min_gbps: float) -> list[Hop] | None:
+        """Dijkstra on (latency, hops, insertion order) over link directions >= ``min_gbps``."""
+        best: dict[str, tuple[float, int]] = {src: (0.0, 0)}
         previous: dict[str, tuple[str, Link]] = {}
-        seen = {src}
-        queue = deque([src])
-        while queue:
-            here = queue.popleft()
+        order = itertools.count()
+        heap = [(0.0, 0, next(order), src)]
+        settled: set[str] = set()
+        while heap:
+            latency, hops, _, here = heapq.heappop(heap)
+            if here in settled:
+                continue
+            settled.add(here)
             if here == dst:
                 break
             if here != src and self.nodes[here].kind.is_memory:
                 continue  # memories are ends, never carried through
             for there, link in self._adjacent[here]:
-                if there not in seen:
-                    seen.add(there)
+                bw = link.capacity(here)
+                if there in settled or (bw is not None and bw.effective_gbps < min_gbps):
+                    continue
+                label = (latency + link.latency_s, hops + 1)
+                if there not in best or label < best[there]:
+                    best[there] = label
                     previous[there] = (here, link)
-                    queue.append(there)
-        if dst not in seen:
-            raise ValueError(f"no path from {src!r} to {dst!r} in topology {self.name!r}")
-        hops: list[Hop] = []
+                    heapq.heappush(heap, (label[0], label[1], next(order), there))
+        if dst not in settled:
+            return None
+        path: list[Hop] = []
         here = dst
         while here != src:
             before, link = previous[here]
-            hops.append(Hop(link, before, here))
+            path.append(Hop(link, before, here))
             here = before
-        return hops[::-1]
+        return path[::-1]

@@ -28,11 +28,11 @@ class Upgrade(enum.Enum):
             raise ProfileError(f"unknown upgrade {text!r}; known: {known}") from None
 
 
-def with_nics(profile: HardwareProfile, model: str) -> HardwareProfile:
+def with_nics(profile: HardwareProfile, model: str, tag: str | None = None) -> HardwareProfile:
     nic_model(model)
     nics = tuple(replace(n, model=model) for n in profile.nics)
     pool = replace(profile.pool, nic_model=model) if profile.pool else None
-    return replace(profile, name=f"{profile.name}+{model.lower()}", nics=nics, pool=pool)
+    return replace(profile, name=f"{profile.name}+{tag or model.lower()}", nics=nics, pool=pool)
 
 
 def with_pcie_gen(profile: HardwareProfile, gen: int) -> HardwareProfile:
@@ -67,9 +67,9 @@ def with_socket_direct(profile: HardwareProfile) -> HardwareProfile:
 
 def upgrade(profile: HardwareProfile, what: Upgrade) -> HardwareProfile:
     if what is Upgrade.CX8:
-        return with_nics(profile, "CX-8")
+        return with_nics(profile, "CX-8", what.value)
     if what is Upgrade.CX8_ETH:
-        return with_nics(profile, "CX-8-ETH")
+        return with_nics(profile, "CX-8-ETH", what.value)
     if what is Upgrade.GEN6:
         return with_pcie_gen(profile, 6)
     return with_socket_direct(profile)

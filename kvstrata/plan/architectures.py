@@ -179,7 +179,8 @@ def compare_architectures(
         out = [
             ArchitectureEstimate(
                 e.arch, 0, 0, e.first_wait_s, e.first_wait_path, e.per_step_external_bytes,
-                e.per_step_external_s, e.per_step_hbm_s, "model weights do not fit in HBM on these GPUs",
+                e.per_step_external_s, e.per_step_hbm_s,
+                "; ".join(filter(None, (e.unavailable, "model weights do not fit in HBM on these GPUs"))),
             )
             for e in out
         ]

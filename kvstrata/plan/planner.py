@@ -163,7 +163,10 @@ def make_plan(
         raise ValueError(f"profile {profile.name!r} has no GPU to plan for")
     names = instance_gpus(profile, gpus if gpus is not None else auto_gpus(geometry, profile))
     tp = len(names)
-    per_gpu = geometry.bytes_per_token_per_gpu(tp)
+    try:
+        per_gpu = geometry.bytes_per_token_per_gpu(tp)
+    except GeometryError as exc:
+        raise GeometryError(f"gpus={tp} is not a tensor-parallel degree {geometry.name} allows: {exc}") from None
     planner = RestorePlanner(profile, names)
     restores = {p: planner.restore(p, [cached * per_gpu] * tp) for p in SEED_PATHS}
     full = {
@@ -171,7 +174,8 @@ def make_plan(
     }
     hbm_gbps = min(profile.topology.node(g).bandwidth.effective_gbps for g in names)
     kv_shard = context_tokens * per_gpu
-    weights_share = geometry.active_params * geometry.dtype.size_bytes // tp
+    weight_dtype = geometry.weight_dtype or geometry.dtype
+    weights_share = geometry.active_params * weight_dtype.size_bytes // tp
     step = StepInputs(context_tokens, kv_shard, hbm_step_seconds(weights_share + kv_shard, hbm_gbps), geometry.num_layers)
     capacity = _capacity(geometry, profile, names)
     archs = compare_architectures(capacity, step, restores, full)

@@ -9,8 +9,8 @@ from kvstrata.kv.geometry import KVGeometry
 from kvstrata.plan.planner import make_plan
 
 
-def context_grid(max_tokens: int, points: int = 12) -> list[int]:
-    """Powers of two from 1K up to ``max_tokens`` (at least ``points`` values when possible)."""
+def context_grid(max_tokens: int) -> list[int]:
+    """Powers of two from 1K up to ``max_tokens``, and ``max_tokens`` itself."""
     grid, tokens = [], 1024
     while tokens < max_tokens:
         grid.append(tokens)

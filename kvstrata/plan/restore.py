@@ -18,9 +18,9 @@ import enum
 from dataclasses import dataclass
 
 from kvstrata.hardware.catalog import nic_model
-from kvstrata.hardware.flows import GB, Flow, flow_along, run_concurrently
+from kvstrata.hardware.flows import GB, Flow, flow_along, max_min_share, run_concurrently
 from kvstrata.hardware.profile import HardwareProfile
-from kvstrata.hardware.topology import NodeKind
+from kvstrata.hardware.topology import NodeKind, Path
 
 
 class RestorePath(enum.Enum):
@@ -72,7 +72,7 @@ class RestoreEstimate:
     @property
     def gbps(self) -> float:
         """Bytes restored per second, end to end (stages in sequence)."""
-        return self.size_bytes / self.seconds / GB if self.seconds > 0 else float("inf")
+        return self.size_bytes / self.seconds / GB if self.seconds > 0 else 0.0
 
     @property
     def bottleneck(self) -> str:
@@ -113,14 +113,41 @@ def _stage(flows: list[Flow]) -> Stage:
     return Stage(
         route=flows[0].path.describe() if flows[0].path else flows[0].name,
         seconds=slowest.finish_s,
-        gbps=total / transfer_s / GB if transfer_s > 0 else float("inf"),
+        gbps=total / transfer_s / GB if transfer_s > 0 else 0.0,  # nothing moved: 0, never inf
         bottleneck=slowest.bottleneck.label,
     )
 
 
-def _split(size: int, parts: int) -> list[int]:
-    base, extra = divmod(size, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+def _finish_together(size: int, rates: list[float], latencies: list[float]) -> list[int]:
+    """Split ``size`` bytes over parallel sub-flows (bytes/s, seconds) so all finish at the
+    same time T: part_i = rate_i x (T - latency_i); a sub-flow too slow to start before T
+    gets nothing. Parts are whole bytes summing to ``size``."""
+    if size == 0:
+        return [0] * len(rates)
+    active = list(range(len(rates)))
+    while True:
+        rate = sum(rates[i] for i in active)
+        finish = (size + sum(rates[i] * latencies[i] for i in active)) / rate
+        late = [i for i in active if latencies[i] >= finish]
+        if not late:
+            break
+        active = [i for i in active if i not in late]
+    parts = [0] * len(rates)
+    for i in active:
+        parts[i] = int(rates[i] * (finish - latencies[i]))
+    parts[active[0]] += size - sum(parts)
+    return parts
+
+
+def _distinct(paths: list[Path]) -> list[Path]:
+    """The same route reached through two waypoint lists counts once."""
+    seen, out = set(), []
+    for path in paths:
+        key = tuple((h.src, h.dst) for h in path.hops)
+        if key not in seen:
+            seen.add(key)
+            out.append(path)
+    return out
 
 
 class RestorePlanner:
@@ -132,24 +159,32 @@ class RestorePlanner:
         self.gpus = gpus
 
     def _network_flows(self, src_of, dst_of, shard_bytes: list[int], pool_side: bool) -> list[Flow]:
-        """One flow per GPU shard and NIC port: the transfer spreads work over every port."""
-        flows = []
-        for i, (gpu, size) in enumerate(zip(self.gpus, shard_bytes)):
+        """Each GPU's shard spread over every port of its NIC and every host link of that NIC
+        (Socket Direct), bytes split in proportion to what each sub-flow gets when all run."""
+        shards: list[list[Path]] = []
+        for i, gpu in enumerate(self.gpus):
             nic = nic_for(self.profile, gpu)
-            ports = _ports(self.profile, nic)
-            for port, part in enumerate(_split(size, ports)):
-                if pool_side:
-                    pool_nics = self.profile.pool.nics
-                    far = f"pool.nic{i % pool_nics}.p{port}"
-                else:
-                    far = f"peer.{nic}.p{port}"
-                path = self.topology.route(src_of(gpu), dst_of(gpu), via=(far, f"{nic}.p{port}"))
-                flows.append(flow_along(self.topology, path, part))
+            spec = next(n for n in self.profile.nics if n.name == nic)
+            routes = []
+            for port in range(_ports(self.profile, nic)):
+                far = f"pool.nic{i % self.profile.pool.nics}.p{port}" if pool_side else f"peer.{nic}.p{port}"
+                for attach in spec.attach:
+                    waypoints = (far, f"{nic}.p{port}", nic, attach)
+                    routes.append(self.topology.route(src_of(gpu), dst_of(gpu), via=waypoints))
+            shards.append(_distinct(routes))
+        probe = [flow_along(self.topology, path, 1) for paths in shards for path in paths]
+        rates = iter(s.gbps * GB for s in max_min_share(probe))
+        flows = []
+        for paths, size in zip(shards, shard_bytes):
+            parts = _finish_together(size, [next(rates) for _ in paths], [p.latency_s for p in paths])
+            kept = [(path, part) for path, part in zip(paths, parts) if part] or [(paths[0], 0)]
+            flows.extend(flow_along(self.topology, path, part) for path, part in kept)
         return flows
 
     def _local_flows(self, shard_bytes: list[int], src_of) -> list[Flow]:
         return [
-            flow_along(self.topology, self.topology.route(src_of(g), g), size) for g, size in zip(self.gpus, shard_bytes)
+            flow_along(self.topology, self.topology.route(src_of(g), g, size_bytes=size), size)
+            for g, size in zip(self.gpus, shard_bytes)
         ]
 
     def restore(self, path: RestorePath, shard_bytes: list[int]) -> RestoreEstimate:
@@ -170,7 +205,7 @@ class RestorePlanner:
                 return RestoreEstimate(path, total, (), "no NVMe drive in this profile")
             first = _stage(
                 [
-                    flow_along(self.topology, self.topology.route(self._drive_for(g), dram(g)), size)
+                    flow_along(self.topology, self.topology.route(self._drive_for(g), dram(g), size_bytes=size), size)
                     for g, size in zip(self.gpus, shard_bytes)
                 ]
             )

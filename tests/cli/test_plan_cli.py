@@ -1,0 +1,168 @@
+"""``kvstrata plan`` through the real command-line entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstrata.cli import main
+
+PATHS = [
+    "local DRAM -> HBM (CUDA copy)",
+    "remote DRAM -> HBM (GPUDirect RDMA)",
+    "remote DRAM -> local DRAM -> HBM (two hops)",
+    "NVMe -> DRAM -> HBM",
+]
+SHORT_PATHS = ["DRAM -> HBM", "remote -> HBM (GDR)", "remote -> DRAM -> HBM", "NVMe -> DRAM -> HBM"]
+ARCHS = ["hbm", "local-dram", "remote-gdr", "remote-staged", "pd-handoff", "dram-streaming", "nvme"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def plan_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def plan_error(capsys, *argv):
+    assert main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+def strict(text):
+    """Parse JSON as RFC 8259 says: no NaN or Infinity."""
+
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_bare_plan_json_uses_the_defaults(capsys):
+    doc = plan_json(capsys)
+    assert doc["model"] == "llama-3-70b"
+    assert doc["hardware"] == "h200-cx7-gen5"
+    assert doc["context_tokens"] == doc["cached_tokens"] == 32768
+    assert doc["bytes_per_token"] == 2 * 80 * 8 * 128 * 2
+    assert doc["gpus"] == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    assert doc["restore_bytes"] == 32768 * doc["bytes_per_token"]
+    assert [r["path"] for r in doc["restore"]] == PATHS
+    for r in doc["restore"]:
+        assert {"path", "bottleneck", "gbps", "seconds"} <= r.keys()
+        assert r["unavailable"] is None
+        assert r["seconds"] > 0 and r["gbps"] > 0 and r["bottleneck"]
+        # gbps is the restore's bytes over its time, end to end.
+        assert r["gbps"] == pytest.approx(doc["restore_bytes"] / r["seconds"] / 1e9, rel=1e-9)
+    assert [a["key"] for a in doc["architectures"]] == ARCHS
+    assert "vs" not in doc
+
+
+def test_json_marks_missing_paths_with_a_reason(capsys):
+    doc = plan_json(capsys, "--model", "llama-3-8b", "--hardware", "workstation")
+    by_path = {r["path"]: r for r in doc["restore"]}
+    gdr = by_path[PATHS[1]]
+    assert gdr["seconds"] is None and gdr["gbps"] is None and gdr["bottleneck"] is None
+    assert "NIC" in gdr["unavailable"]
+    assert by_path[PATHS[0]]["seconds"] > 0
+
+
+def test_vs_upgrade_adds_the_other_plan_and_ratios(capsys):
+    doc = plan_json(capsys, "--vs", "+cx8")
+    vs = doc["vs"]
+    assert vs["hardware"] == "h200-cx7-gen5+cx8"
+    assert vs["gpus"] == doc["gpus"]  # same GPU count on both sides
+    speedup = vs["ratios"]["restore_speedup"]
+    assert set(speedup) == set(PATHS)
+    assert 1 < speedup[PATHS[1]] <= 63 / 50
+    assert speedup[PATHS[0]] == pytest.approx(1.0)
+    mine = {r["path"]: r["seconds"] for r in doc["restore"]}
+    theirs = {r["path"]: r["seconds"] for r in vs["restore"]}
+    assert speedup[PATHS[1]] == pytest.approx(mine[PATHS[1]] / theirs[PATHS[1]])
+    assert set(vs["ratios"]["first_wait_speedup"]) == set(ARCHS)
+
+
+def test_vs_another_profile_by_name(capsys):
+    doc = plan_json(capsys, "--vs", "b200-cx8-gen6", "--context", "8192")
+    assert doc["vs"]["hardware"] == "b200-cx8-gen6"
+    assert len(doc["vs"]["gpus"]) == len(doc["gpus"])
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    out = tmp_path / "sub" / "x.png"
+    assert main(["plan", "--context", "4096", "--plot", str(out)]) == 0
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 1000
+    assert str(out) in capsys.readouterr().out.replace("\n", "")
+
+
+def test_human_output_names_every_path_and_architecture(capsys):
+    assert main(["plan", "--context", "8192"]) == 0
+    out = capsys.readouterr().out
+    for name in SHORT_PATHS + ARCHS:
+        assert name in out, name
+    assert "llama-3-70b" in out and "h200-cx7-gen5" in out
+
+
+def test_human_output_with_vs_shows_the_speedup_table(capsys):
+    assert main(["plan", "--context", "8192", "--vs", "+cx8"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out
+    assert "h200-cx7-gen5+cx8" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--hardware", "no-such-box"], "no-such-box"),
+        (["--vs", "+cx9"], "cx9"),
+        (["--context", "0"], "context"),
+        (["--cached", "99999"], "cached"),
+        (["--gpus", "9"], "gpus"),
+        (["--gpus", "3"], "3"),
+        (["--dtype", "int3"], "int3"),
+    ],
+)
+def test_bad_input_exits_2_naming_it(capsys, argv, named):
+    assert named in plan_error(capsys, *argv)
+
+
+def test_a_config_json_path_for_model(tmp_path, capsys):
+    folder = tmp_path / "tiny-gqa"
+    folder.mkdir()
+    config = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    doc = plan_json(capsys, "--model", str(folder / "config.json"), "--context", "1000")
+    assert doc["model"] == "tiny-gqa"
+    head_dim = 256 // 4
+    assert doc["bytes_per_token"] == 2 * 4 * 2 * head_dim * 2  # K+V, layers, KV heads, bf16
+    assert doc["restore_bytes"] == 1000 * doc["bytes_per_token"]
+    assert doc["gpus"] == ["gpu0"]  # a tiny model fits on one GPU
+
+
+def test_plan_json_is_strict_json_with_nothing_cached(capsys):
+    assert main(["plan", "--cached", "0", "--json"]) == 0
+    doc = strict(capsys.readouterr().out)
+    assert doc["restore_bytes"] == 0
+
+
+def test_plan_json_is_strict_json_by_default(capsys):
+    assert main(["plan", "--json", "--vs", "+cx8"]) == 0
+    strict(capsys.readouterr().out)
+
+
+def test_an_upgrade_alone_as_hardware_is_blamed_on_hardware(capsys):
+    err = plan_error(capsys, "--hardware", "+cx8")
+    assert "+cx8" in err
+    assert "--hardware" in err
