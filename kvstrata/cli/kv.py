@@ -85,6 +85,7 @@ def kv_size_report(
         "total_params": geometry.total_params,
         "active_params": geometry.active_params,
         "weight_bytes": geometry.weight_bytes(),
+        "weight_dtype": (geometry.weight_dtype or geometry.dtype).value,
     }
     if context_tokens is not None:
         report["context_tokens"] = context_tokens
@@ -121,7 +122,7 @@ def _table(report: dict[str, Any]) -> Table:
         ]
     params = f"{report['total_params'] / 1e9:.2f} B / {report['active_params'] / 1e9:.2f} B"
     rows += [
-        (f"weights ({report['dtype']}, unsharded)", _gb(report["weight_bytes"])),
+        (f"weights ({report['weight_dtype']}, unsharded)", _gb(report["weight_bytes"])),
         ("params total / active", params),
     ]
     for label, value in rows:
