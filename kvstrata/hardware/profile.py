@@ -263,7 +263,7 @@ def parse_profile(data: dict[str, Any], origin: str = "<dict>") -> HardwareProfi
             efficiency=efficiency,
             origin=origin,
         )
-        profile.topology  # build now, so every error surfaces at load time
+        _ = profile.topology  # build now (and keep it), so every error surfaces at load time
     except ProfileError:
         raise
     except ValueError as exc:

@@ -35,8 +35,9 @@ def plot_restore_curves(
             if not restore.available:
                 continue
             seconds = [p.restore[path_index].seconds for p in plans]
-            label = restore.path.value if len(profiles) == 1 else f"{profile.name}: {restore.path.value}"
-            ax.plot(grid, seconds, styles[i % len(styles)], marker="o", markersize=3, label=label)
+            label = restore.path.value if len(profiles) == 1 else f"{profile.name}: {restore.path.short}"
+            color = f"C{path_index}"  # one colour per path, one line style per profile
+            ax.plot(grid, seconds, styles[i % len(styles)], color=color, marker="o", markersize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("cached context (tokens)")
@@ -44,7 +45,7 @@ def plot_restore_curves(
     tp = make_plan(geometry, profiles[0], grid[-1], gpus=gpus).tp
     ax.set_title(f"{geometry.name} ({geometry.dtype.name.lower()}) on {tp} GPU(s): KV restore time per path")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,26 +30,6 @@ H200_HBM = 141 * 10**9
 B200_HBM = 180 * 10**9
 
 
-@pytest.fixture(scope="module")
-def llama70b():
-    return load_geometry("llama-3-70b")
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_profile("h200-cx7-gen5")
-
-
-@pytest.fixture(scope="module")
-def b200():
-    return load_profile("b200-cx8-gen6")
-
-
-@pytest.fixture(scope="module")
-def ws():
-    return load_profile("workstation")
-
-
 def arch(plan, key):
     return next(a for a in plan.architectures if a.arch.value == key)
 

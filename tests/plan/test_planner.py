@@ -12,7 +12,6 @@ from kvstrata.cli.plan import resolve_profile
 from kvstrata.hardware.profile import builtin_text, load_profile, parse_profile
 from kvstrata.hardware.whatif import with_nics
 from kvstrata.kv.geometry import GeometryError
-from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.planner import SEED_PATHS, auto_gpus, make_plan, ratios
 from kvstrata.plan.restore import RestorePath
 
@@ -29,21 +28,6 @@ CX8_PORT = 800 / 8 * IB_PAYLOAD
 GDR = RestorePath.REMOTE_GDR.value
 TWO_HOP = RestorePath.REMOTE_TWO_HOP.value
 BUILTINS = ("h200-cx7-gen5", "b200-cx8-gen6", "gen5-cx8-socket-direct", "workstation")
-
-
-@pytest.fixture(scope="module")
-def llama70b():
-    return load_geometry("llama-3-70b")
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_profile("h200-cx7-gen5")
-
-
-@pytest.fixture(scope="module")
-def b200():
-    return load_profile("b200-cx8-gen6")
 
 
 # --- inputs ---------------------------------------------------------------------------------

@@ -42,21 +42,6 @@ def llama70b():
     return g
 
 
-@pytest.fixture(scope="module")
-def ws():
-    return load_profile("workstation")
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_profile("h200-cx7-gen5")
-
-
-@pytest.fixture(scope="module")
-def b200():
-    return load_profile("b200-cx8-gen6")
-
-
 # --- workstation: 1 GPU on Gen5 x16 straight off the CPU, no NIC ---------------------------
 
 
