@@ -1,0 +1,1 @@
+"""Block keys and the prefix index: pure, no torch, no I/O."""

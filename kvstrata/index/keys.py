@@ -1,0 +1,89 @@
+"""Block keys: a chained 128-bit xxh3 hash over the parent key and the block's token ids.
+
+Key of block i = xxh3_128(key of block i-1 || token ids of block i as little-endian uint32),
+and block 0's parent is the namespace digest. So a key stands for the whole prefix up to and
+including its block, and two namespaces (model, KV dtype, layout, block size, TP rank/size,
+tenant) never produce the same key. Keys are stable across processes and Python hash seeds.
+
+Only full blocks are keyed: a partial tail (``len(tokens) % block_size`` tokens) has no key,
+is never cached, and is recomputed by the model (vLLM and SGLang do the same).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import xxhash
+
+KEY_BYTES = 16
+BlockKey = bytes  # 16 bytes: the xxh3-128 digest
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two blocks of KV to be interchangeable."""
+
+    model_id: str
+    kv_dtype: str
+    kv_layout: str
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant: str = ""  # an optional salt: tenants never see each other's blocks
+
+    def __post_init__(self) -> None:
+        for field in ("model_id", "kv_dtype", "kv_layout"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise ValueError(f"namespace {field} must be a non-empty string, got {getattr(self, field)!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"namespace block_size must be a positive integer, got {self.block_size!r}")
+        if not (isinstance(self.tp_size, int) and self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
+            raise ValueError(f"namespace tp_rank/tp_size must satisfy 0 <= rank < size, got {self.tp_rank}/{self.tp_size}")
+        if not isinstance(self.tenant, str):
+            raise ValueError(f"namespace tenant must be a string, got {self.tenant!r}")
+
+    @cached_property
+    def digest(self) -> bytes:
+        """16 bytes naming this namespace: the parent of every first block."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_digest(b"kvstrata-ns-v1:" + canonical.encode())
+
+    @property
+    def tag(self) -> str:
+        """Short printable id (for file names and remote keys)."""
+        return self.digest.hex()[:16]
+
+
+def token_bytes(tokens: Any) -> bytes:
+    """Token ids as little-endian uint32 bytes. Takes a list, a numpy array, or anything
+    numpy accepts; engines should pass an int32/uint32 array to skip the conversion."""
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
+    if array.size and (array.dtype.kind not in "iu"):
+        raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
+    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return np.ascontiguousarray(array, dtype="<u4").tobytes()
+
+
+def block_keys(tokens: Any, namespace: Namespace) -> list[BlockKey]:
+    """The chained keys of every full block of ``tokens`` (the partial tail has none)."""
+    data = token_bytes(tokens)
+    step = namespace.block_size * 4
+    digest = xxhash.xxh3_128_digest
+    parent = namespace.digest
+    keys: list[BlockKey] = []
+    append = keys.append
+    for start in range(0, len(data) - step + 1, step):
+        parent = digest(parent + data[start : start + step])
+        append(parent)
+    return keys
+
+
+def full_blocks(num_tokens: int, block_size: int) -> int:
+    return num_tokens // block_size

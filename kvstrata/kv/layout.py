@@ -1,0 +1,63 @@
+"""The layout of one cached block: what bytes a block holds and in which order.
+
+A block covers ``block_tokens`` tokens of every layer on one GPU (one tensor-parallel rank).
+Blocks are layer-major, ``[layers, kv, block_tokens, kv_heads, head_dim]``, so a restore can
+hand layer 0 to the model while later layers are still on their way. Tiers treat a block as
+``block_bytes`` opaque bytes viewed as ``[layers, layer_bytes]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.kv.geometry import Attention, DType, GeometryError, KVGeometry
+
+LAYOUT_NAME = "layer-major LKTHD"  # [layers, kv(2, or 1 for MLA), tokens, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    block_tokens: int
+    kv_heads: int  # per GPU
+    head_dim: int
+    dtype: DType
+    kv_tensors: int = 2  # K and V; 1 for MLA's shared latent
+    name: str = LAYOUT_NAME
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "block_tokens", "kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise GeometryError(f"KVLayout field {field!r} must be a positive integer, got {value!r}")
+        if self.kv_tensors not in (1, 2):
+            raise GeometryError(f"KVLayout field 'kv_tensors' must be 1 or 2, got {self.kv_tensors!r}")
+
+    @classmethod
+    def from_geometry(cls, geometry: KVGeometry, block_tokens: int, tp: int = 1) -> "KVLayout":
+        per_gpu = geometry.bytes_per_token_per_gpu(tp)
+        tensors = 1 if geometry.attention is Attention.MLA else 2
+        heads = per_gpu // (tensors * geometry.num_layers * geometry.head_dim * geometry.dtype.size_bytes)
+        return cls(geometry.num_layers, block_tokens, heads, geometry.head_dim, geometry.dtype, tensors)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of one layer."""
+        return self.kv_tensors * self.kv_heads * self.head_dim * self.dtype.size_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.block_tokens * self.token_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.kv_tensors, self.block_tokens, self.kv_heads, self.head_dim)
+
+    def describe(self) -> str:
+        """Canonical text for namespaces: two layouts that differ never share blocks."""
+        dims = "x".join(str(d) for d in self.block_shape)
+        return f"{self.name}:{dims}:{self.dtype.name.lower()}"
