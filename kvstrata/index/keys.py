@@ -41,7 +41,11 @@ class Namespace:
                 raise ValueError(f"namespace {field} must be a non-empty string, got {getattr(self, field)!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"namespace block_size must be a positive integer, got {self.block_size!r}")
-        if not (isinstance(self.tp_size, int) and self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
+        for field in ("tp_rank", "tp_size"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"namespace {field} must be an integer, got {value!r}")
+        if not (self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
             raise ValueError(f"namespace tp_rank/tp_size must satisfy 0 <= rank < size, got {self.tp_rank}/{self.tp_size}")
         if not isinstance(self.tenant, str):
             raise ValueError(f"namespace tenant must be a string, got {self.tenant!r}")

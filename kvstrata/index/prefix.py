@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstrata.index.keys import BlockKey
-from kvstrata.tiers.medium import Medium
+from kvstrata.tiers.medium import FASTEST_BY_MASK, Medium
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,11 @@ class PrefixIndex:
     def match(self, keys: list[BlockKey], block_size: int) -> Match:
         with self._lock:
             masks = list(map(self._where.get, keys))
-        n = masks.index(None) if None in masks else len(masks)
-        return Match(tuple(keys[:n]), tuple(Medium.fastest(m) for m in masks[:n]), block_size, len(keys))
+        try:
+            n = masks.index(None)
+        except ValueError:
+            n = len(masks)
+        return Match(tuple(keys[:n]), tuple(map(FASTEST_BY_MASK.__getitem__, masks[:n])), block_size, len(keys))
 
     def __len__(self) -> int:
         with self._lock:

@@ -21,8 +21,16 @@ class Medium(enum.Enum):
 
     @staticmethod
     def from_mask(mask: int) -> tuple["Medium", ...]:
-        return tuple(m for m in Medium if mask & m.bit)
+        return _FROM_MASK[mask]
 
     @staticmethod
     def fastest(mask: int) -> "Medium":
-        return next(m for m in Medium if mask & m.bit)
+        medium = FASTEST_BY_MASK[mask]
+        if medium is None:
+            raise ValueError("an empty medium mask has no fastest medium")
+        return medium
+
+
+# Lookup tables on the hot path (one tuple index per block): 4 media -> 16 masks.
+_FROM_MASK = tuple(tuple(m for m in Medium if mask & m.bit) for mask in range(1 << len(Medium)))
+FASTEST_BY_MASK = tuple(media[0] if media else None for media in _FROM_MASK)

@@ -97,23 +97,31 @@ class BlockTable:
             self._entries[key] = Entry(key, slot, BlockState.WRITING)
             return Reservation(key, slot)
 
-    def complete_store(self, key: BlockKey, ok: bool) -> None:
+    def complete_store(self, key: BlockKey, ok: bool, pin: bool = False) -> None:
+        """WRITING -> READY (``ok``; pinned at once if ``pin``, so no eviction can slip in
+        between) or -> absent."""
         with self._lock:
             entry = self._entries.get(key)
+            if entry is None or entry.state is not BlockState.WRITING:
+                raise InvalidTransition(f"{self.name}: complete_store of a block that is not being written")
             to = BlockState.READY if ok else None
             self._move(entry, key, to)
             if ok:
                 entry.state = BlockState.READY
                 self._policy.inserted(key)
+                if pin:
+                    entry.pins += 1
             else:
                 self._drop(entry)
 
     def choose_victims(self, count: int) -> list[Reservation]:
         """Mark up to ``count`` READY unpinned blocks EVICTING, in policy order."""
+        if count < 0:
+            raise ValueError(f"{self.name}: victim count must be >= 0, got {count}")
         with self._lock:
             victims = []
             for key in self._policy.order():
-                if len(victims) == count:
+                if len(victims) >= count:
                     break
                 entry = self._entries.get(key)
                 if entry is not None and entry.state is BlockState.READY and entry.pins == 0:
@@ -135,6 +143,8 @@ class BlockTable:
         """An EVICTING block stays after all (its demotion failed)."""
         with self._lock:
             entry = self._entries.get(key)
+            if entry is None or entry.state is not BlockState.EVICTING:
+                raise InvalidTransition(f"{self.name}: restore of a block that is not being evicted")
             self._move(entry, key, BlockState.READY)
             entry.state = BlockState.READY
 

@@ -1,0 +1,75 @@
+"""Cache metrics: hits and misses per tier, bytes moved per (source, destination), achieved
+GB/s per transfer; exposed in Prometheus text format from a registry of the cache's own."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvstrata.tiers.medium import Medium
+
+GBPS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    src: Medium
+    dst: Medium
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class CacheMetrics:
+    def __init__(self, keep_last: int = 1024) -> None:
+        self.registry = CollectorRegistry()
+        self._hits = Counter(
+            "kvstrata_lookup_blocks", "Blocks found by lookups, by the fastest tier holding them", ["tier"],
+            registry=self.registry,
+        )
+        self._misses = Counter("kvstrata_lookup_miss_blocks", "Full blocks lookups did not find", registry=self.registry)
+        self._bytes = Counter(
+            "kvstrata_moved_bytes", "Bytes moved between tiers", ["src", "dst"], registry=self.registry
+        )
+        self._gbps = Histogram(
+            "kvstrata_transfer_gbps", "Achieved GB/s per transfer", ["src", "dst"], buckets=GBPS_BUCKETS,
+            registry=self.registry,
+        )
+        self._lock = threading.Lock()
+        self._recent: deque[TransferRecord] = deque(maxlen=keep_last)
+        self.hit_blocks = {m: 0 for m in Medium}
+        self.miss_blocks = 0
+        self.moved_bytes: dict[tuple[Medium, Medium], int] = {}
+
+    def lookup(self, media: tuple[Medium, ...], missed: int) -> None:
+        with self._lock:
+            for m in media:
+                self.hit_blocks[m] += 1
+            self.miss_blocks += missed
+        for m in set(media):
+            self._hits.labels(m.label).inc(sum(1 for x in media if x is m))
+        if missed:
+            self._misses.inc(missed)
+
+    def transfer(self, record: TransferRecord) -> None:
+        with self._lock:
+            self._recent.append(record)
+            key = (record.src, record.dst)
+            self.moved_bytes[key] = self.moved_bytes.get(key, 0) + record.bytes
+        self._bytes.labels(record.src.label, record.dst.label).inc(record.bytes)
+        if record.seconds > 0:
+            self._gbps.labels(record.src.label, record.dst.label).observe(record.gbps)
+
+    def recent(self) -> list[TransferRecord]:
+        with self._lock:
+            return list(self._recent)
+
+    def exposition(self) -> bytes:
+        """Prometheus text exposition of this cache's metrics."""
+        return generate_latest(self.registry)
