@@ -1,0 +1,186 @@
+"""Memory tiers: a preallocated pool of block slots in device memory (HBM) or host DRAM.
+
+The pool is one uint8 tensor ``[slots, layers, layer_bytes]``, allocated and pre-faulted once
+at construction: the first write into fresh pages costs a page fault per 4 KiB and runs
+several times slower than a write into memory already touched. Slot ``i`` is ``pool[i]``,
+so ``view(slot)`` hands out the bytes in place and a transfer needs no staging copy.
+
+Copies that involve CUDA run ``non_blocking`` when the host side is pinned; they are then
+ordered on the current CUDA stream and the caller must synchronize that stream before it
+trusts the bytes (the transfer engine does so before a transfer's future completes).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kvstrata.index.keys import BlockKey
+from kvstrata.kv.layout import KVLayout
+from kvstrata.policies.eviction import Eviction
+from kvstrata.tiers.base import Tier
+from kvstrata.tiers.medium import Medium
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-shape uint8 tensors, asynchronous where that is safe.
+
+    Raises:
+        ValueError: shapes or dtypes differ (``copy_`` would broadcast or convert silently).
+    """
+    if dst.shape != src.shape or dst.dtype != torch.uint8 or src.dtype != torch.uint8:
+        raise ValueError(
+            f"block copy needs two uint8 tensors of one shape, got {src.dtype}{tuple(src.shape)} "
+            f"-> {dst.dtype}{tuple(dst.shape)}"
+        )
+    dst.copy_(src, non_blocking=_can_copy_async(dst, src))
+
+
+def _can_copy_async(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Only a copy that involves CUDA can be asynchronous, and only if every host side is
+    # pinned: from pageable memory the driver stages through its own buffer and blocks anyway.
+    if a.device.type != "cuda" and b.device.type != "cuda":
+        return False
+    return all(t.is_pinned() for t in (a, b) if t.device.type == "cpu")
+
+
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own
+
+
+def _unpin(pool: torch.Tensor) -> None:
+    # Runs once: from close(), or when the tier is garbage-collected. It holds the pool, so
+    # the memory is unregistered before torch frees it.
+    torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
+
+
+class MemoryTier(Tier):
+    """A tier whose slots are rows of one preallocated tensor. Use DeviceTier or HostTier.
+
+    ``close()`` is idempotent; after it, ``write``, ``read_into`` and ``view`` raise
+    RuntimeError. Views handed out earlier keep their memory alive but are no longer pinned.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        device: torch.device,
+        pin: bool,
+        eviction: Eviction = Eviction.LRU,
+    ) -> None:
+        super().__init__(layout, capacity_bytes, eviction)
+        slots = self.table.capacity_blocks
+        pool = torch.empty((slots, layout.num_layers, layout.layer_bytes), dtype=torch.uint8, device=device)
+        pool.zero_()  # pre-fault every page now, not on the first write into each slot
+        self._device = pool.device
+        self._finalizer: weakref.finalize | None = None
+        if pin and pool.numel():
+            # Register the exact bytes: torch.empty(pin_memory=True) goes through the caching
+            # host allocator, which rounds a request up to the next power of two (a 40 GiB
+            # pool would pin 64 GiB).
+            error = int(torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), _REGISTER_PORTABLE))
+            if error:
+                raise RuntimeError(
+                    f"{self.medium.label} tier: cudaHostRegister of {pool.numel()} bytes failed (cudaError {error})"
+                )
+            self._finalizer = weakref.finalize(self, _unpin, pool)
+        self._pool: torch.Tensor | None = pool
+
+    @property
+    def slots(self) -> int:
+        return self.table.capacity_blocks
+
+    @property
+    def pinned(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _live_pool(self) -> torch.Tensor:
+        if self._pool is None:
+            raise RuntimeError(f"{self.medium.label} tier is closed")
+        return self._pool
+
+    def _slot(self, slot: int) -> torch.Tensor:
+        # pool[-1] would silently be the last slot: check the range ourselves.
+        pool = self._live_pool()
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"{self.medium.label} tier: slot {slot} out of range [0, {self.slots})")
+        return pool[slot]
+
+    def view(self, slot: int) -> torch.Tensor:
+        """``pool[slot]``: uint8 ``[layers, layer_bytes]``, aliasing the pool."""
+        return self._slot(slot)
+
+    def write(self, slot: int, key: BlockKey, src: torch.Tensor) -> None:
+        copy_bytes(self._slot(slot), src)
+
+    def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
+        copy_bytes(dst, self._slot(slot)[layers])
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # unregisters once; later calls are no-ops
+        self._pool = None
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DeviceTier(MemoryTier):
+    """GPU memory (HBM). Where there is no CUDA, a CPU pool stands in, so the whole cache
+    runs, and its tests pass, on any machine.
+
+    Args:
+        layout: the block layout.
+        capacity_bytes: pool size; ``capacity_bytes // layout.block_bytes`` slots (0 allowed:
+            every store then raises TierFull).
+        device: where the pool lives; by default CUDA when available, else CPU.
+        eviction: the order blocks leave a full tier.
+    """
+
+    medium = Medium.DEVICE
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        device: torch.device | str | None = None,
+        eviction: Eviction = Eviction.LRU,
+    ) -> None:
+        where = _default_device() if device is None else torch.device(device)
+        if where.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device tier: device {where} requested but CUDA is not available")
+        super().__init__(layout, capacity_bytes, where, pin=False, eviction=eviction)
+
+
+class HostTier(MemoryTier):
+    """Host DRAM, pinned (page-locked) when CUDA is present so copies to and from the GPU
+    run asynchronously at full PCIe rate.
+
+    Args:
+        layout: the block layout.
+        capacity_bytes: pool size; ``capacity_bytes // layout.block_bytes`` slots (0 allowed).
+        eviction: the order blocks leave a full tier.
+        pin: pin the pool; by default only when CUDA is available. ``True`` without CUDA is
+            an error.
+    """
+
+    medium = Medium.HOST
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        eviction: Eviction = Eviction.LRU,
+        pin: bool | None = None,
+    ) -> None:
+        cuda = torch.cuda.is_available()
+        if pin and not cuda:
+            raise ValueError("host tier: pin=True needs CUDA, which is not available")
+        pin = cuda if pin is None else pin
+        super().__init__(layout, capacity_bytes, torch.device("cpu"), pin=pin, eviction=eviction)

@@ -1,0 +1,248 @@
+"""The tier conformance suite: what every tier (device, host, disk, remote) must do.
+
+It drives a tier the way the cache does, through its block table and its byte methods:
+``prepare_store`` -> ``write`` -> ``complete_store`` to store, ``pin`` -> ``read_into`` ->
+``unpin`` to read, ``choose_victims`` -> ``release`` -> ``discard`` to evict.
+
+Contracts decided here (every tier must follow them):
+
+* ``read_into`` / ``write`` refuse a tensor of the wrong shape or dtype with ValueError; they
+  never broadcast or convert.
+* ``close()`` is idempotent; afterwards ``write`` and ``read_into`` raise RuntimeError.
+* ``view()`` is None for tiers without addressable memory, else the slot's bytes in place.
+
+``test_conformance.py`` binds the ``tier_spec`` and ``make_tier`` fixtures per tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvstrata.kv.geometry import DType
+from kvstrata.kv.layout import KVLayout
+from kvstrata.policies.eviction import Eviction
+from kvstrata.tiers.base import Tier
+from kvstrata.tiers.table import BlockState, TierFull
+
+# Small heads keep blocks small (token_bytes = 2 * heads * head_dim * 2 = 64 B): 4 to 64 KiB.
+LAYOUTS = {
+    f"t{tokens}": KVLayout(num_layers=4, block_tokens=tokens, kv_heads=2, head_dim=8, dtype=DType.FP16)
+    for tokens in (16, 32, 256)
+}
+SMALL = LAYOUTS["t16"]
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """How to build one kind of tier for the suite."""
+
+    name: str
+    build: Callable[..., Tier]  # (layout, capacity_bytes, eviction, tmp_path) -> Tier
+    has_view: bool
+
+
+MakeTier = Callable[..., Tier]  # (layout=SMALL, blocks=4, eviction=LRU, extra_bytes=0) -> Tier
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def random_block(layout: KVLayout, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (layout.num_layers, layout.layer_bytes)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+
+
+def store(tier: Tier, k: bytes, block: torch.Tensor) -> int:
+    """Store a block the way the cache does; its slot."""
+    reservation = tier.table.prepare_store(k)
+    assert reservation is not None, "key already present"
+    tier.write(reservation.slot, k, block)
+    tier.table.complete_store(k, ok=True)
+    return reservation.slot
+
+
+def load(tier: Tier, k: bytes, layers: slice = slice(None)) -> torch.Tensor:
+    """Read a READY block back the way the cache does (pin, read, unpin)."""
+    slot = tier.table.pin(k)
+    assert slot is not None, f"block {k.hex()} not readable"
+    try:
+        rows = len(range(*layers.indices(tier.layout.num_layers)))
+        out = torch.full((rows, tier.layout.layer_bytes), 0xAA, dtype=torch.uint8)
+        tier.read_into(slot, k, out, layers)
+        return out
+    finally:
+        tier.table.unpin(k)
+
+
+def evict(tier: Tier, count: int) -> list[bytes]:
+    victims = tier.table.choose_victims(count)
+    for victim in victims:
+        tier.table.release(victim.key)
+        tier.discard(victim.slot, victim.key)
+    return [v.key for v in victims]
+
+
+class TierConformance:
+    """Every test gets ``tier_spec`` (a TierSpec) and ``make_tier`` (a MakeTier)."""
+
+    # --- bytes ------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+    def test_round_trip_is_bit_exact(self, make_tier: MakeTier, layout: KVLayout) -> None:
+        tier = make_tier(layout=layout, blocks=3)
+        blocks = {key(i): random_block(layout, seed=i) for i in range(3)}
+        for k, block in blocks.items():
+            store(tier, k, block)
+        for k, block in blocks.items():
+            assert torch.equal(load(tier, k), block)
+
+    @pytest.mark.parametrize("layers", [slice(1, 3), slice(0, 1), slice(3, None), slice(None)])
+    def test_partial_layer_reads(self, make_tier: MakeTier, layers: slice) -> None:
+        tier = make_tier()
+        block = random_block(SMALL, seed=7)
+        store(tier, key(1), block)
+        assert torch.equal(load(tier, key(1), layers), block[layers])
+
+    def test_wrong_shape_or_dtype_is_refused(self, make_tier: MakeTier) -> None:
+        tier = make_tier()
+        block = random_block(SMALL, seed=1)
+        reservation = tier.table.prepare_store(key(1))
+        with pytest.raises(ValueError):
+            tier.write(reservation.slot, key(1), block[:2])  # half a block
+        with pytest.raises(ValueError):
+            tier.write(reservation.slot, key(1), block.to(torch.int16))
+        tier.write(reservation.slot, key(1), block)
+        tier.table.complete_store(key(1), ok=True)
+        with pytest.raises(ValueError):  # 1 layer asked, 4-layer buffer given: no broadcast
+            tier.read_into(reservation.slot, key(1), torch.empty_like(block), slice(0, 1))
+
+    def test_released_slot_reused_serves_new_bytes(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=1)
+        old, new = random_block(SMALL, seed=1), random_block(SMALL, seed=2)
+        slot = store(tier, key(1), old)
+        assert evict(tier, 1) == [key(1)]
+        assert store(tier, key(2), new) == slot
+        assert torch.equal(load(tier, key(2)), new)
+        assert tier.table.state(key(1)) is None
+
+    # --- capacity ---------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("blocks, extra_bytes", [(0, 0), (0, 1), (3, 0), (3, 100)])
+    def test_capacity_in_whole_blocks(self, make_tier: MakeTier, blocks: int, extra_bytes: int) -> None:
+        tier = make_tier(blocks=blocks, extra_bytes=extra_bytes)
+        assert tier.capacity_bytes == blocks * SMALL.block_bytes + extra_bytes
+        assert tier.table.capacity_blocks == blocks
+        assert tier.table.free_blocks == blocks
+
+    def test_full_tier_raises_tier_full(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=2)
+        store(tier, key(1), random_block(SMALL, 1))
+        assert tier.table.prepare_store(key(2)) is not None  # WRITING still takes a slot
+        with pytest.raises(TierFull):
+            tier.table.prepare_store(key(3))
+
+    def test_zero_slot_tier_refuses_every_store(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=0, extra_bytes=SMALL.block_bytes - 1)
+        with pytest.raises(TierFull):
+            tier.table.prepare_store(key(1))
+
+    def test_failed_store_frees_its_slot(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=1)
+        reservation = tier.table.prepare_store(key(1))
+        assert tier.table.pin(key(1)) is None  # WRITING: never readable
+        tier.table.complete_store(key(1), ok=False)
+        assert tier.table.state(key(1)) is None
+        assert store(tier, key(2), random_block(SMALL, 2)) == reservation.slot
+
+    # --- eviction ---------------------------------------------------------------------------
+
+    def test_lru_evicts_least_recently_read(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=4, eviction=Eviction.LRU)
+        for i in range(4):
+            store(tier, key(i), random_block(SMALL, i))
+        load(tier, key(0))
+        load(tier, key(2))
+        assert evict(tier, 2) == [key(1), key(3)]
+        assert evict(tier, 5) == [key(0), key(2)]
+
+    def test_lfu_evicts_least_often_read(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=4, eviction=Eviction.LFU)
+        for i in range(4):
+            store(tier, key(i), random_block(SMALL, i))
+        for i, reads in enumerate([3, 0, 1, 2]):
+            for _ in range(reads):
+                load(tier, key(i))
+        assert evict(tier, 4) == [key(1), key(2), key(3), key(0)]
+
+    def test_victims_are_never_pinned_or_writing(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=4)
+        for i in range(3):
+            store(tier, key(i), random_block(SMALL, i))
+        assert tier.table.prepare_store(key(9)) is not None  # WRITING
+        assert tier.table.pin(key(0)) is not None
+        load(tier, key(1))
+        load(tier, key(2))  # key 0 is least recently used again, and still pinned
+        victims = tier.table.choose_victims(4)
+        assert [v.key for v in victims] == [key(1), key(2)]
+        assert all(tier.table.state(v.key) is BlockState.EVICTING for v in victims)
+        assert tier.table.state(key(0)) is BlockState.READY
+        assert tier.table.state(key(9)) is BlockState.WRITING
+
+    def test_evicting_block_stays_readable_until_released(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=1)
+        block = random_block(SMALL, 5)
+        store(tier, key(1), block)
+        (victim,) = tier.table.choose_victims(1)
+        out = torch.empty_like(block)
+        tier.read_into(victim.slot, victim.key, out)  # a demotion copies it down now
+        assert torch.equal(out, block)
+
+    def test_remove_refuses_pinned_block(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=1)
+        store(tier, key(1), random_block(SMALL, 1))
+        tier.table.pin(key(1))
+        assert tier.table.remove(key(1)) is False
+        assert tier.table.state(key(1)) is BlockState.READY
+        tier.table.unpin(key(1))
+        assert tier.table.remove(key(1)) is True
+        assert tier.table.free_blocks == 1
+
+    # --- view, recover, close ---------------------------------------------------------------
+
+    def test_view_contract(self, make_tier: MakeTier, tier_spec: TierSpec) -> None:
+        tier = make_tier(blocks=2)
+        block = random_block(SMALL, 3)
+        slot = store(tier, key(1), block)
+        view = tier.view(slot)
+        if not tier_spec.has_view:
+            assert view is None
+            return
+        assert view.shape == (SMALL.num_layers, SMALL.layer_bytes)
+        assert view.dtype == torch.uint8 and view.device == tier.device
+        assert torch.equal(view.cpu(), block)
+        view[1].fill_(0x5C)  # aliases the slot: the write is what the tier now serves
+        assert torch.equal(load(tier, key(1))[1], torch.full((SMALL.layer_bytes,), 0x5C, dtype=torch.uint8))
+        assert tier.view(slot).data_ptr() == view.data_ptr()
+        assert tier.view(1 - slot).data_ptr() != view.data_ptr()
+
+    def test_fresh_tier_recovers_nothing(self, make_tier: MakeTier) -> None:
+        tier = make_tier()
+        assert tier.recover() == []
+        assert tier.table.used_blocks == 0
+
+    def test_close_is_idempotent_and_final(self, make_tier: MakeTier) -> None:
+        tier = make_tier(blocks=1)
+        block = random_block(SMALL, 1)
+        slot = store(tier, key(1), block)
+        tier.close()
+        tier.close()
+        with pytest.raises(RuntimeError):
+            tier.read_into(slot, key(1), torch.empty_like(block))
+        with pytest.raises(RuntimeError):
+            tier.write(slot, key(1), block)
