@@ -26,8 +26,9 @@ class WriteRule:
         return self.policy is WritePolicy.WRITE_THROUGH
 
     def on_hit(self, hits: int) -> bool:
-        """Write a block down now that it has been hit ``hits`` times?"""
-        return self.policy is WritePolicy.SELECTIVE and hits == self.selective_hits
+        """Write a block down now that it has been hit ``hits`` times? (>=, not ==: two
+        concurrent hits may step past N; writing down a block already below is a no-op.)"""
+        return self.policy is WritePolicy.SELECTIVE and hits >= self.selective_hits
 
     def on_evict(self, hits: int) -> bool:
         """Copy an evicted block to the next tier down (if it is not there already)?"""

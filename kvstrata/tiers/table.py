@@ -164,15 +164,20 @@ class BlockTable:
 
     # --- readers ----------------------------------------------------------------------------
 
-    def pin(self, key: BlockKey) -> int | None:
-        """Pin a READY block for reading; its slot, or None (absent, being written or evicted)."""
+    def pin(self, key: BlockKey, hit: bool = True) -> int | None:
+        """Pin a READY block for reading; its slot, or None (absent, being written or evicted).
+
+        ``hit``: a request is reading it (counts a hit and an access for the eviction policy);
+        False for the cache's own copying (write-down, prefetch), which must not look hot.
+        """
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.state is not BlockState.READY:
                 return None
             entry.pins += 1
-            entry.hits += 1
-            self._policy.accessed(key)
+            if hit:
+                entry.hits += 1
+                self._policy.accessed(key)
             return entry.slot
 
     def unpin(self, key: BlockKey) -> None:

@@ -1,0 +1,628 @@
+"""The tiered cache: block-hashed prefix lookup over device, host, disk (and remote) tiers.
+
+``lookup(tokens)`` finds the longest cached prefix and the fastest tier of each block;
+``load(match)`` brings those blocks into the device tier asynchronously, layer by layer, and
+returns a handle the model can wait on per layer; ``store(tokens, kv)`` saves the full blocks
+of a sequence's KV, and the write policy sends them down the tiers.
+
+Threads: orchestration (reserving slots, evicting, deciding) runs on a small orchestrator
+pool; every byte moves on the transfer engine's bounded worker pool. Engine tasks never
+reserve or evict, so they never wait on one another. Each tier's block table and the prefix
+index carry their own lock; no lock is held while bytes move.
+
+Integrity: a block is readable only once READY in a tier; a block that fails verification
+is dropped from its tier and ends the match there, so wrong KV is never served.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstrata.index.keys import BlockKey, Namespace, block_keys
+from kvstrata.index.prefix import Match, PrefixIndex
+from kvstrata.kv.layout import KVLayout
+from kvstrata.metrics import CacheMetrics, TransferRecord
+from kvstrata.policies.eviction import Eviction
+from kvstrata.policies.prefetch import PrefetchRule
+from kvstrata.policies.write import WriteRule
+from kvstrata.tiers.base import CorruptBlock, Tier
+from kvstrata.tiers.medium import Medium
+from kvstrata.tiers.table import Reservation, TierFull
+from kvstrata.transfer.engine import TransferEngine
+
+TORCH_DTYPES = {"FP32": torch.float32, "BF16": torch.bfloat16, "FP16": torch.float16, "FP8": torch.float8_e4m3fn}
+
+
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    return TORCH_DTYPES[layout.dtype.name]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What a TieredCache holds and how it behaves. Capacities in bytes; 0 disables a tier."""
+
+    layout: KVLayout
+    model_id: str
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int = 0
+    disk_dir: str | None = None
+    write: WriteRule = field(default_factory=WriteRule)
+    eviction: Eviction = Eviction.LRU
+    workers: int = 2
+    tp_rank: int = 0
+    tp_size: int = 1
+    device: str | None = None  # torch device for the device tier; None: CUDA if present, else CPU
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes", "disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cache {name} must be >= 0, got {getattr(self, name)}")
+        if self.disk_bytes and not self.disk_dir:
+            raise ValueError("cache disk_bytes > 0 needs a disk_dir")
+        if self.workers < 1:
+            raise ValueError(f"cache workers must be >= 1, got {self.workers}")
+        self.namespace()  # a bad model_id or TP rank/size fails here, not on first use
+
+    def namespace(self, tenant: str = "") -> Namespace:
+        return Namespace(
+            model_id=self.model_id,
+            kv_dtype=self.layout.dtype.name.lower(),
+            kv_layout=self.layout.describe(),
+            block_size=self.layout.block_tokens,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            tenant=tenant,
+        )
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    blocks: int
+    tokens: int
+    bytes_from: dict[Medium, int]  # per source medium of every leg (disk -> host -> device: both)
+    seconds: float
+    stopped: str | None  # why fewer blocks than matched were loaded, if so
+    restored_bytes: int = 0  # bytes that arrived on the device (blocks not already there)
+
+    @property
+    def gbps(self) -> float:
+        """Restored bytes per second, end to end."""
+        return self.restored_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class LoadHandle:
+    """A load in flight: completion, error, and per-layer readiness of the device copies."""
+
+    def __init__(self, cache: "TieredCache", match: Match) -> None:
+        self.match = match
+        self._cache = cache
+        self._layers = [threading.Event() for _ in range(cache.layout.num_layers)]
+        self._done = threading.Event()
+        self._result: LoadResult | None = None
+        self._error: BaseException | None = None
+        self._slots: list[int] = []
+        self._keys: list[BlockKey] = []
+        self._released = False
+        self._release_lock = threading.Lock()
+
+    # --- filled by the cache ---
+    def _plan(self, keys: list[BlockKey], slots: list[int]) -> None:
+        self._keys, self._slots = keys, slots
+
+    def _layer_done(self, layer: int) -> None:
+        self._layers[layer].set()
+
+    def _finish(self, result: LoadResult | None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        for event in self._layers:
+            event.set()
+        self._done.set()
+
+    # --- for the caller ---
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"load of {self.match.blocks} blocks not done after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until ``layer`` of every loaded block is on the device."""
+        if not self._layers[layer].wait(timeout):
+            raise TimeoutError(f"layer {layer} not loaded after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def blocks(self) -> int:
+        """Blocks being loaded (known once the first layer is ready)."""
+        return len(self._slots)
+
+    def block(self, i: int) -> torch.Tensor:
+        """The device copy of the i-th loaded block, shaped ``layout.block_shape``."""
+        return self._cache.device_block(self._slots[i])
+
+    def release(self) -> None:
+        """Unpin the loaded device blocks; they may be evicted from now on. Waits for a load
+        still in flight (its pins are taken as it goes). Idempotent."""
+        self._done.wait()
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+        self._cache._unpin(Medium.DEVICE, self._keys)
+
+    def __enter__(self) -> "LoadHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.wait()
+        finally:
+            self.release()
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    blocks: int  # full blocks of the sequence
+    new_blocks: int  # blocks this store wrote to the device tier
+    seconds: float
+
+
+class TieredCache:
+    def __init__(self, config: CacheConfig, tiers: Sequence[Tier] | None = None) -> None:
+        self.config = config
+        self.layout = config.layout
+        self.metrics = CacheMetrics()
+        self.index = PrefixIndex()
+        self._tiers: dict[Medium, Tier] = {}
+        for tier in tiers if tiers is not None else self._default_tiers(config):
+            if tier.layout != self.layout:
+                raise ValueError(f"{tier.medium.label} tier layout {tier.layout} differs from the cache's {self.layout}")
+            if tier.medium in self._tiers:
+                raise ValueError(f"two {tier.medium.label} tiers given")
+            self._tiers[tier.medium] = tier
+        if Medium.DEVICE not in self._tiers:
+            raise ValueError("the cache needs a device tier")
+        self._order = sorted(self._tiers, key=lambda m: m.value)
+        for tier in self._tiers.values():
+            for key, _ in tier.recover():
+                self.index.add(key, tier.medium)
+        self._engine = TransferEngine(config.workers)
+        self._orchestrator = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstrata-plan")
+        self._closed = False
+
+    @staticmethod
+    def _default_tiers(config: CacheConfig) -> list[Tier]:
+        from kvstrata.tiers.memory import DeviceTier, HostTier
+
+        tiers: list[Tier] = [DeviceTier(config.layout, config.device_bytes, config.device, config.eviction)]
+        if config.host_bytes:
+            tiers.append(HostTier(config.layout, config.host_bytes, config.eviction))
+        if config.disk_bytes:
+            from kvstrata.tiers.disk import DiskTier
+
+            tag = config.namespace().tag
+            tiers.append(DiskTier(config.layout, config.disk_bytes, config.disk_dir, config.eviction, namespace_tag=tag))
+        return tiers
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def tier(self, medium: Medium) -> Tier:
+        try:
+            return self._tiers[medium]
+        except KeyError:
+            raise ValueError(f"this cache has no {medium.label} tier") from None
+
+    @property
+    def media(self) -> list[Medium]:
+        return list(self._order)
+
+    def keys(self, tokens: Any, tenant: str = "") -> list[BlockKey]:
+        return block_keys(tokens, self.config.namespace(tenant))
+
+    def lookup(self, tokens: Any, tenant: str = "") -> Match:
+        """The longest cached prefix of ``tokens`` (full blocks) and where each block is."""
+        keys = self.keys(tokens, tenant)
+        match = self.index.match(keys, self.layout.block_tokens)
+        self.metrics.lookup(match.media, len(keys) - match.blocks)
+        return match
+
+    def device_block(self, slot: int) -> torch.Tensor:
+        view = self.tier(Medium.DEVICE).view(slot)
+        return view.view(torch_dtype(self.layout)).view(self.layout.block_shape)
+
+    def load(self, match: Match) -> LoadHandle:
+        """Bring the matched blocks into the device tier; returns at once with a handle."""
+        self._check_open()
+        handle = LoadHandle(self, match)
+        self._orchestrator.submit(self._run_load, match, handle)
+        return handle
+
+    def _run_load(self, match: Match, handle: LoadHandle) -> None:
+        start = time.perf_counter()
+        device = self.tier(Medium.DEVICE)
+        plan: list[_Planned] = []
+        bytes_from: dict[Medium, int] = {}
+        stopped = None
+        try:
+            stopped = self._plan_load(match, plan)
+            stopped = self._stage_to_host(plan, bytes_from) or stopped
+            handle._plan([p.key for p in plan], [p.dst_slot for p in plan])
+            fresh = [p for p in plan if p.fresh]
+            self._copy_layers(fresh, handle, bytes_from)
+            restored = len(fresh) * self.layout.block_bytes
+            for p in plan:
+                if p.fresh:
+                    device.table.complete_store(p.key, ok=True, pin=True)
+                    self.index.add(p.key, Medium.DEVICE)
+                    self._unpin(p.src, [p.key])
+                    p.fresh = False
+            keys = [p.key for p in plan]
+            self._maybe_write_down_hot(keys)
+            seconds = time.perf_counter() - start
+            tokens = len(keys) * self.layout.block_tokens
+            handle._finish(LoadResult(len(keys), tokens, bytes_from, seconds, stopped, restored))
+        except BaseException as exc:  # noqa: BLE001 - surfaced through the handle
+            self._abandon(plan)
+            handle._plan([], [])  # _abandon dropped every pin: release() must not unpin again
+            handle._finish(None, exc)
+
+    def _plan_load(self, match: Match, plan: list["_Planned"]) -> str | None:
+        """Pin each matched block where it is and reserve a device slot for those not on the
+        device, in order; stop at the first block that cannot be had. Returns why it stopped."""
+        device = self.tier(Medium.DEVICE)
+        for key in match.keys:
+            slot = device.table.pin(key)
+            if slot is not None:
+                plan.append(_Planned(key, slot, fresh=False))
+                continue
+            source = self._pin_source(key, above=Medium.DEVICE, hit=True)
+            if source is None:
+                return "a block left every tier before it could be loaded"
+            try:
+                reservation = self._reserve(device, key)
+            except TierFull:
+                reservation, why = None, "device tier full of pinned blocks"
+            else:
+                why = "block being loaded by another request"
+            if reservation is None:
+                self._unpin(source[0], [key])
+                slot = device.table.pin(key)  # the other request may have finished meanwhile
+                if slot is None:
+                    return why
+                plan.append(_Planned(key, slot, fresh=False))
+                continue
+            plan.append(_Planned(key, reservation.slot, fresh=True, src=source[0], src_slot=source[1]))
+        return None
+
+    def _abandon(self, planned: list["_Planned"]) -> None:
+        """Undo a plan's reservations and pins (a load that stops or fails)."""
+        device = self.tier(Medium.DEVICE)
+        for p in planned:
+            if p.fresh:
+                device.table.complete_store(p.key, ok=False)
+                if p.src is not None:  # None: dropped as corrupt, its pin went with it
+                    self._unpin(p.src, [p.key])
+            else:
+                self._unpin(Medium.DEVICE, [p.key])
+        planned.clear()
+
+    def _pin_source(self, key: BlockKey, above: Medium | None = None, hit: bool = False) -> tuple[Medium, int] | None:
+        """Pin ``key`` in the fastest tier holding it READY (below ``above``, if given)."""
+        for medium in self._order:
+            if above is not None and medium.value <= above.value:
+                continue
+            slot = self._tiers[medium].table.pin(key, hit=hit)
+            if slot is not None:
+                return medium, slot
+        return None
+
+    def _stage_to_host(self, plan: list["_Planned"], bytes_from: dict[Medium, int]) -> str | None:
+        """Promote planned sources that have no in-memory view (disk, remote) to the host, in
+        parallel; the plan then reads the host copies. If a block cannot be staged (corrupt,
+        no room), the plan is cut before it. Returns why, if cut."""
+        pending = [i for i, p in enumerate(plan) if p.fresh and self._tiers[p.src].view(p.src_slot) is None]
+        if not pending:
+            return None
+        host = self._tiers.get(Medium.HOST)
+        failed: dict[int, str] = {}
+        futures: list[tuple[int, Future, Reservation]] = []
+        for i in pending:
+            p = plan[i]
+            try:
+                reservation = self._reserve(host, p.key) if host is not None else None
+                why = "no host tier to stage disk/remote blocks" if host is None else "block being promoted elsewhere"
+            except TierFull:
+                reservation, why = None, "host tier full of pinned blocks"
+            if reservation is None:
+                failed[i] = why
+                break
+            futures.append((i, self._engine.submit(self._tiers[p.src], p.src_slot, host, reservation.slot, p.key), reservation))
+        error: BaseException | None = None
+        for i, future, reservation in futures:
+            p = plan[i]
+            try:
+                result = future.result()
+            except CorruptBlock:
+                host.table.complete_store(p.key, ok=False)
+                failed[i] = f"a {p.src.label} block failed verification and was dropped"
+                self._drop_corrupt(p.src, p.key, p.src_slot)
+                p.src = None  # its pin went with the block
+                continue
+            except BaseException as exc:  # noqa: BLE001 - raised once every transfer is settled
+                host.table.complete_store(p.key, ok=False)
+                error = error or exc
+                continue
+            self._record(result)
+            bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
+            host.table.complete_store(p.key, ok=True, pin=True)
+            self.index.add(p.key, Medium.HOST)
+            self._unpin(p.src, [p.key])
+            p.src, p.src_slot = Medium.HOST, reservation.slot
+        if error is not None:
+            raise error  # the caller abandons the plan: host pins and device reservations
+        if not failed:
+            return None
+        cut = min(failed)
+        rest = plan[cut:]
+        del plan[cut:]
+        self._abandon(rest)
+        return failed[cut]
+
+    def _copy_layers(self, copies: list["_Planned"], handle: LoadHandle, bytes_from: dict[Medium, int]) -> None:
+        """One task per layer copies that layer of every block; layer events fire as they land."""
+        device = self.tier(Medium.DEVICE)
+        layers = range(self.layout.num_layers)
+        if not copies:
+            for layer in layers:
+                handle._layer_done(layer)
+            return
+
+        def copy_layer(layer: int) -> list:
+            one = slice(layer, layer + 1)
+            out = [self._engine.run(self._tiers[p.src], p.src_slot, device, p.dst_slot, p.key, one) for p in copies]
+            handle._layer_done(layer)
+            return out
+
+        futures = [self._engine.submit_call(copy_layer, layer) for layer in layers]
+        wait(futures)
+        for future in futures:
+            for result in future.result():  # raises the first copy error, if any
+                self._record(result)
+                bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def store(self, tokens: Any, kv: torch.Tensor, tenant: str = "") -> Future:
+        """Save the full blocks of ``kv`` (``[layers, kv, tokens, kv_heads, head_dim]``, the
+        layout's dtype, any device) keyed by ``tokens``. Returns a Future of StoreResult."""
+        self._check_open()
+        self._check_kv(kv)
+        count = min(kv.shape[2], len(tokens)) // self.layout.block_tokens
+        keys = self.keys(list(tokens)[: count * self.layout.block_tokens], tenant)  # [] validates the tenant too
+        return self._orchestrator.submit(self._run_store, keys, kv)
+
+    def _check_kv(self, kv: torch.Tensor) -> None:
+        layout = self.layout
+        if not isinstance(kv, torch.Tensor):
+            raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dtype != torch_dtype(layout):
+            raise ValueError(f"kv dtype {kv.dtype} does not match the cache layout's {torch_dtype(layout)}")
+        expected = (layout.num_layers, layout.kv_tensors, "tokens", layout.kv_heads, layout.head_dim)
+        if kv.dim() != 5 or tuple(kv.shape[i] for i in (0, 1, 3, 4)) != tuple(expected[i] for i in (0, 1, 3, 4)):
+            raise ValueError(f"kv shape {tuple(kv.shape)} does not match [layers, kv, tokens, kv_heads, head_dim] = {expected}")
+
+    def _run_store(self, keys: list[BlockKey], kv: torch.Tensor) -> StoreResult:
+        start = time.perf_counter()
+        device = self.tier(Medium.DEVICE)
+        bs = self.layout.block_tokens
+        new: list[BlockKey] = []
+        for i, key in enumerate(keys):
+            try:
+                reservation = self._reserve(device, key)
+            except TierFull:
+                break  # every device block is pinned: store what fit, refuse the rest cleanly
+            if reservation is None:
+                continue  # already cached (or being written by someone else)
+            src = kv[:, :, i * bs : (i + 1) * bs]
+            dst = self.device_block(reservation.slot)
+            try:
+                seconds = self._engine.submit_call(_copy_timed, dst, src).result()
+            except BaseException:
+                device.table.complete_store(key, ok=False)
+                raise
+            self._record(TransferRecord(Medium.DEVICE, Medium.DEVICE, self.layout.block_bytes, seconds))
+            device.table.complete_store(key, ok=True)
+            self.index.add(key, Medium.DEVICE)
+            new.append(key)
+            if self.config.write.on_store():
+                # Now, not after the loop: storing the next blocks may evict this one from a
+                # device smaller than the sequence, and write-through never demotes on eviction.
+                self._write_down(key, Medium.DEVICE)
+        return StoreResult(len(keys), len(new), time.perf_counter() - start)
+
+    def _write_down(self, key: BlockKey, frm: Medium) -> None:
+        """Copy ``key`` into every tier below ``frm`` that lacks it (best effort: a full tier
+        is skipped, never an error)."""
+        for medium in self._order:
+            if medium.value <= frm.value:
+                continue
+            self._copy_to(key, self._tiers[medium])
+
+    def _copy_to(self, key: BlockKey, dst: Tier) -> bool:
+        source = self._pin_source(key)
+        if source is None:
+            return False
+        medium, slot = source
+        pinned = True
+        try:
+            if medium is dst.medium:
+                return True
+            try:
+                reservation = self._reserve(dst, key)
+            except TierFull:
+                return False
+            if reservation is None:
+                return True
+            try:
+                result = self._engine.submit(self._tiers[medium], slot, dst, reservation.slot, key).result()
+            except CorruptBlock:
+                dst.table.complete_store(key, ok=False)
+                pinned = False  # _drop_corrupt unpins
+                self._drop_corrupt(medium, key, slot)
+                return False
+            except BaseException:
+                dst.table.complete_store(key, ok=False)
+                return False
+            self._record(result)
+            dst.table.complete_store(key, ok=True)
+            self.index.add(key, dst.medium)
+            return True
+        finally:
+            if pinned:
+                self._unpin(medium, [key])
+
+    def _maybe_write_down_hot(self, keys: list[BlockKey]) -> None:
+        device = self.tier(Medium.DEVICE)
+        for key in keys:
+            if self.config.write.on_hit(device.table.hits(key)):
+                self._write_down(key, Medium.DEVICE)
+
+    # --- capacity: reservations and eviction -------------------------------------------------
+
+    def _reserve(self, tier: Tier, key: BlockKey) -> Reservation | None:
+        """A WRITING slot for ``key`` in ``tier``, evicting (and demoting) as needed."""
+        while True:
+            try:
+                return tier.table.prepare_store(key)
+            except TierFull:
+                victims = tier.table.choose_victims(1)
+                if not victims:
+                    raise
+                for victim in victims:
+                    self._evict(tier, victim)
+
+    def _evict(self, tier: Tier, victim: Reservation) -> None:
+        hits = tier.table.hits(victim.key)
+        lower = [m for m in self._order if m.value > tier.medium.value]
+        if lower and self.config.write.on_evict(hits) and lower[0] not in self.index.media(victim.key):
+            self._demote(tier, victim, self._tiers[lower[0]])
+        self.index.discard(victim.key, tier.medium)
+        tier.table.release(victim.key)
+        tier.discard(victim.slot, victim.key)
+
+    def _demote(self, tier: Tier, victim: Reservation, dst: Tier) -> None:
+        try:
+            reservation = self._reserve(dst, victim.key)
+        except TierFull:
+            return  # nowhere to go: the block is dropped (it is a cache)
+        if reservation is None:
+            return
+        try:
+            result = self._engine.submit(tier, victim.slot, dst, reservation.slot, victim.key).result()
+        except BaseException:
+            dst.table.complete_store(victim.key, ok=False)
+            return
+        self._record(result)
+        dst.table.complete_store(victim.key, ok=True)
+        self.index.add(victim.key, dst.medium)
+
+    def evict(self, medium: Medium, blocks: int) -> int:
+        """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy)."""
+        tier = self.tier(medium)
+        victims = tier.table.choose_victims(blocks)
+        for victim in victims:
+            self._evict(tier, victim)
+        return len(victims)
+
+    def _drop_corrupt(self, medium: Medium, key: BlockKey, slot: int) -> None:
+        """Unpin a block that failed verification and drop it, unless another reader still
+        holds it: then it stays READY and indexed, and the last reader to fail drops it."""
+        tier = self._tiers[medium]
+        self._unpin(medium, [key])
+        if tier.table.remove(key):
+            self.index.discard(key, medium)
+            tier.discard(slot, key)
+
+    # --- prefetch ----------------------------------------------------------------------------
+
+    def prefetch(self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "") -> Future:
+        """Promote the prefix's disk/remote blocks to the host for a queued request. Waits as
+        ``rule`` says; the Future gives the number of blocks promoted."""
+        self._check_open()
+        match = self.lookup(tokens, tenant)
+        future = self._orchestrator.submit(self._run_prefetch, match)
+        wait_s = (rule or PrefetchRule()).wait_s()
+        if wait_s != 0:
+            wait([future], timeout=wait_s)
+        return future
+
+    def _run_prefetch(self, match: Match) -> int:
+        host = self._tiers.get(Medium.HOST)
+        if host is None:
+            return 0
+        promoted = 0
+        for key, medium in zip(match.keys, match.media):
+            if medium.value > Medium.HOST.value and self._copy_to(key, host):
+                promoted += 1
+        return promoted
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _unpin(self, medium: Medium, keys: list[BlockKey]) -> None:
+        table = self._tiers[medium].table
+        for key in keys:
+            table.unpin(key)
+
+    def _record(self, result: Any) -> None:
+        self.metrics.transfer(TransferRecord(result.src, result.dst, result.bytes, result.seconds))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the cache is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._orchestrator.shutdown(wait=True)
+        self._engine.close()
+        for tier in self._tiers.values():
+            tier.close()
+
+    def __enter__(self) -> "TieredCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass
+class _Planned:
+    """One block of a load: where it lands on the device and, if not there yet, its source."""
+
+    key: BlockKey
+    dst_slot: int
+    fresh: bool  # True: a reserved (WRITING) device slot to fill from ``src``
+    src: Medium | None = None
+    src_slot: int = -1
+
+
+def _copy_timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+    start = time.perf_counter()
+    dst.copy_(src)
+    if dst.is_cuda:
+        torch.cuda.current_stream(dst.device).synchronize()
+    return time.perf_counter() - start
