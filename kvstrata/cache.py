@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -32,11 +33,13 @@ from kvstrata.metrics import CacheMetrics, TransferRecord
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchRule
 from kvstrata.policies.write import WriteRule
-from kvstrata.tiers.base import CorruptBlock, Tier
+from kvstrata.pool.config import PoolConfig
+from kvstrata.tiers.base import BlockMissing, CorruptBlock, Tier, TierUnavailable, TransferAbandoned
 from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.table import Reservation, TierFull
 from kvstrata.transfer.engine import TransferEngine
 
+COPY_TASK_BYTES = 32 * 1024 * 1024  # bytes per copy task of a load: large copies, few dispatches
 TORCH_DTYPES = {"FP32": torch.float32, "BF16": torch.bfloat16, "FP16": torch.float16, "FP8": torch.float8_e4m3fn}
 
 
@@ -60,6 +63,11 @@ class CacheConfig:
     tp_rank: int = 0
     tp_size: int = 1
     device: str | None = None  # torch device for the device tier; None: CUDA if present, else CPU
+    pool: PoolConfig | None = None  # the shared remote DRAM pool; None: no remote tier
+    remote_bytes: int = 0  # this instance's view of the pool (how many blocks it tracks)
+    remote_mode: str = "tcp"  # "tcp" (any host) or "shm" (a pool daemon on this host)
+    remote_path: str = "auto"  # "direct" (pool -> device), "staged" (pool -> host -> device), "auto"
+    disk_path: str = "auto"  # "direct" (disk -> device), "staged" (disk -> host -> device), "auto"
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "disk_bytes"):
@@ -69,6 +77,13 @@ class CacheConfig:
             raise ValueError("cache disk_bytes > 0 needs a disk_dir")
         if self.workers < 1:
             raise ValueError(f"cache workers must be >= 1, got {self.workers}")
+        if self.pool is not None and self.remote_bytes <= 0:
+            raise ValueError("cache with a pool needs remote_bytes > 0 (how much of the pool it tracks)")
+        if self.remote_mode not in ("tcp", "shm"):
+            raise ValueError(f"cache remote_mode must be tcp or shm, got {self.remote_mode!r}")
+        for name in ("remote_path", "disk_path"):
+            if getattr(self, name) not in ("auto", "direct", "staged"):
+                raise ValueError(f"cache {name} must be auto, direct or staged, got {getattr(self, name)!r}")
         self.namespace()  # a bad model_id or TP rank/size fails here, not on first use
 
     def namespace(self, tenant: str = "") -> Namespace:
@@ -91,6 +106,7 @@ class LoadResult:
     seconds: float
     stopped: str | None  # why fewer blocks than matched were loaded, if so
     restored_bytes: int = 0  # bytes that arrived on the device (blocks not already there)
+    paths: dict[str, int] = field(default_factory=dict)  # blocks per route, e.g. "remote -> host -> device"
 
     @property
     def gbps(self) -> float:
@@ -186,6 +202,7 @@ class TieredCache:
         self.layout = config.layout
         self.metrics = CacheMetrics()
         self.index = PrefixIndex()
+        self.remote_error: str | None = None  # why a configured pool is not in use
         self._tiers: dict[Medium, Tier] = {}
         for tier in tiers if tiers is not None else self._default_tiers(config):
             if tier.layout != self.layout:
@@ -199,23 +216,63 @@ class TieredCache:
         for tier in self._tiers.values():
             for key, _ in tier.recover():
                 self.index.add(key, tier.medium)
+        device = self._tiers[Medium.DEVICE]
+        remote = self._tiers.get(Medium.REMOTE)
+        if remote is not None and config.remote_path != "staged":
+            # Direct pool -> device where the pool can address device memory: a CPU stand-in
+            # for HBM here, or GPU memory over RDMA (GPUDirect) on GPU hosts.
+            direct = device.device.type == "cpu" or (config.pool is not None and config.pool.protocol == "rdma")
+            self._remote_direct = config.remote_path == "direct" or direct
+            if self._remote_direct and device.device.type == "cpu" and hasattr(remote, "register"):
+                remote.register(device.buffer)
+        else:
+            self._remote_direct = False
+        # "auto": disk blocks read straight into device slots the CPU can address (the CPU
+        # stand-in for HBM); into GPU memory they are staged in the host tier (GPUDirect
+        # Storage would lift that).
+        self._disk_direct = config.disk_path == "direct" or (config.disk_path == "auto" and device.device.type == "cpu")
         self._engine = TransferEngine(config.workers)
         self._orchestrator = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstrata-plan")
         self._closed = False
 
-    @staticmethod
-    def _default_tiers(config: CacheConfig) -> list[Tier]:
+    def _default_tiers(self, config: CacheConfig) -> list[Tier]:
         from kvstrata.tiers.memory import DeviceTier, HostTier
 
         tiers: list[Tier] = [DeviceTier(config.layout, config.device_bytes, config.device, config.eviction)]
+        remote = self._connect_remote(config)
         if config.host_bytes:
-            tiers.append(HostTier(config.layout, config.host_bytes, config.eviction))
+            # On a pool, the host tier lives in memory the pool can address: zero-copy both ways.
+            slots = config.host_bytes // config.layout.block_bytes
+            buffer = remote.allocate(slots * config.layout.block_bytes) if remote is not None and slots else None
+            tiers.append(HostTier(config.layout, config.host_bytes, config.eviction, buffer=buffer))
         if config.disk_bytes:
             from kvstrata.tiers.disk import DiskTier
 
             tag = config.namespace().tag
             tiers.append(DiskTier(config.layout, config.disk_bytes, config.disk_dir, config.eviction, namespace_tag=tag))
+        if remote is not None:
+            tiers.append(remote)
         return tiers
+
+    def _connect_remote(self, config: CacheConfig) -> Tier | None:
+        """The pool's tier, or None (recording why) when the pool cannot be reached: the cache
+        then serves from its local tiers."""
+        if config.pool is None:
+            return None
+        from kvstrata.tiers.remote import RemoteMode, RemoteTier
+
+        try:
+            return RemoteTier(
+                config.layout,
+                config.remote_bytes,
+                config.pool,
+                RemoteMode(config.remote_mode),
+                namespace_tag=config.namespace().tag,
+                eviction=config.eviction,
+            )
+        except TierUnavailable as exc:
+            self.remote_error = str(exc)
+            return None
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -236,8 +293,23 @@ class TieredCache:
         """The longest cached prefix of ``tokens`` (full blocks) and where each block is."""
         keys = self.keys(tokens, tenant)
         match = self.index.match(keys, self.layout.block_tokens)
+        if match.blocks < len(keys) and Medium.REMOTE in self._tiers and self._discover(keys[match.blocks :]):
+            match = self.index.match(keys, self.layout.block_tokens)
         self.metrics.lookup(match.media, len(keys) - match.blocks)
         return match
+
+    def _discover(self, keys: list[BlockKey]) -> int:
+        """Blocks other instances put in the shared pool: the leading run of ``keys`` found
+        there joins this cache's view (READY in the remote table, in the index)."""
+        remote = self._tiers[Medium.REMOTE]
+        try:
+            found = remote.exists(keys)
+        except TierUnavailable:
+            return 0
+        run = next((i for i, hit in enumerate(found) if not hit), len(found))
+        for key in remote.adopt(keys[:run]):
+            self.index.add(key, Medium.REMOTE)
+        return run
 
     def device_block(self, slot: int) -> torch.Tensor:
         view = self.tier(Medium.DEVICE).view(slot)
@@ -258,10 +330,10 @@ class TieredCache:
         stopped = None
         try:
             stopped = self._plan_load(match, plan)
-            stopped = self._stage_to_host(plan, bytes_from) or stopped
+            stopped = self._fetch_unviewable(plan, bytes_from) or stopped
             handle._plan([p.key for p in plan], [p.dst_slot for p in plan])
             fresh = [p for p in plan if p.fresh]
-            self._copy_layers(fresh, handle, bytes_from)
+            self._copy_layers([p for p in fresh if not p.done], handle, bytes_from)
             restored = len(fresh) * self.layout.block_bytes
             for p in plan:
                 if p.fresh:
@@ -273,7 +345,8 @@ class TieredCache:
             self._maybe_write_down_hot(keys)
             seconds = time.perf_counter() - start
             tokens = len(keys) * self.layout.block_tokens
-            handle._finish(LoadResult(len(keys), tokens, bytes_from, seconds, stopped, restored))
+            paths = dict(Counter(p.route for p in plan))
+            handle._finish(LoadResult(len(keys), tokens, bytes_from, seconds, stopped, restored, paths))
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle
             self._abandon(plan)
             handle._plan([], [])  # _abandon dropped every pin: release() must not unpin again
@@ -286,7 +359,7 @@ class TieredCache:
         for key in match.keys:
             slot = device.table.pin(key)
             if slot is not None:
-                plan.append(_Planned(key, slot, fresh=False))
+                plan.append(_Planned(key, slot, fresh=False, route="device"))
                 continue
             source = self._pin_source(key, above=Medium.DEVICE, hit=True)
             if source is None:
@@ -302,9 +375,10 @@ class TieredCache:
                 slot = device.table.pin(key)  # the other request may have finished meanwhile
                 if slot is None:
                     return why
-                plan.append(_Planned(key, slot, fresh=False))
+                plan.append(_Planned(key, slot, fresh=False, route="device"))
                 continue
-            plan.append(_Planned(key, reservation.slot, fresh=True, src=source[0], src_slot=source[1]))
+            route = f"{source[0].label} -> device"
+            plan.append(_Planned(key, reservation.slot, fresh=True, src=source[0], src_slot=source[1], route=route))
         return None
 
     def _abandon(self, planned: list["_Planned"]) -> None:
@@ -312,7 +386,8 @@ class TieredCache:
         device = self.tier(Medium.DEVICE)
         for p in planned:
             if p.fresh:
-                device.table.complete_store(p.key, ok=False)
+                if not p.quarantined:  # a quarantined slot stays WRITING for good
+                    device.table.complete_store(p.key, ok=False)
                 if p.src is not None:  # None: dropped as corrupt, its pin went with it
                     self._unpin(p.src, [p.key])
             else:
@@ -329,18 +404,25 @@ class TieredCache:
                 return medium, slot
         return None
 
-    def _stage_to_host(self, plan: list["_Planned"], bytes_from: dict[Medium, int]) -> str | None:
-        """Promote planned sources that have no in-memory view (disk, remote) to the host, in
-        parallel; the plan then reads the host copies. If a block cannot be staged (corrupt,
-        no room), the plan is cut before it. Returns why, if cut."""
+    def _fetch_unviewable(self, plan: list["_Planned"], bytes_from: dict[Medium, int]) -> str | None:
+        """Bring planned sources that have no in-memory view (disk, remote) within reach, in
+        parallel: a remote block straight into its device slot where the transport allows
+        (``remote -> device``, the GDR path), else staged in the host tier (a promotion; the
+        plan then reads the host copy). A block that cannot be had (corrupt, gone, no room)
+        cuts the plan before it. Returns why, if cut."""
         pending = [i for i, p in enumerate(plan) if p.fresh and self._tiers[p.src].view(p.src_slot) is None]
         if not pending:
             return None
         host = self._tiers.get(Medium.HOST)
+        device = self.tier(Medium.DEVICE)
         failed: dict[int, str] = {}
-        futures: list[tuple[int, Future, Reservation]] = []
+        futures: list[tuple[int, Future, Reservation | None]] = []
         for i in pending:
             p = plan[i]
+            if (p.src is Medium.REMOTE and self._remote_direct) or (p.src is Medium.DISK and self._disk_direct):
+                p.route = f"{p.src.label} -> device"
+                futures.append((i, self._engine.submit(self._tiers[p.src], p.src_slot, device, p.dst_slot, p.key), None))
+                continue
             try:
                 reservation = self._reserve(host, p.key) if host is not None else None
                 why = "no host tier to stage disk/remote blocks" if host is None else "block being promoted elsewhere"
@@ -349,24 +431,36 @@ class TieredCache:
             if reservation is None:
                 failed[i] = why
                 break
+            p.route = f"{p.src.label} -> host -> device"
             futures.append((i, self._engine.submit(self._tiers[p.src], p.src_slot, host, reservation.slot, p.key), reservation))
         error: BaseException | None = None
         for i, future, reservation in futures:
             p = plan[i]
             try:
                 result = future.result()
-            except CorruptBlock:
-                host.table.complete_store(p.key, ok=False)
-                failed[i] = f"a {p.src.label} block failed verification and was dropped"
+            except TransferAbandoned as exc:
+                # Bytes may still land in the destination later: never reuse that slot.
+                p.quarantined = reservation is None
+                failed[i] = f"the {p.src.label} tier stopped answering ({exc}); destination slot quarantined"
+                continue
+            except CorruptBlock as exc:
+                if reservation is not None:
+                    host.table.complete_store(p.key, ok=False)
+                what = "was gone" if isinstance(exc, BlockMissing) else "failed verification and was dropped"
+                failed[i] = f"a {p.src.label} block {what}"
                 self._drop_corrupt(p.src, p.key, p.src_slot)
                 p.src = None  # its pin went with the block
                 continue
             except BaseException as exc:  # noqa: BLE001 - raised once every transfer is settled
-                host.table.complete_store(p.key, ok=False)
+                if reservation is not None:
+                    host.table.complete_store(p.key, ok=False)
                 error = error or exc
                 continue
             self._record(result)
             bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
+            if reservation is None:
+                p.done = True  # the whole block is on the device already
+                continue
             host.table.complete_store(p.key, ok=True, pin=True)
             self.index.add(p.key, Medium.HOST)
             self._unpin(p.src, [p.key])
@@ -390,13 +484,29 @@ class TieredCache:
                 handle._layer_done(layer)
             return
 
-        def copy_layer(layer: int) -> list:
-            one = slice(layer, layer + 1)
-            out = [self._engine.run(self._tiers[p.src], p.src_slot, device, p.dst_slot, p.key, one) for p in copies]
-            handle._layer_done(layer)
+        by_source: dict[Medium, list[_Planned]] = {}
+        for p in copies:
+            by_source.setdefault(p.src, []).append(p)
+
+        # Tasks of whole layer ranges: a range of a block is contiguous (blocks are layer-major),
+        # so each copy stays large; events still fire per layer as each range lands.
+        per_task = max(1, -(-COPY_TASK_BYTES // (len(copies) * self.layout.layer_bytes)))
+        ranges = [range(a, min(a + per_task, len(layers))) for a in range(0, len(layers), per_task)]
+
+        def copy_range(chunk: range) -> list:
+            span = slice(chunk.start, chunk.stop)
+            out = [
+                self._engine.run_many(
+                    self._tiers[medium], [p.src_slot for p in group], [p.key for p in group],
+                    device, [p.dst_slot for p in group], span,
+                )
+                for medium, group in by_source.items()
+            ]
+            for layer in chunk:
+                handle._layer_done(layer)
             return out
 
-        futures = [self._engine.submit_call(copy_layer, layer) for layer in layers]
+        futures = [self._engine.submit_call(copy_range, chunk) for chunk in ranges]
         wait(futures)
         for future in futures:
             for result in future.result():  # raises the first copy error, if any
@@ -478,6 +588,11 @@ class TieredCache:
                 return True
             try:
                 result = self._engine.submit(self._tiers[medium], slot, dst, reservation.slot, key).result()
+            except TransferAbandoned:
+                # Bytes may still move later: the source stays pinned (never reused) and the
+                # destination stays WRITING (never served, never reused). Both slots are lost.
+                pinned = False
+                return False
             except CorruptBlock:
                 dst.table.complete_store(key, ok=False)
                 pinned = False  # _drop_corrupt unpins
@@ -618,6 +733,9 @@ class _Planned:
     fresh: bool  # True: a reserved (WRITING) device slot to fill from ``src``
     src: Medium | None = None
     src_slot: int = -1
+    route: str = ""  # how the block reached the device, for LoadResult.paths
+    done: bool = False  # the whole block already landed (remote -> device)
+    quarantined: bool = False  # a transfer into the slot was abandoned: never free it
 
 
 def _copy_timed(dst: torch.Tensor, src: torch.Tensor) -> float:

@@ -126,14 +126,21 @@ class GatedHostTier(HostTier):
         self.fail_reads = False
         self.reads_waiting = threading.Semaphore(0)
 
-    def read_into(self, slot, key, dst, layers=slice(None)):
+    def _hold(self, layers: slice) -> None:
         start, _, _ = layers.indices(self.layout.num_layers)
         if start >= self.gate_from and not self.gate.is_set():
             self.reads_waiting.release()
             assert self.gate.wait(20), "gate never opened"
         if self.fail_reads:
             raise OSError("injected read failure")
+
+    def read_into(self, slot, key, dst, layers=slice(None)):
+        self._hold(layers)
         super().read_into(slot, key, dst, layers)
+
+    def read_many_into(self, slots, keys, dsts, layers=slice(None)):
+        self._hold(layers)
+        super().read_many_into(slots, keys, dsts, layers)
 
 
 class GatedDiskTier(DiskTier):

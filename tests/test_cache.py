@@ -46,7 +46,9 @@ B = LAYOUT.block_bytes
 
 
 def make_config(tmp_path, device=4, host=8, disk=0, write=WritePolicy.WRITE_BACK, layout=LAYOUT,
-                eviction=Eviction.LRU, model_id="tiny", selective_hits=2) -> CacheConfig:
+                eviction=Eviction.LRU, model_id="tiny", selective_hits=2, disk_path="staged") -> CacheConfig:
+    # Staged by default: the path a GPU's device tier takes (disk -> host -> device); the
+    # direct path of a CPU-addressable device tier has its own tests.
     blocks = layout.block_bytes
     return CacheConfig(
         layout,
@@ -57,6 +59,7 @@ def make_config(tmp_path, device=4, host=8, disk=0, write=WritePolicy.WRITE_BACK
         disk_dir=str(tmp_path) if disk else None,
         write=WriteRule(write, selective_hits),
         eviction=eviction,
+        disk_path=disk_path,
     )
 
 

@@ -59,10 +59,10 @@ def prefix_of(seq_tenant: tuple[list[int], str], blocks: int) -> tuple[list[int]
     return (toks[: blocks * BS] if blocks else toks), tenant
 
 
-def make_config(directory: str, write: WriteRule, eviction: Eviction) -> CacheConfig:
+def make_config(directory: str, write: WriteRule, eviction: Eviction, disk_path: str = "staged") -> CacheConfig:
     b = LAYOUT.block_bytes
     return CacheConfig(LAYOUT, "tiny", device_bytes=3 * b, host_bytes=4 * b, disk_bytes=6 * b, disk_dir=directory,
-                       write=write, eviction=eviction)
+                       write=write, eviction=eviction, disk_path=disk_path)
 
 
 class TieredCacheMachine(RuleBasedStateMachine):

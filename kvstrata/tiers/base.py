@@ -22,6 +22,19 @@ class CorruptBlock(Exception):
     """A stored block failed verification (checksum, size, header); it must not be served."""
 
 
+class BlockMissing(CorruptBlock):
+    """The block is gone (removed under a reader, evicted by a shared pool): a miss."""
+
+
+class TierUnavailable(RuntimeError):
+    """The service behind a tier cannot be reached (a pool master or daemon is down)."""
+
+
+class TransferAbandoned(TierUnavailable):
+    """A transfer timed out; its bytes may still land in the destination later, so the
+    caller must never reuse that destination (quarantine the slot) nor trust it."""
+
+
 class Tier(abc.ABC):
     medium: Medium
 
@@ -47,6 +60,13 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release buffers, files and connections."""
+
+    def read_many_into(
+        self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
+    ) -> None:
+        """``read_into`` for several blocks at once; memory tiers batch it into one call."""
+        for slot, key, dst in zip(slots, keys, dsts, strict=True):
+            self.read_into(slot, key, dst, layers)
 
     def view(self, slot: int) -> torch.Tensor | None:
         """The slot's bytes in place (memory tiers), for zero-copy transfers; else None."""

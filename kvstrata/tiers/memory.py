@@ -68,10 +68,23 @@ class MemoryTier(Tier):
         device: torch.device,
         pin: bool,
         eviction: Eviction = Eviction.LRU,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         super().__init__(layout, capacity_bytes, eviction)
         slots = self.table.capacity_blocks
-        pool = torch.empty((slots, layout.num_layers, layout.layer_bytes), dtype=torch.uint8, device=device)
+        shape = (slots, layout.num_layers, layout.layer_bytes)
+        if buffer is None:
+            pool = torch.empty(shape, dtype=torch.uint8, device=device)
+        else:
+            # Memory someone else allocated (e.g. a remote pool's shared-memory segment, so
+            # transfers to the pool are zero-copy): must be uint8, contiguous, large enough.
+            needed = slots * layout.block_bytes
+            if buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.numel() < needed:
+                raise ValueError(
+                    f"{self.medium.label} tier: buffer must be contiguous uint8 of >= {needed} bytes, "
+                    f"got {buffer.dtype} {tuple(buffer.shape)}"
+                )
+            pool = buffer.reshape(-1)[:needed].view(shape)
         pool.zero_()  # pre-fault every page now, not on the first write into each slot
         self._device = pool.device
         self._finalizer: weakref.finalize | None = None
@@ -99,6 +112,11 @@ class MemoryTier(Tier):
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole pool, uint8 ``[slots, layers, layer_bytes]`` (to register with a transport)."""
+        return self._live_pool()
+
     def _live_pool(self) -> torch.Tensor:
         if self._pool is None:
             raise RuntimeError(f"{self.medium.label} tier is closed")
@@ -120,6 +138,18 @@ class MemoryTier(Tier):
 
     def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
         copy_bytes(dst, self._slot(slot)[layers])
+
+    def read_many_into(
+        self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
+    ) -> None:
+        """One batched copy (``torch._foreach_copy_``): a layer of many blocks costs one
+        dispatch, not one per block."""
+        srcs = [self._slot(slot)[layers] for slot in slots]
+        for src, dst in zip(srcs, dsts, strict=True):
+            if dst.shape != src.shape or dst.dtype != torch.uint8:
+                raise ValueError(f"block copy needs uint8 {tuple(src.shape)}, got {dst.dtype}{tuple(dst.shape)}")
+        if srcs:
+            torch._foreach_copy_(dsts, srcs, non_blocking=any(_can_copy_async(d, s) for d, s in zip(dsts, srcs)))
 
     def close(self) -> None:
         if self._finalizer is not None:
@@ -168,6 +198,7 @@ class HostTier(MemoryTier):
         eviction: the order blocks leave a full tier.
         pin: pin the pool; by default only when CUDA is available. ``True`` without CUDA is
             an error.
+        buffer: use this CPU memory (uint8, contiguous) for the pool instead of allocating.
     """
 
     medium = Medium.HOST
@@ -178,9 +209,10 @@ class HostTier(MemoryTier):
         capacity_bytes: int,
         eviction: Eviction = Eviction.LRU,
         pin: bool | None = None,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         cuda = torch.cuda.is_available()
         if pin and not cuda:
             raise ValueError("host tier: pin=True needs CUDA, which is not available")
         pin = cuda if pin is None else pin
-        super().__init__(layout, capacity_bytes, torch.device("cpu"), pin=pin, eviction=eviction)
+        super().__init__(layout, capacity_bytes, torch.device("cpu"), pin=pin, eviction=eviction, buffer=buffer)

@@ -150,6 +150,30 @@ class TransferEngine:
         """The same transfer, on the calling thread; returns when the bytes are in place."""
         return self._execute(self._job(src, src_slot, dst, dst_slot, key, layers))
 
+    def run_many(
+        self, src: Tier, src_slots: list[int], keys: list[BlockKey], dst: Tier, dst_slots: list[int], layers: slice
+    ) -> TransferResult:
+        """Copy ``layers`` of several blocks into a tier with views (device, host), in one
+        batched call of the source tier (``read_many_into``) on the calling thread: one layer
+        of many blocks costs one dispatch. Returns when the bytes are in place."""
+        start = time.perf_counter()
+        dsts = [dst.view(slot)[layers] for slot in dst_slots]
+        if any(d is None for d in dsts):
+            raise ValueError(f"run_many needs a destination with views, not {dst.medium.label}")
+        cuda = next((t.device for t in (src, dst) if t.device.type == "cuda"), None)
+        if cuda is None:
+            src.read_many_into(src_slots, keys, dsts, layers)
+        else:
+            stream = self._stream(cuda)
+            stream.wait_stream(torch.cuda.current_stream(cuda))
+            try:
+                with torch.cuda.stream(stream):
+                    src.read_many_into(src_slots, keys, dsts, layers)
+            finally:
+                stream.synchronize()
+        moved = sum(d.numel() for d in dsts)
+        return TransferResult(src.medium, dst.medium, moved, time.perf_counter() - start)
+
     def submit_call(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn(*args)`` on a worker: for a batch of transfers made with ``run`` (one
         layer of many blocks, say), so the batch counts once against the worker bound."""

@@ -1,0 +1,69 @@
+"""``kvstrata pool start|stop|status``: the embedded Mooncake pool on loopback, or a configured one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from kvstrata import cli
+from kvstrata.pool import embedded
+from kvstrata.pool.config import load_pool_config
+
+GIB = 1024**3
+
+
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": GIB, "t": 1024**4}
+
+
+def _size(text: str) -> int:
+    """``2GB``, ``512MiB``, ``1.5g`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if m is None or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 512MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pool", help="start, stop or inspect the shared remote DRAM pool (Mooncake Store)")
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    start = actions.add_parser("start", help="start a master and a pool daemon on loopback")
+    start.add_argument("--segment-size", type=_size, default=2 * GIB, help="DRAM the daemon serves (default 2GB)")
+    for q in (start, actions.add_parser("stop", help="stop the embedded pool"),
+              actions.add_parser("status", help="is the pool up?")):
+        q.add_argument("--dir", type=Path, default=None, help="run directory (default $KVSTRATA_POOL_DIR or ~/.cache)")
+        q.add_argument("--config", default=None, help="a pool TOML pointing at an existing cluster (status only)")
+        q.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = cli.console()
+    if args.action == "start":
+        state = embedded.start(args.segment_size, args.dir)
+        doc = state.to_json() | {"state_file": str(Path(state.run_dir) / embedded.STATE)}
+        if args.json:
+            print(json.dumps(doc, indent=2))
+        else:
+            console.print(
+                f"pool up: master {state.config.master}, daemon {state.config.daemon}, "
+                f"{state.segment_bytes / GIB:.2f} GiB; use it with KVSTRATA_POOL={doc['state_file']}"
+            )
+        return 0
+    if args.action == "stop":
+        stopped = embedded.stop(args.dir)
+        print(json.dumps({"stopped": stopped}) if args.json else ("pool stopped" if stopped else "no pool was running"))
+        return 0
+    if args.config:
+        config = load_pool_config(args.config)
+        up = embedded.accepts(config.master, 2.0)
+        doc = {"running": up, "master": {"address": config.master, "up": up}, "config": config.to_json()}
+    else:
+        doc = embedded.status(args.dir)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        console.print(("[green]running[/]" if doc["running"] else "[red]not running[/]") + f": {doc}", highlight=False)
+    return 0 if doc["running"] else 1

@@ -1,0 +1,212 @@
+"""An embedded pool on loopback: one Mooncake master and one pool daemon, as real processes.
+
+``start`` picks free ports, launches ``mooncake_master`` and ``mooncake_client`` (the pool
+daemon that owns the DRAM segment) in their own sessions, waits (bounded) until both accept
+connections, and writes ``pool.json`` in the run directory; ``stop`` ends them; ``status``
+checks them. Inference processes join with segment size 0, so objects live in the daemon and
+survive any inference process exiting.
+
+Security: both listen on 127.0.0.1 here, but Mooncake clients also open transfer ports on all
+interfaces at random ports; run pools only on trusted networks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstrata.pool.config import PoolConfig
+
+STATE = "pool.json"
+START_TIMEOUT_S = 30.0
+
+
+class PoolError(RuntimeError):
+    pass
+
+
+def default_run_dir() -> Path:
+    return Path(os.environ.get("KVSTRATA_POOL_DIR", Path.home() / ".cache" / "kvstrata" / "pool"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accepts(address: str, timeout_s: float = 0.5) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _binary(name: str) -> str:
+    here = Path(sys.executable).parent / name  # the venv's console script
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        raise PoolError(
+            f"{name} not found: install the pool engine (pip install mooncake-transfer-engine-non-cuda on CPU "
+            "hosts, mooncake-transfer-engine with CUDA) and Debian's libibverbs1 librdmacm1 libnuma1"
+        )
+    return found
+
+
+@dataclass(frozen=True)
+class PoolState:
+    config: PoolConfig
+    master_pid: int
+    daemon_pid: int
+    metrics_port: int
+    segment_bytes: int
+    run_dir: str
+
+    def to_json(self) -> dict:
+        return {
+            "config": self.config.to_json(),
+            "master_pid": self.master_pid,
+            "daemon_pid": self.daemon_pid,
+            "metrics_port": self.metrics_port,
+            "segment_bytes": self.segment_bytes,
+            "run_dir": self.run_dir,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "PoolState":
+        return cls(PoolConfig(**doc["config"]), **{k: doc[k] for k in doc if k != "config"})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still "exists": check its state where /proc tells.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def read_state(run_dir: Path | None = None) -> PoolState | None:
+    path = (run_dir or default_run_dir()) / STATE
+    if not path.is_file():
+        return None
+    return PoolState.from_json(json.loads(path.read_text()))
+
+
+def status(run_dir: Path | None = None) -> dict:
+    """What runs: pids alive, ports accepting."""
+    state = read_state(run_dir)
+    if state is None:
+        return {"running": False, "reason": "no embedded pool started in " + str(run_dir or default_run_dir())}
+    master_up = _alive(state.master_pid) and accepts(state.config.master)
+    daemon_up = _alive(state.daemon_pid) and accepts(state.config.daemon)
+    return {
+        "running": master_up and daemon_up,
+        "master": {"address": state.config.master, "pid": state.master_pid, "up": master_up},
+        "daemon": {"address": state.config.daemon, "pid": state.daemon_pid, "up": daemon_up},
+        "segment_bytes": state.segment_bytes,
+        "state_file": str(Path(state.run_dir) / STATE),
+    }
+
+
+def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> PoolState:
+    """Start a master and a pool daemon on loopback (or return the running one)."""
+    run_dir = Path(run_dir or default_run_dir())
+    current = status(run_dir)
+    if current["running"]:
+        return read_state(run_dir)
+    stop(run_dir)  # clear a half-dead previous pool
+    run_dir.mkdir(parents=True, exist_ok=True)
+    master_port, daemon_port, metrics_port = free_port(), free_port(), free_port()
+    master, daemon = f"127.0.0.1:{master_port}", f"127.0.0.1:{daemon_port}"
+    logs = {name: open(run_dir / f"{name}.log", "wb") for name in ("master", "daemon")}
+    master_proc = subprocess.Popen(
+        [
+            _binary("mooncake_master"),
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={master_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics_port}",
+            "--enable_http_metadata_server=false",
+        ],
+        stdout=logs["master"], stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    _wait_for(master, master_proc, run_dir / "master.log")
+    daemon_proc = subprocess.Popen(
+        [
+            _binary("mooncake_client"),
+            "--host=127.0.0.1",
+            f"--port={daemon_port}",
+            f"--global_segment_size={segment_bytes}",
+            "--local_buffer_size=16MB",
+            f"--master_server_address={master}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+        ],
+        stdout=logs["daemon"], stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    for log in logs.values():
+        log.close()
+    try:
+        _wait_for(daemon, daemon_proc, run_dir / "daemon.log")
+    except PoolError:
+        _terminate(master_proc.pid)
+        raise
+    state = PoolState(PoolConfig(master=master, daemon=daemon), master_proc.pid, daemon_proc.pid, metrics_port,
+                      segment_bytes, str(run_dir))
+    (run_dir / STATE).write_text(json.dumps(state.to_json(), indent=2))
+    return state
+
+
+def _wait_for(address: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise PoolError(f"{Path(proc.args[0]).name} exited with {proc.returncode}; see {log}")
+        if accepts(address, 0.2):
+            return
+        time.sleep(0.1)
+    _terminate(proc.pid)
+    raise PoolError(f"{Path(proc.args[0]).name} did not listen on {address} within {START_TIMEOUT_S:.0f} s; see {log}")
+
+
+def _terminate(pid: int, grace_s: float = 5.0) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    if _alive(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stop(run_dir: Path | None = None) -> bool:
+    """Stop the embedded pool; False if none was recorded."""
+    run_dir = Path(run_dir or default_run_dir())
+    state = read_state(run_dir)
+    if state is None:
+        return False
+    _terminate(state.daemon_pid)
+    _terminate(state.master_pid)
+    (run_dir / STATE).unlink(missing_ok=True)
+    return True
