@@ -236,10 +236,19 @@ class TieredCache:
         self._closed = False
 
     def _default_tiers(self, config: CacheConfig) -> list[Tier]:
-        from kvstrata.tiers.memory import DeviceTier, HostTier
+        from kvstrata.tiers.memory import DeviceTier, HostTier, default_device
 
-        tiers: list[Tier] = [DeviceTier(config.layout, config.device_bytes, config.device, config.eviction)]
         remote = self._connect_remote(config)
+        device_buffer = None
+        where = torch.device(config.device) if config.device else default_device()
+        if remote is not None and config.remote_mode == "shm" and where.type == "cpu":
+            # A CPU stand-in for HBM on a shared-memory pool: in the pool's memory, so the
+            # direct pool -> device path is zero-copy too.
+            slots = config.device_bytes // config.layout.block_bytes
+            device_buffer = remote.allocate(slots * config.layout.block_bytes) if slots else None
+        tiers: list[Tier] = [
+            DeviceTier(config.layout, config.device_bytes, config.device, config.eviction, buffer=device_buffer)
+        ]
         if config.host_bytes:
             # On a pool, the host tier lives in memory the pool can address: zero-copy both ways.
             slots = config.host_bytes // config.layout.block_bytes
@@ -307,7 +316,11 @@ class TieredCache:
         except TierUnavailable:
             return 0
         run = next((i for i, hit in enumerate(found) if not hit), len(found))
-        for key in remote.adopt(keys[:run]):
+        adopted = remote.adopt(keys[:run])
+        if len(adopted) < run:  # our view of the pool is full: forget the coldest, not the pool's
+            self.evict(Medium.REMOTE, run - len(adopted))
+            adopted += remote.adopt(keys[:run])
+        for key in adopted:
             self.index.add(key, Medium.REMOTE)
         return run
 
@@ -443,6 +456,12 @@ class TieredCache:
                 p.quarantined = reservation is None
                 failed[i] = f"the {p.src.label} tier stopped answering ({exc}); destination slot quarantined"
                 continue
+            except TierUnavailable as exc:
+                # The destination was never exposed: a plain miss, its slot is reusable.
+                if reservation is not None:
+                    host.table.complete_store(p.key, ok=False)
+                failed[i] = f"the {p.src.label} tier is unavailable ({exc})"
+                continue
             except CorruptBlock as exc:
                 if reservation is not None:
                     host.table.complete_store(p.key, ok=False)
@@ -490,7 +509,9 @@ class TieredCache:
 
         # Tasks of whole layer ranges: a range of a block is contiguous (blocks are layer-major),
         # so each copy stays large; events still fire per layer as each range lands.
-        per_task = max(1, -(-COPY_TASK_BYTES // (len(copies) * self.layout.layer_bytes)))
+        # At least two tasks per worker, so early layers land (and fire) while later ones move.
+        big_enough = -(-COPY_TASK_BYTES // (len(copies) * self.layout.layer_bytes))
+        per_task = max(1, min(big_enough, -(-len(layers) // (2 * self.config.workers))))
         ranges = [range(a, min(a + per_task, len(layers))) for a in range(0, len(layers), per_task)]
 
         def copy_range(chunk: range) -> list:

@@ -4,8 +4,10 @@ Every store call runs on a worker thread (daemon threads: a call that never retu
 its own thread, and never blocks interpreter exit) and is waited for at most ``op_timeout_s``.
 A call that times out, or that the caller reports as a transport failure (``mark_down``), puts
 the client DOWN: calls then fail at once with PoolUnavailable, and after each ``cooloff_s`` one
-caller probes the pool (``health_check`` and an existence query, which needs the master; a
-TCP client's ``health_check`` alone said 0 with the master killed). A passing probe makes it UP.
+caller probes the pool: its address must accept and answer at the socket level first (a
+Mooncake call into a dead SHM daemon blocked until exit, and a call still inside a store when
+Mooncake tears it down at exit aborted the process), then an existence query must succeed (it
+needs the master; ``health_check`` said 0 with the master killed). Passing makes it UP again.
 
 A call that timed out may still be running, and may still read or write the memory it was
 given, at any later time: the caller must treat that memory as lost (never reuse it) unless it
@@ -18,19 +20,26 @@ pool daemon on this host (Mooncake's "dummy" client): buffers are shared-memory 
 daemon maps (``allocate``), and the daemon copies between them and the pool. Only memory from
 ``allocate`` can be used in SHM mode.
 
-Closing a Mooncake store takes ~1 s and holds the GIL throughout (it joins a heartbeat thread
-that sleeps 1 s; measured: every other Python thread stalled 0.9 s), so ``close`` does not
-close a healthy store: it unregisters this client's memory and parks the store for the next
-client of the same pool and mode (at most ``PARKED_PER_POOL``). Parked stores close at exit. A
-store that may still be running a call is never closed under it: it stays open until exit.
+Two Mooncake calls hold the GIL (measured with 0.3.13): ``setup`` and ``close``; every data
+call releases it. So neither can be bounded by a thread, and:
+
+* before ``setup``, the address must accept a connection and answer: a live Mooncake server
+  closes a connection at once on 16 bytes that are no request, while for a stopped (hung)
+  process the kernel still accepts and nothing answers. A setup against a hung master would
+  freeze every thread of the process for 20 retries of 30 s.
+* ``close`` takes ~1 s (it joins a heartbeat thread that sleeps 1 s: every other thread stalled
+  0.9 s), and 30 s for an SHM client whose daemon is stopped. So ``close`` does not close a
+  healthy store: it unregisters this client's memory and parks the store for the next client of
+  the same pool and mode (at most ``PARKED_PER_POOL``). A store that is DOWN, or may still be
+  running a call, is kept open, unused. Mooncake tears every store down at process exit itself
+  (which can take 30 s per SHM store whose daemon is stopped; nothing here can bound that).
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import enum
-import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -42,11 +51,13 @@ import torch
 
 from kvstrata.pool.config import PoolConfig
 from kvstrata.pool.embedded import accepts
+from kvstrata.pool.workers import Workers
+from kvstrata.tiers.base import TierUnavailable
 
 PROBE_OBJECT = "kvstrata/.probe"  # never written: the probe asks whether it exists
 LOCAL_BUFFER_BYTES = 4 << 20  # Mooncake's own staging for copying APIs, which we do not use
-CLOSE_AT_EXIT_S = 10.0
 PARKED_PER_POOL = 2
+_NOT_A_REQUEST = bytes(16)
 
 
 class RemoteMode(enum.Enum):
@@ -54,68 +65,12 @@ class RemoteMode(enum.Enum):
     SHM = "shm"  # a client of the pool daemon on this host, through shared memory
 
 
-class PoolUnavailable(RuntimeError):
+class PoolUnavailable(TierUnavailable):
     """The pool cannot be reached now (not running, not answering, or cooling off after a fault)."""
 
 
 class CallTimedOut(PoolUnavailable):
     """A store call ran past ``op_timeout_s``. It may still be running, and touching its memory."""
-
-
-class _Workers:
-    """Daemon threads that run calls; a new one starts whenever none is idle.
-
-    Each ``submit`` either takes an idle worker or starts one, so a job never waits behind a
-    call that is stuck in the pool.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._started = 0
-        self._closed = False
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self._name}: workers are closed")
-            spawn = self._idle == 0
-            if spawn:
-                self._started += 1
-            else:
-                self._idle -= 1
-            number = self._started
-        self._jobs.put((future, fn, args))
-        if spawn:
-            threading.Thread(target=self._run, name=f"{self._name}-{number}", daemon=True).start()
-        return future
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            future, fn, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as error:  # noqa: BLE001 - handed to the waiter
-                    future.set_exception(error)
-            with self._lock:
-                if self._closed:
-                    return
-                self._idle += 1
-
-    def close(self) -> None:
-        """Stop idle workers; busy ones stop when their call returns."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, 0
-        for _ in range(idle):
-            self._jobs.put(None)
 
 
 class PoolClient:
@@ -152,7 +107,7 @@ class PoolClient:
         self.op_timeout_s = op_timeout_s
         self.cooloff_s = cooloff_s
         self._lock = threading.Lock()
-        self._workers = _Workers("kvstrata-pool")
+        self._workers = Workers("kvstrata-pool")
         self._inflight: set[Future] = set()
         self._ranges: tuple[tuple[int, int], ...] = ()  # registered [start, end) byte addresses
         self._memory: list[torch.Tensor] = []  # registered memory, alive as long as the client
@@ -178,17 +133,20 @@ class PoolClient:
             ) from None
         what = f"pool {'daemon' if self.mode is RemoteMode.SHM else 'master'} at {self.address}"
         deadline = time.monotonic() + timeout_s
-        # Mooncake's setup retries for a minute or more when nobody listens: look first.
+        # Mooncake's setup retries for a minute or more, holding the GIL: look first.
         if not accepts(self.address, timeout_s):
             raise PoolUnavailable(f"{what} does not accept connections")
+        if not _answers(self.address, max(0.0, deadline - time.monotonic())):
+            raise PoolUnavailable(f"{what} accepts connections but does not answer within {timeout_s:g} s (hung?)")
         store = _unpark((self.pool, self.mode))
         if store is not None:
             try:
-                if self._workers.submit(_probe, store).result(timeout=max(0.0, deadline - time.monotonic())):
+                remaining = max(0.0, deadline - time.monotonic())
+                if self._workers.submit(_probe, store, self.address, remaining).result(timeout=remaining):
                     return store
             except FutureTimeout:
                 pass
-            _close_in_background(store, [])  # parked, then the pool went away
+            _keep_open(store)  # parked, then the pool failed: closing could stall every thread
         store = MooncakeDistributedStore()
         if self.mode is RemoteMode.SHM:
             args = (0, LOCAL_BUFFER_BYTES, self.pool.daemon)
@@ -201,10 +159,10 @@ class PoolClient:
         try:
             rc = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
-            future.add_done_callback(lambda _: _close_in_background(store, []))
+            _keep_open(store)
             raise PoolUnavailable(f"{what}: setup did not finish within {timeout_s:g} s") from None
         if rc != 0:
-            _close_in_background(store, [])
+            _keep_open(store)
             raise PoolUnavailable(f"{what}: setup failed (Mooncake code {rc})")
         return store
 
@@ -263,7 +221,7 @@ class PoolClient:
                 raise PoolUnavailable(f"pool at {self.address} is down ({reason}); next try in {self._probe_at - now:.1f} s")
             self._probe_at = now + self.cooloff_s  # one caller probes; the others fail fast
         try:
-            healthy = self._submit(_probe, store).result(timeout=self.op_timeout_s)
+            healthy = self._submit(_probe, store, self.address, self.op_timeout_s).result(timeout=self.op_timeout_s)
         except FutureTimeout:
             healthy = False
         if not healthy:
@@ -312,22 +270,30 @@ class PoolClient:
         self._keep(memory)
         return memory
 
-    def register(self, tensor: torch.Tensor) -> None:
-        """Register a CPU tensor's memory so transfers from and to it are zero-copy.
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Register a tensor's memory so transfers from and to it are zero-copy, where possible.
+
+        Returns:
+            Whether they are now: True for contiguous CPU memory in TCP mode (and for memory
+            from ``allocate``); False for CUDA memory, and in SHM mode for any memory not from
+            ``allocate`` (the daemon maps only those segments). Transfers on memory that is not
+            registered still work, through a staging copy.
 
         Raises:
-            ValueError: not contiguous CPU memory, or (SHM mode) not from ``allocate``.
+            ValueError: a non-contiguous tensor.
+            PoolUnavailable: the store refused (or the pool is down).
         """
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"pool client: only contiguous CPU memory can be registered, got {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError("pool client: only contiguous memory can be registered")
         if self.is_registered(tensor):
-            return
-        if self.mode is RemoteMode.SHM:
-            raise ValueError("pool client: in SHM mode only memory from allocate() is shared with the daemon")
+            return True
+        if tensor.device.type != "cpu" or self.mode is RemoteMode.SHM:
+            return False
         rc = self.call("register_buffer", "register_buffer", tensor.data_ptr(), _nbytes(tensor))
         if rc != 0:
             raise PoolUnavailable(f"pool client: register_buffer of {_nbytes(tensor)} bytes failed (Mooncake code {rc})")
         self._keep(tensor)
+        return True
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s bytes lie within one registered range (zero-copy possible)."""
@@ -347,7 +313,7 @@ class PoolClient:
 
     def close(self) -> None:
         """Stop using the pool: unregister this client's memory and park the store for reuse
-        (or close it in the background if it is unhealthy). Idempotent."""
+        (an unhealthy store is kept open, unused). Idempotent."""
         with self._lock:
             store, self._store = self._store, None
             inflight = list(self._inflight)
@@ -357,16 +323,30 @@ class PoolClient:
             return
         reusable = False
         if healthy and not inflight:
-            unregister = self._workers.submit(_unregister, store, addresses)
             try:
-                reusable = unregister.result(timeout=self.op_timeout_s)
+                reusable = self._workers.submit(_unregister, store, addresses).result(timeout=self.op_timeout_s)
             except FutureTimeout:
-                inflight = [unregister]
+                pass
         self._workers.close()
         if reusable:
             _park((self.pool, self.mode), store)
         else:
-            _close_in_background(store, inflight, self.op_timeout_s)
+            _keep_open(store, self._memory)  # still registered: a stray call may use that memory
+
+
+def _answers(address: str, timeout_s: float) -> bool:
+    """Whether a live process serves ``address``: it closes the connection on (or answers)
+    bytes that are no request within ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=max(timeout_s, 1e-3)) as conn:
+            conn.sendall(_NOT_A_REQUEST)
+            conn.recv(1)  # b"" (closed) or data: someone is there
+            return True
+    except ConnectionError:
+        return True  # reset by a live peer
+    except OSError:
+        return False  # timed out (nobody reads), or unreachable
 
 
 def _after(stray: Future, on_late: Callable[[Any, Any], None], store: Any) -> None:
@@ -374,7 +354,11 @@ def _after(stray: Future, on_late: Callable[[Any, Any], None], store: Any) -> No
         on_late(store, stray.result())
 
 
-def _probe(store: Any) -> bool:
+def _probe(store: Any, address: str, timeout_s: float) -> bool:
+    # Sockets first: a Mooncake call into a dead SHM daemon blocked until exit, and a call
+    # still inside a store when Mooncake tears it down at exit aborted the process.
+    if not (accepts(address, timeout_s) and _answers(address, timeout_s)):
+        return False
     return store.health_check() == 0 and all(r >= 0 for r in store.batch_is_exist([PROBE_OBJECT]))
 
 
@@ -386,61 +370,28 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-# Process-wide: stores parked for reuse, stores being closed, and stores that can never be
-# closed (a call still running inside a store must not see it torn down: kept until exit).
-_closing_lock = threading.Lock()
+# Process-wide: stores parked for reuse, and stores kept open unused (closing one holds the GIL
+# for 1 to 30 s, and a call may still be running inside it).
+_parked_lock = threading.Lock()
 _parked: dict[tuple[PoolConfig, RemoteMode], list[Any]] = {}
-_closing: set[threading.Thread] = set()
-_wedged: list[Any] = []
+_kept: list[tuple[Any, list[torch.Tensor] | None]] = []
 
 
 def _park(key: tuple[PoolConfig, RemoteMode], store: Any) -> None:
-    with _closing_lock:
+    with _parked_lock:
         parked = _parked.setdefault(key, [])
         if len(parked) < PARKED_PER_POOL:
             parked.append(store)
             return
-    _close_in_background(store, [])
+    store.close()  # healthy: ~1 s, every thread stalled (rare: more clients than parking spots)
 
 
 def _unpark(key: tuple[PoolConfig, RemoteMode]) -> Any:
-    with _closing_lock:
+    with _parked_lock:
         parked = _parked.get(key)
         return parked.pop() if parked else None
 
 
-def _close_in_background(store: Any, inflight: list[Future], wait_s: float = 0.0) -> None:
-    def run() -> None:
-        deadline = time.monotonic() + wait_s
-        for future in inflight:
-            try:
-                future.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                with _closing_lock:
-                    _wedged.append(store)
-                    _closing.discard(thread)
-                return
-        try:
-            store.close()
-        finally:
-            with _closing_lock:
-                _closing.discard(thread)
-
-    thread = threading.Thread(target=run, name="kvstrata-pool-close", daemon=True)
-    with _closing_lock:
-        _closing.add(thread)
-    thread.start()
-
-
-@atexit.register
-def _finish_closing() -> None:
-    deadline = time.monotonic() + CLOSE_AT_EXIT_S
-    with _closing_lock:
-        parked = [store for stores in _parked.values() for store in stores]
-        _parked.clear()
-    for store in parked:
-        _close_in_background(store, [])
-    with _closing_lock:
-        threads = list(_closing)
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
+def _keep_open(store: Any, memory: list[torch.Tensor] | None = None) -> None:
+    with _parked_lock:
+        _kept.append((store, memory))

@@ -157,7 +157,8 @@ class MemoryTier(Tier):
         self._pool = None
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
+    """CUDA when available, else the CPU (which then stands in for HBM)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -181,11 +182,14 @@ class DeviceTier(MemoryTier):
         capacity_bytes: int,
         device: torch.device | str | None = None,
         eviction: Eviction = Eviction.LRU,
+        buffer: torch.Tensor | None = None,
     ) -> None:
-        where = _default_device() if device is None else torch.device(device)
+        where = default_device() if device is None else torch.device(device)
         if where.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device tier: device {where} requested but CUDA is not available")
-        super().__init__(layout, capacity_bytes, where, pin=False, eviction=eviction)
+        if buffer is not None and buffer.device != where:
+            raise ValueError(f"device tier: buffer on {buffer.device}, tier on {where}")
+        super().__init__(layout, capacity_bytes, where, pin=False, eviction=eviction, buffer=buffer)
 
 
 class HostTier(MemoryTier):

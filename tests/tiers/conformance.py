@@ -41,8 +41,9 @@ class TierSpec:
     """How to build one kind of tier for the suite."""
 
     name: str
-    build: Callable[..., Tier]  # (layout, capacity_bytes, eviction, tmp_path) -> Tier
+    build: Callable[..., Tier]  # (layout, capacity_bytes, eviction, tmp_path, **fixtures) -> Tier
     has_view: bool
+    fixtures: tuple[str, ...] = ()  # pytest fixtures ``build`` takes as keyword arguments
 
 
 MakeTier = Callable[..., Tier]  # (layout=SMALL, blocks=4, eviction=LRU, extra_bytes=0) -> Tier

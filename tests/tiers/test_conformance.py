@@ -20,10 +20,25 @@ def _disk(layout, capacity_bytes, eviction, tmp_path):
     return DiskTier(layout, capacity_bytes, directory=tmp_path, eviction=eviction)
 
 
+def _remote(mode_name):
+    def build(layout, capacity_bytes, eviction, tmp_path, pool):
+        from kvstrata.tiers.remote import RemoteMode, RemoteTier, fresh_tag
+
+        mode = RemoteMode[mode_name]
+        if mode is RemoteMode.SHM and not pool.daemon:
+            pytest.skip("the configured pool has no daemon on this host for SHM mode")
+        # A fresh namespace per tier: tests never see each other's objects in the shared pool.
+        return RemoteTier(layout, capacity_bytes, pool, mode, namespace_tag=fresh_tag(), eviction=eviction)
+
+    return build
+
+
 SPECS = [
     TierSpec("device", lambda layout, capacity, eviction, _: DeviceTier(layout, capacity, eviction=eviction), True),
     TierSpec("host", lambda layout, capacity, eviction, _: HostTier(layout, capacity, eviction=eviction), True),
     TierSpec("disk", _disk, False),
+    TierSpec("remote-tcp", _remote("TCP"), False, fixtures=("pool",)),
+    TierSpec("remote-shm", _remote("SHM"), False, fixtures=("pool",)),
 ]
 
 
@@ -46,7 +61,8 @@ def make_tier(tier_spec, tmp_path, request):
     def make(layout=SMALL, blocks=4, eviction=Eviction.LRU, extra_bytes=0):
         directory = tmp_path / f"tier{len(made)}"  # used by disk tiers only
         directory.mkdir()
-        tier = tier_spec.build(layout, blocks * layout.block_bytes + extra_bytes, eviction, directory)
+        fixtures = {name: request.getfixturevalue(name) for name in tier_spec.fixtures}
+        tier = tier_spec.build(layout, blocks * layout.block_bytes + extra_bytes, eviction, directory, **fixtures)
         made.append(tier)
         return tier
 

@@ -1,0 +1,411 @@
+"""The remote tier: blocks in a shared DRAM pool (Mooncake Store) that many processes use.
+
+Where blocks live. Block ``key`` is the pool object ``kvstrata/<namespace_tag>/<key hex>`` in
+the format of ``kvstrata.tiers.poolvalue`` (a 64-byte checksummed header, then the payload).
+Keys are chained from the namespace digest already; the tag keeps the objects of different
+models or tenants apart and greppable. Objects live in the pool daemons, never in this process
+(it joins with a segment of 0 bytes), so they outlive it and every instance sees them.
+
+The table is this process's view of the pool. ``write`` + ``complete_store`` and ``adopt``
+(for blocks another instance wrote, found with ``exists``) put keys in it; ``discard`` does not
+remove the object, since other instances share it, and the pool evicts by itself when full. A
+key READY in the table may therefore be gone from the pool: reading it raises BlockMissing (a
+CorruptBlock), a miss, never wrong data. ``remove_from_pool`` deletes objects explicitly.
+
+Zero-copy. Memory from ``allocate`` (or passed to ``register``) is registered with the store;
+``write`` and ``read_into`` on tensors inside it hand the pool the caller's bytes directly. Any
+other tensor (another CPU tensor, a CUDA tensor) goes through this thread's staging buffer of
+one block. In SHM mode the daemon on this host copies between the pool and shared memory.
+
+Faults. Every store call is bounded (``op_timeout_s``) on a private worker thread; a timeout or
+a transport error puts the tier DOWN for a cool-off, during which calls raise PoolUnavailable at
+once (see ``kvstrata.pool.client``). The contract for the caller's memory:
+
+* ``read_into`` raises TransferAbandoned (a PoolUnavailable and a ``kvstrata.tiers.base.TransferAbandoned``) when it handed ``dst``'s memory to
+  the pool and the call did not end cleanly (timed out, or a transport error): bytes may still
+  land in ``dst`` at any later time. The caller must quarantine that memory (e.g. never reuse
+  the host slot). A read that went through staging raises plain PoolUnavailable: ``dst`` was
+  never exposed, and the staging buffer is retired instead.
+* A ``write`` that times out raises PoolUnavailable; should the put complete later anyway, the
+  object is removed then, since the source memory may have changed meanwhile (an instance that
+  reads it in between is protected only by ``verify_payload``).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstrata.index.keys import KEY_BYTES, BlockKey
+from kvstrata.kv.layout import KVLayout
+from kvstrata.policies.eviction import Eviction
+from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable, RemoteMode
+from kvstrata.pool.config import PoolConfig
+from kvstrata.tiers import base, poolvalue
+from kvstrata.tiers.base import BlockMissing, CorruptBlock, Tier
+from kvstrata.tiers.medium import Medium
+from kvstrata.tiers.table import TierFull
+
+__all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "RemoteMode", "RemoteTier", "TransferAbandoned"]
+
+_TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
+
+# Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
+NO_SPACE = -200  # the pool could not place the object now
+INVALID_KEY = -400
+BUFFERS_TOO_SMALL = -600  # a get whose buffers add up to less than the object
+REPLICA_NOT_READY = -703  # still being written
+OBJECT_NOT_FOUND = -704
+OBJECT_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707  # evicted while we read it: the bytes read are void
+TRANSFER_FAIL = -800  # a get whose buffers add up to more than the object, or a transport failure
+TENANT_QUOTA_EXCEEDED = -1700
+_MISSING = {REPLICA_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED}
+_PUT_REFUSED = {NO_SPACE, INVALID_KEY, BUFFERS_TOO_SMALL, REPLICA_NOT_READY, OBJECT_HAS_LEASE, TENANT_QUOTA_EXCEEDED}
+
+
+class TransferAbandoned(base.TransferAbandoned, PoolUnavailable):
+    """A read gave up on a transfer into the caller's memory, which may still be written later.
+
+    Quarantine that memory: never reuse it for anything (see the module docstring).
+    """
+
+
+class PoolRefused(RuntimeError):
+    """The pool refused to store one object (full, say); the pool itself is fine."""
+
+
+@dataclass
+class _Lane:
+    """A thread's registered buffers: a header, and a staging block made on first need."""
+
+    header: torch.Tensor  # uint8 [>= HEADER_BYTES]
+    staging: torch.Tensor | None = None  # uint8 [block_bytes]
+
+
+class RemoteTier(Tier):
+    """Blocks as objects in a shared Mooncake pool.
+
+    Args:
+        layout: what every block holds; values written under another layout are never served.
+        capacity_bytes: how much of the pool this process's table tracks.
+        pool: where the pool is.
+        mode: TCP (via the master) or SHM (via the pool daemon on this host).
+        namespace_tag: the object name's middle part (e.g. ``Namespace.tag``).
+        op_timeout_s: the longest one store call is waited for.
+        connect_timeout_s: the longest connecting may take.
+        eviction: the table's eviction policy.
+        verify_payload: write an xxh3_64 of each payload, and check it on every read of a value
+            that has one (a pass over the bytes on each side).
+        cooloff_s: after a fault, how long calls fail at once before the pool is probed again.
+
+    Raises:
+        PoolUnavailable: the pool could not be reached within ``connect_timeout_s``.
+    """
+
+    medium = Medium.REMOTE
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        pool: PoolConfig,
+        mode: RemoteMode = RemoteMode.TCP,
+        namespace_tag: str = "",
+        op_timeout_s: float = 10.0,
+        connect_timeout_s: float = 5.0,
+        eviction: Eviction = Eviction.LRU,
+        verify_payload: bool = False,
+        cooloff_s: float = 1.0,
+    ) -> None:
+        super().__init__(layout, capacity_bytes, eviction)
+        if not isinstance(namespace_tag, str) or not _TAG.fullmatch(namespace_tag):
+            raise ValueError(f"remote tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
+        self.pool = pool
+        self.namespace_tag = namespace_tag
+        self.verify_payload = verify_payload
+        self._layout_digest = poolvalue.layout_digest(layout.describe())
+        self._lanes = threading.local()
+        self._lock = threading.Lock()
+        self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
+        self._client: PoolClient | None = PoolClient(pool, mode, op_timeout_s, connect_timeout_s, cooloff_s)
+
+    # --- names and memory ---------------------------------------------------------------------
+
+    def object_name(self, key: BlockKey) -> str:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(f"remote tier: a block key is {KEY_BYTES} bytes, got {key!r}")
+        return f"kvstrata/{self.namespace_tag}/{key.hex()}"
+
+    @property
+    def mode(self) -> RemoteMode:
+        return self._live().mode
+
+    @property
+    def up(self) -> bool:
+        """False while cooling off after a fault (calls fail fast) or once closed."""
+        return self._client is not None and self._client.up
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of pre-faulted CPU memory (uint8 ``[nbytes]``) that moves to and from the
+        pool zero-copy; build the host tier on it (``HostTier(..., buffer=...)``).
+
+        SHM mode: shared memory the pool daemon maps, mapped until this process exits. TCP
+        mode: ordinary memory, registered with the store, kept alive as long as this tier.
+        """
+        return self._live().allocate(nbytes)
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Register a tensor's memory for zero-copy transfers; whether that worked (TCP mode:
+        any contiguous CPU memory; SHM mode: only memory from ``allocate``; never CUDA memory).
+        Memory that is not registered still transfers, through this thread's staging buffer."""
+        return self._live().register(tensor)
+
+    # --- the Tier interface -------------------------------------------------------------------
+
+    def write(self, slot: int, key: BlockKey, src: torch.Tensor) -> None:
+        """Put ``src`` (uint8 ``[layers, layer_bytes]``, any device) as the object of ``key``.
+
+        ``slot`` is not used. A key already in the pool is left as it is (keys name content).
+
+        Raises:
+            PoolUnavailable: the pool is down or did not answer in time.
+            PoolRefused: the pool would not take this object now (e.g. full).
+        """
+        client = self._live()
+        shape = (self.layout.num_layers, self.layout.layer_bytes)
+        if src.dtype != torch.uint8 or tuple(src.shape) != shape:
+            raise ValueError(f"remote tier: src must be uint8 {list(shape)}, got {src.dtype} {list(src.shape)}")
+        name = self.object_name(key)
+        lane = self._lane(client)
+        if client.is_registered(src):
+            payload = src
+        else:
+            payload = self._staging(client, lane).view(shape)
+            payload.copy_(src)
+        checksum = xxhash.xxh3_64_intdigest(payload.numpy()) if self.verify_payload else None
+        header = poolvalue.encode_header(key, self._layout_digest, payload.numel(), checksum)
+        lane.header[: poolvalue.HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
+        ptrs = [lane.header.data_ptr(), payload.data_ptr()]
+        sizes = [poolvalue.HEADER_BYTES, payload.numel()]
+        try:
+            (rc,) = client.call(
+                f"put of {name}", "batch_put_from_multi_buffers", [name], [ptrs], [sizes],
+                on_late=lambda store, codes: _undo_late_put(store, name, codes),
+            )
+        except CallTimedOut:
+            self._retire(lane)  # the stray put still reads the header (and staging)
+            raise
+        if rc in (0, OBJECT_EXISTS):
+            return
+        if rc in _PUT_REFUSED:
+            raise PoolRefused(f"remote tier: the pool refused {name} (Mooncake code {rc})")
+        client.mark_down(f"put failed with Mooncake code {rc}")
+        raise PoolUnavailable(f"remote tier: put of {name} failed (Mooncake code {rc})")
+
+    def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
+        """Read layers ``layers`` of ``key`` into ``dst`` (uint8 ``[n_layers, layer_bytes]``).
+
+        The whole object always moves (header, then payload); into registered ``dst`` the
+        requested layers land in place and the others in staging. Verified before returning.
+
+        Raises:
+            BlockMissing: the object is not in the pool (a CorruptBlock: a miss).
+            CorruptBlock: wrong size, header of another key or layout, bad checksum; ``dst``
+                may hold some of its bytes and must be discarded.
+            TransferAbandoned: ``dst`` may still be written later: quarantine it.
+            PoolUnavailable: the pool is down; ``dst`` was not touched.
+        """
+        client = self._live()
+        start, stop = self._layer_range(layers)
+        layer_bytes = self.layout.layer_bytes
+        shape = (stop - start, layer_bytes)
+        if dst.dtype != torch.uint8 or tuple(dst.shape) != shape:
+            raise ValueError(f"remote tier: dst must be uint8 {list(shape)}, got {dst.dtype} {list(dst.shape)}")
+        name = self.object_name(key)
+        lane = self._lane(client)
+        direct = client.is_registered(dst)
+        # The payload's parts in object order: [layers before | dst | layers after], or all staged.
+        if direct:
+            before, after = start * layer_bytes, (self.layout.num_layers - stop) * layer_bytes
+            parts = [dst.view(-1)] if dst.numel() else []
+            if before or after:
+                staging = self._staging(client, lane)
+                if before:
+                    parts.insert(0, staging[:before])
+                if after:
+                    parts.append(staging[before : before + after])
+        else:
+            parts = [self._staging(client, lane)]
+        ptrs = [lane.header.data_ptr()] + [p.data_ptr() for p in parts]
+        sizes = [poolvalue.HEADER_BYTES] + [p.numel() for p in parts]
+        try:
+            (got,) = client.call(f"get of {name}", "batch_get_into_multi_buffers", [name], [ptrs], [sizes])
+        except CallTimedOut as error:
+            raise self._abandon(lane, direct, name, str(error)) from None
+        if got < 0:
+            self._get_failed(client, lane, direct, name, got)
+        if got != sum(sizes):
+            raise CorruptBlock(f"remote tier: {name} read {got} bytes, expected {sum(sizes)}: a value of the wrong size")
+        header = self._verified_header(key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes())
+        if self.verify_payload and header.payload_checksum is not None:
+            hasher = xxhash.xxh3_64()
+            for part in parts:
+                hasher.update(part.numpy())
+            if hasher.intdigest() != header.payload_checksum:
+                raise CorruptBlock(f"remote tier: {name} payload checksum mismatch")
+        if not direct:
+            dst.copy_(parts[0].view(self.layout.num_layers, layer_bytes)[start:stop])
+
+    def close(self) -> None:
+        """Leave the pool (the objects stay). Idempotent; afterwards calls raise RuntimeError.
+        Memory from ``allocate`` stays valid for whoever still holds it."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # --- shared visibility --------------------------------------------------------------------
+
+    def exists(self, keys: list[BlockKey]) -> list[bool]:
+        """Which of ``keys`` are in the pool now (written by any instance). False where the
+        pool could not say (down, error)."""
+        if not keys:
+            return []
+        client = self._live()
+        names = [self.object_name(k) for k in keys]
+        try:
+            answers = client.call(f"exists of {len(names)} objects", "batch_is_exist", names)
+        except PoolUnavailable:
+            return [False] * len(keys)
+        if any(a < 0 for a in answers):
+            client.mark_down(f"exists answered {min(answers)}")
+        return [a == 1 for a in answers]
+
+    def adopt(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """Record blocks found in the pool (with ``exists``) as READY in this tier's table.
+
+        Keys already in the table are skipped; stops at the first key the full table has no
+        slot for. Nothing is read: a block that vanished since reads as BlockMissing.
+
+        Returns:
+            The keys adopted, in order.
+        """
+        adopted = []
+        for key in keys:
+            try:
+                reservation = self.table.prepare_store(key)
+            except TierFull:
+                break
+            if reservation is not None:
+                self.table.complete_store(key, ok=True)
+                adopted.append(key)
+        return adopted
+
+    def remove_from_pool(self, keys: list[BlockKey], force: bool = False) -> list[bool]:
+        """Delete objects from the pool for every instance (the table is the caller's).
+
+        Args:
+            force: remove even objects under a read lease (a reader then gets a miss).
+
+        Returns:
+            Per key, whether it is gone from the pool now (False: under a lease, or an error).
+
+        Raises:
+            PoolUnavailable: the pool is down or did not answer in time.
+        """
+        if not keys:
+            return []
+        client = self._live()
+        codes = client.call(f"remove of {len(keys)} objects", "batch_remove", [self.object_name(k) for k in keys], force)
+        return [rc in (0, OBJECT_NOT_FOUND) for rc in codes]
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _live(self) -> PoolClient:
+        client = self._client
+        if client is None:
+            raise RuntimeError("remote tier is closed")
+        return client
+
+    def _lane(self, client: PoolClient) -> _Lane:
+        lane = getattr(self._lanes, "lane", None)
+        if lane is None:
+            lane = self._lanes.lane = _Lane(client.allocate(4096))  # a page: what SHM maps anyway
+        return lane
+
+    def _staging(self, client: PoolClient, lane: _Lane) -> torch.Tensor:
+        if lane.staging is None:
+            lane.staging = client.allocate(self.layout.block_bytes)
+        return lane.staging
+
+    def _retire(self, lane: _Lane) -> None:
+        """A stray call may still use this thread's buffers: keep them, make new ones next time."""
+        with self._lock:
+            self._retired.append(lane)
+        if getattr(self._lanes, "lane", None) is lane:
+            self._lanes.lane = None
+
+    def _abandon(self, lane: _Lane, direct: bool, name: str, why: str) -> PoolUnavailable:
+        self._retire(lane)
+        if direct:
+            return TransferAbandoned(f"remote tier: {why}; the destination may still be written: quarantine it")
+        return PoolUnavailable(f"remote tier: {why}")
+
+    def _get_failed(self, client: PoolClient, lane: _Lane, direct: bool, name: str, code: int) -> None:
+        """Raise the error a failed get (Mooncake code ``code``) means."""
+        if code in _MISSING:
+            raise BlockMissing(f"remote tier: {name} is not in the pool (Mooncake code {code})")
+        expected = poolvalue.HEADER_BYTES + self.layout.block_bytes
+        if code == BUFFERS_TOO_SMALL:
+            raise CorruptBlock(f"remote tier: {name} is larger than {expected} bytes: a value of the wrong size: rejected")
+        if code == TRANSFER_FAIL:
+            # Either the object is smaller than our buffers (refused before any transfer) or
+            # the transport failed: the object's size tells which.
+            try:
+                size = client.call(f"size of {name}", "get_size", name)
+            except CallTimedOut as error:
+                raise self._abandon(lane, direct, name, str(error)) from None
+            except PoolUnavailable:
+                size = None
+            if size == OBJECT_NOT_FOUND:
+                raise BlockMissing(f"remote tier: {name} is not in the pool")
+            if size is not None and size >= 0 and size != expected:
+                raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
+        client.mark_down(f"get failed with Mooncake code {code}")
+        raise self._abandon(lane, direct, name, f"get of {name} failed (Mooncake code {code})")
+
+    def _verified_header(self, key: BlockKey, head: bytes) -> poolvalue.ValueHeader:
+        header = poolvalue.decode_header(head)
+        name = key.hex()[:12]
+        if header.key != key:
+            raise CorruptBlock(f"remote tier: object of {name} holds block {header.key.hex()[:12]}")
+        if header.layout_digest != self._layout_digest:
+            raise CorruptBlock(f"remote tier: block {name} was written under another layout")
+        if header.payload_bytes != self.layout.block_bytes:
+            raise CorruptBlock(f"remote tier: block {name} has {header.payload_bytes} payload bytes")
+        return header
+
+    def _layer_range(self, layers: slice) -> tuple[int, int]:
+        start, stop, step = layers.indices(self.layout.num_layers)
+        if step != 1:
+            raise ValueError(f"remote tier: layers must be a contiguous range, got {layers}")
+        return start, max(start, stop)
+
+
+def _undo_late_put(store, name: str, codes: list[int]) -> None:
+    # A put that completed after its caller gave up: its source may have changed meanwhile.
+    if codes and codes[0] == 0:
+        store.remove(name, True)
+
+
+def fresh_tag() -> str:
+    """A namespace tag no other tier uses (tests, benchmarks)."""
+    return uuid.uuid4().hex

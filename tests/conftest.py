@@ -1,0 +1,30 @@
+"""Fixtures shared across the suite: a real shared pool (Mooncake master + pool daemon)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kvstrata.pool import embedded
+from kvstrata.pool.config import PoolConfig, pool_from_env
+
+POOL_SEGMENT_BYTES = 256 * 1024**2
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory) -> PoolConfig:
+    """``$KVSTRATA_POOL`` (a pool TOML, or an embedded pool's pool.json) if set, else an
+    embedded pool on loopback for this session, stopped at its end."""
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("the pool engine is not installed (pip install mooncake-transfer-engine-non-cuda)")
+    configured = pool_from_env()
+    if configured is not None:
+        yield configured
+        return
+    run_dir = tmp_path_factory.mktemp("pool")
+    state = embedded.start(POOL_SEGMENT_BYTES, run_dir)
+    try:
+        yield state.config
+    finally:
+        embedded.stop(run_dir)

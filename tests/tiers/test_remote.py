@@ -1,0 +1,395 @@
+"""The remote tier against real pool processes: faults, foreign values, sharing between processes.
+
+Every pool here is real: the session's embedded pool (or ``$KVSTRATA_POOL``), or a private one
+a test starts and then kills (SIGKILL) or stops (SIGSTOP). Foreign values are put with the raw
+store API under the tier's object names. Run as a script (``python test_remote.py child ...``)
+this file is also the other process of the sharing test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from kvstrata.kv.geometry import DType
+from kvstrata.kv.layout import KVLayout
+from kvstrata.pool import embedded
+from kvstrata.pool.client import PoolClient
+from kvstrata.pool.config import PoolConfig
+from kvstrata.tiers import base, poolvalue
+from kvstrata.tiers.base import CorruptBlock
+from kvstrata.tiers.remote import (
+    BlockMissing,
+    PoolUnavailable,
+    RemoteMode,
+    RemoteTier,
+    TransferAbandoned,
+    fresh_tag,
+)
+
+LAYOUT = KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DType.BF16)  # 4 x 1 KiB
+MODES = [RemoteMode.TCP, RemoteMode.SHM]
+SLACK_S = 1.5  # scheduling slack on a loaded 2-core CI box, on top of a configured bound
+
+
+# --- deterministic blocks (shared with the child process) -------------------------------------
+
+
+def make_key(i: int, salt: str = "") -> bytes:
+    return xxhash.xxh3_128_digest(f"kvstrata-test-remote:{salt}:{i}".encode())
+
+
+def content(key: bytes) -> torch.Tensor:
+    data = np.random.default_rng(int.from_bytes(key, "little")).bytes(LAYOUT.block_bytes)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(LAYOUT.num_layers, LAYOUT.layer_bytes)
+
+
+def store(tier: RemoteTier, key: bytes, block: torch.Tensor | None = None) -> int:
+    reservation = tier.table.prepare_store(key)
+    tier.write(reservation.slot, key, content(key) if block is None else block)
+    tier.table.complete_store(key, ok=True)
+    return reservation.slot
+
+
+def load(tier: RemoteTier, key: bytes, dst: torch.Tensor | None = None) -> torch.Tensor:
+    dst = torch.full((LAYOUT.num_layers, LAYOUT.layer_bytes), 0xAA, dtype=torch.uint8) if dst is None else dst
+    tier.read_into(tier.table.slot(key), key, dst)
+    return dst
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_tier(pool):
+    made = []
+
+    def make(mode: RemoteMode = RemoteMode.TCP, pool_config: PoolConfig | None = None, **kwargs) -> RemoteTier:
+        config = pool_config or pool
+        if mode is RemoteMode.SHM and not config.daemon:
+            pytest.skip("the configured pool has no daemon on this host for SHM mode")
+        kwargs.setdefault("namespace_tag", fresh_tag())
+        tier = RemoteTier(LAYOUT, 16 * LAYOUT.block_bytes, config, mode, **kwargs)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+@pytest.fixture(scope="module")
+def raw(pool):
+    """The raw store API (Mooncake calls, through a bounded client) and a registered buffer."""
+    client = PoolClient(pool)
+    buffer = client.allocate(2 * (poolvalue.HEADER_BYTES + LAYOUT.block_bytes))
+    yield client, buffer
+    client.close()
+
+
+def put_raw(raw, name: str, value: bytes) -> None:
+    client, buffer = raw
+    buffer[: len(value)] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+    assert client.call("raw put", "batch_put_from", [name], [buffer.data_ptr()], [len(value)]) == [0]
+
+
+def value_bytes(key: bytes, payload: torch.Tensor, layout_text: str = LAYOUT.describe(), checksum=None) -> bytes:
+    digest = poolvalue.layout_digest(layout_text)
+    return poolvalue.encode_header(key, digest, payload.numel(), checksum) + payload.numpy().tobytes()
+
+
+@pytest.fixture
+def private_pool(tmp_path):
+    """A pool of this test's own, to kill or stop."""
+    state = embedded.start(64 * 1024**2, tmp_path / "pool")
+    yield state
+    for pid in (state.daemon_pid, state.master_pid):
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    embedded.stop(tmp_path / "pool")
+
+
+def timed(fn):
+    start = time.monotonic()
+    try:
+        return fn(), time.monotonic() - start
+    except Exception as error:  # noqa: BLE001 - returned for the test to check
+        return error, time.monotonic() - start
+
+
+# --- connecting -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_no_pool_at_start_raises_pool_unavailable_quickly(mode):
+    address = f"127.0.0.1:{embedded.free_port()}"  # nobody listens
+    error, seconds = timed(lambda: RemoteTier(LAYOUT, 0, PoolConfig(master=address, daemon=address), mode,
+                                              connect_timeout_s=1.0))
+    assert isinstance(error, PoolUnavailable) and address in str(error)
+    assert seconds < 1.0 + 2.0
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_pool_that_accepts_but_never_answers_raises_quickly(mode):
+    # The kernel completes connections for a listening socket nobody serves (as for a stopped
+    # master). Mooncake's setup would retry for minutes while holding the GIL: never called.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        error, seconds = timed(lambda: RemoteTier(LAYOUT, 0, PoolConfig(master=address, daemon=address), mode,
+                                                  connect_timeout_s=1.0))
+    assert isinstance(error, PoolUnavailable) and "does not answer" in str(error)
+    assert seconds < 1.0 + 2.0
+
+
+def test_shm_mode_needs_a_daemon():
+    with pytest.raises(ValueError, match="daemon"):
+        RemoteTier(LAYOUT, 0, PoolConfig(master="127.0.0.1:1"), RemoteMode.SHM)
+
+
+# --- zero-copy memory -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_allocated_memory_moves_without_staging(make_tier, mode):
+    tier = make_tier(mode)
+    host = tier.allocate(3 * LAYOUT.block_bytes).view(3, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    host[0].copy_(content(make_key(1)))
+    store(tier, make_key(1), host[0])
+    load(tier, make_key(1), host[1])
+    assert torch.equal(host[1], host[0])
+    assert tier._lanes.lane.staging is None  # whole blocks in registered memory: no staging at all
+    for layers in (slice(1, 3), slice(0, 1), slice(3, 4), slice(2, 2)):
+        dst = host[2][: len(range(*layers.indices(LAYOUT.num_layers)))]
+        dst.fill_(0xAA)
+        tier.read_into(tier.table.slot(make_key(1)), make_key(1), dst, layers)
+        assert torch.equal(dst, host[0][layers])
+
+
+def test_registered_tensor_is_zero_copy_in_tcp_mode(make_tier):
+    tier = make_tier(RemoteMode.TCP)
+    mine = content(make_key(2)).clone()
+    assert tier.register(mine) is True
+    store(tier, make_key(2), mine)
+    mine.zero_()
+    load(tier, make_key(2), mine)
+    assert torch.equal(mine, content(make_key(2)))
+    assert tier._lanes.lane.staging is None
+
+
+def test_shm_mode_cannot_register_private_memory_but_still_moves_it(make_tier):
+    tier = make_tier(RemoteMode.SHM)
+    mine = content(make_key(12)).clone()
+    assert tier.register(mine) is False  # the daemon maps only segments from allocate()
+    assert tier.register(tier.allocate(4096)) is True
+    store(tier, make_key(12), mine)
+    mine.zero_()
+    assert torch.equal(load(tier, make_key(12), mine), content(make_key(12)))  # through staging
+
+
+# --- shared visibility ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_exists_and_adopt_stop_at_a_full_table(make_tier, mode):
+    writer = make_tier(mode)
+    keys = [make_key(i, "adopt") for i in range(5)]
+    for key in keys[:3]:
+        store(writer, key)
+    reader = RemoteTier(LAYOUT, 2 * LAYOUT.block_bytes, writer.pool, mode, namespace_tag=writer.namespace_tag)
+    try:
+        assert reader.exists(keys) == [True, True, True, False, False]
+        assert reader.exists([]) == []
+        assert reader.adopt(keys[:3]) == keys[:2]  # two slots
+        assert [torch.equal(load(reader, k), content(k)) for k in keys[:2]] == [True, True]
+        assert reader.adopt(keys[:2]) == []  # already there
+    finally:
+        reader.close()
+
+
+def test_discard_leaves_the_object_for_others(make_tier):
+    tier = make_tier()
+    slot = store(tier, make_key(3))
+    tier.table.choose_victims(1)
+    tier.table.release(make_key(3))
+    tier.discard(slot, make_key(3))
+    assert tier.exists([make_key(3)]) == [True]
+
+
+def test_block_removed_under_a_reader_is_missing(make_tier):
+    tier = make_tier()
+    store(tier, make_key(4))
+    assert tier.remove_from_pool([make_key(4)], force=True) == [True]
+    assert tier.exists([make_key(4)]) == [False]
+    with pytest.raises(BlockMissing):
+        load(tier, make_key(4))
+    assert tier.remove_from_pool([make_key(4)]) == [True]  # already gone
+
+
+def test_other_namespace_is_a_miss(make_tier):
+    writer = make_tier()
+    other = make_tier()  # same pool, another tag
+    store(writer, make_key(5))
+    assert other.exists([make_key(5)]) == [False]
+    assert other.adopt([make_key(5)]) == [make_key(5)]
+    with pytest.raises(BlockMissing):
+        load(other, make_key(5))
+
+
+# --- foreign values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra_bytes", [4096, -1024, -LAYOUT.block_bytes], ids=["larger", "smaller", "header-only"])
+def test_value_of_the_wrong_size_is_rejected(make_tier, raw, extra_bytes):
+    tier = make_tier()
+    key = make_key(6)
+    good = value_bytes(key, content(key))
+    value = good + bytes(extra_bytes) if extra_bytes > 0 else good[:extra_bytes]
+    put_raw(raw, tier.object_name(key), value)
+    tier.adopt([key])
+    with pytest.raises(CorruptBlock, match="wrong size") as caught:
+        load(tier, key)
+    assert not isinstance(caught.value, BlockMissing)
+    assert tier.up  # a bad value says nothing about the pool
+
+
+@pytest.mark.parametrize("defect", ["other key", "other layout", "bad magic", "bad header checksum"])
+def test_wrong_header_is_rejected(make_tier, raw, defect):
+    tier = make_tier()
+    key = make_key(7)
+    payload = content(key)
+    if defect == "other key":
+        value = value_bytes(make_key(8), payload)
+    elif defect == "other layout":
+        value = value_bytes(key, payload, layout_text="layer-major LKTHD:4x2x32x2x8:bf16")
+    else:
+        value = bytearray(value_bytes(key, payload))
+        value[0 if defect == "bad magic" else 20] ^= 0xFF
+        value = bytes(value)
+    put_raw(raw, tier.object_name(key), value)
+    tier.adopt([key])
+    with pytest.raises(CorruptBlock) as caught:
+        load(tier, key)
+    assert not isinstance(caught.value, BlockMissing)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_verify_payload_catches_a_flipped_byte(make_tier, raw, mode):
+    checked = make_tier(mode, verify_payload=True)
+    unchecked = make_tier(mode, namespace_tag=checked.namespace_tag)
+    key = make_key(9)
+    payload = content(key)
+    checksum = xxhash.xxh3_64_intdigest(payload.numpy())
+    flipped = payload.clone()
+    flipped[2, 5] ^= 1
+    put_raw(raw, checked.object_name(key), value_bytes(key, flipped, checksum=checksum))
+    for tier in (checked, unchecked):
+        tier.adopt([key])
+    with pytest.raises(CorruptBlock, match="payload checksum"):
+        load(checked, key)
+    assert torch.equal(load(unchecked, key), flipped)  # without verify_payload: served as stored
+    # A checked tier's own writes carry a checksum and read back clean, whole or in part.
+    store(checked, make_key(10))
+    assert torch.equal(load(checked, make_key(10)), content(make_key(10)))
+    part = torch.empty(2, LAYOUT.layer_bytes, dtype=torch.uint8)
+    checked.read_into(checked.table.slot(make_key(10)), make_key(10), part, slice(1, 3))
+    assert torch.equal(part, content(make_key(10))[1:3])
+
+
+# --- pool faults ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_tier, private_pool, mode):
+    op_timeout_s = 1.0
+    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, cooloff_s=0.2)
+    host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    keys = [make_key(i, "killed") for i in range(3)]
+    for key in keys:
+        store(tier, key)
+    assert torch.equal(load(tier, keys[0], host[0]), content(keys[0]))
+    for victim in ("daemon", "master"):
+        os.kill(getattr(private_pool, f"{victim}_pid"), signal.SIGKILL)
+        time.sleep(0.3)  # past the cool-off: every call below reaches the dead pool again
+        for key in keys:
+            for dst in (host[1], None):  # registered memory, then through staging
+                error, seconds = timed(lambda key=key, dst=dst: load(tier, key, dst))
+                assert isinstance(error, (PoolUnavailable, CorruptBlock)), f"{victim} killed: read returned {error!r}"
+                assert seconds < op_timeout_s + SLACK_S
+        assert timed(lambda: tier.exists(keys))[0] == [False] * 3
+        error, seconds = timed(lambda victim=victim: store(tier, make_key(9, victim)))
+        assert isinstance(error, PoolUnavailable) and seconds < op_timeout_s + SLACK_S
+        tier.table.complete_store(make_key(9, victim), ok=False)
+    assert timed(tier.close)[1] < op_timeout_s + SLACK_S
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private_pool, mode):
+    op_timeout_s, cooloff_s = 1.0, 0.3
+    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, cooloff_s=cooloff_s)
+    host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    store(tier, make_key(11))
+    os.kill(private_pool.daemon_pid, signal.SIGSTOP)  # holds the bytes (and serves SHM clients)
+    error, seconds = timed(lambda: load(tier, make_key(11), host[0]))
+    assert isinstance(error, TransferAbandoned)  # host[0] was handed to the pool: quarantine it
+    assert isinstance(error, base.TransferAbandoned)  # what the cache catches
+    assert op_timeout_s <= seconds < op_timeout_s + SLACK_S
+    assert not tier.up
+    error, seconds = timed(lambda: load(tier, make_key(11), host[1]))  # cooling off: fails at once
+    assert type(error) is PoolUnavailable and seconds < 0.1
+    os.kill(private_pool.daemon_pid, signal.SIGCONT)
+    time.sleep(cooloff_s + 0.1)
+    assert torch.equal(load(tier, make_key(11), host[1]), content(make_key(11)))
+    assert tier.up
+
+
+# --- sharing between processes ----------------------------------------------------------------
+
+
+def test_blocks_shared_between_processes_and_outlive_their_writer(make_tier):
+    tier = make_tier(RemoteMode.TCP)
+    mine = [make_key(i, "parent") for i in range(3)]
+    theirs = [make_key(i, "child") for i in range(3)]
+    for key in mine:
+        store(tier, key)
+    args = {"pool": tier.pool.to_json(), "tag": tier.namespace_tag, "read": [k.hex() for k in mine],
+            "write": [k.hex() for k in theirs]}
+    child = subprocess.run([sys.executable, __file__, "child", json.dumps(args)], capture_output=True, text=True,
+                           timeout=60, check=False)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert json.loads(child.stdout.strip().splitlines()[-1]) == {"read_ok": [True, True, True]}
+    # The child has exited: its blocks live on in the pool.
+    assert tier.exists(theirs) == [True, True, True]
+    assert tier.adopt(theirs) == theirs
+    assert [torch.equal(load(tier, k), content(k)) for k in theirs] == [True, True, True]
+
+
+def _child(args: dict) -> None:
+    tier = RemoteTier(LAYOUT, 16 * LAYOUT.block_bytes, PoolConfig(**args["pool"]), RemoteMode.TCP,
+                      namespace_tag=args["tag"])
+    try:
+        wanted = [bytes.fromhex(k) for k in args["read"]]
+        assert tier.exists(wanted) == [True] * len(wanted)
+        assert tier.adopt(wanted) == wanted
+        read_ok = [torch.equal(load(tier, k), content(k)) for k in wanted]
+        for key in (bytes.fromhex(k) for k in args["write"]):
+            store(tier, key)
+    finally:
+        tier.close()
+    print(json.dumps({"read_ok": read_ok}), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["child"]:
+        _child(json.loads(sys.argv[2]))
