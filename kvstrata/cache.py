@@ -194,6 +194,7 @@ class StoreResult:
     blocks: int  # full blocks of the sequence
     new_blocks: int  # blocks this store wrote to the device tier
     seconds: float
+    refused_blocks: int = 0  # blocks not stored: the device tier was full of pinned blocks
 
 
 class TieredCache:
@@ -399,7 +400,9 @@ class TieredCache:
         device = self.tier(Medium.DEVICE)
         for p in planned:
             if p.fresh:
-                if not p.quarantined:  # a quarantined slot stays WRITING for good
+                if p.quarantined:
+                    device.table.quarantine(p.key)  # the key is free again, the slot never
+                else:
                     device.table.complete_store(p.key, ok=False)
                 if p.src is not None:  # None: dropped as corrupt, its pin went with it
                     self._unpin(p.src, [p.key])
@@ -453,7 +456,10 @@ class TieredCache:
                 result = future.result()
             except TransferAbandoned as exc:
                 # Bytes may still land in the destination later: never reuse that slot.
-                p.quarantined = reservation is None
+                if reservation is None:
+                    p.quarantined = True  # the device slot: retired when the plan is abandoned
+                else:
+                    host.table.quarantine(p.key)
                 failed[i] = f"the {p.src.label} tier stopped answering ({exc}); destination slot quarantined"
                 continue
             except TierUnavailable as exc:
@@ -560,11 +566,13 @@ class TieredCache:
         device = self.tier(Medium.DEVICE)
         bs = self.layout.block_tokens
         new: list[BlockKey] = []
+        refused = 0
         for i, key in enumerate(keys):
             try:
                 reservation = self._reserve(device, key)
             except TierFull:
-                break  # every device block is pinned: store what fit, refuse the rest cleanly
+                refused = len(keys) - i  # every device block is pinned: refuse the rest cleanly
+                break
             if reservation is None:
                 continue  # already cached (or being written by someone else)
             src = kv[:, :, i * bs : (i + 1) * bs]
@@ -575,14 +583,21 @@ class TieredCache:
                 device.table.complete_store(key, ok=False)
                 raise
             self._record(TransferRecord(Medium.DEVICE, Medium.DEVICE, self.layout.block_bytes, seconds))
-            device.table.complete_store(key, ok=True)
+            write_through = self.config.write.on_store()
+            # Write-through pins the new block from READY until it is written down: another
+            # thread's eviction in between would drop its only copy (write-through never
+            # demotes on eviction), and the store would be acknowledged with the block nowhere.
+            device.table.complete_store(key, ok=True, pin=write_through)
             self.index.add(key, Medium.DEVICE)
             new.append(key)
-            if self.config.write.on_store():
+            if write_through:
                 # Now, not after the loop: storing the next blocks may evict this one from a
-                # device smaller than the sequence, and write-through never demotes on eviction.
-                self._write_down(key, Medium.DEVICE)
-        return StoreResult(len(keys), len(new), time.perf_counter() - start)
+                # device smaller than the sequence.
+                try:
+                    self._write_down(key, Medium.DEVICE)
+                finally:
+                    self._unpin(Medium.DEVICE, [key])
+        return StoreResult(len(keys), len(new), time.perf_counter() - start, refused)
 
     def _write_down(self, key: BlockKey, frm: Medium) -> None:
         """Copy ``key`` into every tier below ``frm`` that lacks it (best effort: a full tier
@@ -611,8 +626,9 @@ class TieredCache:
                 result = self._engine.submit(self._tiers[medium], slot, dst, reservation.slot, key).result()
             except TransferAbandoned:
                 # Bytes may still move later: the source stays pinned (never reused) and the
-                # destination stays WRITING (never served, never reused). Both slots are lost.
+                # destination slot is retired. Both slots are lost to this process.
                 pinned = False
+                dst.table.quarantine(key)
                 return False
             except CorruptBlock:
                 dst.table.complete_store(key, ok=False)

@@ -73,6 +73,7 @@ class BlockTable:
         self._lock = threading.Lock()
         self._entries: dict[BlockKey, Entry] = {}
         self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._quarantined: set[int] = set()  # slots retired by abandoned transfers
 
     # --- state changes ---------------------------------------------------------------------
 
@@ -147,6 +148,21 @@ class BlockTable:
                 raise InvalidTransition(f"{self.name}: restore of a block that is not being evicted")
             self._move(entry, key, BlockState.READY)
             entry.state = BlockState.READY
+
+    def quarantine(self, key: BlockKey) -> None:
+        """Retire a WRITING block's slot for good (a transfer into it was abandoned and may
+        still land): the key is free to be stored again elsewhere, the slot never reused."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.state is not BlockState.WRITING:
+                raise InvalidTransition(f"{self.name}: quarantine of a block that is not being written")
+            del self._entries[key]
+            self._quarantined.add(entry.slot)
+
+    @property
+    def quarantined_slots(self) -> int:
+        with self._lock:
+            return len(self._quarantined)
 
     def remove(self, key: BlockKey) -> bool:
         """Drop a READY, unpinned block (e.g. it failed verification). False if it can't go now."""

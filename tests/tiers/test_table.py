@@ -512,3 +512,16 @@ TestBlockTableLFU = BlockTableLFUMachine.TestCase
 
 def test_policies_are_the_expected_classes():
     assert isinstance(Eviction.LRU.make(), LRU) and isinstance(Eviction.LFU.make(), LFU)
+
+
+def test_quarantine_retires_the_slot_for_good_and_frees_the_key():
+    t = table()
+    reservation = t.prepare_store(A)
+    t.quarantine(A)  # a transfer into the slot was abandoned: it may still land there
+    assert t.state(A) is None and t.quarantined_slots == 1
+    assert t.used_blocks + t.free_blocks == t.capacity_blocks - 1
+    again = t.prepare_store(A)  # the key can be stored again, never into the retired slot
+    assert again.slot != reservation.slot
+    stored(t, B)
+    with pytest.raises(InvalidTransition):
+        t.quarantine(B)  # only a block being written can be quarantined
