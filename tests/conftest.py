@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -10,6 +11,7 @@ from kvstrata.pool import embedded
 from kvstrata.pool.config import PoolConfig, pool_from_env
 
 POOL_SEGMENT_BYTES = 256 * 1024**2
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's own logs: errors only (before it loads)
 
 
 @pytest.fixture(scope="session")

@@ -37,16 +37,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvstrata.bench import lmcache as lmcache_side
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
 from kvstrata.bench.goals import evaluate_goals
+from kvstrata.bench.kvdata import block_layout, random_kv
 from kvstrata.bench.ours import OursCache
 from kvstrata.bench.timing import NoProgress, Progress, Rounds, rotated
-from kvstrata.index.bench import VOCAB, hash_and_lookup_ms
-from kvstrata.kv import load_geometry
+from kvstrata.index.bench import hash_and_lookup_ms
 from kvstrata.kv.layout import KVLayout
 
 MIB = 1 << 20
@@ -95,15 +94,7 @@ def bench_layout(config: CacheBenchConfig) -> KVLayout:
     Raises:
         ValueError: the size is not a whole number of tokens per block.
     """
-    geometry = load_geometry(config.model)
-    token_bytes = KVLayout.from_geometry(geometry, 1).block_bytes  # one token, every layer
-    per_block = config.size_bytes // config.blocks
-    if config.size_bytes % config.blocks or per_block % token_bytes:
-        raise ValueError(
-            f"bench cache: {config.size_bytes / MIB:g} MiB in {config.blocks} blocks is not a whole number of "
-            f"{config.model} tokens ({token_bytes} bytes each) per block"
-        )
-    return KVLayout.from_geometry(geometry, per_block // token_bytes)
+    return block_layout(config.model, config.size_bytes, config.blocks, "bench cache")
 
 
 def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) -> dict[str, Any]:
@@ -119,13 +110,8 @@ def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) 
     progress.start(rounds_total * len(PHASES) + len(LOOKUP_BLOCK_SIZES) + 1)
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    tokens_per_run = config.blocks * layout.block_tokens
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, size=tokens_per_run, dtype=np.int64).tolist()
-    # [layers, kv, tokens, kv_heads, head_dim * itemsize]: the KV's bytes, random.
-    item = layout.dtype.size_bytes
-    shape = (layout.num_layers, layout.kv_tensors, tokens_per_run, layout.kv_heads, layout.head_dim * item)
-    kv_bytes = torch.from_numpy(rng.integers(0, 256, size=shape, dtype=np.uint8)).to(device)
+    # kv_bytes: [layers, kv, tokens, kv_heads, head_dim * itemsize], random.
+    tokens, kv_bytes = random_kv(layout, config.blocks, device)
 
     scratch = Path(tempfile.mkdtemp(prefix="kvstrata-bench-", dir=config.directory))
     ours = lmc = None

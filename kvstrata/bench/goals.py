@@ -1,4 +1,4 @@
-"""The cache benchmark's goals, checked against a report of ``run_cache_bench``.
+"""The benchmarks' goals, checked against their reports (``run_cache_bench``, ``run_remote_bench``).
 
 Ratio goals use the paired ratios of the report (ours over the baseline of the same round);
 "at least LMCache" goals use ours over LMCache's figure of the same round, and are left out
@@ -29,6 +29,7 @@ HOST_RESTORE_OF_COPY = 0.98
 DISK_WARM_OF_COPY = 0.80
 DISK_COLD_OF_RAW_READ = 0.90
 LOOKUP_MS = {"256": 0.2, "16": 2.0}
+REMOTE_OF_RAW = 0.90  # the remote tier's restore and store, of raw Mooncake calls on the same bytes
 
 
 def goals(report: dict[str, Any]) -> list[Goal]:
@@ -57,6 +58,22 @@ def goals(report: dict[str, Any]) -> list[Goal]:
     return out
 
 
+def remote_goals(report: dict[str, Any]) -> list[Goal]:
+    """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls."""
+    out = []
+    for mode, figures in report["modes"].items():
+        if "skipped" in figures:
+            continue
+        out.append(Goal(f"{mode} restore", f">={REMOTE_OF_RAW}x raw", figures["ratio"], REMOTE_OF_RAW))
+        out.append(Goal(f"{mode} store", f">={REMOTE_OF_RAW}x raw", figures["store_ratio"], REMOTE_OF_RAW))
+    return out
+
+
+def as_json(judged: list[Goal]) -> list[dict[str, Any]]:
+    """Goals as JSON-ready dicts, each with ``passed``."""
+    return [{**asdict(g), "passed": g.passed} for g in judged]
+
+
 def evaluate_goals(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The goals as JSON-ready dicts, each with ``passed``."""
-    return [{**asdict(g), "passed": g.passed} for g in goals(report)]
+    """The cache benchmark's goals as JSON-ready dicts, each with ``passed``."""
+    return as_json(goals(report))

@@ -88,6 +88,11 @@ class Rounds:
         pairs = zip(self.seconds[ours], self.seconds[base], strict=True)
         return statistics.median(b / o for o, b in pairs)
 
+    def time_ratio(self, ours: str, base: str) -> float:
+        """Median over rounds of ours' time / base's time (for latencies: < 1 is faster)."""
+        pairs = zip(self.seconds[ours], self.seconds[base], strict=True)
+        return statistics.median(o / b for o, b in pairs)
+
 
 def drop_page_cache(paths: Iterable[str | os.PathLike[str]]) -> int:
     """Write back and evict ``paths`` from the page cache, so the next read comes from the disk.

@@ -1,0 +1,56 @@
+"""The bytes every benchmark moves: KV of a real model's geometry, random, cut into blocks.
+
+Random bytes, so nothing compresses or dedupes; a fixed seed, so two runs move the same bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvstrata.index.bench import VOCAB
+from kvstrata.kv import load_geometry
+from kvstrata.kv.layout import KVLayout
+
+MIB = 1 << 20
+
+
+def block_layout(model: str, size_bytes: int, blocks: int, what: str = "bench") -> KVLayout:
+    """The layout of ``blocks`` equal blocks of ``model``'s KV that make ``size_bytes``.
+
+    Raises:
+        ValueError: the size is not a whole number of tokens per block (``what`` names the
+            benchmark in the message).
+    """
+    geometry = load_geometry(model)
+    token_bytes = KVLayout.from_geometry(geometry, 1).block_bytes  # one token, every layer
+    per_block = size_bytes // blocks
+    if size_bytes % blocks or per_block % token_bytes:
+        raise ValueError(
+            f"{what}: {size_bytes / MIB:g} MiB in {blocks} blocks is not a whole number of "
+            f"{model} tokens ({token_bytes} bytes each) per block"
+        )
+    return KVLayout.from_geometry(geometry, per_block // token_bytes)
+
+
+def random_kv(layout: KVLayout, blocks: int, device: torch.device, seed: int = 0) -> tuple[list[int], torch.Tensor]:
+    """Token ids for ``blocks`` full blocks and random KV bytes for them.
+
+    Returns:
+        ``(tokens, kv_bytes)``: ``blocks * block_tokens`` ids, and uint8
+        ``[layers, kv, tokens, kv_heads, head_dim * itemsize]`` on ``device`` (a byte view of
+        the model-dtype KV).
+    """
+    count = blocks * layout.block_tokens
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, size=count, dtype=np.int64).tolist()
+    item = layout.dtype.size_bytes
+    shape = (layout.num_layers, layout.kv_tensors, count, layout.kv_heads, layout.head_dim * item)
+    kv_bytes = torch.from_numpy(rng.integers(0, 256, size=shape, dtype=np.uint8)).to(device)
+    return tokens, kv_bytes
+
+
+def block_of(kv_bytes: torch.Tensor, layout: KVLayout, i: int) -> torch.Tensor:
+    """Block ``i`` of ``kv_bytes`` as the tiers hold it: contiguous uint8 ``[layers, layer_bytes]``."""
+    bs = layout.block_tokens
+    return kv_bytes[:, :, i * bs : (i + 1) * bs].contiguous().view(layout.num_layers, layout.layer_bytes)

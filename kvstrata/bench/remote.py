@@ -1,0 +1,355 @@
+"""``kvstrata bench remote``: store and restore GB/s through the remote tier beside raw Mooncake
+calls on the same bytes, in the same run, for each way into the pool; plus time to first byte.
+
+The bytes: KV of a real model's geometry (Llama-3-8B by default, bf16, one TP rank), 256 MiB
+as 8 blocks of 32 MiB (256 tokens of 32 layers each), random, verified bit-exact on every
+restore. The pool: the one configured (``--pool FILE`` or ``$KVSTRATA_POOL``), else an embedded
+one (a master and a pool daemon on loopback, in a temporary run directory, stopped at the end).
+
+Cross-process: every object lives in the pool daemon's process. This process joins with a
+segment of 0 bytes, ours and raw alike, so every byte stored or restored crosses into the
+daemon and back: over the pool's transport in TCP mode (via the master), and in SHM mode by
+the daemon on this host copying between its segment and shared memory this process maps.
+
+Before the first mode, most of the pool's segment is faulted in (``RawPool.prefault``: the
+daemon maps it lazily and places each round's objects at new offsets). Per mode (``tcp``,
+``shm``), one warm-up round (untimed: it faults in the shared memory the daemon maps and every
+buffer's first use), then ``repeats`` rounds of three phases, the competing steps of each in
+an order that rotates from round to round (``kvstrata.bench.timing``):
+
+==============  ===============================================  ================================
+phase           ours                                             raw (``kvstrata.bench.rawpool``)
+==============  ===============================================  ================================
+store           ``RemoteTier.write`` of every block, on the      one ``batch_put_from`` of every
+                transfer engine's workers, from host memory      object, from registered memory
+                of ``RemoteTier.allocate``
+restore         ``RemoteTier.read_into`` of every block, the     one ``batch_get_into`` of every
+                same way; and ``TieredCache.load`` of blocks     object into registered memory
+                in the pool only: direct (pool -> device) and
+                staged (pool -> host -> device)
+first byte      a one-block restore through the tier;            ``batch_get_into`` of one
+                ``TieredCache.lookup`` that must ask the pool    object; ``batch_is_exist``
+                ``exists`` (``latency_samples`` of each)         of every object
+==============  ===============================================  ================================
+
+GB/s count the blocks' bytes (both sides also move a 64-byte value header per object).
+During the warm-up round the bytes received on the loopback interface are counted per step
+(``loopback_bytes``): every byte of a TCP-mode step crosses a socket, none of an SHM-mode step
+(measured on the 2-vCPU development VM, Mooncake 0.3.13.post1: 256.3 to 256.9 MiB per 256 MiB
+store or restore over TCP, ours and raw alike; 0.0 MiB over SHM).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstrata.bench.goals import as_json, remote_goals
+from kvstrata.bench.kvdata import MIB, block_layout, block_of, random_kv
+from kvstrata.bench.ours_remote import OursRemote
+from kvstrata.bench.poolcache import ROUTES, PoolReader
+from kvstrata.bench.rawpool import RawPool
+from kvstrata.bench.timing import NoProgress, Progress, Rounds, rotated
+from kvstrata.cache import CacheConfig
+from kvstrata.index.keys import block_keys
+from kvstrata.kv.layout import KVLayout
+from kvstrata.pool import embedded
+from kvstrata.pool.client import RemoteMode
+from kvstrata.pool.config import PoolConfig
+
+Step = tuple[str, Callable[[], float]]  # (figure name, timed step returning seconds)
+PHASES = ("store", "restore", "first byte")
+
+
+@dataclass(frozen=True)
+class RemoteBenchConfig:
+    """What ``kvstrata bench remote`` measures.
+
+    Attributes:
+        size_bytes: KV bytes moved by every store and restore.
+        blocks: how many blocks (pool objects) they are cut into.
+        model: a model preset or config (see ``kvstrata kv-size``).
+        repeats: timed rounds per mode (a warm-up round runs first, untimed); at least 3.
+        workers: transfer engine threads, ours (the cache's default is 2).
+        modes: the ways into the pool to measure.
+        latency_samples: one-block restores and lookups timed per round and side.
+    """
+
+    size_bytes: int = 256 * MIB
+    blocks: int = 8
+    model: str = "llama-3-8b"
+    repeats: int = 5
+    workers: int = 2
+    modes: tuple[RemoteMode, ...] = (RemoteMode.TCP, RemoteMode.SHM)
+    latency_samples: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("size_bytes", "blocks", "workers", "latency_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bench remote: {name} must be >= 1, got {getattr(self, name)}")
+        if self.repeats < 3:
+            raise ValueError(f"bench remote: repeats must be >= 3 (a median and a spread), got {self.repeats}")
+        if not self.modes or any(not isinstance(m, RemoteMode) for m in self.modes):
+            raise ValueError(f"bench remote: modes must be RemoteModes, got {self.modes!r}")
+
+    def layout(self) -> KVLayout:
+        return block_layout(self.model, self.size_bytes, self.blocks, "bench remote")
+
+    def pool_segment_bytes(self) -> int:
+        """An embedded pool's segment: ours' and raw's objects at once, with room to spare."""
+        return 3 * self.size_bytes + 64 * MIB
+
+    def prefault_bytes(self) -> int:
+        """How much of the pool's segment to fault in before the first mode's warm-up: most
+        of the embedded pool's, staying under the master's eviction watermark (0.9)."""
+        return int(0.85 * self.pool_segment_bytes())
+
+
+@contextmanager
+def bench_pool(pool: PoolConfig | None, segment_bytes: int) -> Iterator[tuple[PoolConfig, dict[str, Any]]]:
+    """``pool`` if given, else an embedded pool in a temporary run directory, stopped (and
+    the directory removed) on exit. Yields the pool and what to report about it."""
+    if pool is not None:
+        yield pool, {"source": "configured", **pool.to_json()}
+        return
+    run_dir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-pool-"))
+    try:
+        state = embedded.start(segment_bytes, run_dir)
+        try:
+            about = {
+                "source": "embedded", **state.config.to_json(), "segment_bytes": state.segment_bytes,
+                "master_pid": state.master_pid, "daemon_pid": state.daemon_pid,
+            }
+            yield state.config, about
+        finally:
+            embedded.stop(run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_remote_bench(
+    config: RemoteBenchConfig, pool: PoolConfig | None = None, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Run the benchmark on ``pool`` (None: an embedded one); returns the report, goals judged.
+
+    Raises:
+        VerificationError: some restore moved other bytes than were stored.
+        PoolUnavailable, PoolError: the pool could not be reached or started.
+    """
+    progress = progress or NoProgress()
+    layout = config.layout()
+    rounds_total = config.repeats + 1
+    progress.start(1 + len(config.modes) * (2 + rounds_total * len(PHASES)))
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    tokens, kv_bytes = random_kv(layout, config.blocks, device)  # [layers, kv, tokens, kv_heads, hd * item]
+    blocks = torch.stack([block_of(kv_bytes, layout, i).cpu() for i in range(config.blocks)])
+    run_id = uuid.uuid4().hex[:12]  # object names of this run only: a shared pool has others
+    modes: dict[str, Any] = {}
+    prefault = config.prefault_bytes()  # once: every mode uses the same segment
+    with bench_pool(pool, config.pool_segment_bytes()) as (pool_config, about_pool):
+        progress.step("pool ready")
+        for mode in config.modes:
+            if mode is RemoteMode.SHM and not pool_config.daemon:
+                modes[mode.value] = {"skipped": "the pool has no daemon on this host (SHM mode needs one)"}
+                progress.step(f"{mode.value}: skipped")
+                continue
+            base = CacheConfig(
+                layout=layout,
+                model_id=f"kvstrata-bench-remote/{run_id}/{mode.value}",
+                device_bytes=config.size_bytes,
+                host_bytes=0,
+                workers=config.workers,
+                device=str(device),
+                pool=pool_config,
+                remote_bytes=config.size_bytes,
+                remote_mode=mode.value,
+            )
+            rounds, verified, faulted, loopback = _run_mode(
+                config, mode, base, tokens, kv_bytes, blocks, prefault, progress
+            )
+            modes[mode.value] = _mode_report(rounds, verified, config, mode)
+            modes[mode.value]["prefaulted_bytes"] = faulted
+            modes[mode.value]["loopback_bytes"] = loopback
+            prefault = 0
+    report = _report(config, layout, device, about_pool, modes)
+    report["goals"] = as_json(remote_goals(report))
+    return report
+
+
+def _run_mode(
+    config: RemoteBenchConfig,
+    mode: RemoteMode,
+    base: CacheConfig,
+    tokens: list[int],
+    kv_bytes: torch.Tensor,
+    blocks: torch.Tensor,
+    prefault: int,
+    progress: Progress,
+) -> tuple[Rounds, int, int, dict[str, int]]:
+    """The rounds of one mode, the bytes verified, the bytes of the pool prefaulted, and the
+    loopback bytes of each warm-up step."""
+    namespace = base.namespace()
+    with ExitStack() as sides:  # every side closed (objects removed, clients gone), however the run ends
+        ours = OursRemote(base.layout, base.pool, mode, block_keys(tokens, namespace), blocks, namespace.tag, config.workers)
+        sides.callback(ours.close)
+        raw_names = [f"kvstrata-bench/raw/{namespace.tag}/{i}" for i in range(config.blocks)]
+        raw = RawPool(base.pool, mode, raw_names, ours.values())
+        sides.callback(raw.close)
+        faulted = raw.prefault(prefault) if prefault else 0
+        direct = PoolReader(base, "direct", tokens, kv_bytes)
+        sides.callback(direct.close)
+        staged = PoolReader(base, "staged", tokens, kv_bytes)
+        sides.callback(staged.close)
+        progress.step(f"{mode.value}: set up")
+        rounds = Rounds()
+        loopback: dict[str, int] = {}  # bytes over the loopback interface per step, warm-up round
+        for r in range(config.repeats + 1):
+            kept = Rounds() if r == 0 else rounds  # round 0 warms up: its samples are dropped
+            label = f"{mode.value} round {r}/{config.repeats}" if r else f"{mode.value} warm-up"
+            for name, step in rotated([("ours.store", ours.store_s), ("raw.store", raw.put_s)], r):
+                kept.add(name, _counted(step, loopback, name) if r == 0 else step())
+            progress.step(f"{label}: store")
+            restores: list[Step] = [
+                ("ours.restore", ours.restore_s),
+                ("raw.restore", raw.get_s),
+                ("cache.direct", direct.restore_s),
+                ("cache.staged", staged.restore_s),
+            ]
+            for name, step in rotated(restores, r):
+                kept.add(name, _counted(step, loopback, name) if r == 0 else step())
+            progress.step(f"{label}: restore")
+            one_block: list[Step] = [("ours.ttfb", lambda: ours.restore_s(1)), ("raw.ttfb", lambda: raw.get_s(1))]
+            lookups: list[Step] = [("cache.lookup", direct.lookup_s), ("raw.exists", raw.exists_s)]
+            for i in range(config.latency_samples):
+                for name, step in [*rotated(one_block, r + i), *rotated(lookups, r + i)]:
+                    kept.add(name, step())
+            progress.step(f"{label}: first byte")
+        verified = ours.verified_bytes + raw.verified_bytes + direct.verified_bytes + staged.verified_bytes
+    progress.step(f"{mode.value}: closed")
+    return rounds, verified, faulted, loopback
+
+
+def _loopback_bytes() -> int | None:
+    """Bytes received on the loopback interface so far (Linux), or None."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[0])
+    except OSError:
+        pass
+    return None
+
+
+def _counted(step: Callable[[], float], into: dict[str, int], name: str) -> float:
+    """Run ``step``, recording the bytes that crossed the loopback interface meanwhile: the
+    evidence that TCP mode moves every byte over sockets (and SHM mode none). Other traffic
+    on the host counts too: an upper bound."""
+    before = _loopback_bytes()
+    seconds = step()
+    after = _loopback_bytes()
+    if before is not None and after is not None:
+        into[name] = after - before
+    return seconds
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def _mode_report(rounds: Rounds, verified: int, config: RemoteBenchConfig, mode: RemoteMode) -> dict[str, Any]:
+    size, block = config.size_bytes, config.size_bytes // config.blocks
+
+    def gbps(name: str) -> float:
+        return rounds.gbps(name, size)["gbps"]
+
+    def ms(name: str) -> float:
+        return rounds.ms(name)["ms"]
+
+    cache = {
+        path: {
+            "route": route,
+            "restore_gbps": gbps(f"cache.{path}"),
+            "raw_gbps": gbps("raw.restore"),
+            "ratio": rounds.ratio(f"cache.{path}", "raw.restore"),
+        }
+        for path, route in ROUTES.items()
+    }
+    timed = {name: rounds.gbps(name, size) for name in ("ours.store", "raw.store", "ours.restore", "raw.restore",
+                                                        "cache.direct", "cache.staged")}
+    return {
+        "restore_gbps": gbps("ours.restore"),
+        "raw_gbps": gbps("raw.restore"),
+        "ratio": rounds.ratio("ours.restore", "raw.restore"),
+        "store_gbps": gbps("ours.store"),
+        "raw_store_gbps": gbps("raw.store"),
+        "store_ratio": rounds.ratio("ours.store", "raw.store"),
+        "ttfb_ms": ms("ours.ttfb"),
+        "raw_ttfb_ms": ms("raw.ttfb"),
+        "ttfb_time_ratio": rounds.time_ratio("ours.ttfb", "raw.ttfb"),
+        "ttfb_block_bytes": block,
+        "lookup_ms": ms("cache.lookup"),
+        "raw_exists_ms": ms("raw.exists"),
+        "lookup_time_ratio": rounds.time_ratio("cache.lookup", "raw.exists"),
+        "cache": cache,
+        "gbps": timed,
+        "latency_ms": {name: rounds.ms(name) for name in ("ours.ttfb", "raw.ttfb", "cache.lookup", "raw.exists")},
+        "verified_bytes": verified,
+        "what": {
+            "restore": f"RemoteTier.read_into of each block on {config.workers} engine workers, pool -> registered "
+            "host memory; raw: one batch_get_into of every object",
+            "store": f"RemoteTier.write of each block on {config.workers} engine workers, registered host memory -> "
+            "pool, as new objects; raw: one batch_put_from of every object",
+            "ttfb": "one-block restore through the tier (engine, read_into) vs one-object batch_get_into",
+            "lookup": "TieredCache.lookup of blocks in the pool only that the cache does not know (asks the pool "
+            "exists, adopts) vs batch_is_exist of every object",
+            "cache": "TieredCache.load of blocks in the pool only, to the device tier, by each path; ratio vs the "
+            "raw batch_get_into of the same round",
+        },
+        "mode": "cross-process over the pool's transport (via the master)" if mode is RemoteMode.TCP
+        else "same host, shared memory (the pool daemon copies between its segment and our mapped memory)",
+    }
+
+
+def _report(
+    config: RemoteBenchConfig, layout: KVLayout, device: torch.device, pool: dict[str, Any], modes: dict[str, Any]
+) -> dict[str, Any]:
+    measured = [m for m in modes.values() if "skipped" not in m]
+    return {
+        "config": {
+            "size_bytes": config.size_bytes,
+            "blocks": config.blocks,
+            "model": config.model,
+            "repeats": config.repeats,
+            "workers": config.workers,
+            "latency_samples": config.latency_samples,
+            "modes": [m.value for m in config.modes],
+            "device": str(device),
+            "layout": layout.describe(),
+            "block_tokens": layout.block_tokens,
+            "block_bytes": layout.block_bytes,
+            "pool": pool,
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "units": "GB/s, 1 GB = 1e9 bytes; ratio = median over rounds of ours / raw in the same round "
+            "(rates; *_time_ratio: times, < 1 is faster)",
+        },
+        "modes": modes,
+        "verified": {
+            "bit_exact": True,  # a mismatch raises VerificationError: a report exists only if all matched
+            "bytes": sum(m["verified_bytes"] for m in measured),
+            "what": "every restore (ours, raw, the cache's, one-block ones too) compared byte for byte with the "
+            "bytes stored",
+        },
+    }
