@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -234,6 +234,9 @@ class TieredCache:
         self._disk_direct = config.disk_path == "direct" or (config.disk_path == "auto" and device.device.type == "cpu")
         self._engine = TransferEngine(config.workers)
         self._orchestrator = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstrata-plan")
+        # Write-downs of stores: their own threads, so a store never waits on a task queued
+        # behind it in the orchestrator; bytes still move on the engine's bounded pool.
+        self._writers = ThreadPoolExecutor(max_workers=max(2, config.workers), thread_name_prefix="kvstrata-write")
         self._closed = False
 
     def _default_tiers(self, config: CacheConfig) -> list[Tier]:
@@ -565,39 +568,57 @@ class TieredCache:
         start = time.perf_counter()
         device = self.tier(Medium.DEVICE)
         bs = self.layout.block_tokens
+        write_through = self.config.write.on_store()
         new: list[BlockKey] = []
+        writing: deque[Future] = deque()  # write-downs in flight, oldest first
         refused = 0
-        for i, key in enumerate(keys):
-            try:
-                reservation = self._reserve(device, key)
-            except TierFull:
-                refused = len(keys) - i  # every device block is pinned: refuse the rest cleanly
-                break
-            if reservation is None:
-                continue  # already cached (or being written by someone else)
-            src = kv[:, :, i * bs : (i + 1) * bs]
-            dst = self.device_block(reservation.slot)
-            try:
-                seconds = self._engine.submit_call(_copy_timed, dst, src).result()
-            except BaseException:
-                device.table.complete_store(key, ok=False)
-                raise
-            self._record(TransferRecord(Medium.DEVICE, Medium.DEVICE, self.layout.block_bytes, seconds))
-            write_through = self.config.write.on_store()
-            # Write-through pins the new block from READY until it is written down: another
-            # thread's eviction in between would drop its only copy (write-through never
-            # demotes on eviction), and the store would be acknowledged with the block nowhere.
-            device.table.complete_store(key, ok=True, pin=write_through)
-            self.index.add(key, Medium.DEVICE)
-            new.append(key)
-            if write_through:
-                # Now, not after the loop: storing the next blocks may evict this one from a
-                # device smaller than the sequence.
+        try:
+            for i, key in enumerate(keys):
+                reservation = self._reserve_waiting(device, key, writing)
+                if reservation is False:
+                    refused = len(keys) - i  # every device block is pinned: refuse the rest cleanly
+                    break
+                if reservation is None:
+                    continue  # already cached (or being written by someone else)
+                src = kv[:, :, i * bs : (i + 1) * bs]
+                dst = self.device_block(reservation.slot)
                 try:
-                    self._write_down(key, Medium.DEVICE)
-                finally:
-                    self._unpin(Medium.DEVICE, [key])
+                    seconds = self._engine.submit_call(_copy_timed, dst, src).result()
+                except BaseException:
+                    device.table.complete_store(key, ok=False)
+                    raise
+                self._record(TransferRecord(Medium.DEVICE, Medium.DEVICE, self.layout.block_bytes, seconds))
+                # Write-through pins the new block from READY until it is written down: an
+                # eviction in between would drop its only copy (write-through never demotes on
+                # eviction), and the store would be acknowledged with the block nowhere.
+                device.table.complete_store(key, ok=True, pin=write_through)
+                self.index.add(key, Medium.DEVICE)
+                new.append(key)
+                if write_through:
+                    # Each block goes down as soon as it is in, several at once (the engine
+                    # bounds the byte movers); the store returns when all are down.
+                    writing.append(self._writers.submit(self._write_down_then_unpin, key))
+        finally:
+            for future in writing:
+                future.result()
         return StoreResult(len(keys), len(new), time.perf_counter() - start, refused)
+
+    def _reserve_waiting(self, tier: Tier, key: BlockKey, writing: deque) -> Reservation | None | bool:
+        """``_reserve``, waiting for this store's own write-downs to unpin blocks when the tier
+        is full of them; False when it is full of blocks pinned by others."""
+        while True:
+            try:
+                return self._reserve(tier, key)
+            except TierFull:
+                if not writing:
+                    return False
+                writing.popleft().result()
+
+    def _write_down_then_unpin(self, key: BlockKey) -> None:
+        try:
+            self._write_down(key, Medium.DEVICE)
+        finally:
+            self._unpin(Medium.DEVICE, [key])
 
     def _write_down(self, key: BlockKey, frm: Medium) -> None:
         """Copy ``key`` into every tier below ``frm`` that lacks it (best effort: a full tier
@@ -695,8 +716,9 @@ class TieredCache:
         """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy)."""
         tier = self.tier(medium)
         victims = tier.table.choose_victims(blocks)
-        for victim in victims:
-            self._evict(tier, victim)
+        # Demotions of several victims run at once (bytes still move on the engine's pool).
+        for future in [self._writers.submit(self._evict, tier, victim) for victim in victims]:
+            future.result()
         return len(victims)
 
     def _drop_corrupt(self, medium: Medium, key: BlockKey, slot: int) -> None:
@@ -750,6 +772,7 @@ class TieredCache:
             return
         self._closed = True
         self._orchestrator.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
         self._engine.close()
         for tier in self._tiers.values():
             tier.close()
