@@ -204,6 +204,7 @@ class TieredCache:
         self.metrics = CacheMetrics()
         self.index = PrefixIndex()
         self.remote_error: str | None = None  # why a configured pool is not in use
+        self._namespaces: dict[str, Namespace] = {}
         self._tiers: dict[Medium, Tier] = {}
         for tier in tiers if tiers is not None else self._default_tiers(config):
             if tier.layout != self.layout:
@@ -300,7 +301,14 @@ class TieredCache:
         return list(self._order)
 
     def keys(self, tokens: Any, tenant: str = "") -> list[BlockKey]:
-        return block_keys(tokens, self.config.namespace(tenant))
+        return block_keys(tokens, self._namespace(tenant))
+
+    def _namespace(self, tenant: str) -> Namespace:
+        """One Namespace per tenant, kept: its digest is computed once, not per lookup."""
+        namespace = self._namespaces.get(tenant)
+        if namespace is None:
+            namespace = self._namespaces.setdefault(tenant, self.config.namespace(tenant))
+        return namespace
 
     def lookup(self, tokens: Any, tenant: str = "") -> Match:
         """The longest cached prefix of ``tokens`` (full blocks) and where each block is."""
