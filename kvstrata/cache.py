@@ -37,7 +37,7 @@ from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers.base import BlockMissing, CorruptBlock, Tier, TierUnavailable, TransferAbandoned
 from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.table import Reservation, TierFull
-from kvstrata.transfer.engine import TransferEngine
+from kvstrata.transfer.engine import TransferEngine, TransferResult
 
 COPY_TASK_BYTES = 32 * 1024 * 1024  # bytes per copy task of a load: large copies, few dispatches
 TORCH_DTYPES = {"FP32": torch.float32, "BF16": torch.bfloat16, "FP16": torch.float16, "FP8": torch.float8_e4m3fn}
@@ -444,10 +444,16 @@ class TieredCache:
         device = self.tier(Medium.DEVICE)
         failed: dict[int, str] = {}
         futures: list[tuple[int, Future, Reservation | None]] = []
+        batched = [i for i in pending if plan[i].src is Medium.REMOTE and self._remote_direct]
+        batches = [batched[w :: self.config.workers] for w in range(self.config.workers)]
+        batch_futures = [(b, self._engine.submit_call(self._read_remote_batch, [plan[i] for i in b])) for b in batches if b]
         for i in pending:
             p = plan[i]
-            if (p.src is Medium.REMOTE and self._remote_direct) or (p.src is Medium.DISK and self._disk_direct):
-                p.route = f"{p.src.label} -> device"
+            if i in batched:
+                p.route = "remote -> device"
+                continue
+            if p.src is Medium.DISK and self._disk_direct:
+                p.route = "disk -> device"
                 futures.append((i, self._engine.submit(self._tiers[p.src], p.src_slot, device, p.dst_slot, p.key), None))
                 continue
             try:
@@ -460,11 +466,21 @@ class TieredCache:
                 break
             p.route = f"{p.src.label} -> host -> device"
             futures.append((i, self._engine.submit(self._tiers[p.src], p.src_slot, host, reservation.slot, p.key), reservation))
-        error: BaseException | None = None
+        outcomes: list[tuple[int, Any, Reservation | None]] = []
         for i, future, reservation in futures:
+            try:
+                outcomes.append((i, future.result(), reservation))
+            except BaseException as exc:  # noqa: BLE001 - judged below, per block
+                outcomes.append((i, exc, reservation))
+        for indices, future in batch_futures:
+            outcomes += [(i, outcome, None) for i, outcome in zip(indices, future.result(), strict=True)]
+        error: BaseException | None = None
+        for i, outcome, reservation in sorted(outcomes, key=lambda o: o[0]):
             p = plan[i]
             try:
-                result = future.result()
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                result = outcome
             except TransferAbandoned as exc:
                 # Bytes may still land in the destination later: never reuse that slot.
                 if reservation is None:
@@ -510,6 +526,21 @@ class TieredCache:
         del plan[cut:]
         self._abandon(rest)
         return failed[cut]
+
+    def _read_remote_batch(self, items: list["_Planned"]) -> list:
+        """Several pool blocks straight into their device slots in one pool call: per block a
+        TransferResult or the exception that block met."""
+        remote, device = self._tiers[Medium.REMOTE], self.tier(Medium.DEVICE)
+        start = time.perf_counter()
+        try:
+            errors = remote.read_batch([p.key for p in items], [device.view(p.dst_slot) for p in items])
+        except BaseException as exc:  # noqa: BLE001 - e.g. the pool went down: every block meets it
+            errors = [exc] * len(items)
+        share = (time.perf_counter() - start) / len(items)
+        return [
+            error if error is not None else TransferResult(Medium.REMOTE, Medium.DEVICE, self.layout.block_bytes, share)
+            for error in errors
+        ]
 
     def _copy_layers(self, copies: list["_Planned"], handle: LoadHandle, bytes_from: dict[Medium, int]) -> None:
         """One task per layer copies that layer of every block; layer events fire as they land."""

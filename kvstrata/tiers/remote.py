@@ -264,6 +264,53 @@ class RemoteTier(Tier):
         if not direct:
             dst.copy_(parts[0].view(self.layout.num_layers, layer_bytes)[start:stop])
 
+    def read_batch(self, keys: list[BlockKey], dsts: list[torch.Tensor]) -> list[BaseException | None]:
+        """Whole blocks of several keys in one pool call per 64 (each value still verified on
+        its own): per key None (in ``dst``, verified) or the exception ``read_into`` would
+        have raised for it. One call per block would pay the pool's round trips per block.
+        Destinations outside registered memory fall back to ``read_into`` one by one."""
+        client = self._live()
+        if not all(client.is_registered(d) for d in dsts):
+            return [_outcome(self.read_into, 0, key, dst) for key, dst in zip(keys, dsts, strict=True)]
+        out: list[BaseException | None] = []
+        per_call = 4096 // poolvalue.HEADER_BYTES  # headers that fit the lane's registered page
+        for first in range(0, len(keys), per_call):
+            out += self._read_chunk(client, keys[first : first + per_call], dsts[first : first + per_call])
+        return out
+
+    def _read_chunk(self, client: PoolClient, keys: list[BlockKey], dsts: list[torch.Tensor]) -> list:
+        shape = (self.layout.num_layers, self.layout.layer_bytes)
+        for dst in dsts:
+            if dst.dtype != torch.uint8 or tuple(dst.shape) != shape or not dst.is_contiguous():
+                raise ValueError(f"remote tier: dst must be contiguous uint8 {list(shape)}, got {list(dst.shape)}")
+        lane = self._lane(client)
+        head = poolvalue.HEADER_BYTES
+        headers = lane.header[: len(keys) * head].view(len(keys), head)
+        names = [self.object_name(k) for k in keys]
+        ptrs = [[headers[i].data_ptr(), dsts[i].data_ptr()] for i in range(len(keys))]
+        sizes = [[head, self.layout.block_bytes]] * len(keys)
+        try:
+            got = client.call(f"batch get of {len(keys)} blocks", "batch_get_into_multi_buffers", names, ptrs, sizes)
+        except CallTimedOut as error:
+            return [self._abandon(lane, True, names[0], str(error))] * len(keys)
+        except PoolUnavailable as error:
+            return [error] * len(keys)
+        out: list[BaseException | None] = []
+        for i, key in enumerate(keys):
+            try:
+                if got[i] < 0:
+                    self._get_failed(client, lane, True, names[i], got[i])
+                if got[i] != head + self.layout.block_bytes:
+                    raise CorruptBlock(f"remote tier: {names[i]} read {got[i]} bytes: a value of the wrong size")
+                header = self._verified_header(key, headers[i].numpy().tobytes())
+                if self.verify_payload and header.payload_checksum is not None:
+                    if xxhash.xxh3_64_intdigest(dsts[i].numpy()) != header.payload_checksum:
+                        raise CorruptBlock(f"remote tier: {names[i]} payload checksum mismatch")
+                out.append(None)
+            except (CorruptBlock, PoolUnavailable) as error:
+                out.append(error)
+        return out
+
     def close(self) -> None:
         """Leave the pool (the objects stay). Idempotent; afterwards calls raise RuntimeError.
         Memory from ``allocate`` stays valid for whoever still holds it."""
@@ -409,3 +456,11 @@ def _undo_late_put(store, name: str, codes: list[int]) -> None:
 def fresh_tag() -> str:
     """A namespace tag no other tier uses (tests, benchmarks)."""
     return uuid.uuid4().hex
+
+
+def _outcome(read, slot: int, key: BlockKey, dst: torch.Tensor) -> BaseException | None:
+    try:
+        read(slot, key, dst)
+    except (CorruptBlock, PoolUnavailable) as error:
+        return error
+    return None
