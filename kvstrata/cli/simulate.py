@@ -1,0 +1,94 @@
+"""``kvstrata simulate``: replay a trace through one or more KV architectures and rank them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvstrata import cli
+from kvstrata.hardware.profile import load_profile
+from kvstrata.hardware.whatif import apply_upgrades
+from kvstrata.kv.presets import load_geometry
+from kvstrata.sim.engine import SimConfig
+from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
+from kvstrata.sim.run import simulate
+from kvstrata.sim.traceio import read_trace
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="trace-driven simulation of KV architectures against SLOs")
+    p.add_argument("--trace", required=True, help="JSON-lines trace (Mooncake format)")
+    p.add_argument("--hardware", required=True, help="profile name or TOML file, with +upgrades (e.g. h200-cx7-gen5+cx8)")
+    p.add_argument("--model", required=True, help="model preset or config.json")
+    p.add_argument("--arch", required=True, help="architectures, comma separated (e.g. hbm,remote-gdr,hbm+pool+nvme)")
+    p.add_argument("--instances", type=int, default=None, help="instances (default: all GPUs)")
+    p.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs per instance (default 1)")
+    p.add_argument("--requests", type=int, default=None, help="take the first N requests")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here")
+    p.set_defaults(func=run_simulate)
+
+
+def _profile(text: str):
+    name, _, upgrades = text.partition("+")
+    return apply_upgrades(load_profile(name), upgrades) if upgrades else load_profile(name)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    requests = read_trace(args.trace)
+    if args.requests is not None:
+        if args.requests < 0:
+            raise cli.CliError(f"--requests must be non-negative, got {args.requests}")
+        requests = requests[: args.requests]
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    if not archs:
+        raise cli.CliError("--arch names no architecture")
+    config = SimConfig(load_geometry(args.model), _profile(args.hardware), args.gpus_per_instance, args.instances)
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        tasks = {a: bar.add_task(f"simulating {a}", total=len(requests)) for a in archs}
+        summaries, outcomes = simulate(requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d))
+    if args.plot:
+        _plot(args.plot, outcomes)
+    if args.json:
+        print(json.dumps({"architectures": [s.to_json() for s in summaries]}, indent=2))
+        return 0
+    t = Table(title=f"{len(requests):,} requests; SLO: TTFT p90 <= {TTFT_P90_SLO_S:g} s, TPOT p99 <= {TPOT_P99_SLO_S * 1e3:g} ms")
+    for col in ("rank", "arch", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "hit rate", "SLO"):
+        t.add_column(col)
+    for i, s in enumerate(summaries, 1):
+        t.add_row(
+            str(i),
+            s.arch,
+            "/".join(f"{v:.2f}" for v in s.ttft_s.values()),
+            "/".join(f"{v * 1e3:.1f}" for v in s.tpot_s.values()),
+            f"{s.throughput_tok_s:,.0f}",
+            " ".join(f"{k} {v:.0%}" for k, v in s.hit_rate.items()),
+            "[green]yes[/]" if s.meets_slo else "[red]no[/]",
+        )
+    cli.console().print(t)
+    return 0
+
+
+def _plot(directory: str, outcomes) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    for metric in ("ttft_s", "tpot_s"):
+        fig, ax = plt.subplots()
+        for o in outcomes:
+            xs = sorted(v for r in o.records if (v := getattr(r, metric)) is not None)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=o.arch.name)
+        ax.set_xlabel(metric.replace("_s", " (s)").upper())
+        ax.set_ylabel("fraction of requests")
+        ax.legend()
+        fig.savefig(os.path.join(directory, f"{metric.removesuffix('_s')}_cdf.png"))
+        plt.close(fig)

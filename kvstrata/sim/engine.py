@@ -1,0 +1,388 @@
+"""The event loop: arrivals, restores, prefill, continuous-batching decode, P/D handoff.
+
+Events sit in one ``heapq`` keyed by (time, sequence), so a run is O(E log E) in its events.
+
+Scheduling policy (stated, simple, per instance): prefill first. When an instance's GPUs are
+free it prefills the oldest request whose restore has finished, if the batch's KV plus that
+prompt fits the instance's KV capacity; otherwise it runs one decode step for every running
+request (all of them together: continuous batching). New requests thus join the batch between
+steps. Under ``pd-handoff`` each instance is a pair: a prefill group (the profile's ``peer``
+GPUs) and the decode group, which only decodes; the prompt's KV crosses the network between
+them, and the first token counts from its arrival at the decode group.
+
+Requests go to instance ``hash_ids[0] % instances`` (session affinity: a session's first
+block never changes), or round robin when a request has no ids. Cache look-ups and inserts
+happen at arrival, in arrival order, so hits do not depend on timing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.hardware.flows import GB, Flow, flow_along, max_min_share
+from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.topology import NodeKind
+from kvstrata.kv.geometry import KVGeometry
+from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION
+from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
+from kvstrata.sim.model import TimeModel
+from kvstrata.sim.network import Network
+from kvstrata.sim.tiers import ArchSpec, BlockLRU, Tier
+from kvstrata.sim.trace import BLOCK_TOKENS, Request, sort_by_time
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulation's setting.
+
+    Attributes:
+        geometry: the model.
+        profile: the hardware; instance ``i`` uses GPUs ``i*K .. i*K+K-1`` of it.
+        gpus_per_instance: K (tensor parallel).
+        instances: how many; default all the profile's GPUs allow.
+        tier_tokens: capacity overrides per tier in tokens (per instance; the pool is shared).
+        max_batch: most requests decoding together on one instance.
+        record_events: keep every event's time (for tests).
+    """
+
+    geometry: KVGeometry
+    profile: HardwareProfile
+    gpus_per_instance: int = 1
+    instances: int | None = None
+    tier_tokens: tuple[tuple[Tier, int], ...] = ()
+    max_batch: int = 256
+    record_events: bool = False
+
+    def __post_init__(self) -> None:
+        k, n = self.gpus_per_instance, self.instance_count
+        if k < 1 or n < 1 or n * k > len(self.profile.gpus):
+            raise ValueError(
+                f"{n} instances of {k} GPUs need {n * k} GPUs; profile {self.profile.name!r} has "
+                f"{len(self.profile.gpus)}"
+            )
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+
+    @property
+    def instance_count(self) -> int:
+        return self.instances if self.instances is not None else len(self.profile.gpus) // self.gpus_per_instance
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request (times in seconds from the trace start)."""
+
+    request: Request
+    instance: int
+    arrival_s: float
+    hit_tokens: dict[Tier, int]
+    restore_s: float = 0.0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    completions: int = 0  # must end at exactly 1
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None for one token or fewer."""
+        n = self.request.output_length
+        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class SimOutcome:
+    """Raw results of one run; :mod:`kvstrata.sim.results` summarises them."""
+
+    arch: ArchSpec
+    records: list[RequestRecord]
+    makespan_s: float
+    link_bytes: dict[str, float]  # resource key -> bytes moved
+    link_sent_bytes: dict[str, float]
+    link_gbps: dict[str, float]
+    link_labels: dict[str, str]
+    event_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Instance:
+    index: int
+    gpus: list[str]
+    planner: RestorePlanner
+    model: TimeModel
+    caches: dict[Tier, BlockLRU]
+    kv_limit_tokens: int
+    stream_bytes_per_s: float  # per GPU, DRAM -> HBM with all K GPUs streaming at once
+    stream_flows: list[Flow]
+    ready: deque = field(default_factory=deque)  # records waiting to prefill
+    decode_ready: deque = field(default_factory=deque)  # pd: handed off, waiting to join
+    busy: bool = False
+    prefill_busy: bool = False  # pd: the prefill group
+    running: list = field(default_factory=list)  # heap of (finish_step, seq, record)
+    context_tokens: int = 0  # KV tokens of the running batch
+    steps: int = 0
+
+
+class Simulation:
+    """Replays ``requests`` through one architecture. Call :meth:`run` once."""
+
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        config: SimConfig,
+        arch: ArchSpec,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.requests = sort_by_time(requests)
+        self.config = config
+        self.arch = arch
+        self.progress = progress
+        self.net = Network()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.records: list[RequestRecord] = []
+        self.event_times: list[float] = []
+        self._done = 0
+        self._wake_version = -1  # the network version a pending wake-up was scheduled for
+        g, p, k = config.geometry, config.profile, config.gpus_per_instance
+        overrides = dict(config.tier_tokens)
+        n = config.instance_count
+        topo = p.topology
+
+        def total(kind: NodeKind) -> int:
+            return sum(x.capacity_bytes for x in topo.of_kind(kind) if not x.name.startswith("peer."))
+
+        pool_tokens = overrides.get(Tier.POOL, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION) // g.bytes_per_token)
+        self.pool = BlockLRU(pool_tokens // BLOCK_TOKENS)
+        self.instances: list[_Instance] = []
+        for i in range(n):
+            gpus = [x.name for x in p.gpus[i * k : (i + 1) * k]]
+            model = TimeModel.build(g, p, gpus)
+            hbm_free = min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION - model.weight_bytes_per_gpu
+            hbm_free = min(hbm_free, min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION - g.weight_bytes() / k)
+            hbm_tokens = max(0, int(hbm_free // model.kv_bytes_per_token_per_gpu))
+            default = {
+                Tier.HBM: hbm_tokens,
+                Tier.DRAM: int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / n) // g.bytes_per_token,
+                Tier.NVME: int(total(NodeKind.FLASH) / n) // g.bytes_per_token,
+            }
+            caches = {}
+            for tier in arch.tiers:
+                if tier is Tier.POOL:
+                    caches[tier] = self.pool
+                else:
+                    caches[tier] = BlockLRU(overrides.get(tier, default[tier]) // BLOCK_TOKENS)
+            planner = RestorePlanner(p, gpus)
+            stream = [flow_along(topo, topo.route(local_dram(p, x), x, size_bytes=1), 1) for x in gpus]
+            stream_rate = min(s.gbps for s in max_min_share(stream)) * GB
+            limit = default[Tier.DRAM] if arch.streaming else hbm_tokens
+            self.instances.append(_Instance(i, gpus, planner, model, caches, max(limit, 1), stream_rate, stream))
+        self._stream_bytes: dict[str, float] = {}
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _push(self, t: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), action))
+
+    def run(self) -> SimOutcome:
+        for index, r in enumerate(self.requests):
+            self._push(r.timestamp_ms / 1000, lambda r=r, index=index: self._arrive(r, index))
+        while True:
+            net_t = self.net.next_event_s()
+            if net_t is not None and self.net.version != self._wake_version:
+                self._wake_version = self.net.version
+                self._push(max(net_t, self.now), lambda v=self._wake_version: self._net_wake(v))
+            if not self._heap:
+                break
+            t, _, action = heapq.heappop(self._heap)
+            if t < self.now:
+                raise AssertionError(f"event at {t} after {self.now}")
+            self.now = t
+            if self.config.record_events:
+                self.event_times.append(t)
+            action()
+        if self.net.active:
+            raise AssertionError("transfers left unfinished")
+        makespan = max((r.finish_s for r in self.records), default=0.0) - min(
+            (r.arrival_s for r in self.records), default=0.0
+        )
+        moved = dict(self.net.moved_bytes)
+        sent = dict(self.net.sent_bytes)
+        for key, b in self._stream_bytes.items():
+            moved[key] = moved.get(key, 0.0) + b
+            sent[key] = sent.get(key, 0.0) + b
+        resources = dict(self.net.resources)
+        for inst in self.instances:
+            for f in inst.stream_flows:
+                for r, _ in f.uses:
+                    resources[r.key] = r
+        return SimOutcome(
+            self.arch,
+            self.records,
+            makespan,
+            moved,
+            sent,
+            {k: r.gbps for k, r in resources.items()},
+            {k: r.label for k, r in resources.items()},
+            self.event_times,
+        )
+
+    def _net_wake(self, version: int) -> None:
+        if version == self.net.version:
+            self._wake_version = -1  # consumed: the loop schedules the next wake-up
+            self.net.advance(self.now)
+
+    # --- arrival and restore ------------------------------------------------------------------
+
+    def _arrive(self, r: Request, index: int) -> None:
+        n = len(self.instances)
+        inst = self.instances[(r.hash_ids[0] if r.hash_ids else index) % n]
+        covered, hits = 0, {}
+        for tier in self.arch.tiers:
+            run = inst.caches[tier].leading_run(r.hash_ids)
+            tokens = min(run * BLOCK_TOKENS, r.input_length)
+            hits[tier] = max(0, tokens - covered)
+            covered = max(covered, tokens)
+        for tier in self.arch.tiers:
+            inst.caches[tier].touch(r.hash_ids)
+        rec = RequestRecord(r, inst.index, self.now, hits)
+        self.records.append(rec)
+        jobs = [(self.arch.restore_path(t), tok) for t, tok in hits.items() if tok and self.arch.restore_path(t)]
+        if not jobs:
+            self._restored(inst, rec)
+            return
+        pending = [len(jobs)]
+
+        def one_done(t: float) -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                self._push(t, lambda: self._restored(inst, rec))
+
+        for path, tokens in jobs:
+            self.net.start(self.now, self._stages(inst, path, tokens), one_done)
+
+    def _stages(self, inst: _Instance, path: RestorePath, tokens: int) -> list[Callable[[], list[Flow]]]:
+        """The planner's flows for ``tokens`` of KV along ``path``, stage by stage."""
+        shard = [tokens * inst.model.kv_bytes_per_token_per_gpu] * len(inst.gpus)
+        pl, p = inst.planner, self.config.profile
+        dram = lambda g: local_dram(p, g)  # noqa: E731
+        local = lambda: pl._local_flows(shard, dram)  # noqa: E731
+        if path is RestorePath.LOCAL_DRAM:
+            return [local]
+        if path is RestorePath.REMOTE_GDR:
+            return [lambda: pl._network_flows(lambda g: "pool.dram", lambda g: g, shard, pool_side=True)]
+        if path is RestorePath.REMOTE_TWO_HOP:
+            return [lambda: pl._network_flows(lambda g: "pool.dram", dram, shard, pool_side=True), local]
+        if path is RestorePath.PD_HANDOFF:
+            return [lambda: pl._network_flows(lambda g: f"peer.{g}", lambda g: g, shard, pool_side=False)]
+        topo = p.topology
+
+        def from_drive() -> list[Flow]:
+            return [
+                flow_along(topo, topo.route(pl._drive_for(g), dram(g), size_bytes=s), s)
+                for g, s in zip(inst.gpus, shard)
+            ]
+
+        return [from_drive, local]
+
+    def _restored(self, inst: _Instance, rec: RequestRecord) -> None:
+        rec.restore_s = self.now - rec.arrival_s
+        inst.ready.append(rec)
+        self._kick(inst)
+
+    # --- prefill and decode ---------------------------------------------------------------
+
+    def _fits(self, inst: _Instance, rec: RequestRecord) -> bool:
+        if len(inst.running) >= self.config.max_batch:
+            return False
+        need = rec.request.input_length + rec.request.output_length
+        return not inst.running or inst.context_tokens + need <= inst.kv_limit_tokens
+
+    def _kick(self, inst: _Instance) -> None:
+        if self.arch.pd_handoff and not inst.prefill_busy and inst.ready:
+            inst.prefill_busy = True
+            rec = inst.ready.popleft()
+            self._push(self.now + self._prefill_s(inst, rec), lambda: self._prefilled(inst, rec))
+        if inst.busy:
+            return
+        if self.arch.pd_handoff:
+            while inst.decode_ready and self._fits(inst, inst.decode_ready[0]):
+                self._join(inst, inst.decode_ready.popleft())
+        elif inst.ready and self._fits(inst, inst.ready[0]):
+            inst.busy = True
+            rec = inst.ready.popleft()
+            self._push(self.now + self._prefill_s(inst, rec), lambda: self._prefilled(inst, rec))
+            return
+        if inst.running:
+            inst.busy = True
+            self._push(self.now + self._step_s(inst), lambda: self._stepped(inst))
+
+    def _prefill_s(self, inst: _Instance, rec: RequestRecord) -> float:
+        cached = sum(rec.hit_tokens.values())
+        return inst.model.prefill_s(rec.request.input_length - cached, cached)
+
+    def _prefilled(self, inst: _Instance, rec: RequestRecord) -> None:
+        if self.arch.pd_handoff:
+            inst.prefill_busy = False
+            tokens = rec.request.input_length
+            stages = self._stages(inst, RestorePath.PD_HANDOFF, tokens)
+            self.net.start(self.now, stages, lambda t: self._push(t, lambda: self._handed_off(inst, rec)))
+            self._kick(inst)
+            return
+        inst.busy = False
+        self._first_token(inst, rec)
+        self._kick(inst)
+
+    def _handed_off(self, inst: _Instance, rec: RequestRecord) -> None:
+        self._first_token(inst, rec, join_queue=inst.decode_ready)
+        self._kick(inst)
+
+    def _first_token(self, inst: _Instance, rec: RequestRecord, join_queue: deque | None = None) -> None:
+        rec.first_token_s = self.now
+        if rec.request.output_length <= 1:
+            self._finish(rec)
+        elif join_queue is not None:
+            join_queue.append(rec)
+        else:
+            self._join(inst, rec)
+
+    def _join(self, inst: _Instance, rec: RequestRecord) -> None:
+        # It finishes after output_length - 1 more steps; its context grows one token a step.
+        finish_step = inst.steps + rec.request.output_length - 1
+        heapq.heappush(inst.running, (finish_step, next(self._seq), rec))
+        inst.context_tokens += rec.request.input_length + 1
+
+    def _step_s(self, inst: _Instance) -> float:
+        step = inst.model.decode_step_s(len(inst.running), inst.context_tokens)
+        if self.arch.streaming:
+            kv_per_gpu = inst.context_tokens * inst.model.kv_bytes_per_token_per_gpu
+            step = max(step, kv_per_gpu / inst.stream_bytes_per_s)
+            for f in inst.stream_flows:  # every step re-crosses PCIe: count it on the links
+                for r, w in f.uses:
+                    self._stream_bytes[r.key] = self._stream_bytes.get(r.key, 0.0) + w * kv_per_gpu
+        return step
+
+    def _stepped(self, inst: _Instance) -> None:
+        inst.busy = False
+        inst.steps += 1
+        inst.context_tokens += len(inst.running)
+        while inst.running and inst.running[0][0] <= inst.steps:
+            _, _, rec = heapq.heappop(inst.running)
+            r = rec.request
+            inst.context_tokens -= r.input_length + r.output_length
+            self._finish(rec)
+        self._kick(inst)
+
+    def _finish(self, rec: RequestRecord) -> None:
+        rec.finish_s = self.now
+        rec.completions += 1
+        self._done += 1
+        if self.progress is not None:
+            self.progress(self._done, len(self.requests))

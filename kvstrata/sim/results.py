@@ -1,0 +1,91 @@
+"""Summaries of simulation runs: percentiles, hit rates per tier, link use, SLOs and ranking."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstrata.sim.engine import SimOutcome
+
+TTFT_P90_SLO_S = 2.0
+TPOT_P99_SLO_S = 0.100
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear between closest ranks; NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Summary:
+    arch: str
+    ttft_s: dict[str, float]
+    tpot_s: dict[str, float]
+    mean_ttft_s: float
+    mean_restore_s: float
+    throughput_tok_s: float
+    hit_rate: dict[str, float]
+    link_bytes: dict[str, float]
+    link_utilisation: dict[str, float]
+    meets_slo: bool
+
+    def to_json(self) -> dict:
+        def clean(x: float) -> float | None:
+            return None if math.isnan(x) else x
+
+        return {
+            "arch": self.arch,
+            "ttft_s": {k: clean(v) for k, v in self.ttft_s.items()},
+            "tpot_s": {k: clean(v) for k, v in self.tpot_s.items()},
+            "throughput_tok_s": self.throughput_tok_s,
+            "hit_rate": self.hit_rate,
+            "link_bytes": self.link_bytes,
+            "link_utilisation": self.link_utilisation,
+            "meets_slo": self.meets_slo,
+        }
+
+
+def summarise(outcome: SimOutcome) -> Summary:
+    recs = outcome.records
+    ttft = [r.ttft_s for r in recs]
+    tpot = [t for r in recs if (t := r.tpot_s) is not None]
+    quant = lambda xs: {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}  # noqa: E731
+    input_tokens = sum(r.request.input_length for r in recs)
+    hit_rate = {
+        tier.value: (sum(r.hit_tokens[tier] for r in recs) / input_tokens if input_tokens else 0.0)
+        for tier in outcome.arch.tiers
+    }
+    span = outcome.makespan_s
+    out_tokens = sum(r.request.output_length for r in recs)
+    labels = outcome.link_labels
+    link_bytes = {labels[k]: b for k, b in sorted(outcome.link_bytes.items()) if b > 0}
+    util = {
+        labels[k]: (b / (outcome.link_gbps[k] * 1e9 * span) if span > 0 else 0.0)
+        for k, b in sorted(outcome.link_bytes.items())
+        if b > 0
+    }
+    ttft_q, tpot_q = quant(ttft), quant(tpot)
+    meets = ttft_q["p90"] <= TTFT_P90_SLO_S and (not tpot or tpot_q["p99"] <= TPOT_P99_SLO_S)
+    return Summary(
+        outcome.arch.name,
+        ttft_q,
+        tpot_q,
+        sum(ttft) / len(ttft) if ttft else math.nan,
+        sum(r.restore_s for r in recs) / len(recs) if recs else math.nan,
+        out_tokens / span if span > 0 else 0.0,
+        hit_rate,
+        link_bytes,
+        util,
+        bool(meets),
+    )
+
+
+def rank(summaries: Sequence[Summary]) -> list[Summary]:
+    """Those meeting the SLOs first, then by throughput (higher first), then TTFT p90."""
+    return sorted(summaries, key=lambda s: (not s.meets_slo, -s.throughput_tok_s, s.ttft_s["p90"]))

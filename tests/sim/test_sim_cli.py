@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import json
+
+from kvstrata.cli import main
+from kvstrata.sim.synthetic import SyntheticConfig, generate
+from kvstrata.sim.traceio import write_trace
+
+
+def test_simulate_json_and_plot(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, generate(SyntheticConfig(requests=40, rate=2.0, seed=1)))
+    rc = main([
+        "simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b",
+        "--arch", "hbm,remote-gdr", "--instances", "2", "--json", "--plot", str(tmp_path / "plots"),
+    ])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {a["arch"] for a in doc["architectures"]} == {"hbm", "remote-gdr"}
+    for a in doc["architectures"]:
+        assert set(a["ttft_s"]) == {"p50", "p90", "p99"} and isinstance(a["meets_slo"], bool)
+    assert (tmp_path / "plots" / "ttft_cdf.png").exists()
+
+
+def test_simulate_bad_arch_is_an_error(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, generate(SyntheticConfig(requests=3, seed=1)))
+    assert main(["simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b", "--arch", "tape"]) == 2
