@@ -3,7 +3,9 @@
 ``bench cache``: store and restore GB/s of each cache tier against plain copies, plain file
 I/O and LMCache (when importable), and hash+lookup time. ``bench remote``: store and restore
 GB/s through the remote tier (and the whole cache) against raw Mooncake calls, in TCP and
-shared-memory modes, and time to first byte. Progress goes to stderr; ``--json`` prints the
+shared-memory modes, and time to first byte. ``bench sim``: wall seconds of the trace-driven
+simulator per architecture on the Mooncake trace and on a 12,000-request tiling of it, beside a
+plain replay of the same trace (``analyze``). Progress goes to stderr; ``--json`` prints the
 report alone on stdout. Decimal GB/s (1 GB = 1e9 bytes).
 """
 
@@ -31,7 +33,7 @@ MIB = 1 << 20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench cache`` and ``bench remote``."""
+    """Add ``bench cache``, ``bench remote`` and ``bench sim``."""
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: ours beside baselines measured in the same run",
@@ -78,6 +80,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "else an embedded pool for the run")
     remote.add_argument("--json", action="store_true", help="print the report as JSON")
     remote.set_defaults(func=run_remote)
+    sim = benches.add_parser(
+        "sim",
+        help="wall seconds of the simulator per architecture vs a plain replay of the trace",
+        description="Time kvstrata's trace-driven simulator, one run per architecture (the seven and "
+        "hbm+pool+nvme) on h200-cx7-gen5 with llama-3-70b, on the Mooncake trace and on a larger trace "
+        "tiled from it (later copies shifted in time and given fresh block ids: new sessions); beside "
+        "the time of a plain replay of the same trace (kvstrata.sim.analyze), as a ratio. Goal: each "
+        "simulation <= 5 s on one core.",
+    )
+    sim.add_argument("--trace", metavar="FILE", help="JSON-lines trace (Mooncake format; default: "
+                     "<repo>/../shared/data/traces/mooncake_synthetic_trace.jsonl)")
+    sim.add_argument("--requests-large", type=int, default=12_000,
+                     help="requests of the tiled trace (default: 12000)")
+    sim.add_argument("--json", action="store_true", help="print the report as JSON")
+    sim.set_defaults(func=run_sim)
 
 
 class _Bar:
@@ -323,5 +340,68 @@ def _print_remote(report: dict[str, Any]) -> None:
         f"verified bit-exact: {report['verified']['bytes'] / 1e9:.2f} GB restored (ours, raw and the cache's). "
         "GB = 1e9 bytes; ratio = median over rounds of ours / raw within a round (rates; time ratios: ours' "
         "time / raw's, < 1 is faster).",
+        highlight=False,
+    )
+
+
+# --- bench sim ----------------------------------------------------------------------------------
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    from kvstrata.bench.sim import DEFAULT_TRACE, SimBenchConfig, run_sim_bench
+    from kvstrata.sim.traceio import read_trace
+
+    path = args.trace or str(DEFAULT_TRACE)
+    if not os.path.isfile(path):
+        where = "" if args.trace else " (the default: the Mooncake trace in the shared data folder)"
+        raise cli.CliError(f"trace {path!r} not found{where}; pass --trace FILE")
+    if args.requests_large < 1:
+        raise cli.CliError(f"--requests-large must be at least 1, got {args.requests_large}")
+    config = SimBenchConfig(requests_large=args.requests_large)
+    requests = read_trace(path)
+    err = Console(stderr=True)
+    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        report = run_sim_bench(requests, path, config, _Bar(progress))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_sim(report)
+    return 0
+
+
+def _print_sim(report: dict[str, Any]) -> None:
+    c = report["config"]
+    core = f"pinned to CPU {c['pinned_cpu']}" if c["pinned_cpu"] is not None else "not pinned"
+    title = (
+        f"kvstrata bench sim: {c['model']} on {c['hardware']}, {c['instances']} instances of "
+        f"{c['gpus_per_instance']} GPU; one run per architecture, {core}"
+    )
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("trace", "left"), ("arch", "left"), ("wall s", "right"), ("CPU s", "right"),
+                          ("requests/s", "right"), ("vs analyze", "right"), ("goal", "left"), ("pass", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for trace in report["traces"]:
+        base = trace["baseline"]
+        label = f"{trace['name']} ({trace['requests']:,})"
+        table.add_row(label, "[dim]analyze (baseline)[/]", f"{base['wall_s']:.4f}", "-",
+                      f"{base['requests_per_s']:,.0f}", "1.00x", "", "")
+        for row in trace["architectures"]:
+            table.add_row(
+                "", row["arch"], f"{row['wall_s']:.2f}", f"{row['cpu_s']:.2f}", f"{row['requests_per_s']:,.0f}",
+                f"{row['overhead_x']:,.0f}x", f"<={c['goal_wall_s']:g} s",
+                "[green]pass[/]" if row["within_goal"] else "[bold red]FAIL[/]",
+            )
+        table.add_section()
+    out = cli.console()
+    out.print(table)
+    met = sum(g["passed"] for g in report["goals"])
+    tiling = report["traces"][1]["tiling"]
+    out.print(
+        f"goals met: {met} of {len(report['goals'])}. Trace: {c['trace']}. The tiled trace: {tiling['copies']} "
+        f"copies (the last may be partial), each {tiling['span_ms'] / 1e3:,.1f} s later than the one before and "
+        f"its block ids shifted by {tiling['id_stride']:,} (new sessions). Baseline: median of "
+        f"{c['baseline_repeats']} runs of kvstrata.sim.analyze (unlimited cache) on the same requests; "
+        "'vs analyze' = the simulation's wall time over it.",
         highlight=False,
     )

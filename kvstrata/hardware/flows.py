@@ -94,31 +94,35 @@ class Share:
 
 
 def max_min_share(flows: list[Flow]) -> list[Share]:
-    """Rates of concurrent flows under max-min fairness (progressive filling)."""
+    """Rates of concurrent flows under max-min fairness (progressive filling).
+
+    Demand per resource (the summed weights of its unfrozen flows) is kept up to date as
+    flows freeze, so each round costs one pass over the resources, not over every flow.
+    """
     remaining: dict[str, float] = {}
-    for f in flows:
-        for r, _ in f.uses:
+    demand: dict[str, int] = {}
+    users: dict[str, list[int]] = {}
+    by_key: dict[str, Resource] = {}
+    for i, f in enumerate(flows):
+        for r, w in f.uses:
             remaining[r.key] = r.gbps
-    rate: dict[int, float] = {}
-    bottleneck: dict[int, Resource] = {}
-    active = set(range(len(flows)))
-    while active:
-        # Demand per resource: the summed weights of unfrozen flows through it.
-        demand: dict[str, float] = {}
-        by_key: dict[str, Resource] = {}
-        for i in active:
-            for r, w in flows[i].uses:
-                demand[r.key] = demand.get(r.key, 0) + w
-                by_key[r.key] = r
-        key = min(demand, key=lambda k: (remaining[k] / demand[k], k))
+            by_key[r.key] = r
+            demand[r.key] = demand.get(r.key, 0) + w
+            users.setdefault(r.key, []).append(i)
+    rate: list[float | None] = [None] * len(flows)
+    bottleneck: list[Resource | None] = [None] * len(flows)
+    unfrozen = len(flows)
+    while unfrozen:
+        key = min((k for k in demand if demand[k] > 0), key=lambda k: (remaining[k] / demand[k], k))
         level = remaining[key] / demand[key]
-        frozen = [i for i in active if any(r.key == key for r, _ in flows[i].uses)]
-        for i in frozen:
-            rate[i] = level
-            bottleneck[i] = by_key[key]
+        for i in users[key]:
+            if rate[i] is not None:
+                continue
+            rate[i], bottleneck[i] = level, by_key[key]
+            unfrozen -= 1
             for r, w in flows[i].uses:
                 remaining[r.key] -= level * w
-            active.discard(i)
+                demand[r.key] -= w
         remaining[key] = 0.0  # guard against float dust leaving it positive
     return [Share(f, rate[i], bottleneck[i]) for i, f in enumerate(flows)]
 

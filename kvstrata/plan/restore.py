@@ -158,9 +158,21 @@ class RestorePlanner:
         self.topology = profile.topology
         self.gpus = gpus
 
-    def _network_flows(self, src_of, dst_of, shard_bytes: list[int], pool_side: bool) -> list[Flow]:
-        """Each GPU's shard spread over every port of its NIC and every host link of that NIC
-        (Socket Direct), bytes split in proportion to what each sub-flow gets when all run."""
+    def network_flows(self, src_of, dst_of, shard_bytes: list[int], pool_side: bool) -> list[Flow]:
+        """Flows of one network stage: each GPU's shard across its NIC.
+
+        Each shard is spread over every port of the GPU's NIC and every host link of that NIC
+        (Socket Direct), bytes split in proportion to what each sub-flow gets when all run.
+
+        Args:
+            src_of: GPU name -> the node its shard leaves from (e.g. ``"pool.dram"``).
+            dst_of: GPU name -> the node its shard lands on (the GPU, or its local DRAM).
+            shard_bytes: bytes per GPU, in the order of ``self.gpus``.
+            pool_side: the far end is the pool's NICs (else a peer node's NIC of the same name).
+
+        Returns:
+            One flow per used sub-route, GPU by GPU.
+        """
         shards: list[list[Path]] = []
         for i, gpu in enumerate(self.gpus):
             nic = nic_for(self.profile, gpu)
@@ -181,7 +193,16 @@ class RestorePlanner:
             flows.extend(flow_along(self.topology, path, part) for path, part in kept)
         return flows
 
-    def _local_flows(self, shard_bytes: list[int], src_of) -> list[Flow]:
+    def local_flows(self, shard_bytes: list[int], src_of) -> list[Flow]:
+        """Flows of one local stage: each GPU's shard from a node of its host into the GPU.
+
+        Args:
+            shard_bytes: bytes per GPU, in the order of ``self.gpus``.
+            src_of: GPU name -> the node its shard leaves from (e.g. its socket's DRAM).
+
+        Returns:
+            One flow per GPU, along the topology's route for that size.
+        """
         return [
             flow_along(self.topology, self.topology.route(src_of(g), g, size_bytes=size), size)
             for g, size in zip(self.gpus, shard_bytes)
@@ -191,34 +212,42 @@ class RestorePlanner:
         total = sum(shard_bytes)
         p, dram = self.profile, lambda g: local_dram(self.profile, g)
         if path is RestorePath.LOCAL_DRAM:
-            return RestoreEstimate(path, total, (_stage(self._local_flows(shard_bytes, dram)),))
+            return RestoreEstimate(path, total, (_stage(self.local_flows(shard_bytes, dram)),))
         if path in (RestorePath.REMOTE_GDR, RestorePath.REMOTE_TWO_HOP):
             if p.pool is None or not p.nics:
                 return RestoreEstimate(path, total, (), "no remote DRAM pool or no NIC in this profile")
             if path is RestorePath.REMOTE_GDR:
-                flows = self._network_flows(lambda g: "pool.dram", lambda g: g, shard_bytes, pool_side=True)
+                flows = self.network_flows(lambda g: "pool.dram", lambda g: g, shard_bytes, pool_side=True)
                 return RestoreEstimate(path, total, (_stage(flows),))
-            first = _stage(self._network_flows(lambda g: "pool.dram", dram, shard_bytes, pool_side=True))
-            return RestoreEstimate(path, total, (first, _stage(self._local_flows(shard_bytes, dram))))
+            first = _stage(self.network_flows(lambda g: "pool.dram", dram, shard_bytes, pool_side=True))
+            return RestoreEstimate(path, total, (first, _stage(self.local_flows(shard_bytes, dram))))
         if path is RestorePath.NVME:
             if not p.nvmes:
                 return RestoreEstimate(path, total, (), "no NVMe drive in this profile")
             first = _stage(
                 [
-                    flow_along(self.topology, self.topology.route(self._drive_for(g), dram(g), size_bytes=size), size)
+                    flow_along(self.topology, self.topology.route(self.drive_for(g), dram(g), size_bytes=size), size)
                     for g, size in zip(self.gpus, shard_bytes)
                 ]
             )
-            return RestoreEstimate(path, total, (first, _stage(self._local_flows(shard_bytes, dram))))
+            return RestoreEstimate(path, total, (first, _stage(self.local_flows(shard_bytes, dram))))
         if path is RestorePath.PD_HANDOFF:
             if not p.nics:
                 return RestoreEstimate(path, total, (), "no NIC in this profile: no cross-node handoff")
-            flows = self._network_flows(lambda g: f"peer.{g}", lambda g: g, shard_bytes, pool_side=False)
+            flows = self.network_flows(lambda g: f"peer.{g}", lambda g: g, shard_bytes, pool_side=False)
             return RestoreEstimate(path, total, (_stage(flows),))
         raise ValueError(f"unknown restore path {path!r}")
 
-    def _drive_for(self, gpu: str) -> str:
-        """The NVMe drive on the GPU's socket (else the first); drives are shared when fewer."""
+    def drive_for(self, gpu: str) -> str:
+        """The NVMe drive a GPU restores from.
+
+        Args:
+            gpu: the GPU's name.
+
+        Returns:
+            The first drive on the GPU's socket, else the profile's first drive; drives are
+            shared when there are fewer than GPUs.
+        """
         socket = self.profile.socket_of(self.profile.gpu(gpu).attach)
         drives = [n.name for n in self.topology.of_kind(NodeKind.FLASH) if n.socket == socket]
         return (drives or [n.name for n in self.topology.of_kind(NodeKind.FLASH)])[0]

@@ -273,20 +273,20 @@ class Simulation:
         shard = [tokens * inst.model.kv_bytes_per_token_per_gpu] * len(inst.gpus)
         pl, p = inst.planner, self.config.profile
         dram = lambda g: local_dram(p, g)  # noqa: E731
-        local = lambda: pl._local_flows(shard, dram)  # noqa: E731
+        local = lambda: pl.local_flows(shard, dram)  # noqa: E731
         if path is RestorePath.LOCAL_DRAM:
             return [local]
         if path is RestorePath.REMOTE_GDR:
-            return [lambda: pl._network_flows(lambda g: "pool.dram", lambda g: g, shard, pool_side=True)]
+            return [lambda: pl.network_flows(lambda g: "pool.dram", lambda g: g, shard, pool_side=True)]
         if path is RestorePath.REMOTE_TWO_HOP:
-            return [lambda: pl._network_flows(lambda g: "pool.dram", dram, shard, pool_side=True), local]
+            return [lambda: pl.network_flows(lambda g: "pool.dram", dram, shard, pool_side=True), local]
         if path is RestorePath.PD_HANDOFF:
-            return [lambda: pl._network_flows(lambda g: f"peer.{g}", lambda g: g, shard, pool_side=False)]
+            return [lambda: pl.network_flows(lambda g: f"peer.{g}", lambda g: g, shard, pool_side=False)]
         topo = p.topology
 
         def from_drive() -> list[Flow]:
             return [
-                flow_along(topo, topo.route(pl._drive_for(g), dram(g), size_bytes=s), s)
+                flow_along(topo, topo.route(pl.drive_for(g), dram(g), size_bytes=s), s)
                 for g, s in zip(inst.gpus, shard)
             ]
 

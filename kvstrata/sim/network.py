@@ -46,6 +46,9 @@ class Network:
         self.resources: dict[str, Resource] = {}
         self.version = 0  # bumps on every re-share; a stale wake-up is ignored by the caller
         self._latency_waits: list[tuple[float, int]] = []  # (time, job) stage ends after latency
+        # A flow's finish time (now + left / rate) does not move while rates hold, and rates and
+        # latency waits only change with a re-share (a version bump): cache it per version.
+        self._next: tuple[int, float | None] = (-1, None)
 
     @property
     def active(self) -> int:
@@ -104,12 +107,15 @@ class Network:
 
     def next_event_s(self) -> float | None:
         """When the next flow finishes (or a stage's latency ends), at current rates."""
+        if self._next[0] == self.version:
+            return self._next[1]
         best = min((t for t, _ in self._latency_waits), default=None)
         for job in self._jobs.values():
             for left, rate in zip(job.left, job.rates):
                 if left > 0 and rate > 0:
                     t = self._now + left / rate
                     best = t if best is None or t < best else best
+        self._next = (self.version, best)
         return best
 
     def advance(self, now: float) -> None:
