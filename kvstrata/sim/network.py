@@ -6,8 +6,8 @@ its flows. Whenever a flow starts or ends, every active flow's rate is re-shared
 :func:`kvstrata.hardware.flows.max_min_share`; between those instants rates are constant.
 
 Accounting (per resource key: a link direction or a memory): ``sent_bytes`` is credited in
-full when a flow starts, ``moved_bytes`` as the fluid moves; once every job is done the two
-are equal for every resource (conservation), up to float rounding.
+full when a flow starts, ``moved_bytes`` when its fluid has all moved; once every job is done
+the two are equal for every resource (conservation): every flow started finished, once.
 """
 
 from __future__ import annotations
@@ -87,13 +87,10 @@ class Network:
             raise ValueError(f"network time went backwards: {now} < {self._now}")
         if dt > 0:
             for job in self._jobs.values():
-                for i, f in enumerate(job.flows):
-                    moved = min(job.left[i], job.rates[i] * dt)
-                    if moved <= 0:
-                        continue
-                    job.left[i] -= moved
-                    for r, w in f.uses:
-                        self.moved_bytes[r.key] = self.moved_bytes.get(r.key, 0.0) + w * moved
+                left, rates = job.left, job.rates
+                for i in range(len(left)):
+                    if rates[i] > 0 and left[i] > 0:
+                        left[i] = max(0.0, left[i] - rates[i] * dt)
         self._now = now
 
     def _reshare(self) -> None:
@@ -128,9 +125,9 @@ class Network:
             if job.flows and due_now and not any(
                 j == job_id for _, j in self._latency_waits
             ):
-                for i, f in enumerate(job.flows):  # credit the dust, so the books balance
+                for i, f in enumerate(job.flows):  # a finished flow credits what it moved, once
                     for r, w in f.uses:
-                        self.moved_bytes[r.key] = self.moved_bytes.get(r.key, 0.0) + w * job.left[i]
+                        self.moved_bytes[r.key] = self.moved_bytes.get(r.key, 0.0) + w * f.size_bytes
                     job.left[i] = 0.0
                 latency = max(f.latency_s for f in job.flows)
                 self._latency_waits.append((now + latency, job_id))
