@@ -11,10 +11,10 @@ more blocks than the cache, can be one of its own earlier blocks).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.trace import BLOCK_TOKENS, Request, sort_by_time
 
 
@@ -87,44 +87,13 @@ def hit_tokens(requests: Sequence[Request], cache_tokens: int | None) -> int:
         requests: in arrival order.
         cache_tokens: cache size in tokens (rounded down to whole blocks); ``None`` = unlimited.
     """
-    if cache_tokens is None:
-        return _hit_tokens_unlimited(requests)
-    if cache_tokens < 0:
+    if cache_tokens is not None and cache_tokens < 0:
         raise ValueError(f"cache_tokens must be non-negative, got {cache_tokens}")
-    capacity_blocks = cache_tokens // BLOCK_TOKENS
-    if capacity_blocks == 0:
-        return 0
-    # Insertion order is recency order: the first key is the least recently used block.
-    lru: OrderedDict[int, None] = OrderedDict()
+    lru = BlockLRU(None if cache_tokens is None else cache_tokens // BLOCK_TOKENS)
     total = 0
     for r in requests:
-        run = 0
-        for block_id in r.hash_ids:
-            if block_id not in lru:
-                break
-            run += 1
-        total += min(run * BLOCK_TOKENS, r.input_length)
-        for block_id in r.hash_ids:
-            if block_id in lru:
-                lru.move_to_end(block_id)
-            else:
-                lru[block_id] = None
-                if len(lru) > capacity_blocks:
-                    lru.popitem(last=False)
-    return total
-
-
-def _hit_tokens_unlimited(requests: Sequence[Request]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for r in requests:
-        run = 0
-        for block_id in r.hash_ids:
-            if block_id not in seen:
-                break
-            run += 1
-        total += min(run * BLOCK_TOKENS, r.input_length)
-        seen.update(r.hash_ids)
+        total += min(lru.leading_run(r.hash_ids) * BLOCK_TOKENS, r.input_length)
+        lru.touch(r.hash_ids)
     return total
 
 

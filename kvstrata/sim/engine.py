@@ -29,9 +29,10 @@ from kvstrata.hardware.topology import NodeKind
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION
 from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
+from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.network import Network
-from kvstrata.sim.tiers import ArchSpec, BlockLRU, Tier
+from kvstrata.sim.tiers import ArchSpec, Tier
 from kvstrata.sim.trace import BLOCK_TOKENS, Request, sort_by_time
 
 

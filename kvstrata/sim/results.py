@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvstrata.sim.engine import SimOutcome
 
 TTFT_P90_SLO_S = 2.0
@@ -14,12 +16,7 @@ TPOT_P99_SLO_S = 0.100
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100), linear between closest ranks; NaN for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if len(values) else math.nan
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from kvstrata.hardware.profile import load_profile
 from kvstrata.hardware.whatif import apply_upgrades, with_nics
 from kvstrata.kv.presets import load_geometry
 from kvstrata.sim.engine import SimConfig, Simulation
+from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.results import percentile, summarise
 from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate
-from kvstrata.sim.tiers import BlockLRU, Tier, parse_arch
+from kvstrata.sim.tiers import Tier, parse_arch
 
 SEVEN = ["hbm", "local-dram", "remote-gdr", "remote-staged", "pd-handoff", "dram-streaming", "nvme"]
 
