@@ -45,7 +45,7 @@ from kvstrata.bench.goals import evaluate_goals
 from kvstrata.bench.kvdata import block_layout, random_kv
 from kvstrata.bench.ours import OursCache
 from kvstrata.bench.timing import NoProgress, Progress, Rounds, rotated
-from kvstrata.index.bench import hash_and_lookup_ms
+from kvstrata.bench.lookup import hash_and_lookup_ms
 from kvstrata.kv.layout import KVLayout
 
 MIB = 1 << 20

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstrata.index.bench import VOCAB
+from kvstrata.bench.lookup import VOCAB
 from kvstrata.kv import load_geometry
 from kvstrata.kv.layout import KVLayout
 

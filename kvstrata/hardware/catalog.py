@@ -197,9 +197,6 @@ class DramSpec:
         )
 
 
-# Remote reads over UPI reach about 34 GB/s of the 41.6 GB/s (2 links x 10.4 GT/s x 2 bytes)
-# a Xeon Platinum 8160 pair offers: ~0.8 once coherence traffic takes its share.
-UPI_REMOTE_READ_EFFICIENCY = 34 / 41.6
 
 
 @dataclass(frozen=True)
@@ -231,10 +228,17 @@ class SocketLinkSpec:
             ),
             efficiency=UPI_REMOTE_READ_EFFICIENCY,
             efficiency_basis=(
-                "measured elsewhere: remote-socket reads reach ~34 of 41.6 GB/s on a 2-link "
+                f"measured elsewhere: remote-socket reads reach ~{UPI_MEASURED_REMOTE_READ_GBPS:g} of "
+                f"{UPI_MEASURED_REMOTE_READ_GBPS / UPI_REMOTE_READ_EFFICIENCY:.1f} GB/s on a 2-link "
                 "Xeon Platinum 8160 (coherence traffic shares the links); calibrate to replace"
             ),
         )
+
+
+# The one measurement behind UPI's default efficiency: remote-socket reads on a Xeon Platinum
+# 8160 pair (2 UPI links at 10.4 GT/s) reach about 34 GB/s of the link rate the same formula gives.
+UPI_MEASURED_REMOTE_READ_GBPS = 34.0
+UPI_REMOTE_READ_EFFICIENCY = UPI_MEASURED_REMOTE_READ_GBPS / SocketLinkSpec(links=2, gt_s=10.4).one_way_gbps
 
 
 # --- NVMe -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from kvstrata.index.bench import hash_and_lookup_ms, sha256_pickle_keys, xxh3_loop_keys
+from kvstrata.bench.lookup import hash_and_lookup_ms, sha256_pickle_keys, xxh3_loop_keys
 from kvstrata.index.keys import Namespace, block_keys
 
 
