@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -111,6 +112,33 @@ class _Bar:
         self._progress.update(self._task, advance=1, description=label)
 
 
+def _run_and_report(
+    args: argparse.Namespace,
+    run: Callable[[_Bar], dict[str, Any]],
+    render: Callable[[dict[str, Any]], None],
+    failures: dict[type[BaseException], str] | None = None,
+) -> int:
+    """Run a benchmark under a progress bar on stderr, then print JSON or its table.
+
+    ``failures`` maps exception types to a one-line label; each becomes exit code 1.
+    """
+    err = Console(stderr=True)
+    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    labels = {VerificationError: "verification failed", **(failures or {})}
+    try:
+        with Progress(*columns, console=err, transient=True) as progress:
+            report = run(_Bar(progress))
+    except tuple(labels) as exc:
+        label = next(text for kind, text in labels.items() if isinstance(exc, kind))
+        err.print(f"[bold red]{label}:[/] {exc}", highlight=False)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        render(report)
+    return 0
+
+
 def run_cache(args: argparse.Namespace) -> int:
     from kvstrata.bench.cache import CacheBenchConfig, run_cache_bench
 
@@ -123,19 +151,7 @@ def run_cache(args: argparse.Namespace) -> int:
         directory=args.dir,
         lmcache=not args.no_lmcache,
     )
-    err = Console(stderr=True)
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    try:
-        with Progress(*columns, console=err, transient=True) as progress:
-            report = run_cache_bench(config, _Bar(progress))
-    except VerificationError as exc:
-        err.print(f"[bold red]verification failed:[/] {exc}", highlight=False)
-        return 1
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_cache(report)
-    return 0
+    return _run_and_report(args, lambda bar: run_cache_bench(config, bar), _print_cache)
 
 
 # --- the table ------------------------------------------------------------------------------------
@@ -253,22 +269,8 @@ def run_remote(args: argparse.Namespace) -> int:
     )
     config.layout()  # a size that is no whole number of tokens per block fails here, before any pool starts
     pool = load_pool_config(args.pool) if args.pool else pool_from_env()
-    err = Console(stderr=True)
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    try:
-        with Progress(*columns, console=err, transient=True) as progress:
-            report = run_remote_bench(config, pool, _Bar(progress))
-    except VerificationError as exc:
-        err.print(f"[bold red]verification failed:[/] {exc}", highlight=False)
-        return 1
-    except (PoolUnavailable, PoolError) as exc:
-        err.print(f"[bold red]pool unavailable:[/] {exc}", highlight=False)
-        return 1
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_remote(report)
-    return 0
+    unavailable = {PoolUnavailable: "pool unavailable", PoolError: "pool unavailable"}
+    return _run_and_report(args, lambda bar: run_remote_bench(config, pool, bar), _print_remote, unavailable)
 
 
 def _ms(value: float) -> str:
@@ -359,15 +361,7 @@ def run_sim(args: argparse.Namespace) -> int:
         raise cli.CliError(f"--requests-large must be at least 1, got {args.requests_large}")
     config = SimBenchConfig(requests_large=args.requests_large)
     requests = read_trace(path)
-    err = Console(stderr=True)
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as progress:
-        report = run_sim_bench(requests, path, config, _Bar(progress))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_sim(report)
-    return 0
+    return _run_and_report(args, lambda bar: run_sim_bench(requests, path, config, bar), _print_sim)
 
 
 def _print_sim(report: dict[str, Any]) -> None:
