@@ -162,9 +162,6 @@ class Topology:
     def of_kind(self, kind: NodeKind) -> list[Node]:
         return [n for n in self.nodes.values() if n.kind is kind]
 
-    def neighbours(self, name: str) -> list[tuple[str, Link]]:
-        return list(self._adjacent[self.node(name).name])
-
     def route(self, src: str, dst: str, via: tuple[str, ...] = (), size_bytes: int | None = None) -> Path:
         """A path from ``src`` to ``dst`` through ``via`` in order.
 

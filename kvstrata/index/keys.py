@@ -87,7 +87,3 @@ def block_keys(tokens: Any, namespace: Namespace) -> list[BlockKey]:
         parent = digest(parent + data[start : start + step])
         append(parent)
     return keys
-
-
-def full_blocks(num_tokens: int, block_size: int) -> int:
-    return num_tokens // block_size
