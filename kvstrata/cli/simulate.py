@@ -16,7 +16,7 @@ from kvstrata.hardware.whatif import apply_upgrades
 from kvstrata.kv.presets import load_geometry
 from kvstrata.sim.engine import SimConfig
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
-from kvstrata.sim.run import simulate
+from kvstrata.sim.run import offered_load, scale_time, simulate
 from kvstrata.sim.traceio import read_trace
 
 
@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instances", type=int, default=None, help="instances (default: all GPUs)")
     p.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs per instance (default 1)")
     p.add_argument("--requests", type=int, default=None, help="take the first N requests")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
+    p.add_argument("--write", choices=("through", "back"), default="through", help="tier write policy")
+    p.add_argument("--restore-slots", type=int, default=4, help="requests restoring at once per instance")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here")
     p.set_defaults(func=run_simulate)
@@ -45,32 +48,54 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.requests < 0:
             raise cli.CliError(f"--requests must be non-negative, got {args.requests}")
         requests = requests[: args.requests]
+    if args.time_scale != 1.0:
+        try:
+            requests = scale_time(requests, args.time_scale)
+        except ValueError as e:
+            raise cli.CliError(f"--time-scale: {e}") from None
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     if not archs:
         raise cli.CliError("--arch names no architecture")
-    config = SimConfig(load_geometry(args.model), _profile(args.hardware), args.gpus_per_instance, args.instances)
+    config = SimConfig(
+        load_geometry(args.model),
+        _profile(args.hardware),
+        args.gpus_per_instance,
+        args.instances,
+        restore_slots=args.restore_slots,
+    )
+    load = offered_load(requests, config)
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks = {a: bar.add_task(f"simulating {a}", total=len(requests)) for a in archs}
-        summaries, outcomes = simulate(requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d))
+        summaries, outcomes = simulate(
+            requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d), write=args.write
+        )
     if args.plot:
         _plot(args.plot, outcomes)
     if args.json:
-        print(json.dumps({"architectures": [s.to_json() for s in summaries]}, indent=2))
+        print(json.dumps({"offered_load": load, "architectures": [s.to_json() for s in summaries]}, indent=2))
         return 0
     t = Table(title=f"{len(requests):,} requests; SLO: TTFT p90 <= {TTFT_P90_SLO_S:g} s, TPOT p99 <= {TPOT_P99_SLO_S * 1e3:g} ms")
-    for col in ("rank", "arch", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "hit rate", "SLO"):
+    for col in ("rank", "arch", "GPUs", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "tok/s/GPU", "hit rate", "SLO"):
         t.add_column(col)
     for i, s in enumerate(summaries, 1):
         t.add_row(
             str(i),
             s.arch,
+            str(s.gpus),
             "/".join(f"{v:.2f}" for v in s.ttft_s.values()),
             "/".join(f"{v * 1e3:.1f}" for v in s.tpot_s.values()),
             f"{s.throughput_tok_s:,.0f}",
+            f"{s.throughput_per_gpu:,.1f}",
             " ".join(f"{k} {v:.0%}" for k, v in s.hit_rate.items()),
             "[green]yes[/]" if s.meets_slo else "[red]no[/]",
         )
-    cli.console().print(t)
+    out = cli.console()
+    out.print(t)
+    note = "[red]overloaded: queues grow, TTFT reflects queueing[/]" if load > 1 else "within capacity"
+    out.print(
+        f"offered prefill load without reuse: {load:.2f}x the instances' compute ({note}); "
+        "--time-scale stretches arrivals"
+    )
     return 0
 
 

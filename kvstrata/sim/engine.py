@@ -13,6 +13,15 @@ them, and the first token counts from its arrival at the decode group.
 Requests go to instance ``hash_ids[0] % instances`` (session affinity: a session's first
 block never changes), or round robin when a request has no ids. Cache look-ups and inserts
 happen at arrival, in arrival order, so hits do not depend on timing.
+
+Restores queue per instance: at most ``restore_slots`` requests restore at once (as a load
+queue in a serving engine does); the rest wait in arrival order. Without the bound an
+overloaded instance would start every queued request's restore at arrival, all sharing the
+links, so that none finishes early.
+
+Hardware counted: ``instances x gpus_per_instance`` GPUs, except ``pd-handoff``, whose prefill
+groups are the peer server's GPUs, as many again (the seed's fifth scheme adds prefill
+machines); :attr:`SimOutcome.gpus` says how many a run used, so throughput per GPU compares.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.network import Network
-from kvstrata.sim.tiers import ArchSpec, Tier
+from kvstrata.sim.tiers import ArchSpec, Tier, WritePolicy
 from kvstrata.sim.trace import BLOCK_TOKENS, Request, sort_by_time
 
 
@@ -47,6 +56,7 @@ class SimConfig:
         instances: how many; default all the profile's GPUs allow.
         tier_tokens: capacity overrides per tier in tokens (per instance; the pool is shared).
         max_batch: most requests decoding together on one instance.
+        restore_slots: most requests restoring at once on one instance.
         record_events: keep every event's time (for tests).
     """
 
@@ -56,6 +66,7 @@ class SimConfig:
     instances: int | None = None
     tier_tokens: tuple[tuple[Tier, int], ...] = ()
     max_batch: int = 256
+    restore_slots: int = 4
     record_events: bool = False
 
     def __post_init__(self) -> None:
@@ -67,6 +78,8 @@ class SimConfig:
             )
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.restore_slots < 1:
+            raise ValueError(f"restore_slots must be at least 1, got {self.restore_slots}")
 
     @property
     def instance_count(self) -> int:
@@ -81,7 +94,8 @@ class RequestRecord:
     instance: int
     arrival_s: float
     hit_tokens: dict[Tier, int]
-    restore_s: float = 0.0
+    restore_s: float = 0.0  # arrival to restored, queueing for a restore slot included
+    restore_started_s: float | None = None  # when its restore took a slot; None: nothing to restore
     first_token_s: float | None = None
     finish_s: float | None = None
     completions: int = 0  # must end at exactly 1
@@ -108,6 +122,8 @@ class SimOutcome:
     link_sent_bytes: dict[str, float]
     link_gbps: dict[str, float]
     link_labels: dict[str, str]
+    gpus: int = 0
+    tier_writes: dict[Tier, int] = field(default_factory=dict)  # blocks written into each tier
     event_times: list[float] = field(default_factory=list)
 
 
@@ -122,6 +138,8 @@ class _Instance:
     stream_bytes_per_s: float  # per GPU, DRAM -> HBM with all K GPUs streaming at once
     stream_flows: list[Flow]
     ready: deque = field(default_factory=deque)  # records waiting to prefill
+    restore_queue: deque = field(default_factory=deque)  # (record, jobs) waiting for a slot
+    restoring: int = 0
     decode_ready: deque = field(default_factory=deque)  # pd: handed off, waiting to join
     busy: bool = False
     prefill_busy: bool = False  # pd: the prefill group
@@ -166,8 +184,8 @@ class Simulation:
         for i in range(n):
             gpus = [x.name for x in p.gpus[i * k : (i + 1) * k]]
             model = TimeModel.build(g, p, gpus)
-            hbm_free = min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION - model.weight_bytes_per_gpu
-            hbm_free = min(hbm_free, min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION - g.weight_bytes() / k)
+            # Every weight stays resident (a MoE's idle experts too), a 1/K share per GPU.
+            hbm_free = min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION - g.weight_bytes() / k
             hbm_tokens = max(0, int(hbm_free // model.kv_bytes_per_token_per_gpu))
             default = {
                 Tier.HBM: hbm_tokens,
@@ -186,6 +204,8 @@ class Simulation:
             limit = default[Tier.DRAM] if arch.streaming else hbm_tokens
             self.instances.append(_Instance(i, gpus, planner, model, caches, max(limit, 1), stream_rate, stream))
         self._stream_bytes: dict[str, float] = {}
+        self._tier_writes: dict[Tier, int] = dict.fromkeys(arch.tiers, 0)
+        self._gpus = n * k * (2 if arch.pd_handoff else 1)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -232,6 +252,8 @@ class Simulation:
             sent,
             {k: r.gbps for k, r in resources.items()},
             {k: r.label for k, r in resources.items()},
+            self._gpus,
+            dict(self._tier_writes),
             self.event_times,
         )
 
@@ -251,23 +273,57 @@ class Simulation:
             tokens = min(run * BLOCK_TOKENS, r.input_length)
             hits[tier] = max(0, tokens - covered)
             covered = max(covered, tokens)
-        for tier in self.arch.tiers:
-            inst.caches[tier].touch(r.hash_ids)
+        self._write(inst, r.hash_ids)
         rec = RequestRecord(r, inst.index, self.now, hits)
         self.records.append(rec)
         jobs = [(self.arch.restore_path(t), tok) for t, tok in hits.items() if tok and self.arch.restore_path(t)]
         if not jobs:
             self._restored(inst, rec)
             return
-        pending = [len(jobs)]
+        inst.restore_queue.append((rec, jobs))
+        self._start_restores(inst)
 
-        def one_done(t: float) -> None:
-            pending[0] -= 1
-            if pending[0] == 0:
-                self._push(t, lambda: self._restored(inst, rec))
+    def _write(self, inst: _Instance, ids: Sequence[int]) -> None:
+        """Insert a request's blocks per the write policy (see :mod:`kvstrata.sim.tiers`)."""
+        tiers, writes = self.arch.tiers, self._tier_writes
+        if self.arch.write is WritePolicy.THROUGH:
+            for tier in tiers:
+                cache = inst.caches[tier]
+                writes[tier] += sum(1 for b in ids if b not in cache)
+                cache.touch(ids)
+            return
+        for tier in tiers[1:]:
+            inst.caches[tier].refresh(ids)
+        first = inst.caches[tiers[0]]
+        writes[tiers[0]] += sum(1 for b in ids if b not in first)
+        demoted = first.touch(ids)
+        for tier in tiers[1:]:
+            if not demoted:
+                break
+            cache = inst.caches[tier]
+            fresh = [b for b in demoted if b not in cache]
+            writes[tier] += len(fresh)
+            demoted = cache.touch(fresh)
 
-        for path, tokens in jobs:
-            self.net.start(self.now, self._stages(inst, path, tokens), one_done)
+    def _start_restores(self, inst: _Instance) -> None:
+        while inst.restore_queue and inst.restoring < self.config.restore_slots:
+            rec, jobs = inst.restore_queue.popleft()
+            inst.restoring += 1
+            rec.restore_started_s = self.now
+            pending = [len(jobs)]
+
+            def one_done(t: float, rec=rec, pending=pending) -> None:
+                pending[0] -= 1
+                if pending[0] == 0:
+                    self._push(t, lambda: self._restore_slot_freed(inst, rec))
+
+            for path, tokens in jobs:
+                self.net.start(self.now, self._stages(inst, path, tokens), one_done)
+
+    def _restore_slot_freed(self, inst: _Instance, rec: RequestRecord) -> None:
+        inst.restoring -= 1
+        self._start_restores(inst)
+        self._restored(inst, rec)
 
     def _stages(self, inst: _Instance, path: RestorePath, tokens: int) -> list[Callable[[], list[Flow]]]:
         """The planner's flows for ``tokens`` of KV along ``path``, stage by stage."""

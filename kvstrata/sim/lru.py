@@ -31,14 +31,30 @@ class BlockLRU:
             run += 1
         return run
 
-    def touch(self, hash_ids: Sequence[int]) -> None:
-        """Insert or refresh ``hash_ids`` in order, evicting the least recently used when full."""
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
+
+    def touch(self, hash_ids: Sequence[int]) -> list[int]:
+        """Insert or refresh ``hash_ids`` in order, evicting the least recently used when full.
+
+        Returns the evicted ids, oldest first (a write-back hierarchy demotes them).
+        """
+        evicted: list[int] = []
         if self.capacity_blocks == 0:
-            return
+            return evicted
+        blocks = self._blocks
         for block_id in hash_ids:
-            if block_id in self._blocks:
-                self._blocks.move_to_end(block_id)
+            if block_id in blocks:
+                blocks.move_to_end(block_id)
             else:
-                self._blocks[block_id] = None
-                if self.capacity_blocks is not None and len(self._blocks) > self.capacity_blocks:
-                    self._blocks.popitem(last=False)
+                blocks[block_id] = None
+                if self.capacity_blocks is not None and len(blocks) > self.capacity_blocks:
+                    evicted.append(blocks.popitem(last=False)[0])
+        return evicted
+
+    def refresh(self, hash_ids: Sequence[int]) -> None:
+        """Mark those of ``hash_ids`` present as recently used; insert nothing."""
+        blocks = self._blocks
+        for block_id in hash_ids:
+            if block_id in blocks:
+                blocks.move_to_end(block_id)

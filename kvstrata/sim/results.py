@@ -31,6 +31,12 @@ class Summary:
     link_bytes: dict[str, float]
     link_utilisation: dict[str, float]
     meets_slo: bool
+    gpus: int = 0
+    tier_writes: dict[str, int] | None = None  # blocks written into each tier
+
+    @property
+    def throughput_per_gpu(self) -> float:
+        return self.throughput_tok_s / self.gpus if self.gpus else math.nan
 
     def to_json(self) -> dict:
         def clean(x: float) -> float | None:
@@ -41,6 +47,9 @@ class Summary:
             "ttft_s": {k: clean(v) for k, v in self.ttft_s.items()},
             "tpot_s": {k: clean(v) for k, v in self.tpot_s.items()},
             "throughput_tok_s": self.throughput_tok_s,
+            "gpus": self.gpus,
+            "throughput_tok_s_per_gpu": clean(self.throughput_per_gpu),
+            "tier_writes_blocks": self.tier_writes or {},
             "hit_rate": self.hit_rate,
             "link_bytes": self.link_bytes,
             "link_utilisation": self.link_utilisation,
@@ -70,7 +79,7 @@ def summarise(outcome: SimOutcome) -> Summary:
     ttft_q, tpot_q = quant(ttft), quant(tpot)
     meets = ttft_q["p90"] <= TTFT_P90_SLO_S and (not tpot or tpot_q["p99"] <= TPOT_P99_SLO_S)
     return Summary(
-        outcome.arch.name,
+        outcome.arch.label,
         ttft_q,
         tpot_q,
         sum(ttft) / len(ttft) if ttft else math.nan,
@@ -80,6 +89,8 @@ def summarise(outcome: SimOutcome) -> Summary:
         link_bytes,
         util,
         bool(meets),
+        outcome.gpus,
+        {t.value: n for t, n in outcome.tier_writes.items()},
     )
 
 

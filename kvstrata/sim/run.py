@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvstrata.sim.engine import SimConfig, SimOutcome, Simulation
+from kvstrata.sim.model import TimeModel
 from kvstrata.sim.results import Summary, rank, summarise
 from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import Request
+
+
+def offered_load(requests: Sequence[Request], config: SimConfig) -> float:
+    """Prefill seconds the trace asks for with no reuse, per instance-second of the trace.
+
+    Above 1 the instances cannot keep up without prefix hits: queues, and so TTFT, grow for as
+    long as the trace lasts. A stated, cheap check to print beside simulated percentiles.
+    """
+    if not requests:
+        return 0.0
+    gpus = [g.name for g in config.profile.gpus[: config.gpus_per_instance]]
+    model = TimeModel.build(config.geometry, config.profile, gpus)
+    times = [r.timestamp_ms for r in requests]
+    span_s = max((max(times) - min(times)) / 1000, 1e-9)
+    demand = sum(model.prefill_s(r.input_length) for r in requests)
+    return demand / (config.instance_count * span_s)
+
+
+def scale_time(requests: Sequence[Request], factor: float) -> list[Request]:
+    """The trace with every arrival time multiplied by ``factor`` (2 = half the request rate)."""
+    if not factor > 0:
+        raise ValueError(f"time scale must be positive, got {factor}")
+    return [replace(r, timestamp_ms=round(r.timestamp_ms * factor)) for r in requests]
 
 
 def simulate(
@@ -15,11 +40,12 @@ def simulate(
     config: SimConfig,
     archs: Sequence[str],
     progress: Callable[[str, int, int], None] | None = None,
+    write: str = "through",
 ) -> tuple[list[Summary], list[SimOutcome]]:
     """Run each architecture; summaries ranked (see :func:`kvstrata.sim.results.rank`)."""
     outcomes = []
     for name in archs:
-        spec = parse_arch(name)
+        spec = parse_arch(name, write)
         cb = (lambda d, t, n=name: progress(n, d, t)) if progress else None
         outcomes.append(Simulation(requests, config, spec, cb).run())
     return rank([summarise(o) for o in outcomes]), outcomes

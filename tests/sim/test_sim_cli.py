@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvstrata.cli import main
 from kvstrata.sim.synthetic import SyntheticConfig, generate
 from kvstrata.sim.traceio import write_trace
@@ -26,3 +28,18 @@ def test_simulate_bad_arch_is_an_error(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_trace(trace, generate(SyntheticConfig(requests=3, seed=1)))
     assert main(["simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b", "--arch", "tape"]) == 2
+
+
+def test_simulate_time_scale_write_back_and_load(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, generate(SyntheticConfig(requests=40, rate=2.0, seed=1)))
+    base = ["simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b",
+            "--arch", "hbm+dram+nvme", "--instances", "1", "--json"]
+    assert main(base) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(base + ["--time-scale", "2", "--write", "back"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["offered_load"] == pytest.approx(one["offered_load"] / 2, rel=1e-2)
+    assert two["architectures"][0]["arch"] == "hbm+dram+nvme (write-back)"
+    assert main(base + ["--time-scale", "0"]) == 2
+    assert "--time-scale" in capsys.readouterr().err

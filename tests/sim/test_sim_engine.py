@@ -143,3 +143,62 @@ def test_percentile():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([5], 99) == 5
     assert math.isnan(percentile([], 50))
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_restores_queue_for_their_slots(slots, geometry):
+    reqs = restore_heavy()
+    reqs = [dataclasses.replace(r, timestamp_ms=0) for r in reqs]  # all at once: a queue forms
+    cfg = small_hbm(load_profile("h200-cx7-gen5"), geometry, restore_slots=slots)
+    out = Simulation(reqs, cfg, parse_arch("nvme")).run()
+    spans = [(r.restore_started_s, r.arrival_s + r.restore_s) for r in out.records if r.restore_started_s is not None]
+    assert len(spans) > slots
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    running = peak = 0
+    for _, d in events:
+        running += d
+        peak = max(peak, running)
+    assert peak == slots
+    assert sorted(spans) == spans or slots > 1  # one slot: restores run in arrival order
+
+
+def test_restore_slots_must_be_positive(geometry):
+    with pytest.raises(ValueError, match="restore_slots"):
+        SimConfig(geometry, load_profile("h200-cx7-gen5"), restore_slots=0)
+
+
+def test_write_back_demotes_only_what_hbm_evicts(geometry, trace):
+    profile = load_profile("h200-cx7-gen5")
+    roomy = SimConfig(geometry, profile, 1, 1, tier_tokens=((Tier.HBM, 10**9),))
+    out = Simulation(trace, roomy, parse_arch("hbm+dram+nvme", "back")).run()
+    assert out.tier_writes[Tier.DRAM] == out.tier_writes[Tier.NVME] == 0  # nothing ever evicted
+    tight = SimConfig(geometry, profile, 1, 1, tier_tokens=((Tier.HBM, 8 * 512), (Tier.DRAM, 32 * 512)))
+    back = Simulation(trace, tight, parse_arch("hbm+dram+nvme", "back")).run()
+    through = Simulation(trace, tight, parse_arch("hbm+dram+nvme")).run()
+    assert 0 < back.tier_writes[Tier.DRAM] < through.tier_writes[Tier.DRAM]
+    assert 0 < back.tier_writes[Tier.NVME] <= through.tier_writes[Tier.NVME]
+    assert all(r.completions == 1 for r in back.records)
+    # What HBM misses, the cascade still serves from below.
+    assert sum(r.hit_tokens[Tier.DRAM] + r.hit_tokens[Tier.NVME] for r in back.records) > 0
+
+
+def test_unknown_write_policy_is_named():
+    with pytest.raises(ValueError, match="write policy 'around'"):
+        parse_arch("nvme", "around")
+
+
+def test_pd_counts_its_prefill_gpus(geometry, trace):
+    cfg = SimConfig(geometry, load_profile("h200-cx7-gen5"), 1, 2)
+    assert Simulation(trace, cfg, parse_arch("pd-handoff")).run().gpus == 4
+    assert Simulation(trace, cfg, parse_arch("hbm")).run().gpus == 2
+
+
+def test_offered_load_scales_with_time(geometry, trace):
+    from kvstrata.sim.run import offered_load, scale_time
+
+    cfg = SimConfig(geometry, load_profile("h200-cx7-gen5"), 1, 2)
+    load = offered_load(trace, cfg)
+    assert load > 0
+    assert offered_load(scale_time(trace, 2.0), cfg) == pytest.approx(load / 2, rel=1e-3)
+    with pytest.raises(ValueError, match="positive"):
+        scale_time(trace, 0)
