@@ -96,6 +96,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="requests of the tiled trace (default: 12000)")
     sim.add_argument("--json", action="store_true", help="print the report as JSON")
     sim.set_defaults(func=run_sim)
+    from kvstrata.cli.demo import add_workload_args, run_bench_e2e
+
+    e2e = benches.add_parser(
+        "e2e",
+        help="a real model on a multi-turn workload: TTFT cold vs warm per tier, tokens identical",
+        description="Run a multi-turn workload (growing conversations, shared system prompts) on a "
+        "transformers model through each tier: TTFT cold vs warm, hit rate, bytes restored, restore GB/s, "
+        "and whether tokens equal the cold run's; LMCache beside it on the same prompts where it runs.",
+    )
+    add_workload_args(e2e, conversations=6, turns=4)
+    e2e.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
+    e2e.add_argument("--lmcache-python", metavar="EXE", help="python of a venv with lmcache (default: .venv-lmcache)")
+    e2e.set_defaults(func=run_bench_e2e)
 
 
 class _Bar:

@@ -1,0 +1,255 @@
+"""End to end on a real model: a multi-turn workload through each tier, cold vs warm.
+
+The workload: conversations whose turns share growing prefixes (each turn's prompt is the
+conversation so far: a system prompt shared by several conversations, earlier user turns and
+the model's earlier answers, then a new user turn). Per tier, each turn runs twice on a
+transformers model (:class:`~kvstrata.integrations.hf.KVStrataLM`):
+
+* cold: the whole prompt computed, nothing reused;
+* warm: the longest cached prefix restored from kvstrata, the rest computed; then prompt and
+  answer stored for later turns. After each store every tier above the one under test is
+  emptied, so each warm restore comes from that tier (``device``: stays on the device).
+
+Reported per tier: TTFT cold and warm (medians over turns), hit rate (reused / prompt tokens),
+bytes restored, restore seconds and GB/s (the loads' own timing), whether every warm run's
+tokens equal the cold run's, and the routes the blocks took. Beside the measured restore time,
+a prediction for this host: restored bytes over the bandwidth of the plainest operation on the
+same path, measured here in the same run (memcpy for host, a file read for disk, a batched
+Mooncake get for remote) - the seed's rule: estimate latency from measured effective bandwidth.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.pool.config import PoolConfig
+from kvstrata.tiers.medium import Medium
+
+TIERS = ("device", "host", "disk", "remote")
+_ABOVE = {
+    "device": (),
+    "host": (Medium.DEVICE,),
+    "disk": (Medium.DEVICE, Medium.HOST),
+    "remote": (Medium.DEVICE, Medium.HOST, Medium.DISK),
+}
+_WORDS = (
+    "cache block restore path prefix hit layer token memory device host disk pool network link "
+    "switch plan answer question system user assistant turn tool agent result bandwidth latency"
+).split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    conversations: int = 4
+    turns: int = 3
+    system_prompts: int = 2  # conversation i uses system prompt i % system_prompts
+    system_words: int = 600
+    user_words: int = 150
+    answer_tokens: int = 16
+    block_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if name != "seed" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"workload {name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class TierReport:
+    tier: str
+    turns: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+    loads: int = 0
+    ttft_cold: list[float] = field(default_factory=list)
+    ttft_warm: list[float] = field(default_factory=list)
+    tokens_identical: bool = True
+    paths: Counter = field(default_factory=Counter)
+    predicted_restore_s: float | None = None
+    probe_gbps: float | None = None
+    skipped: str | None = None
+    prompts: list[list[int]] = field(default_factory=list)  # every turn's prompt, in order
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def restore_gbps(self) -> float:
+        return self.restored_bytes / self.restore_s / 1e9 if self.restore_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        return {
+            "tier": self.tier,
+            "skipped": self.skipped,
+            "turns": self.turns,
+            "ttft_cold_s": med(self.ttft_cold),
+            "ttft_warm_s": med(self.ttft_warm),
+            "hit_rate": self.hit_rate,
+            "hit_tokens": self.hit_tokens,
+            "restored_bytes": self.restored_bytes,
+            "restore_s": self.restore_s,
+            "restore_gbps": self.restore_gbps,
+            "predicted_restore_s": self.predicted_restore_s,
+            "probe_gbps": self.probe_gbps,
+            "tokens_identical": self.tokens_identical,
+            "paths": dict(self.paths),
+        }
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def run_tier(
+    model: Any,
+    tokenizer: Any,
+    tier: str,
+    workload: Workload,
+    work_dir: Path,
+    pool: PoolConfig | None = None,
+    on_turn: Callable[[], None] | None = None,
+) -> TierReport:
+    """The workload through one tier (see the module text)."""
+    from kvstrata.integrations.hf import KVStrataLM, model_layout
+
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
+    report = TierReport(tier)
+    if tier == "remote" and pool is None:
+        report.skipped = "no pool (start one with `kvstrata pool start`, or install mooncake)"
+        return report
+    layout = model_layout(model.config, workload.block_tokens, next(model.parameters()).dtype)
+    blocks = 4 * workload.conversations * (
+        (workload.system_words + workload.turns * (workload.user_words + workload.answer_tokens)) * 2 // workload.block_tokens + 2
+    )
+    config = CacheConfig(
+        layout,
+        f"e2e-{uuid.uuid4().hex[:8]}",  # a fresh namespace: a shared pool may hold older runs
+        device_bytes=blocks * layout.block_bytes,
+        host_bytes=blocks * layout.block_bytes if tier != "device" else 0,
+        disk_bytes=blocks * layout.block_bytes if tier in ("disk", "remote") else 0,
+        disk_dir=str(work_dir / f"disk-{tier}") if tier in ("disk", "remote") else None,
+        pool=pool if tier == "remote" else None,
+        remote_bytes=blocks * layout.block_bytes if tier == "remote" else 0,
+    )
+    rng = random.Random(workload.seed)
+    systems = [_text(rng, workload.system_words) for _ in range(workload.system_prompts)]
+    with TieredCache(config) as cache:
+        lm = KVStrataLM(model, cache)
+        for c in range(workload.conversations):
+            history = tokenizer(systems[c % workload.system_prompts]).input_ids
+            for _ in range(workload.turns):
+                prompt = history + tokenizer(" " + _text(rng, workload.user_words)).input_ids
+                warm = lm.generate(prompt, workload.answer_tokens)
+                cold = lm.generate(prompt, workload.answer_tokens, reuse=False, store=False)
+                for medium in _ABOVE[tier]:
+                    cache.evict(medium, 1 << 30)
+                report.turns += 1
+                report.prompts.append(prompt)
+                report.prompt_tokens += len(prompt)
+                report.hit_tokens += warm.hit_tokens
+                report.ttft_cold.append(cold.ttft_s)
+                report.ttft_warm.append(warm.ttft_s)
+                report.tokens_identical &= warm.tokens == cold.tokens
+                if warm.load is not None:
+                    report.restored_bytes += warm.load.restored_bytes
+                    report.restore_s += warm.load.seconds
+                    report.loads += 1
+                    report.paths.update(warm.load.paths)
+                history = prompt + warm.tokens
+                if on_turn is not None:
+                    on_turn()
+    return report
+
+
+def probe_gbps(tier: str, block_bytes: int, blocks: int, work_dir: Path, pool: PoolConfig | None, rounds: int = 3) -> float | None:
+    """GB/s of the plainest operation on the tier's path moving ``blocks`` blocks at once (a
+    restore's size: small moves are bound by fixed costs, not bandwidth), best of ``rounds``."""
+    from kvstrata.bench.baselines import Buffers, RawFile, copy_s
+
+    if tier == "device":
+        return None  # a device hit moves nothing
+    total = block_bytes * blocks
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
+    if tier == "host":
+        b = Buffers(data)
+        return total / min(copy_s(b.device_dst, b.host_data) for _ in range(rounds)) / 1e9
+    if tier == "disk":
+        # The tier keeps a file per block: read as many plain files of one block each.
+        files = [RawFile(work_dir / f"probe-{i}.bin", Buffers(data[i * block_bytes : (i + 1) * block_bytes].cpu())) for i in range(blocks)]
+        for f in files:
+            f.write_s()
+            f.read_s(cold=False)  # just-written files read from the page cache, as the tier's do
+        best = min(sum(f.read_s(cold=False) for f in files) for _ in range(rounds))
+        for f in files:
+            f.remove()
+        return total / best / 1e9
+    if pool is None:
+        return None
+    from kvstrata.bench.rawpool import RawPool
+    from kvstrata.pool.client import RemoteMode
+
+    names = [f"kvstrata-probe-{uuid.uuid4().hex[:8]}-{i}" for i in range(blocks)]
+    raw = RawPool(pool, RemoteMode.TCP, names, data.cpu().view(blocks, block_bytes))
+    try:
+        raw.put_s()
+        best = min(raw.get_s() for _ in range(rounds))
+    finally:
+        raw.remove()
+        raw.close()
+    return total / best / 1e9
+
+
+def run_e2e(
+    model_dir: str | Path,
+    workload: Workload = Workload(),
+    tiers: tuple[str, ...] = TIERS,
+    pool: PoolConfig | None = None,
+    on_turn: Callable[[str], None] | None = None,
+) -> list[TierReport]:
+    """Every tier's report, each with its measured-bandwidth prediction."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="kvstrata-e2e-") as tmp:
+        work = Path(tmp)
+        for tier in tiers:
+            report = run_tier(model, tokenizer, tier, workload, work, pool, (lambda t=tier: on_turn(t)) if on_turn else None)
+            if report.skipped is None and report.restored_bytes:
+                block_bytes = _block_bytes(model, workload)
+                per_load = max(1, round(report.restored_bytes / block_bytes / report.loads))  # blocks a restore moves
+                gbps = probe_gbps(tier, block_bytes, per_load, work, pool)
+                if gbps:
+                    report.probe_gbps = gbps
+                    report.predicted_restore_s = report.restored_bytes / (gbps * 1e9)
+            elif report.skipped is None:
+                report.predicted_restore_s = 0.0
+            reports.append(report)
+    return reports
+
+
+def _block_bytes(model: Any, workload: Workload) -> int:
+    from kvstrata.integrations.hf import model_layout
+
+    return model_layout(model.config, workload.block_tokens, next(model.parameters()).dtype).block_bytes
+

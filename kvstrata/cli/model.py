@@ -1,0 +1,55 @@
+"""``kvstrata model make-tiny DIR``: a small random-weight Llama model and tokenizer, offline."""
+
+from __future__ import annotations
+
+import argparse
+from kvstrata import cli
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="models for the engine integrations")
+    msub = p.add_subparsers(dest="model_command", metavar="ACTION")
+    msub.required = True
+    m = msub.add_parser("make-tiny", help="write a tiny random-weight Llama model + tokenizer (no download)")
+    m.add_argument("dir", help="output directory (created; reused if it holds the same tiny model)")
+    defaults = _Defaults()
+    for name in ("hidden", "layers", "heads", "kv_heads", "vocab", "seed"):
+        m.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=defaults.dtype)
+    m.add_argument("--overwrite", action="store_true", help="replace a different tiny model in DIR")
+    m.set_defaults(func=run_make_tiny)
+
+
+def _Defaults():
+    from kvstrata.integrations.tiny import TinySpec
+
+    return TinySpec()
+
+
+def run_make_tiny(args: argparse.Namespace) -> int:
+    from kvstrata.integrations.tiny import TinySpec, make_tiny
+
+    spec = TinySpec(
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=-(-8 * args.hidden // 3 // 16) * 16,  # Llama's ~8/3 x hidden, a multiple of 16
+        vocab=args.vocab,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    try:
+        out = make_tiny(args.dir, spec, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise cli.CliError(str(e)) from None
+    params = spec.vocab * spec.hidden * 2 + spec.layers * (
+        2 * spec.hidden * spec.hidden
+        + 2 * spec.hidden * spec.hidden // spec.heads * spec.kv_heads
+        + 3 * spec.hidden * spec.intermediate
+    )
+    cli.console().print(
+        f"tiny Llama in {out}: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads "
+        f"({spec.kv_heads} KV), vocab {spec.vocab}, {spec.dtype}, ~{params / 1e6:.1f}M parameters"
+    )
+    return 0

@@ -1,0 +1,1 @@
+"""kvstrata inside inference engines: a tiny offline model, transformers and vLLM."""

@@ -1,0 +1,130 @@
+"""A small Llama-architecture model with random weights and a tokenizer, built offline.
+
+Nothing is downloaded: the weights come from a seeded ``LlamaForCausalLM`` initialisation and
+the tokenizer is a byte-level BPE trained here on a generated corpus (``tokenizers``), wrapped
+as a ``PreTrainedTokenizerFast``. The directory it writes is an ordinary Hugging Face model
+directory (``config.json``, ``model.safetensors``, ``tokenizer.json``), so every code path that
+takes a local model directory takes this one, and a real model directory works the same way.
+
+Random weights make flat logits, whose top two can tie within bf16 rounding; the default
+``initializer_range`` is raised so greedy choices are decided by clear margins, which is what
+tests comparing restored and recomputed runs need (a real model's logits are peaked anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TINY_MARKER = "kvstrata-tiny.json"  # written beside the model: how it was made
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 688
+    vocab: int = 4096
+    max_positions: int = 8192
+    dtype: str = "bfloat16"
+    seed: int = 0
+    initializer_range: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "max_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"tiny model {name} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"tiny model hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"tiny model heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"tiny model dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.vocab < 512:
+            raise ValueError(f"tiny model vocab must be at least 512 (256 bytes + merges), got {self.vocab}")
+
+
+_WORDS = (
+    "the a an of to in on for with and or but if then when while cache block token layer head key value "
+    "memory device host disk remote pool restore store load prefix hit miss evict policy tier path link "
+    "bandwidth latency gpu cpu network switch model prompt answer question user assistant system turn "
+    "chat agent tool call result plan step time byte page file read write copy move fast slow large small "
+    "first last next previous every some many few more less good best new old same other open close"
+).split()
+
+
+def corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+    """Deterministic English-like text to train the tokenizer on (no download)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 24))]
+        text = " ".join(words).capitalize() + rng.choice(".?!")
+        if rng.random() < 0.2:
+            text += f" {rng.randint(0, 100000)}"
+        out.append(text)
+    return out
+
+
+def make_tiny(directory: str | Path, spec: TinySpec = TinySpec(), overwrite: bool = False) -> Path:
+    """Write a tiny model and tokenizer into ``directory``; returns it.
+
+    An existing directory made by this function with the same spec is reused (tests and the
+    demo call this on every run); any other non-empty directory is refused unless
+    ``overwrite``.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(directory)
+    marker = out / TINY_MARKER
+    if marker.exists() and not overwrite:
+        if json.loads(marker.read_text()) == asdict(spec):
+            return out
+        raise FileExistsError(f"{out} holds a tiny model of another spec; pass overwrite to replace it")
+    if out.exists() and any(out.iterdir()) and not overwrite and not marker.exists():
+        raise FileExistsError(f"{out} is not empty and not a kvstrata tiny model; choose an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed=spec.seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=spec.max_positions
+    )
+    fast.save_pretrained(out)
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        initializer_range=spec.initializer_range,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+        dtype=spec.dtype,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model.generation_config.eos_token_id = None  # random weights: never stop early, lengths stay fixed
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps(asdict(spec), indent=2))
+    return out

@@ -1,0 +1,61 @@
+"""The end-to-end workload and ``kvstrata demo`` / ``bench e2e`` on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvstrata.bench.e2e import Workload, run_e2e  # noqa: E402
+from kvstrata.cli import main  # noqa: E402
+
+SMALL = Workload(conversations=2, turns=2, system_words=200, user_words=60, answer_tokens=8, block_tokens=64)
+
+
+def test_every_tier_serves_the_workload_with_cold_tokens(tiny_model_dir, pool):
+    reports = {r.tier: r for r in run_e2e(tiny_model_dir, SMALL, pool=pool)}
+    assert set(reports) == {"device", "host", "disk", "remote"}
+    route = {"device": "device", "host": "host -> device", "disk": "disk -> device", "remote": "remote -> device"}
+    hits = {r.hit_tokens for r in reports.values()}
+    assert len(hits) == 1 and hits.pop() > 0  # the same prompts hit the same prefixes on every tier
+    for tier, r in reports.items():
+        assert r.skipped is None and r.turns == 4
+        assert r.tokens_identical, tier
+        assert set(r.paths) == {route[tier]}, tier
+        if tier == "device":
+            assert r.restored_bytes == 0
+        else:
+            assert r.restored_bytes == r.hit_tokens * 4 * 2 * 2 * 64 * 2  # layers x K,V x heads x dim x bf16
+            assert r.predicted_restore_s and r.predicted_restore_s > 0
+    # Later turns reuse the conversation so far; the second conversation's first turn the system prompt.
+    assert 0 < reports["host"].hit_rate < 1
+
+
+def test_demo_json(tiny_model_dir, capsys):
+    rc = main(["demo", "--model-dir", str(tiny_model_dir), "--conversations", "1", "--turns", "2",
+               "--tiers", "host,disk", "--no-pool", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["tiers"]) == {"host", "disk"}
+    for tier in doc["tiers"].values():
+        assert tier["tokens_identical"] is True and tier["hit_tokens"] > 0
+        assert tier["ttft_cold_s"] > 0 and tier["ttft_warm_s"] > 0
+
+
+def test_demo_names_bad_input(tmp_path, capsys):
+    assert main(["demo", "--model-dir", str(tmp_path), "--no-pool"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert main(["demo", "--tiers", "tape", "--no-pool"]) == 2
+    assert "tape" in capsys.readouterr().err
+
+
+def test_make_tiny_cli(tmp_path, capsys):
+    assert main(["model", "make-tiny", str(tmp_path / "m"), "--layers", "2", "--hidden", "128"]) == 0
+    assert "2 layers" in capsys.readouterr().out
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    assert main(["model", "make-tiny", str(tmp_path / "m"), "--layers", "3"]) == 2  # another spec: refused
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.txt").write_text("mine")
+    assert main(["model", "make-tiny", str(tmp_path / "other")]) == 2
