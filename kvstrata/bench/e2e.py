@@ -34,6 +34,7 @@ import torch
 
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.pool.config import PoolConfig
+from kvstrata.tiers.base import TierUnavailable
 from kvstrata.tiers.medium import Medium
 
 TIERS = ("device", "host", "disk", "remote")
@@ -234,7 +235,10 @@ def run_e2e(
     with tempfile.TemporaryDirectory(prefix="kvstrata-e2e-") as tmp:
         work = Path(tmp)
         for tier in tiers:
-            report = run_tier(model, tokenizer, tier, workload, work, pool, (lambda t=tier: on_turn(t)) if on_turn else None)
+            try:
+                report = run_tier(model, tokenizer, tier, workload, work, pool, (lambda t=tier: on_turn(t)) if on_turn else None)
+            except TierUnavailable as exc:  # the pool went away: say so, the other tiers still run
+                report = TierReport(tier, skipped=f"unavailable: {exc}")
             if report.skipped is None and report.restored_bytes:
                 block_bytes = _block_bytes(model, workload)
                 per_load = max(1, round(report.restored_bytes / block_bytes / report.loads))  # blocks a restore moves

@@ -90,10 +90,15 @@ def _pool_context(args: argparse.Namespace, tiers: tuple[str, ...]):
         from kvstrata.pool.embedded import PoolError
 
         try:
-            with bench_pool(configured, 512 << 20) as (pool, _about):
-                yield pool, None
-        except PoolError as exc:
-            yield None, f"pool did not start: {exc}"
+            started = bench_pool(configured, 512 << 20)
+            pool, _about = started.__enter__()
+        except (PoolError, OSError, ImportError, RuntimeError) as exc:  # e.g. Debian's libibverbs1 missing
+            yield None, f"pool did not start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            return
+        try:
+            yield pool, None
+        finally:
+            started.__exit__(None, None, None)
 
     return ctx()
 
