@@ -231,17 +231,15 @@ def run_bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _lmcache_side(args, model_dir, workload, reports) -> dict | None:
-    try:
-        from kvstrata.bench import lmcache_e2e
-    except ImportError:
-        return {"skipped": "kvstrata.bench.lmcache_e2e missing"}
+    from kvstrata.bench import lmcache_e2e
+
     prompts = next((r.prompts for r in reports if getattr(r, "prompts", None)), None)
     if not prompts:
         return {"skipped": "no prompts ran"}
     python = args.lmcache_python or str(Path(__file__).resolve().parents[2] / ".venv-lmcache" / "bin" / "python")
     tiers = [t for t in ("host", "disk") if any(r.tier == t for r in reports)]
-    result = lmcache_e2e.run_in_side_venv(python, str(model_dir), prompts, tiers, max_new_tokens=workload.answer_tokens,
-                                          chunk_tokens=workload.block_tokens)
-    if isinstance(result, tuple):  # (None, reason)
-        return {"skipped": result[1]}
-    return result
+    result, reason = lmcache_e2e.run_in_side_venv(
+        python, str(model_dir), prompts, tiers, max_new_tokens=workload.answer_tokens, chunk_tokens=workload.block_tokens,
+        drop_page_cache=False,  # ours reads just-written files from the page cache too
+    )
+    return result if result is not None else {"skipped": reason}

@@ -1,0 +1,106 @@
+"""LMCache end to end on a tiny transformers model: restored prefixes decode as recomputed ones.
+
+The LMCache tests need LMCache's own venv (``.venv-lmcache``; setup in kvstrata/bench/lmcache.py):
+``.venv-lmcache/bin/python -m pytest tests/bench/test_lmcache_e2e.py -q``. Elsewhere they skip;
+the side-venv helper's refusal is tested everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from kvstrata.bench.lmcache_e2e import run_in_side_venv, synthetic_turns
+
+BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # tiny model: layers x (K, V) x kv_heads x head_dim x bf16
+CHUNK = 64
+NEW_TOKENS = 6
+
+needs_lmcache = pytest.mark.skipif(
+    importlib.util.find_spec("lmcache") is None or importlib.util.find_spec("transformers") is None,
+    reason="lmcache and transformers are not installed here (run in .venv-lmcache)",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    pytest.importorskip("lmcache")
+    from kvstrata.integrations.tiny import make_tiny
+
+    return str(make_tiny(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def _prompts() -> list[list[int]]:
+    # 2 conversations x 2 turns, turn-major, one shared system prompt of 150 tokens.
+    return synthetic_turns(conversations=2, turns=2, system_tokens=150, turn_tokens=60, answer_tokens=NEW_TOKENS,
+                           vocab=4096)
+
+
+@needs_lmcache
+def test_host_and_disk_restore_what_was_stored_and_decode_identically(tiny_model, tmp_path):
+    from kvstrata.bench.lmcache_e2e import lmcache_e2e_tiers
+
+    prompts = _prompts()
+    result = lmcache_e2e_tiers(tiny_model, prompts, ("host", "disk"), NEW_TOKENS, CHUNK, disk_dir=tmp_path)
+    assert result["bytes_per_token"] == BYTES_PER_TOKEN
+    for tier in ("host", "disk"):
+        res = result["tiers"][tier]
+        turns = res["per_turn"]
+        assert len(turns) == len(prompts)
+        assert res["tokens_identical"], [t["tokens_identical"] for t in turns]
+        assert res["kv_max_abs_diff"] < 0.5  # bf16 prefills of other lengths round differently
+        assert turns[0]["hit_tokens"] == 0  # nothing stored yet
+        assert turns[1]["hit_tokens"] == 128  # the shared system prompt's full chunks (150 -> 128)
+        for earlier, later in ((0, 2), (1, 3)):  # turn 1 of each conversation: its turn 0's full chunks
+            assert later >= 2 and turns[later]["hit_tokens"] == len(prompts[earlier]) // CHUNK * CHUNK > 0
+        for t in turns:
+            assert t["bytes_restored"] == t["hit_tokens"] * BYTES_PER_TOKEN
+            assert t["hit_tokens"] % CHUNK == 0
+        assert res["hit_tokens"] == sum(t["hit_tokens"] for t in turns)
+        assert res["bytes_restored"] == res["hit_tokens"] * BYTES_PER_TOKEN
+        assert res["hit_rate"] == pytest.approx(res["hit_tokens"] / sum(len(p) for p in prompts))
+        assert res["restore_gbps"] > 0 and res["ttft_cold_s"] > 0 and res["ttft_warm_s"] > 0
+    # The disk tier really read from the disk: its engine wrote chunk files.
+    assert any(tmp_path.rglob("*.pt"))
+
+
+@needs_lmcache
+def test_a_prompt_restored_whole_recomputes_its_last_token(tiny_model):
+    from kvstrata.bench.lmcache_e2e import lmcache_e2e
+
+    prompt = synthetic_turns(1, 1, 2 * CHUNK, 0, 0, 4096)[0]  # exactly two chunks
+    res = lmcache_e2e(tiny_model, [prompt, prompt], "host", NEW_TOKENS, CHUNK, repeats=2)
+    assert [t["hit_tokens"] for t in res["per_turn"]] == [0, 2 * CHUNK]
+    assert res["tokens_identical"]
+
+
+@needs_lmcache
+def test_the_side_venv_entry_point_returns_the_json_result(tiny_model):
+    result, reason = run_in_side_venv(sys.executable, tiny_model, _prompts()[:2], ["host"], 2, CHUNK)
+    assert reason == "" and result is not None
+    assert set(result["tiers"]) == {"host"}
+    assert result["tiers"]["host"]["tokens_identical"]
+    assert result["tiers"]["host"]["hit_tokens"] == 128
+
+
+def test_side_venv_missing_interpreter_gives_none_and_a_reason(tmp_path):
+    result, reason = run_in_side_venv(tmp_path / "no-venv" / "bin" / "python", tmp_path, [[1, 2, 3]], ["host"])
+    assert result is None
+    assert "no Python interpreter" in reason and "no-venv" in reason
+
+
+def test_side_venv_without_lmcache_gives_none_and_a_reason(tmp_path):
+    if importlib.util.find_spec("lmcache") is not None:
+        pytest.skip("this interpreter has lmcache")
+    result, reason = run_in_side_venv(sys.executable, tmp_path, [[1, 2, 3]], ["host"])
+    assert result is None and "does not import" in reason
+
+
+def test_synthetic_turns_extend_each_conversation_and_share_the_system_prompt():
+    prompts = synthetic_turns(conversations=3, turns=2, system_tokens=10, turn_tokens=4, answer_tokens=2, vocab=100)
+    assert [len(p) for p in prompts] == [14] * 3 + [20] * 3
+    assert prompts[0][:10] == prompts[1][:10] == prompts[2][:10]
+    for c in range(3):
+        assert prompts[3 + c][:14] == prompts[c]
