@@ -84,6 +84,9 @@ class TierReport:
     probe_gbps: float | None = None
     skipped: str | None = None
     prompts: list[list[int]] = field(default_factory=list)  # every turn's prompt, in order
+    # Host tier only: the last turn again in per-step DRAM streaming decode.
+    stream_bytes_per_step: float | None = None
+    stream_tokens_identical: bool | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -110,6 +113,8 @@ class TierReport:
             "probe_gbps": self.probe_gbps,
             "tokens_identical": self.tokens_identical,
             "paths": dict(self.paths),
+            "stream_bytes_per_step": self.stream_bytes_per_step,
+            "stream_tokens_identical": self.stream_tokens_identical,
         }
 
 
@@ -176,6 +181,11 @@ def run_tier(
                 history = prompt + warm.tokens
                 if on_turn is not None:
                     on_turn()
+        if tier == "host" and report.prompts:
+            # KV on the host, each layer fetched to the device just before it runs, every step.
+            streamed = lm.generate(report.prompts[-1], workload.answer_tokens, store=False, streaming=True)
+            report.stream_bytes_per_step = streamed.stream_bytes_per_step
+            report.stream_tokens_identical = streamed.tokens == warm.tokens
     return report
 
 

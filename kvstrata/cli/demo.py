@@ -148,6 +148,13 @@ def render_tiers(console: Console, reports: list, title: str) -> None:
             ", ".join(f"{k} x{v}" for k, v in r.paths.items()) or "-",
         )
     console.print(t)
+    for r in reports:
+        if r.stream_bytes_per_step is not None:
+            same = "[green]the same tokens[/]" if r.stream_tokens_identical else "[red]OTHER tokens[/]"
+            console.print(
+                f"per-step DRAM streaming (KV on the host, each layer fetched just before it runs): "
+                f"{r.stream_bytes_per_step / 1e6:.2f} MB crossed host -> device per decode step, {same} as resident"
+            )
 
 
 def run_demo(args: argparse.Namespace) -> int:

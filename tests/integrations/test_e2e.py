@@ -31,6 +31,9 @@ def test_every_tier_serves_the_workload_with_cold_tokens(tiny_model_dir, pool):
             assert r.predicted_restore_s and r.predicted_restore_s > 0
     # Later turns reuse the conversation so far; the second conversation's first turn the system prompt.
     assert 0 < reports["host"].hit_rate < 1
+    host = reports["host"]
+    assert host.stream_tokens_identical is True
+    assert host.stream_bytes_per_step >= len(host.prompts[-1]) * 4 * 2 * 2 * 64 * 2
 
 
 def test_demo_json(tiny_model_dir, capsys):
