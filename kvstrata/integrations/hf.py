@@ -54,10 +54,12 @@ class RestoredPrefix:
         self.handle = handle
         self.tokens = tokens
         self.timeout_s = timeout_s
+        self.layers_before_done = 0  # layers whose compute began while later layers were still loading
 
     def layer(self, i: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K and V as ``[1, kv_heads, tokens, head_dim]`` on ``device`` (waits for it)."""
         self.handle.wait_layer(i, self.timeout_s)
+        self.layers_before_done += not self.handle.done()
         kv = torch.cat([self.handle.block(b)[i] for b in range(self.handle.blocks)], dim=1)  # [2, tokens, H, D]
         kv = kv.to(device, non_blocking=True).permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, H, tokens, D]
         return kv[0], kv[1]
@@ -314,6 +316,5 @@ class KVStrataLM:
                 handle.release()
             if stream is not None:
                 stream.close()
-        return Generation(
-            tokens, first_logits, ttft, time.perf_counter() - start, hit, load, stored, per_step
-        )
+        extra = {"layers_before_load_done": prefix.layers_before_done} if prefix is not None else {}
+        return Generation(tokens, first_logits, ttft, time.perf_counter() - start, hit, load, stored, per_step, extra)
