@@ -1,0 +1,73 @@
+"""One vLLM engine (CPU) with the KVStrata connector, run in a child process by test_vllm.py.
+
+Usage: ``python vllm_child.py SPEC.json``. SPEC: model (a model directory), kv_role,
+extra (kv_connector_extra_config), passes (a list of prompt batches, each a list of token id
+lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
+multiprocessing (vLLM's engine core and worker in processes of their own; default true).
+Prints one JSON line last: per pass the output token ids and vLLM's cached-token counts,
+the connector's worker stats (from extra.stats_path) and the engine's start/generate seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(spec: dict) -> dict:
+    # False: the engine core and its worker run in this process (vLLM's uniprocess executor),
+    # so the scheduler-side connector finds the worker's cache in the per-process registry;
+    # True (vLLM's default on CPU): three processes, and it asks over the worker's socket.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing", True) else "0"
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        enforce_eager=True,  # no torch.compile / graphs on CPU
+        block_size=32,  # the CPU attention backend needs a multiple of 32
+        kv_cache_memory_bytes=64 * 1024**2,  # else vLLM sizes it from host RAM
+        max_model_len=1024,
+        max_num_seqs=4,
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        seed=0,
+        kv_transfer_config={
+            "kv_connector": "KVStrataConnector",
+            "kv_connector_module_path": "kvstrata.integrations.vllm",
+            "kv_role": spec.get("kv_role", "kv_both"),
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["extra"],
+        },
+    )
+    started = time.perf_counter() - start
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    passes = []
+    for batch in spec["passes"]:
+        t0 = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        passes.append(
+            {
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "cached": [o.num_cached_tokens for o in outputs],
+                "seconds": time.perf_counter() - t0,
+                "stats": _stats(spec),
+            }
+        )
+    return {"start_s": started, "passes": passes}
+
+
+def _stats(spec: dict) -> dict | None:
+    path = spec["extra"].get("stats_path")
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine and workers: this must not rerun in them
+    with open(sys.argv[1]) as f:
+        result = main(json.load(f))
+    print("KVSTRATA_RESULT " + json.dumps(result), flush=True)
