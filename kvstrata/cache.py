@@ -29,6 +29,7 @@ import torch
 from kvstrata.index.keys import BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import Match, PrefixIndex
 from kvstrata.kv.layout import KVLayout
+from kvstrata.plan.host import HostCalibration
 from kvstrata.metrics import CacheMetrics, TransferRecord
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchRule
@@ -68,6 +69,10 @@ class CacheConfig:
     remote_mode: str = "tcp"  # "tcp" (any host) or "shm" (a pool daemon on this host)
     remote_path: str = "auto"  # "direct" (pool -> device), "staged" (pool -> host -> device), "auto"
     disk_path: str = "auto"  # "direct" (disk -> device), "staged" (disk -> host -> device), "auto"
+    # This host's measured paths (kvstrata.plan.host.HostCalibration): predicted transfer times
+    # for prefetch deadlines and load-or-recompute choices. None: not calibrated.
+    calibration: HostCalibration | None = None
+    disk_read_gbps: float | None = None  # cap disk reads at this rate (emulates slower storage)
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "disk_bytes"):
@@ -84,6 +89,8 @@ class CacheConfig:
         for name in ("remote_path", "disk_path"):
             if getattr(self, name) not in ("auto", "direct", "staged"):
                 raise ValueError(f"cache {name} must be auto, direct or staged, got {getattr(self, name)!r}")
+        if self.disk_read_gbps is not None and not self.disk_read_gbps > 0:
+            raise ValueError(f"cache disk_read_gbps must be positive, got {self.disk_read_gbps}")
         self.namespace()  # a bad model_id or TP rank/size fails here, not on first use
 
     def namespace(self, tenant: str = "") -> Namespace:

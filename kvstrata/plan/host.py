@@ -1,0 +1,249 @@
+"""This host's measured transfer paths and prefill rate: the calibrated half of the planner.
+
+The seed's rule: plan capacity from specs, estimate latency from measured effective bandwidth.
+``kvstrata calibrate`` measures each path kvstrata moves KV on, at several sizes, and fits
+
+    seconds(bytes) = latency_s + bytes / (gbps * 1e9)
+
+per path by least squares on the medians (latency clipped at 0). A model's prefill is fitted the
+same way on tokens, with the attention term of :mod:`kvstrata.sim.model`:
+
+    seconds(new, cached) = latency_s + new / tokens_per_s + attn_s * new * (cached + new / 2)
+
+Everything here is arithmetic on numbers already measured (no I/O, no torch): a
+:class:`HostCalibration` is read from and written to TOML text by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+GB = 1e9
+
+# Path names, as ``calibrate`` measures them and ``validate`` checks them.
+MEMCPY_1T = "memcpy 1 thread"
+MEMCPY_NT = "memcpy N threads"
+H2D_PINNED = "host -> device (pinned)"
+H2D_PAGEABLE = "host -> device (pageable)"
+D2H_PINNED = "device -> host (pinned)"
+DISK_READ_COLD = "disk read (cold)"
+DISK_READ_WARM = "disk read (page cache)"
+DISK_WRITE = "disk write"
+CHECKSUM = "checksum (xxh3)"
+POOL_GET = "pool get"
+POOL_PUT = "pool put"
+PATHS = (
+    MEMCPY_1T, MEMCPY_NT, H2D_PINNED, H2D_PAGEABLE, D2H_PINNED,
+    DISK_READ_COLD, DISK_READ_WARM, DISK_WRITE, CHECKSUM, POOL_GET, POOL_PUT,
+)
+
+
+@dataclass(frozen=True)
+class PathFit:
+    """``seconds = latency_s + bytes / (gbps * 1e9)`` for one path.
+
+    Attributes:
+        latency_s: the fixed cost of one operation.
+        gbps: effective bandwidth, decimal GB/s.
+        spread: the largest relative half-range (max - min) / 2 / median among the sizes'
+            repeats: how far one measurement strays.
+        sizes: the sizes measured, bytes.
+    """
+
+    latency_s: float
+    gbps: float
+    spread: float = 0.0
+    sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency_s must be finite and >= 0, got {self.latency_s}")
+        if not (self.gbps > 0 and math.isfinite(self.gbps)):
+            raise ValueError(f"gbps must be finite and > 0, got {self.gbps}")
+
+    def seconds(self, nbytes: int, ops: int = 1) -> float:
+        """Time for ``nbytes`` moved in ``ops`` operations (each pays the latency)."""
+        return ops * self.latency_s + nbytes / (self.gbps * GB)
+
+
+def fit_path(sizes: Sequence[int], seconds: Sequence[float], spread: float = 0.0) -> PathFit:
+    """Least-squares ``latency + bytes / bandwidth`` through (size, seconds) points.
+
+    One size, or a negative fitted latency, gives the bandwidth through the origin of the
+    largest size's point (the fixed cost is then unmeasurable, taken as 0).
+    """
+    if len(sizes) != len(seconds) or not sizes:
+        raise ValueError(f"fit needs as many sizes as times, at least one; got {len(sizes)} and {len(seconds)}")
+    if any(s <= 0 for s in sizes) or any(not t > 0 for t in seconds):
+        raise ValueError("fit needs positive sizes and times")
+    n = len(sizes)
+    if n >= 2 and len(set(sizes)) >= 2:
+        mx, my = sum(sizes) / n, sum(seconds) / n
+        sxx = sum((x - mx) ** 2 for x in sizes)
+        slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
+        latency = my - slope * mx
+        if slope > 0 and latency >= 0:
+            return PathFit(latency, 1 / slope / GB, spread, tuple(sizes))
+    i = max(range(n), key=lambda k: sizes[k])
+    return PathFit(0.0, sizes[i] / seconds[i] / GB, spread, tuple(sizes))
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """A model's prefill seconds on this host (see the module text)."""
+
+    latency_s: float
+    tokens_per_s: float
+    attn_s: float = 0.0  # seconds per (new token x attended token)
+
+    def seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        n = new_tokens
+        return self.latency_s + n / self.tokens_per_s + self.attn_s * n * (cached_tokens + n / 2)
+
+
+def fit_prefill(points: Sequence[tuple[int, int, float]]) -> PrefillFit:
+    """Least squares of ``a + b * n + c * n * (cached + n / 2)`` through (new, cached, seconds).
+
+    Coefficients that come out negative are dropped (refitted without them): every term is a
+    cost, and a negative one would predict faster prefill for more work.
+    """
+    if len(points) < 3:
+        raise ValueError(f"a prefill fit needs at least 3 points, got {len(points)}")
+    import numpy as np
+
+    rows = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in points])
+    y = np.array([t for _, _, t in points])
+    keep = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(rows[:, keep], y, rcond=None)
+        negative = [k for k, v in zip(keep, coef) if v < 0 and k != 1]
+        if not negative:
+            break
+        keep.remove(negative[0])
+    full = dict.fromkeys(range(3), 0.0) | dict(zip(keep, coef))
+    if full[1] <= 0:
+        raise ValueError("prefill fit: time does not grow with tokens; measure larger prompts")
+    return PrefillFit(float(full[0]), float(1 / full[1]), float(full[2]))
+
+
+@dataclass(frozen=True)
+class HostCalibration:
+    """Everything ``kvstrata calibrate`` measured on one host.
+
+    Attributes:
+        host: the machine's name (as measured; informational).
+        device: the torch device the device tier used ("cuda:0", or "cpu" without a GPU).
+        threads: the N of "memcpy N threads".
+        paths: fits per path name (see ``PATHS``); absent paths were not measurable here.
+        prefill: per model id, its prefill fit.
+        efficiency: derived link efficiencies for a hardware profile (e.g. pcie = measured
+            pinned H2D GB/s over the PCIe payload bandwidth), when a GPU was present.
+    """
+
+    host: str
+    device: str
+    threads: int
+    paths: dict[str, PathFit] = field(default_factory=dict)
+    prefill: dict[str, PrefillFit] = field(default_factory=dict)
+    efficiency: dict[str, float] = field(default_factory=dict)
+
+    def path(self, name: str) -> PathFit:
+        try:
+            return self.paths[name]
+        except KeyError:
+            have = ", ".join(self.paths) or "none"
+            raise KeyError(f"path {name!r} was not calibrated on {self.host} (have: {have})") from None
+
+    def restore_s(self, tier: str, nbytes: int, blocks: int, workers: int = 1, cold: bool = False) -> float:
+        """Predicted seconds for the tiered cache to restore ``nbytes`` in ``blocks`` blocks
+        from ``tier`` ("host", "disk", "remote") to the device tier.
+
+        The cache's composition, stated: host -> device is one copy per block range on the
+        device link (``workers`` threads share it: the N-thread memcpy on a CPU-only host);
+        disk -> device reads each block's file and verifies its checksum, blocks spread over
+        ``workers`` threads; remote -> device is one batched pool get.
+        """
+        if nbytes <= 0:
+            return 0.0
+        copy = self._copy_path(workers)
+        if tier == "host":
+            return copy.seconds(nbytes)
+        if tier == "disk":
+            read = self.path(DISK_READ_COLD if cold else DISK_READ_WARM)
+            per_worker_ops = math.ceil(blocks / max(1, workers))
+            verify = self.paths.get(CHECKSUM)
+            seconds = per_worker_ops * read.latency_s + nbytes / (read.gbps * GB * _parallel(workers, cold))
+            if verify is not None:
+                seconds += nbytes / (verify.gbps * GB * max(1, workers))
+            return seconds
+        if tier == "remote":
+            return self.path(POOL_GET).seconds(nbytes)
+        raise ValueError(f"unknown tier {tier!r}: expected host, disk or remote")
+
+    def _copy_path(self, workers: int) -> PathFit:
+        if self.device.startswith("cuda"):
+            return self.path(H2D_PINNED)
+        return self.path(MEMCPY_NT if workers > 1 and MEMCPY_NT in self.paths else MEMCPY_1T)
+
+    # --- TOML ---------------------------------------------------------------------------------
+
+    def to_toml(self) -> str:
+        lines = [
+            "# Written by `kvstrata calibrate`: this host's measured paths, seconds = latency_s + bytes / (gbps * 1e9).",
+            "[calibration]",
+            f"host = {_q(self.host)}",
+            f"device = {_q(self.device)}",
+            f"threads = {self.threads}",
+        ]
+        for name, p in self.paths.items():
+            lines += [
+                "",
+                "[[calibration.path]]",
+                f"name = {_q(name)}",
+                f"latency_s = {p.latency_s!r}",
+                f"gbps = {p.gbps!r}",
+                f"spread = {p.spread!r}",
+                f"sizes = [{', '.join(str(s) for s in p.sizes)}]",
+            ]
+        for model, f in self.prefill.items():
+            lines += [
+                "",
+                "[[calibration.prefill]]",
+                f"model = {_q(model)}",
+                f"latency_s = {f.latency_s!r}",
+                f"tokens_per_s = {f.tokens_per_s!r}",
+                f"attn_s = {f.attn_s!r}",
+            ]
+        if self.efficiency:
+            lines += ["", "[efficiency]"] + [f"{_q(k)} = {v!r}" for k, v in self.efficiency.items()]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_mapping(cls, doc: dict) -> HostCalibration:
+        """From parsed TOML (``tomllib.loads``); errors name the field."""
+        c = doc.get("calibration")
+        if not isinstance(c, dict):
+            raise ValueError("not a calibration: no [calibration] table (write one with `kvstrata calibrate`)")
+        try:
+            paths = {p["name"]: PathFit(float(p["latency_s"]), float(p["gbps"]), float(p.get("spread", 0.0)),
+                                        tuple(int(s) for s in p.get("sizes", ()))) for p in c.get("path", [])}
+            prefill = {f["model"]: PrefillFit(float(f["latency_s"]), float(f["tokens_per_s"]), float(f.get("attn_s", 0.0)))
+                       for f in c.get("prefill", [])}
+            return cls(str(c["host"]), str(c["device"]), int(c["threads"]), paths, prefill,
+                       {str(k): float(v) for k, v in doc.get("efficiency", {}).items()})
+        except KeyError as e:
+            raise ValueError(f"calibration is missing field {e.args[0]!r}") from None
+
+
+def _parallel(workers: int, cold: bool) -> float:
+    """How much faster several readers are than one: page-cache reads are memory copies that
+    scale with threads up to the cores; a cold device read is taken as not scaling (conservative)."""
+    return 1.0 if cold else float(max(1, workers))
+
+
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
