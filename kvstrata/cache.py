@@ -32,7 +32,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.plan.host import HostCalibration
 from kvstrata.metrics import CacheMetrics, TransferRecord
 from kvstrata.policies.eviction import Eviction
-from kvstrata.policies.prefetch import PrefetchRule
+from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, schedule
 from kvstrata.policies.write import WriteRule
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers.base import BlockMissing, CorruptBlock, Tier, TierUnavailable, TransferAbandoned
@@ -242,6 +242,7 @@ class TieredCache:
         self._disk_direct = config.disk_path == "direct" or (config.disk_path == "auto" and device.device.type == "cpu")
         self._engine = TransferEngine(config.workers)
         self._orchestrator = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstrata-plan")
+        self._timers: set[threading.Timer] = set()  # deadline prefetches not yet started
         # Write-downs of stores: their own threads, so a store never waits on a task queued
         # behind it in the orchestrator; bytes still move on the engine's bounded pool.
         self._writers = ThreadPoolExecutor(max_workers=max(2, config.workers), thread_name_prefix="kvstrata-write")
@@ -270,7 +271,8 @@ class TieredCache:
             from kvstrata.tiers.disk import DiskTier
 
             tag = config.namespace().tag
-            tiers.append(DiskTier(config.layout, config.disk_bytes, config.disk_dir, config.eviction, namespace_tag=tag))
+            tiers.append(DiskTier(config.layout, config.disk_bytes, config.disk_dir, config.eviction, namespace_tag=tag,
+                                  read_gbps=config.disk_read_gbps))
         if remote is not None:
             tiers.append(remote)
         return tiers
@@ -778,16 +780,66 @@ class TieredCache:
 
     # --- prefetch ----------------------------------------------------------------------------
 
-    def prefetch(self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "") -> Future:
+    def prefetch(
+        self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "", deadline_s: float | None = None
+    ) -> Future:
         """Promote the prefix's disk/remote blocks to the host for a queued request. Waits as
-        ``rule`` says; the Future gives the number of blocks promoted."""
+        ``rule`` says; the Future gives the number of blocks promoted.
+
+        ``deadline_s`` (``time.monotonic()`` clock) is when the request is expected to start.
+        With the DEADLINE policy and a calibration, the promotion starts as late as its predicted
+        time allows (see :func:`kvstrata.policies.prefetch.schedule`); the call returns at once
+        (the request's load, at its start, uses what has arrived) and the Future's ``timing``
+        attribute holds the schedule. Without a calibration the promotion starts at once.
+        """
         self._check_open()
+        rule = rule or PrefetchRule()
         match = self.lookup(tokens, tenant)
-        future = self._orchestrator.submit(self._run_prefetch, match)
-        wait_s = (rule or PrefetchRule()).wait_s()
+        now = time.monotonic()
+        timing = None
+        if rule.policy is PrefetchPolicy.DEADLINE:
+            if deadline_s is None:
+                raise ValueError("the deadline prefetch policy needs deadline_s (time.monotonic() of the request's start)")
+            if self.config.calibration is not None:  # without one, nothing says how late to start
+                timing = schedule(now, deadline_s, self.predict_promotion_s(match), rule.margin)
+        if timing is not None and timing.start_s > now:
+            future: Future = Future()
+            future.set_running_or_notify_cancel()
+
+            def begin() -> None:
+                self._timers.discard(timer)
+                try:
+                    inner = self._orchestrator.submit(self._run_prefetch, match)
+                except RuntimeError as exc:  # closed meanwhile
+                    future.set_exception(exc)
+                    return
+                inner.add_done_callback(lambda f: _chain(f, future))
+
+            timer = threading.Timer(timing.start_s - now, begin)
+            timer.daemon = True
+            timer.future = future
+            self._timers.add(timer)
+            timer.start()
+        else:
+            future = self._orchestrator.submit(self._run_prefetch, match)
+        future.timing = timing
+        wait_s = rule.wait_s()
         if wait_s != 0:
             wait([future], timeout=wait_s)
         return future
+
+    def predict_promotion_s(self, match: Match) -> float:
+        """Predicted seconds to promote the match's disk and remote blocks to the host, from the
+        configured calibration (0 without one, or with nothing to promote)."""
+        cal = self.config.calibration
+        if cal is None:
+            return 0.0
+        seconds = 0.0
+        for medium, tier in ((Medium.DISK, "disk"), (Medium.REMOTE, "remote")):
+            blocks = match.count(medium)
+            if blocks:
+                seconds += cal.restore_s(tier, blocks * self.layout.block_bytes, blocks, self.config.workers)
+        return seconds
 
     def _run_prefetch(self, match: Match) -> int:
         host = self._tiers.get(Medium.HOST)
@@ -817,6 +869,10 @@ class TieredCache:
         if self._closed:
             return
         self._closed = True
+        for timer in list(self._timers):  # deadline prefetches that have not begun never will
+            timer.cancel()
+            if not timer.future.done():
+                timer.future.set_exception(RuntimeError("the cache closed before this prefetch began"))
         self._orchestrator.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self._engine.close()
@@ -842,6 +898,13 @@ class _Planned:
     route: str = ""  # how the block reached the device, for LoadResult.paths
     done: bool = False  # the whole block already landed (remote -> device)
     quarantined: bool = False  # a transfer into the slot was abandoned: never free it
+
+
+def _chain(src: Future, dst: Future) -> None:
+    if src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
 
 
 def _copy_timed(dst: torch.Tensor, src: torch.Tensor) -> float:

@@ -451,6 +451,65 @@ def test_prefetch_timeout_waits_up_to_its_deadline(tmp_path, caches):
     assert load_released(cache, toks).bytes_from == {H: 3 * B}
 
 
+def deadline_cache(tmp_path, caches, predicted_s):
+    """Three blocks on disk only, and a calibration predicting ``predicted_s`` to promote them."""
+    import dataclasses
+
+    from kvstrata.plan.host import DISK_READ_WARM, MEMCPY_1T, HostCalibration, PathFit
+
+    gbps = 3 * B / predicted_s / 1e9
+    paths = {DISK_READ_WARM: PathFit(0.0, gbps), MEMCPY_1T: PathFit(0.0, 1e9)}  # copies: free
+    calibration = HostCalibration("test", "cpu", 1, paths)
+    config = dataclasses.replace(make_config(tmp_path, device=4, host=4, disk=8, write=WritePolicy.WRITE_THROUGH),
+                                 calibration=calibration, workers=1)
+    cache = caches(config)
+    toks = tokens(1, 3)
+    store(cache, toks)
+    cache.evict(D, 3)
+    cache.evict(H, 3)
+    assert media(cache, toks) == (K, K, K)
+    assert cache.predict_promotion_s(cache.lookup(toks)) == pytest.approx(predicted_s, rel=1e-3)
+    return cache, toks
+
+
+def test_deadline_prefetch_starts_as_late_as_its_predicted_time_allows(tmp_path, caches):
+    cache, toks = deadline_cache(tmp_path, caches, predicted_s=0.4)
+    seen = []
+    start = time.monotonic()
+    sampler = threading.Timer(0.15, lambda: seen.append(media(cache, toks)))
+    sampler.start()
+    rule = PrefetchRule(PrefetchPolicy.DEADLINE, margin=0.25)
+    future = cache.prefetch(toks, rule, deadline_s=start + 1.0)
+    assert time.monotonic() - start < 0.1 and not future.done()  # a scheduler's call: it never blocks
+    sampler.join()
+    assert seen == [(K, K, K)]  # not begun early: the host tier's room served others meanwhile
+    assert future.timing.start_s == pytest.approx(start + 1.0 - 0.4 * 1.25, abs=0.05)
+    assert future.timing.late_s == 0
+    assert future.result(timeout=10) == 3
+    assert time.monotonic() - start >= 0.45  # done after its scheduled start
+    assert media(cache, toks) == (H, H, H)
+
+
+def test_deadline_prefetch_that_cannot_make_it_starts_now_and_says_how_late(tmp_path, caches):
+    cache, toks = deadline_cache(tmp_path, caches, predicted_s=2.0)
+    start = time.monotonic()
+    future = cache.prefetch(toks, PrefetchRule(PrefetchPolicy.DEADLINE), deadline_s=start + 0.05)
+    assert future.timing.start_s == pytest.approx(start, abs=0.05)
+    assert future.timing.late_s == pytest.approx(1.95, abs=0.05)
+    assert future.result(timeout=10) == 3
+
+
+def test_deadline_prefetch_needs_a_deadline_and_is_cancelled_by_close(tmp_path, caches):
+    cache, toks = deadline_cache(tmp_path, caches, predicted_s=0.1)
+    with pytest.raises(ValueError, match="deadline_s"):
+        cache.prefetch(toks, PrefetchRule(PrefetchPolicy.DEADLINE))
+    future = cache.prefetch(toks, PrefetchRule(PrefetchPolicy.DEADLINE, margin=0), deadline_s=time.monotonic() + 60)
+    assert not future.done()
+    cache.close()
+    with pytest.raises(RuntimeError, match="closed before this prefetch began"):
+        future.result(timeout=5)
+
+
 # --- metrics -------------------------------------------------------------------------------------
 
 
