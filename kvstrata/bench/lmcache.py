@@ -64,6 +64,27 @@ def availability() -> tuple[bool, str]:
     return True, version
 
 
+def engine_metadata(layout: Any, model_name: str) -> Any:
+    """LMCache's metadata for one single-process engine over KV of ``layout`` (chunk = block)."""
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    return LMCacheMetadata(
+        model_name=model_name,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch_dtype(layout),
+        kv_shape=(layout.num_layers, layout.kv_tensors, layout.block_tokens, layout.kv_heads, layout.head_dim),
+        chunk_size=layout.block_tokens,
+    )
+
+
+def engine_defaults(layout: Any) -> dict[str, Any]:
+    """The engine-config settings every LMCache engine here shares."""
+    return {"chunk_size": layout.block_tokens, "local_cpu": True, "save_unfull_chunk": False}
+
+
 def _connector_class() -> type:
     from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
@@ -120,7 +141,6 @@ class LMCacheSide:
     ) -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
-        from lmcache.v1.metadata import LMCacheMetadata
 
         self._builder = LMCacheEngineBuilder
         self.layout = layout
@@ -132,17 +152,8 @@ class LMCacheSide:
         self.verified_bytes = 0
         directory.mkdir(parents=True, exist_ok=True)
         size_gib = self.size_bytes / GIB
-        metadata = LMCacheMetadata(
-            model_name="kvstrata-bench",
-            world_size=1,
-            local_world_size=1,
-            worker_id=0,
-            local_worker_id=0,
-            kv_dtype=torch_dtype(layout),
-            kv_shape=(layout.num_layers, layout.kv_tensors, layout.block_tokens, layout.kv_heads, layout.head_dim),
-            chunk_size=layout.block_tokens,
-        )
-        common = {"chunk_size": layout.block_tokens, "local_cpu": True, "save_unfull_chunk": False}
+        metadata = engine_metadata(layout, "kvstrata-bench")
+        common = engine_defaults(layout)
         host_config = LMCacheEngineConfig.from_defaults(**common, max_local_cpu_size=2 * size_gib + 0.01)
         disk_config = LMCacheEngineConfig.from_defaults(
             **common,

@@ -66,10 +66,14 @@ class _Tier:
     ) -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
-        from lmcache.v1.metadata import LMCacheMetadata
 
-        from kvstrata.bench.lmcache import _connector_class, _no_broadcast, _no_broadcast_object
-        from kvstrata.cache import torch_dtype
+        from kvstrata.bench.lmcache import (
+            _connector_class,
+            _no_broadcast,
+            _no_broadcast_object,
+            engine_defaults,
+            engine_metadata,
+        )
 
         if name not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {name!r}")
@@ -79,17 +83,8 @@ class _Tier:
         self.chunk_tokens = layout.block_tokens
         self._builder = LMCacheEngineBuilder
         size_gib = capacity_bytes / (1 << 30)
-        metadata = LMCacheMetadata(
-            model_name=f"kvstrata-e2e-{tag}",
-            world_size=1,
-            local_world_size=1,
-            worker_id=0,
-            local_worker_id=0,
-            kv_dtype=torch_dtype(layout),
-            kv_shape=(layout.num_layers, layout.kv_tensors, layout.block_tokens, layout.kv_heads, layout.head_dim),
-            chunk_size=layout.block_tokens,
-        )
-        common = {"chunk_size": layout.block_tokens, "local_cpu": True, "save_unfull_chunk": False}
+        metadata = engine_metadata(layout, f"kvstrata-e2e-{tag}")
+        common = engine_defaults(layout)
         if name == "host":
             config = LMCacheEngineConfig.from_defaults(**common, max_local_cpu_size=size_gib + 0.05)
         else:
