@@ -30,6 +30,12 @@ just its layers. Recovery at start checks headers and file sizes only, one small
 rather than reading the whole disk (20k blocks: 0.3 s with the page cache warm, 1.9 s cold, on
 the VM of the benchmark); payloads are checked on every read anyway, so a block whose payload
 rotted raises CorruptBlock on its first read and the caller drops it.
+
+Read cap. ``read_gbps`` emulates slower storage: every ``read_into`` books its bytes (header and
+payload) on one virtual clock shared by all threads, at ``read_gbps`` decimal GB/s, and returns
+no earlier than its bytes' finish on that clock; the real read runs meanwhile. So reads of N
+bytes in aggregate, from any number of threads, take at least N / rate (a rate limiter without
+burst). Recovery's header reads at start are not paced.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import itertools
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +87,8 @@ class DiskTier(Tier):
         eviction: the table's eviction policy.
         namespace_tag: a sub-directory for this namespace (e.g. ``Namespace.tag``).
         fsync: make each write durable against power loss (fsync file and directory).
+        read_gbps: cap reads at this many decimal GB/s in aggregate (emulates slower storage);
+            None: no cap.
     """
 
     medium = Medium.DISK
@@ -92,8 +101,10 @@ class DiskTier(Tier):
         eviction: Eviction = Eviction.LRU,
         namespace_tag: str | None = None,
         fsync: bool = False,
+        read_gbps: float | None = None,
     ) -> None:
         super().__init__(layout, capacity_bytes, eviction)
+        self._pacer = _ReadPacer(read_gbps) if read_gbps is not None else None
         if namespace_tag is not None and not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"disk tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
         self.namespace_tag = namespace_tag or ""
@@ -171,6 +182,8 @@ class DiskTier(Tier):
             raise CorruptBlock(f"disk tier: block {key.hex()[:12]} has no file") from None
         try:
             header = self._verified_header(fd, key)
+            if self._pacer is not None:
+                finish = self._pacer.book(header.header_bytes + (stop - start) * self.layout.layer_bytes)
             # Whole layers, about READ_CHUNK_BYTES at a time, each checked as soon as it lands.
             step = max(1, READ_CHUNK_BYTES // self.layout.layer_bytes)
             for first in range(0, stop - start, step):
@@ -181,6 +194,8 @@ class DiskTier(Tier):
                 blockfile.verify_layers(header, rows, start + first)
         finally:
             os.close(fd)
+        if self._pacer is not None:
+            self._pacer.wait(finish)
         if not direct:
             dst.copy_(torch.from_numpy(buffer))
 
@@ -301,6 +316,29 @@ class DiskTier(Tier):
         if step != 1:
             raise ValueError(f"disk tier: layers must be a contiguous range, got {layers}")
         return start, max(start, stop)
+
+
+class _ReadPacer:
+    """A virtual clock of reads at ``gbps``: each read books the next ``bytes / rate`` seconds
+    after the last booking (or now, if the clock is idle) and waits until its booking ends."""
+
+    def __init__(self, gbps: float) -> None:
+        if not gbps > 0:
+            raise ValueError(f"disk tier: read_gbps must be positive, got {gbps}")
+        self.bytes_per_s = gbps * 1e9
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # time.monotonic() when the clock is next free
+
+    def book(self, nbytes: int) -> float:
+        """Book ``nbytes``; returns the monotonic time the read may return at."""
+        with self._lock:
+            self._free_at = max(self._free_at, time.monotonic()) + nbytes / self.bytes_per_s
+            return self._free_at
+
+    @staticmethod
+    def wait(finish: float) -> None:
+        while (left := finish - time.monotonic()) > 0:
+            time.sleep(left)
 
 
 def _lock_directory(directory: Path) -> int:
