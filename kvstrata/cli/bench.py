@@ -34,7 +34,7 @@ MIB = 1 << 20
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench cache``, ``bench remote`` and ``bench sim``."""
+    """Add ``bench cache``, ``remote``, ``sim``, ``e2e`` and ``recompute``."""
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: ours beside baselines measured in the same run",
@@ -96,6 +96,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="requests of the tiled trace (default: 12000)")
     sim.add_argument("--json", action="store_true", help="print the report as JSON")
     sim.set_defaults(func=run_sim)
+    recompute = benches.add_parser(
+        "recompute",
+        help="load or recompute: the auto plan's TTFT vs load-only and recompute-only, disk tier throttled",
+        description="On the tiny model, one long prompt whose prefix is cached on the disk tier only; the "
+        "disk tier's reads capped at several rates (emulated slower storage). Per rate: TTFT of load-only, "
+        "recompute-only and the auto plan (load, recompute, or compute the beginning while loading the rest), "
+        "medians of repeats; the plan chosen and the ratio auto / min(load, recompute), goal <= 1.1. The auto "
+        "decision's load times come from a probe of the capped disk tier, its prefill times from a measurement "
+        "of the model on this host.",
+    )
+    recompute.add_argument("--rates", metavar="GBPS", type=float, nargs="+",
+                           default=[0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0],
+                           help="disk read caps, decimal GB/s (default: 0.005 0.01 0.02 0.05 0.1 0.5 2)")
+    recompute.add_argument("--cached-tokens", type=int, default=4096, help="the cached prefix, tokens (default: 4096)")
+    recompute.add_argument("--tail-tokens", type=int, default=64, help="prompt tokens after it (default: 64)")
+    recompute.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default: 64)")
+    recompute.add_argument("--repeats", type=int, default=9, help="timed rounds per rate after one warm-up, >= 3 (default: 9)")
+    recompute.add_argument("--dir", metavar="DIR", help="where scratch files go (default: the temp directory)")
+    recompute.add_argument("--plot", metavar="FILE", help="also plot TTFT against the read cap (matplotlib) to FILE")
+    recompute.add_argument("--json", action="store_true", help="print the report as JSON")
+    recompute.set_defaults(func=run_recompute)
     from kvstrata.cli.demo import add_workload_args, run_bench_e2e
 
     e2e = benches.add_parser(
@@ -412,3 +433,83 @@ def _print_sim(report: dict[str, Any]) -> None:
         "'vs analyze' = the simulation's wall time over it.",
         highlight=False,
     )
+
+
+# --- bench recompute ----------------------------------------------------------------------------
+
+
+def run_recompute(args: argparse.Namespace) -> int:
+    from kvstrata.bench.recompute import RecomputeBenchConfig, run_recompute_bench
+
+    try:
+        config = RecomputeBenchConfig(
+            cached_tokens=args.cached_tokens, tail_tokens=args.tail_tokens, block_tokens=args.block_tokens,
+            rates_gbps=tuple(args.rates), repeats=args.repeats, work_dir=args.dir,
+        )
+    except ValueError as exc:
+        raise cli.CliError(str(exc)) from None
+
+    def render(report: dict[str, Any]) -> None:
+        _print_recompute(report)
+        if args.plot:
+            _plot_recompute(report, args.plot)
+
+    return _run_and_report(args, lambda bar: run_recompute_bench(config, bar), render)
+
+
+def _print_recompute(report: dict[str, Any]) -> None:
+    c, p = report["config"], report["prefill"]
+    title = (
+        f"kvstrata bench recompute: tiny model, {c['prompt_tokens']:,}-token prompt, {c['cached_tokens']:,} cached "
+        f"on disk only ({c['cached_bytes'] / 1e6:.1f} MB), blocks of {c['block_tokens']} tokens; "
+        f"TTFT medians of {c['repeats']}"
+    )
+    table = Table(title=title, title_justify="left")
+    for name in ("disk cap GB/s", "probe GB/s", "load ms", "recompute ms", "auto ms", "plan", "k",
+                 "predicted ms", "auto / min", "tokens", "pass"):
+        table.add_column(name, justify="left" if name in ("plan", "tokens", "pass") else "right", no_wrap=True)
+    for r in report["rates"]:
+        t = r["ttft_s"]
+        best = min(t["load"], t["recompute"])
+        table.add_row(
+            f"{r['gbps']:g}", f"{r['probe']['gbps']:.3g}",
+            *(f"[bold]{t[k] * 1e3:.1f}[/]" if t[k] == best else f"{t[k] * 1e3:.1f}" for k in ("load", "recompute")),
+            f"{t['auto'] * 1e3:.1f}", r["plan"], str(r["k"]), f"{r['predicted_s']['auto'] * 1e3:.1f}",
+            f"{r['ratio']:.2f}x", "same" if r["tokens_match"] else "[bold red]DIFFER[/]",
+            "[green]pass[/]" if r["passed"] else "[bold red]FAIL[/]",
+        )
+    out = cli.console()
+    out.print(table)
+    passed = sum(r["passed"] for r in report["rates"])
+    out.print(
+        f"goal auto <= {c['goal_ratio']:g} x min(load, recompute): met at {passed} of {len(report['rates'])} rates. "
+        f"Prefill fit (measured here, {p['measure_s']:.1f} s): {p['latency_s'] * 1e3:.2f} ms + "
+        f"{p['tokens_per_s']:,.0f} tokens/s + attention {p['attn_s']:.3g} s per token pair. "
+        f"Load model: {c['load_model']}. 'tokens': every run's first token vs the cold run's. "
+        f"Wall {report['wall_s']:.0f} s.",
+        highlight=False,
+    )
+
+
+def _plot_recompute(report: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        cli.console().print("[yellow]no matplotlib: --plot skipped[/]")
+        return
+    rates = [r["gbps"] for r in report["rates"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for plan, style in (("load", "o--"), ("recompute", "s--"), ("auto", "D-")):
+        ax.plot(rates, [r["ttft_s"][plan] * 1e3 for r in report["rates"]], style, label=plan)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("disk read cap, GB/s")
+    ax.set_ylabel("TTFT, ms (median)")
+    ax.set_title("load or recompute: tiny model, prefix on disk only")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    cli.console().print(f"plot: {path}")

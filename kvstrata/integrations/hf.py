@@ -9,6 +9,12 @@ blocks only, so layer *i* computes while later layers are still arriving. When g
 the full blocks of everything computed (prompt and answer) are stored, so the next turn of a
 conversation finds its history.
 
+Load or recompute: ``generate(strategy=...)`` brings the cached prefix in by loading it (the
+default), recomputing it, or splitting it: the model computes the prompt's beginning ``[0, k)``
+from scratch while the cache loads blocks ``[k, hit)``, the loaded KV is appended after the
+computed KV in each layer, then the rest of the prompt is computed (Cake's split; the decision,
+``"auto"``, is :func:`kvstrata.plan.recompute.choose` on this host's calibration).
+
 Streaming (the seed's sixth scheme, per-step DRAM streaming): with ``streaming=True`` the
 sequence's KV lives in host memory (pinned on CUDA) and only two layers' KV are on the device at
 a time: each layer's KV crosses host -> device just before the layer runs, while the next
@@ -31,8 +37,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvstrata.cache import LoadHandle, LoadResult, TieredCache
+from kvstrata.index.prefix import Match
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
+from kvstrata.plan.host import DISK_READ_COLD, HostCalibration, PrefillFit
+from kvstrata.plan.recompute import LoadTime, PlanKind, RecomputePlan, Strategy, choose
+from kvstrata.tiers.medium import Medium
 
 _DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
 
@@ -48,7 +58,8 @@ def model_layout(config: Any, block_tokens: int, dtype: torch.dtype) -> KVLayout
 
 
 class RestoredPrefix:
-    """The first ``tokens`` tokens' KV, arriving layer by layer from a :class:`LoadHandle`."""
+    """``tokens`` tokens' KV (the prompt's first, or in a split those after the computed
+    beginning), arriving layer by layer from a :class:`LoadHandle`."""
 
     def __init__(self, handle: LoadHandle, tokens: int, timeout_s: float = 120.0) -> None:
         self.handle = handle
@@ -66,7 +77,9 @@ class RestoredPrefix:
 
 
 class RestoringLayer(DynamicLayer):
-    """A DynamicLayer whose first update prepends this layer of a restored prefix."""
+    """A DynamicLayer whose next update first appends this layer of a restored span: the
+    prompt's cached prefix (before anything was computed), or, in a split, the loaded blocks
+    after the computed beginning. ``prefix`` is the span still to append (None once appended)."""
 
     def __init__(self, index: int, prefix: RestoredPrefix | None = None) -> None:
         super().__init__()
@@ -74,15 +87,19 @@ class RestoringLayer(DynamicLayer):
         self.prefix = prefix
 
     def get_seq_length(self) -> int:
-        if not self.is_initialized:
-            return self.prefix.tokens if self.prefix is not None else 0
-        return super().get_seq_length()
+        return super().get_seq_length() + (self.prefix.tokens if self.prefix is not None else 0)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized and self.prefix is not None:
-            self.lazy_initialization(key_states, value_states)
-            keys, values = self.prefix.layer(self.index, key_states.device)
-            self.keys, self.values = keys.to(key_states.dtype), values.to(value_states.dtype)
+        if self.prefix is not None:
+            keys, values = self.prefix.layer(self.index, key_states.device)  # [1, H, tokens, D]
+            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+            if self.is_initialized:
+                self.keys = torch.cat([self.keys, keys], dim=-2)
+                self.values = torch.cat([self.values, values], dim=-2)
+            else:
+                self.lazy_initialization(key_states, value_states)
+                self.keys, self.values = keys, values
+            self.prefix = None
         return super().update(key_states, value_states, *args, **kwargs)
 
 
@@ -221,6 +238,10 @@ class Generation:
         load: the restore's result (bytes, seconds, route per block), or None without a hit.
         stored_blocks: blocks the store wrote (0 when not storing).
         stream_bytes_per_step: with streaming, host -> device bytes per decode step (mean).
+        plan: how the cached prefix came in (LOAD also when nothing was cached).
+        compute_tokens: k of the plan: tokens of the cached prefix computed rather than loaded
+            (0 for LOAD; the whole hit for RECOMPUTE).
+        decision: with strategy "auto", the decision and its predictions.
     """
 
     tokens: list[int]
@@ -232,6 +253,9 @@ class Generation:
     stored_blocks: int = 0
     stream_bytes_per_step: float = 0.0
     extra: dict = field(default_factory=dict)
+    plan: PlanKind = PlanKind.LOAD
+    compute_tokens: int = 0
+    decision: RecomputePlan | None = None
 
 
 class KVStrataLM:
@@ -239,12 +263,27 @@ class KVStrataLM:
 
     The TieredCache's layout must be :func:`model_layout` of the model (checked), so blocks
     stored by one model never load into another (the namespace carries model id and layout).
+
+    ``calibration`` and ``prefill`` feed ``strategy="auto"``: load times come from the
+    calibration's paths (:meth:`HostCalibration.restore_s` per source tier), prefill time from
+    ``prefill``, else the calibration's fit for the cache's model id. ``calibration`` defaults to
+    the cache's ``config.calibration``.
     """
 
-    def __init__(self, model: Any, cache: TieredCache | None, tenant: str = "") -> None:
+    def __init__(
+        self,
+        model: Any,
+        cache: TieredCache | None,
+        tenant: str = "",
+        *,
+        calibration: HostCalibration | None = None,
+        prefill: PrefillFit | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.tenant = tenant
+        self.calibration = calibration
+        self.prefill = prefill
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = model.config.num_hidden_layers
@@ -262,11 +301,42 @@ class KVStrataLM:
         reuse: bool = True,
         store: bool = True,
         streaming: bool = False,
+        strategy: Strategy | str = Strategy.LOAD,
+        split_tokens: int | None = None,
     ) -> Generation:
+        """Greedy generation of ``max_new_tokens`` after ``prompt``.
+
+        Args:
+            reuse: look up and use the cached prefix (False: a cold run).
+            store: store the full blocks of everything computed when done.
+            streaming: per-step DRAM streaming (strategies load and recompute only).
+            strategy: "load" the cached prefix (the default), "recompute" it, "split" it at
+                ``split_tokens``, or "auto" (:func:`kvstrata.plan.recompute.choose`; needs a
+                calibration and a prefill fit).
+            split_tokens: with "split", k: the tokens ``[0, k)`` computed while ``[k, hit)``
+                loads; a multiple of the block size, at most the cached prefix. 0 is the load
+                plan, the whole prefix the recompute plan.
+
+        Raises:
+            ValueError: bad arguments, named; with "auto", no calibration or prefill fit.
+        """
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        strategy = _strategy(strategy)
+        if (strategy is Strategy.SPLIT) != (split_tokens is not None):
+            raise ValueError(f"split_tokens goes with strategy 'split' and only with it (strategy {strategy.value!r}, "
+                             f"split_tokens {split_tokens})")
+        if streaming and strategy in (Strategy.SPLIT, Strategy.AUTO):
+            raise ValueError(f"streaming supports strategies 'load' and 'recompute', not {strategy.value!r}")
+        if strategy is Strategy.SPLIT and self.cache is not None and split_tokens % self.cache.layout.block_tokens:
+            raise ValueError(f"split_tokens {split_tokens} is not a multiple of the block size "
+                             f"{self.cache.layout.block_tokens}")
+        if strategy is Strategy.AUTO:
+            self._auto_inputs()  # fail before any work
+        if strategy is not Strategy.LOAD:
+            return self._generate_planned(prompt, max_new_tokens, reuse, store, streaming, strategy, split_tokens)
         start = time.perf_counter()
         prefix, handle = None, None
         if reuse and self.cache is not None:
@@ -298,19 +368,7 @@ class KVStrataLM:
             if handle is not None:
                 handle.release()
             first_logits = logits.float().cpu()
-            tokens = [token]
-            moved_before = stream.bytes_moved if stream is not None else 0
-            for _ in range(max_new_tokens - 1):
-                ids = torch.tensor([[token]], device=self.device)
-                logits = self.model(input_ids=ids, past_key_values=kv_cache, use_cache=True).logits[0, -1]
-                token = int(logits.argmax())
-                tokens.append(token)
-            steps = max_new_tokens - 1
-            per_step = (stream.bytes_moved - moved_before) / steps if stream is not None and steps else 0.0
-            stored = 0
-            if store and self.cache is not None:
-                computed = list(prompt) + tokens[:-1]  # the last token's KV is never computed
-                stored = self.cache.store(computed, kv_cache.kv(), self.tenant).result().new_blocks
+            tokens, per_step, stored = self._decode_and_store(prompt, token, max_new_tokens, kv_cache, stream, store)
         finally:
             if handle is not None:
                 handle.release()
@@ -318,3 +376,168 @@ class KVStrataLM:
                 stream.close()
         extra = {"layers_before_load_done": prefix.layers_before_done} if prefix is not None else {}
         return Generation(tokens, first_logits, ttft, time.perf_counter() - start, hit, load, stored, per_step, extra)
+
+    def _decode_and_store(
+        self, prompt: list[int], token: int, max_new_tokens: int, kv_cache: KVStrataCache,
+        stream: StreamedKV | None, store: bool,
+    ) -> tuple[list[int], float, int]:
+        """Greedy decode after the first token, then store; (tokens, stream bytes per step, stored blocks)."""
+        tokens = [token]
+        moved_before = stream.bytes_moved if stream is not None else 0
+        for _ in range(max_new_tokens - 1):
+            ids = torch.tensor([[token]], device=self.device)
+            logits = self.model(input_ids=ids, past_key_values=kv_cache, use_cache=True).logits[0, -1]
+            token = int(logits.argmax())
+            tokens.append(token)
+        steps = max_new_tokens - 1
+        per_step = (stream.bytes_moved - moved_before) / steps if stream is not None and steps else 0.0
+        stored = 0
+        if store and self.cache is not None:
+            computed = list(prompt) + tokens[:-1]  # the last token's KV is never computed
+            stored = self.cache.store(computed, kv_cache.kv(), self.tenant).result().new_blocks
+        return tokens, per_step, stored
+
+    def _generate_planned(
+        self, prompt: list[int], max_new_tokens: int, reuse: bool, store: bool, streaming: bool,
+        strategy: Strategy, split_tokens: int | None,
+    ) -> Generation:
+        """Strategies recompute, split and auto (see :meth:`generate`)."""
+        start = time.perf_counter()
+        block = self.cache.layout.block_tokens if self.cache is not None else 1
+        match = self.cache.lookup(prompt[:-1], self.tenant) if reuse and self.cache is not None else None
+        hit = match.tokens if match is not None else 0
+        decision = None
+        if strategy is Strategy.RECOMPUTE:
+            k = hit
+        elif strategy is Strategy.SPLIT:
+            if split_tokens < 0 or split_tokens > hit:
+                raise ValueError(f"split_tokens {split_tokens} is beyond the cached prefix of {hit} tokens "
+                                 f"(0 <= split_tokens <= {hit})")
+            k = split_tokens
+        else:
+            decision = self._decide(match, len(prompt) - hit)
+            k = decision.compute_tokens
+        kind = PlanKind.LOAD if k == 0 else PlanKind.RECOMPUTE if k == hit else PlanKind.SPLIT
+        stream = StreamedKV(self.num_layers, torch.device("cpu"), self.device.type == "cuda") if streaming else None
+        kv_cache = KVStrataCache(self.num_layers, None, stream)
+        prefix, handle, load = None, None, None
+        try:
+            if kind is PlanKind.RECOMPUTE or hit == 0:
+                done = 0  # tokens whose KV is in kv_cache
+            else:
+                # Start loading [k, hit), then compute [0, k) while it loads (nothing when k = 0).
+                j = k // block
+                handle = self.cache.load(Match(match.keys[j:], match.media[j:], block, match.total_blocks))
+                if k:
+                    self.model(input_ids=torch.tensor([prompt[:k]], device=self.device), past_key_values=kv_cache,
+                               use_cache=True, logits_to_keep=1)
+                try:
+                    handle.wait_layer(0, 120.0)
+                    loaded = handle.blocks * block
+                except Exception:  # noqa: BLE001 - a failed restore is recomputed, never served
+                    handle.release()
+                    handle, loaded = None, 0
+                if loaded:
+                    prefix = RestoredPrefix(handle, loaded)
+                    for layer in kv_cache.layers:
+                        layer.prefix = prefix  # appended after [0, k) at each layer's next update
+                done = k + loaded
+            ids = torch.tensor([prompt[done:]], device=self.device)
+            logits = self.model(input_ids=ids, past_key_values=kv_cache, use_cache=True).logits[0, -1]
+            token = int(logits.argmax())
+            ttft = time.perf_counter() - start
+            if handle is not None:
+                load = handle.wait()
+                handle.release()
+            first_logits = logits.float().cpu()
+            tokens, per_step, stored = self._decode_and_store(prompt, token, max_new_tokens, kv_cache, stream, store)
+        finally:
+            if handle is not None:
+                handle.release()
+            if stream is not None:
+                stream.close()
+        loaded_tokens = prefix.tokens if prefix is not None else 0
+        extra = {"cached_tokens": hit}
+        if prefix is not None:
+            extra["layers_before_load_done"] = prefix.layers_before_done
+        return Generation(tokens, first_logits, ttft, time.perf_counter() - start, loaded_tokens, load, stored,
+                          per_step, extra, kind, k, decision)
+
+    def _auto_inputs(self) -> tuple[HostCalibration, PrefillFit]:
+        if self.cache is None:
+            raise ValueError("strategy 'auto' needs a cache: there is nothing to load or recompute without one")
+        calibration = self.calibration or (self.cache.config.calibration if self.cache is not None else None)
+        if calibration is None:
+            raise ValueError("strategy 'auto' needs a HostCalibration: pass calibration= to KVStrataLM or set the "
+                             "cache's config.calibration (kvstrata calibrate)")
+        prefill = self.prefill or calibration.prefill.get(self.cache.config.model_id)
+        if prefill is None:
+            raise ValueError(f"strategy 'auto' needs the model's prefill fit: pass prefill= to KVStrataLM "
+                             f"(kvstrata.integrations.recompute.measure_prefill) or calibrate model "
+                             f"{self.cache.config.model_id!r}")
+        return calibration, prefill
+
+    def _decide(self, match: Match | None, tail_tokens: int) -> RecomputePlan:
+        calibration, prefill = self._auto_inputs()
+        layout = self.cache.layout
+        hit = match.tokens if match is not None else 0
+        media = match.media if match is not None else ()
+        load = calibrated_load_time(calibration, media, layout.block_bytes, self.cache.config.workers)
+        contention = calibrated_contention(calibration, media, layout.block_bytes, load, self.device)
+        return choose(hit, tail_tokens, layout.block_tokens, layout.block_bytes // layout.block_tokens, load, prefill,
+                      contention)
+
+
+def calibrated_load_time(
+    calibration: HostCalibration, media: tuple[Medium, ...], block_bytes: int, workers: int
+) -> LoadTime:
+    """``L(blocks)``: predicted seconds to load the last ``blocks`` of blocks on ``media`` (one
+    medium per block, in order), by :meth:`HostCalibration.restore_s` per source tier, the
+    tiers' times added (a conservative sum: the cache fetches them in one plan). Blocks already
+    on the device cost nothing. Disk reads use the cold-read path when it was calibrated (a
+    prediction for storage, not for the page cache), else the page-cache path."""
+    cold = DISK_READ_COLD in calibration.paths
+    def load_s(blocks: int) -> float:
+        counts: dict[Medium, int] = {}
+        for medium in media[len(media) - blocks:] if blocks else ():
+            counts[medium] = counts.get(medium, 0) + 1
+        return sum(
+            calibration.restore_s(medium.label, n * block_bytes, n, workers, cold=cold)
+            for medium, n in counts.items() if medium is not Medium.DEVICE
+        )
+
+    return load_s
+
+
+def calibrated_contention(
+    calibration: HostCalibration, media: tuple[Medium, ...], block_bytes: int, load: LoadTime,
+    device: torch.device,
+) -> LoadTime | None:
+    """``X(blocks)`` of :func:`kvstrata.plan.recompute.choose`: None when the model runs on a
+    GPU; on the CPU, the load's processor time, taken whole (conservative): per source tier its
+    one-thread cost from the calibration (disk: the page-cache read path, i.e. copying and
+    checksumming, not the storage's wait), or the whole predicted load where a path is missing."""
+    if device.type != "cpu":
+        return None
+
+    def cpu_s(blocks: int) -> float:
+        counts: dict[Medium, int] = {}
+        for medium in media[len(media) - blocks:] if blocks else ():
+            counts[medium] = counts.get(medium, 0) + 1
+        try:
+            return sum(
+                calibration.restore_s(medium.label, n * block_bytes, n, workers=1, cold=False)
+                for medium, n in counts.items() if medium is not Medium.DEVICE
+            )
+        except KeyError:  # a path not calibrated: the whole load counts
+            return load(blocks)
+
+    return cpu_s
+
+
+def _strategy(value: Strategy | str) -> Strategy:
+    try:
+        return Strategy(value)
+    except ValueError:
+        names = ", ".join(repr(s.value) for s in Strategy)
+        raise ValueError(f"unknown strategy {value!r}: expected one of {names}") from None
