@@ -14,7 +14,7 @@ import sys
 from rich.console import Console
 
 # Modules under kvstrata.cli that each register one or more sub-commands, in help order.
-_COMMAND_MODULES = ("plan", "demo", "hardware", "kv", "model", "pool", "bench", "trace", "simulate")
+_COMMAND_MODULES = ("plan", "demo", "hardware", "kv", "model", "pool", "bench", "trace", "simulate", "calibrate")
 
 
 def console() -> Console:

@@ -30,13 +30,20 @@ H2D_PAGEABLE = "host -> device (pageable)"
 D2H_PINNED = "device -> host (pinned)"
 DISK_READ_COLD = "disk read (cold)"
 DISK_READ_WARM = "disk read (page cache)"
+DISK_READ_COLD_NT = "disk read (cold, N threads)"
+DISK_READ_WARM_NT = "disk read (page cache, N threads)"
 DISK_WRITE = "disk write"
 CHECKSUM = "checksum (xxh3)"
+CHECKSUM_NT = "checksum (xxh3, N threads)"
 POOL_GET = "pool get"
 POOL_PUT = "pool put"
+# kvstrata's own fixed cost per restore: planning, pins, handing copy tasks to the transfer
+# engine's threads and waiting for them (measured as a restore of tiny blocks: latency only).
+RESTORE_DISPATCH = "restore dispatch (kvstrata)"
 PATHS = (
     MEMCPY_1T, MEMCPY_NT, H2D_PINNED, H2D_PAGEABLE, D2H_PINNED,
-    DISK_READ_COLD, DISK_READ_WARM, DISK_WRITE, CHECKSUM, POOL_GET, POOL_PUT,
+    DISK_READ_COLD, DISK_READ_WARM, DISK_READ_COLD_NT, DISK_READ_WARM_NT, DISK_WRITE,
+    CHECKSUM, CHECKSUM_NT, POOL_GET, POOL_PUT, RESTORE_DISPATCH,
 )
 
 
@@ -160,34 +167,62 @@ class HostCalibration:
 
     def restore_s(self, tier: str, nbytes: int, blocks: int, workers: int = 1, cold: bool = False) -> float:
         """Predicted seconds for the tiered cache to restore ``nbytes`` in ``blocks`` blocks
-        from ``tier`` ("host", "disk", "remote") to the device tier.
+        from ``tier`` ("host", "disk", "remote") to the device tier, with ``workers`` transfer
+        threads (``CacheConfig.workers``); ``cold``: disk blocks not in the page cache.
 
-        The cache's composition, stated: host -> device is one copy per block range on the
-        device link (``workers`` threads share it: the N-thread memcpy on a CPU-only host);
-        disk -> device reads each block's file and verifies its checksum, blocks spread over
-        ``workers`` threads; remote -> device is one batched pool get.
+        The composition follows ``TieredCache.load`` step by step:
+
+        * host: one copy of every byte host -> device, layer ranges spread over the workers:
+          the N-thread memcpy on a CPU-only host (the "device" is host memory), pinned H2D on
+          a GPU host.
+        * disk: each block is one file, opened and read (1 MiB pieces, each checksummed with
+          xxh3 as it lands) by one worker; blocks spread over the workers. Per block the
+          file's fixed cost (the one-thread read's latency), per byte the N-thread read rate
+          and the N-thread checksum rate, in sequence: a worker reads a piece, then hashes it
+          (measured cold on a 2-core VM: the hashing does not hide behind the other worker's
+          disk wait). On a GPU host the blocks land in the host tier first (the "auto" disk
+          path stages them), then one pinned H2D copy.
+        * remote: one batched pool get per worker's share, straight into the device slots on
+          a CPU-only host (the pool path), then a pinned H2D copy on a GPU host.
+        * every restore that moves bytes also pays kvstrata's dispatch (``RESTORE_DISPATCH``),
+          when calibrated.
         """
         if nbytes <= 0:
             return 0.0
-        copy = self._copy_path(workers)
+        dispatch = self.paths[RESTORE_DISPATCH].latency_s if RESTORE_DISPATCH in self.paths else 0.0
+        return dispatch + self._moved_s(tier, nbytes, blocks, workers, cold)
+
+    def _moved_s(self, tier: str, nbytes: int, blocks: int, workers: int, cold: bool) -> float:
+        workers = max(1, workers)
+        cuda = self.device.startswith("cuda")
+        to_device = self.path(H2D_PINNED).seconds(nbytes) if cuda else 0.0
         if tier == "host":
-            return copy.seconds(nbytes)
+            return self._copy_path(workers).seconds(nbytes)
         if tier == "disk":
-            read = self.path(DISK_READ_COLD if cold else DISK_READ_WARM)
-            per_worker_ops = math.ceil(blocks / max(1, workers))
-            verify = self.paths.get(CHECKSUM)
-            seconds = per_worker_ops * read.latency_s + nbytes / (read.gbps * GB * _parallel(workers, cold))
-            if verify is not None:
-                seconds += nbytes / (verify.gbps * GB * max(1, workers))
-            return seconds
+            one = self.path(DISK_READ_COLD if cold else DISK_READ_WARM)
+            read = self._threaded(DISK_READ_COLD_NT if cold else DISK_READ_WARM_NT, one, workers, cold)
+            per_file = math.ceil(max(1, blocks) / workers) * one.latency_s
+            read_s = nbytes / (read.gbps * GB)
+            check_s = 0.0
+            if CHECKSUM in self.paths:
+                check = self._threaded(CHECKSUM_NT, self.paths[CHECKSUM], workers, False)
+                check_s = nbytes / (check.gbps * GB)
+            return per_file + read_s + check_s + to_device
         if tier == "remote":
-            return self.path(POOL_GET).seconds(nbytes)
+            return self.path(POOL_GET).seconds(nbytes) + to_device
         raise ValueError(f"unknown tier {tier!r}: expected host, disk or remote")
 
     def _copy_path(self, workers: int) -> PathFit:
         if self.device.startswith("cuda"):
             return self.path(H2D_PINNED)
         return self.path(MEMCPY_NT if workers > 1 and MEMCPY_NT in self.paths else MEMCPY_1T)
+
+    def _threaded(self, name: str, one: PathFit, workers: int, cold: bool) -> PathFit:
+        """The N-thread fit of a path when measured and ``workers`` > 1, else the one-thread
+        fit scaled by ``_parallel`` (an uncalibrated guess)."""
+        if workers > 1 and name in self.paths:
+            return self.paths[name]
+        return PathFit(one.latency_s, one.gbps * (_parallel(workers, cold) if workers > 1 else 1.0))
 
     # --- TOML ---------------------------------------------------------------------------------
 

@@ -1,0 +1,463 @@
+"""Measure this host's transfer paths, the way kvstrata moves bytes on them, and fit each one.
+
+Every path is timed at several sizes: one warm-up, then ``repeats`` timed runs per size; a
+size's figure is the median of its runs, its spread the relative half-range. The medians are
+fitted with :func:`kvstrata.plan.host.fit_path` (``seconds = latency_s + bytes / bandwidth``).
+
+Each measurement does what the tier it stands for does, so the fits compose into a restore
+(see ``HostCalibration.restore_s``):
+
+* memcpy: ``torch`` ``copy_`` between pre-faulted uint8 tensors; "1 thread" on the calling
+  thread with one intra-op thread; "N threads" as the cache's load copies: 2N tasks on N
+  threads, each a ``torch._foreach_copy_`` of ~2 MiB pieces.
+* disk read: a file opened, its first page read (the block header), the rest read in
+  ``READ_CHUNK_BYTES`` pieces with ``preadv`` into pre-faulted memory, closed: the disk tier's
+  ``read_into`` without the checksum. Cold runs drop the file from the page cache first. "N
+  threads": N files of ``size / N`` bytes, one per thread, as the engine's workers read blocks.
+* disk write: a new file written with one ``writev``, fsynced, closed (then deleted, untimed).
+* checksum: xxh3_64 over ``READ_CHUNK_BYTES`` pieces, as the disk tier verifies a read (from
+  memory; the tier hashes a piece just read, still in the CPU cache, which is somewhat faster).
+* host <-> device (CUDA only): a copy between host memory (pinned or pageable) and the GPU,
+  synchronized.
+* pool get/put: one batched Mooncake call for all objects (``kvstrata.bench.rawpool.RawPool``),
+  objects of ``object_bytes`` each.
+
+Timing is noisy on shared machines: the medians absorb stray runs, the spread reports them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstrata.bench.timing import NoProgress, Progress, drop_page_cache
+from kvstrata.plan import host as h
+from kvstrata.pool.config import PoolConfig
+from kvstrata.tiers.disk import READ_CHUNK_BYTES
+
+MIB = 1 << 20
+DEFAULT_SIZES = (4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB)
+QUICK_SIZES = (4 * MIB, 16 * MIB, 64 * MIB)
+HEADER_PAGE = 4096
+COPY_PIECE_BYTES = 2 * MIB  # a layer range of one block, as the cache copies it (order of)
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """What to measure.
+
+    Attributes:
+        sizes: bytes per measurement (each path at every size).
+        repeats: timed runs per size, after one warm-up (>= 1).
+        threads: the N of the N-thread paths (the cache's transfer workers).
+        directory: where scratch files go (None: the temp directory). Measure the disk the
+            cache's disk tier will use.
+        pool: the remote pool, or None (pool paths skipped).
+        object_bytes: bytes per pool object (a block of the cache).
+        cold: measure cold disk reads (drops the scratch files from the page cache).
+    """
+
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 5
+    threads: int = 2
+    directory: str | None = None
+    pool: PoolConfig | None = None
+    object_bytes: int = 8 * MIB
+    cold: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(s < self.threads * HEADER_PAGE for s in self.sizes):
+            raise ValueError(f"calibrate sizes must be given and each >= {self.threads * HEADER_PAGE} bytes, got {self.sizes}")
+        if self.repeats < 1:
+            raise ValueError(f"calibrate repeats must be >= 1, got {self.repeats}")
+        if self.threads < 1:
+            raise ValueError(f"calibrate threads must be >= 1, got {self.threads}")
+        if self.object_bytes < HEADER_PAGE:
+            raise ValueError(f"calibrate object_bytes must be >= {HEADER_PAGE}, got {self.object_bytes}")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One path at one size: the timed runs (seconds)."""
+
+    path: str
+    size_bytes: int
+    runs_s: tuple[float, ...]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.runs_s)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / 2 / median: how far a single run strays."""
+        return (max(self.runs_s) - min(self.runs_s)) / 2 / self.median_s
+
+    @property
+    def gbps(self) -> float:
+        return self.size_bytes / self.median_s / h.GB
+
+
+@dataclass
+class CalibrationRun:
+    """What ``calibrate`` produced: the fits, the raw measurements, and what was skipped."""
+
+    calibration: h.HostCalibration
+    measurements: list[Measurement] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # path -> why
+    seconds: float = 0.0
+
+
+# --- the paths ----------------------------------------------------------------------------------
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    t.fill_(1)  # pre-fault: first writes into fresh pages run several times slower
+    return t
+
+
+class _Scratch:
+    """Pre-faulted host buffers and scratch files, reused across sizes (grown on demand)."""
+
+    def __init__(self, directory: Path, threads: int) -> None:
+        self.directory = directory
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstrata-calibrate")
+        self.threads = threads
+        self._src: torch.Tensor | None = None
+        self._dst: torch.Tensor | None = None
+
+    def pair(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._src is None or self._src.numel() < nbytes:
+            self._src = self._dst = None
+            self._src = _buffer(nbytes)
+            self._dst = _buffer(nbytes)
+        return self._src[:nbytes], self._dst[:nbytes]
+
+    def split(self, nbytes: int) -> list[tuple[int, int]]:
+        """(offset, length) per thread, page-aligned, covering ``nbytes``."""
+        step = -(-nbytes // self.threads // HEADER_PAGE) * HEADER_PAGE
+        return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _memcpy_1t(s: _Scratch, nbytes: int) -> Callable[[], float]:
+    src, dst = s.pair(nbytes)
+
+    def run() -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _timed(lambda: dst.copy_(src))
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+def _memcpy_nt(s: _Scratch, nbytes: int) -> Callable[[], float]:
+    """N threads, 2N tasks, each one ``torch._foreach_copy_`` of its range in COPY_PIECE_BYTES
+    pieces: how the cache's load copies layer ranges of many blocks on the engine's workers."""
+    src, dst = s.pair(nbytes)
+    tasks = -(-nbytes // (2 * s.threads))
+    ranges = [(o, min(tasks, nbytes - o)) for o in range(0, nbytes, tasks)]
+
+    def copy(part: tuple[int, int]) -> None:
+        o, n = part
+        cuts = range(o, o + n, COPY_PIECE_BYTES)
+        ends = [min(c + COPY_PIECE_BYTES, o + n) for c in cuts]
+        torch._foreach_copy_([dst[c:e] for c, e in zip(cuts, ends)], [src[c:e] for c, e in zip(cuts, ends)])
+
+    return lambda: _timed(lambda: list(s.pool.map(copy, ranges)))
+
+
+def _checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
+    """xxh3 of each READ_CHUNK_BYTES piece in turn, as the disk tier verifies a read."""
+    data = s.pair(nbytes)[0].numpy()
+
+    def run() -> None:
+        for o in range(0, nbytes, READ_CHUNK_BYTES):
+            xxhash.xxh3_64_intdigest(data[o : o + READ_CHUNK_BYTES])
+
+    return lambda: _timed(run)
+
+
+def _read_file(path: Path, dst: np.ndarray) -> None:
+    """The disk tier's read: open, header page, payload in READ_CHUNK_BYTES pieces, close."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.pread(fd, HEADER_PAGE, 0)
+        os.fstat(fd)
+        for o in range(0, len(dst), READ_CHUNK_BYTES):
+            view = memoryview(dst[o : o + READ_CHUNK_BYTES])
+            offset = HEADER_PAGE + o
+            while len(view):
+                got = os.preadv(fd, [view], offset)
+                if got == 0:
+                    raise OSError(f"calibrate: {path} ended early")
+                view, offset = view[got:], offset + got
+    finally:
+        os.close(fd)
+
+
+def _files(s: _Scratch, nbytes: int, parts: list[tuple[int, int]]) -> list[Path]:
+    """One scratch file per part (a header page, then the part's bytes); written once."""
+    src = s.pair(nbytes)[0].numpy()
+    paths = []
+    for i, (o, n) in enumerate(parts):
+        path = s.directory / f"read-{nbytes}-{len(parts)}-{i}.bin"
+        if not path.exists():
+            with open(path, "wb") as f:
+                f.write(bytes(HEADER_PAGE))
+                f.write(memoryview(src[o : o + n]))
+        paths.append(path)
+    return paths
+
+
+def _disk_read(s: _Scratch, nbytes: int, cold: bool, threaded: bool) -> Callable[[], float]:
+    parts = s.split(nbytes) if threaded else [(0, nbytes)]
+    paths = _files(s, nbytes, parts)
+    dst = s.pair(nbytes)[1].numpy()
+    jobs = list(zip(paths, parts))
+
+    def one(job: tuple[Path, tuple[int, int]]) -> None:
+        path, (o, n) = job
+        _read_file(path, dst[o : o + n])
+
+    def run() -> float:
+        if cold:
+            drop_page_cache(paths)
+        if threaded:
+            return _timed(lambda: list(s.pool.map(one, jobs)))
+        return _timed(lambda: one(jobs[0]))
+
+    return run
+
+
+def _disk_write(s: _Scratch, nbytes: int) -> Callable[[], float]:
+    src = memoryview(s.pair(nbytes)[0].numpy())
+    path = s.directory / f"write-{nbytes}.bin"
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            written = 0
+            while written < nbytes:
+                written += os.writev(fd, [src[written:]])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def run() -> float:
+        try:
+            return _timed(write)
+        finally:
+            path.unlink(missing_ok=True)
+
+    return run
+
+
+def _device_copy(nbytes: int, device: torch.device, pinned: bool, to_device: bool) -> Callable[[], float]:
+    host = _buffer(nbytes, pin=pinned)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src, dst = (host, dev) if to_device else (dev, host)
+
+    def run() -> float:
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=pinned)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    return run
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> CalibrationRun:
+    """Measure every path this host has and fit each. Skipped paths are named with the reason."""
+    progress = progress or NoProgress()
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    run = CalibrationRun(h.HostCalibration(platform.node() or "unknown", str(device), config.threads))
+    n = config.threads
+    plans: list[tuple[str, Callable[[_Scratch, int], Callable[[], float]]]] = [
+        (h.MEMCPY_1T, _memcpy_1t),
+        (h.MEMCPY_NT, _memcpy_nt),
+        (h.CHECKSUM, _checksum),
+        (h.CHECKSUM_NT, lambda s, b: _threaded_checksum(s, b)),
+        (h.DISK_WRITE, _disk_write),
+        (h.DISK_READ_WARM, lambda s, b: _disk_read(s, b, cold=False, threaded=False)),
+        (h.DISK_READ_WARM_NT, lambda s, b: _disk_read(s, b, cold=False, threaded=True)),
+    ]
+    if config.cold:
+        plans += [
+            (h.DISK_READ_COLD, lambda s, b: _disk_read(s, b, cold=True, threaded=False)),
+            (h.DISK_READ_COLD_NT, lambda s, b: _disk_read(s, b, cold=True, threaded=True)),
+        ]
+    else:
+        run.skipped[h.DISK_READ_COLD] = "cold reads not asked for"
+    if cuda:
+        plans += [
+            (h.H2D_PINNED, lambda s, b: _device_copy(b, device, True, True)),
+            (h.H2D_PAGEABLE, lambda s, b: _device_copy(b, device, False, True)),
+            (h.D2H_PINNED, lambda s, b: _device_copy(b, device, True, False)),
+        ]
+    else:
+        for path in (h.H2D_PINNED, h.H2D_PAGEABLE, h.D2H_PINNED):
+            run.skipped[path] = "no CUDA device"
+    pool_steps = len(config.sizes) * (1 + config.repeats) * 2 if config.pool is not None else 0
+    if config.pool is None:
+        run.skipped[h.POOL_GET] = run.skipped[h.POOL_PUT] = "no pool configured (--pool FILE or $KVSTRATA_POOL)"
+    progress.start(len(plans) * len(config.sizes) * (1 + config.repeats) + pool_steps)
+
+    with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-", dir=config.directory) as scratch_dir:
+        scratch = _Scratch(Path(scratch_dir), n)
+        try:
+            for path, make in plans:
+                for size in config.sizes:
+                    step = make(scratch, size)
+                    runs = []
+                    for i in range(1 + config.repeats):
+                        progress.step(f"{path}, {size / MIB:g} MiB")
+                        seconds = step()
+                        if i:  # the first run warms up
+                            runs.append(seconds)
+                    run.measurements.append(Measurement(path, size, tuple(runs)))
+                for f in Path(scratch_dir).glob("read-*"):
+                    f.unlink()  # the next path writes its own (the sizes may split otherwise)
+        finally:
+            scratch.close()
+    if config.pool is not None:
+        try:
+            run.measurements += _measure_pool(config, progress)
+        except Exception as exc:  # noqa: BLE001 - a pool that fails is reported, not fatal
+            run.skipped[h.POOL_GET] = run.skipped[h.POOL_PUT] = f"pool failed: {exc}"
+    run.measurements.append(_restore_dispatch(device, n, config.repeats))
+    run.calibration = _fit(run.calibration, run.measurements)
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def _restore_dispatch(device: torch.device, workers: int, repeats: int) -> Measurement:
+    """kvstrata's fixed cost of one restore: host -> device loads of two 1 KiB blocks in a
+    32-layer layout (the same number of copy tasks and layer events as a real model's), whose
+    bytes take no measurable time; median of ``max(9, repeats)`` after a warm-up."""
+    from kvstrata.cache import CacheConfig, TieredCache
+    from kvstrata.kv.geometry import DType
+    from kvstrata.kv.layout import KVLayout
+    from kvstrata.tiers.medium import Medium
+
+    layout = KVLayout(32, 2, 1, 8, DType.BF16)
+    b = layout.block_bytes
+    config = CacheConfig(layout, "kvstrata-calibrate", device_bytes=4 * b, host_bytes=4 * b, workers=workers,
+                         device=str(device))
+    tokens = list(range(2 * layout.block_tokens))
+    runs = []
+    with TieredCache(config) as cache:
+        kv = torch.zeros(layout.num_layers, 2, len(tokens), 1, 8, dtype=torch.bfloat16)
+        cache.store(tokens, kv).result()
+        for i in range(1 + max(9, repeats)):
+            cache.evict(Medium.DEVICE, 4)
+            handle = cache.load(cache.lookup(tokens))
+            result = handle.wait()
+            handle.release()
+            if i:
+                runs.append(result.seconds)
+    return Measurement(h.RESTORE_DISPATCH, 2 * b, tuple(runs))
+
+
+def _threaded_checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
+    """``_checksum`` on N threads at once, each over its share."""
+    data = s.pair(nbytes)[0].numpy()
+    parts = s.split(nbytes)
+
+    def hash_part(part: tuple[int, int]) -> None:
+        o, n = part
+        for c in range(o, o + n, READ_CHUNK_BYTES):
+            xxhash.xxh3_64_intdigest(data[c : min(c + READ_CHUNK_BYTES, o + n)])
+
+    return lambda: _timed(lambda: list(s.pool.map(hash_part, parts)))
+
+
+def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measurement]:
+    """Pool get and put of ``size`` bytes in objects of ``object_bytes``, one batched call each."""
+    from kvstrata.bench.rawpool import RawPool
+    from kvstrata.pool.client import RemoteMode
+    from kvstrata.tiers.poolvalue import HEADER_BYTES
+
+    out: list[Measurement] = []
+    for size in config.sizes:
+        per = min(size, config.object_bytes)
+        count = max(1, size // per)
+        values = torch.randint(0, 256, (count, HEADER_BYTES + per), dtype=torch.uint8)
+        names = [f"kvstrata-calibrate/{os.getpid()}/{size}/{i}" for i in range(count)]
+        raw = RawPool(config.pool, RemoteMode.TCP, names, values)
+        try:
+            puts, gets = [], []
+            for i in range(1 + config.repeats):
+                progress.step(f"{h.POOL_PUT}, {size / MIB:g} MiB")
+                put = raw.put_s()
+                progress.step(f"{h.POOL_GET}, {size / MIB:g} MiB")
+                get = raw.get_s()
+                if i:
+                    puts.append(put)
+                    gets.append(get)
+        finally:
+            raw.close()
+        out += [Measurement(h.POOL_PUT, count * per, tuple(puts)), Measurement(h.POOL_GET, count * per, tuple(gets))]
+    return out
+
+
+def _fit(base: h.HostCalibration, measurements: list[Measurement]) -> h.HostCalibration:
+    by_path: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        by_path.setdefault(m.path, []).append(m)
+    paths = {}
+    for path, ms in by_path.items():
+        if path == h.RESTORE_DISPATCH:  # a fixed cost: its bytes are negligible
+            paths[path] = h.PathFit(ms[0].median_s, 1e6, ms[0].spread, (ms[0].size_bytes,))
+            continue
+        paths[path] = h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms))
+    efficiency = {}
+    if h.H2D_PINNED in paths and torch.cuda.is_available():
+        efficiency = _pcie_efficiency(paths[h.H2D_PINNED].gbps)
+    return h.HostCalibration(base.host, base.device, base.threads, paths, base.prefill, efficiency)
+
+
+def _pcie_efficiency(h2d_gbps: float) -> dict[str, float]:
+    """``pcie``: the measured pinned H2D rate over the spec rate of this GPU model's host link
+    (a profile's efficiency multiplies the spec figure), capped at 1; {} for a GPU the catalog
+    does not know."""
+    from kvstrata.hardware.catalog import gpu_model
+
+    name = torch.cuda.get_device_name()
+    family = next((m for m in ("H100", "H200", "B200") if m in name), None)
+    if family is None:
+        return {}
+    try:
+        spec = gpu_model(f"{family}-PCIE" if "PCIe" in name else f"{family}-SXM")
+    except ValueError:
+        return {}
+    return {"pcie": min(1.0, h2d_gbps / spec.host_link.one_way().spec_gbps)}

@@ -1,0 +1,200 @@
+"""``kvstrata calibrate``: measure this host's paths and write a calibrated hardware profile;
+``kvstrata validate``: restore through the tiered cache and compare with the prediction.
+
+Progress goes to stderr; tables (or ``--json``) to stdout. Decimal GB/s (1 GB = 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstrata import cli
+from kvstrata.calibrate import base_profile_text, load_calibration, profile_text
+from kvstrata.pool.config import ENV, PoolConfig, load_pool_config, pool_from_env
+
+MIB = 1 << 20
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    cal = subparsers.add_parser(
+        "calibrate",
+        help="measure this host's transfer paths and write a calibrated hardware profile",
+        description="Measure effective bandwidth of the paths kvstrata moves KV on (memcpy 1 and N threads, "
+        "host <-> device with CUDA, disk reads cold and warm, disk writes with fsync, xxh3, the pool when "
+        "configured), fit latency + bytes/bandwidth per path, and write a hardware profile with a "
+        "[calibration] table.",
+    )
+    cal.add_argument("--out", metavar="PROFILE.toml", help="write the calibrated profile here (default: print the table only)")
+    cal.add_argument("--quick", action="store_true", help="smaller and fewer sizes, fewer repeats")
+    cal.add_argument("--sizes-mib", type=float, nargs="+", help="sizes to measure, MiB (default 4 16 64 256; --quick 4 16 64)")
+    cal.add_argument("--repeats", type=int, help="timed runs per size after a warm-up (default 5; --quick 3)")
+    cal.add_argument("--threads", type=int, default=2, help="the N of the N-thread paths: the cache's workers (default 2)")
+    cal.add_argument("--pool", metavar="FILE", help=f"the pool's config (default ${ENV}); none: pool paths skipped")
+    cal.add_argument("--dir", metavar="DIR", help="scratch files here: the disk the disk tier uses (default: temp)")
+    cal.add_argument("--base", default="workstation", help="the hardware profile to calibrate (name or .toml; default workstation)")
+    cal.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    cal.set_defaults(func=run_calibrate)
+
+    val = subparsers.add_parser(
+        "validate",
+        help="restore through the tiered cache and compare with the calibrated prediction",
+        description="Restore KV of a real model layout from every tier (host, disk warm and cold, the pool "
+        "when configured) at several sizes and compare LoadResult.seconds (median) with "
+        "HostCalibration.restore_s. Goal: within 10%% at 64 MiB and more; misses are marked, exit code 0.",
+    )
+    val.add_argument("--profile", metavar="FILE", help="a profile written by `kvstrata calibrate` (default: calibrate --quick first)")
+    val.add_argument("--quick", action="store_true", help="sizes 16 and 64 MiB, fewer repeats")
+    val.add_argument("--sizes-mib", type=float, nargs="+", help="KV per restore, MiB (default 16 64 256)")
+    val.add_argument("--repeats", type=int, help="timed loads per row after a warm-up (default 5; --quick 3)")
+    val.add_argument("--workers", type=int, default=2, help="the cache's transfer threads (default 2)")
+    val.add_argument("--model", default="llama-3-8b", help="model preset for the KV layout (default llama-3-8b)")
+    val.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
+    val.add_argument("--pool", metavar="FILE", help=f"the pool's config (default ${ENV}); none: no remote row")
+    val.add_argument("--dir", metavar="DIR", help="where the disk tier's files go (default: temp)")
+    val.add_argument("--json", action="store_true", help="print the rows as JSON")
+    val.set_defaults(func=run_validate)
+
+
+class _Bar:
+    """A rich progress bar for ``kvstrata.bench.timing.Progress``."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._task = progress.add_task("starting", total=None)
+
+    def start(self, total_steps: int) -> None:
+        self._progress.update(self._task, total=total_steps, completed=0)
+
+    def step(self, label: str) -> None:
+        self._progress.update(self._task, advance=1, description=label)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
+def _pool(arg: str | None) -> tuple[PoolConfig | None, str]:
+    if arg:
+        return load_pool_config(arg), f"--pool {arg}"
+    pool = pool_from_env()
+    return pool, (f"${ENV}" if pool is not None else f"no pool: --pool FILE nor ${ENV} given")
+
+
+def _sizes(values: list[float] | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(v * MIB) for v in values) if values else default
+
+
+def _calibrate(quick: bool, threads: int, directory: str | None, pool: PoolConfig | None,
+               sizes_mib: list[float] | None = None, repeats: int | None = None):
+    from kvstrata.calibrate.measure import DEFAULT_SIZES, QUICK_SIZES, CalibrateConfig, calibrate
+
+    config = CalibrateConfig(
+        sizes=_sizes(sizes_mib, QUICK_SIZES if quick else DEFAULT_SIZES),
+        repeats=repeats or (3 if quick else 5),
+        threads=threads,
+        directory=directory,
+        pool=pool,
+    )
+    with _progress() as progress:
+        return calibrate(config, _Bar(progress))
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    base = base_profile_text(args.base)  # a bad --base fails before minutes of measuring
+    pool, pool_source = _pool(args.pool)
+    run = _calibrate(args.quick, args.threads, args.dir, pool, args.sizes_mib, args.repeats)
+    if args.out:
+        out = Path(args.out)
+        out.write_text(profile_text(run.calibration, base))
+        from kvstrata.hardware.profile import load_profile
+
+        load_profile(out)  # the planner must load it: fail here, not at `kvstrata plan`
+    if args.json:
+        print(json.dumps({
+            "host": run.calibration.host, "device": run.calibration.device, "threads": run.calibration.threads,
+            "seconds": run.seconds, "pool": pool_source, "skipped": run.skipped,
+            "measurements": [{"path": m.path, "bytes": m.size_bytes, "median_s": m.median_s, "spread": m.spread,
+                              "gbps": m.gbps, "runs_s": list(m.runs_s)} for m in run.measurements],
+            "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps, "spread": p.spread} for k, p in run.calibration.paths.items()},
+            "efficiency": run.calibration.efficiency, "out": args.out,
+        }, indent=2))
+        return 0
+    console = cli.console()
+    table = Table(title=f"{run.calibration.host}: measured paths ({run.calibration.device}, N = {run.calibration.threads})")
+    for col in ("path", "size", "median", "GB/s", "spread"):
+        table.add_column(col, justify="left" if col == "path" else "right")
+    for m in run.measurements:
+        table.add_row(m.path, f"{m.size_bytes / MIB:g} MiB", _ms(m.median_s), f"{m.gbps:.2f}", f"±{m.spread:.0%}")
+    console.print(table)
+    fits = Table(title="fits: seconds = latency + bytes / bandwidth")
+    for col in ("path", "latency", "GB/s", "worst spread"):
+        fits.add_column(col, justify="left" if col == "path" else "right")
+    for name, p in run.calibration.paths.items():
+        fits.add_row(name, f"{p.latency_s * 1e6:.0f} us", f"{p.gbps:.2f}", f"±{p.spread:.0%}")
+    console.print(fits)
+    for name, why in run.skipped.items():
+        console.print(f"skipped {name}: {why}", highlight=False)
+    for k, v in run.calibration.efficiency.items():
+        console.print(f"efficiency.{k} = {v:.3f} (measured)", highlight=False)
+    where = f"wrote {args.out} (base {args.base})" if args.out else "no --out: profile not written"
+    console.print(f"{where}; {run.seconds:.1f} s", highlight=False)
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from kvstrata.calibrate.validate import DEFAULT_SIZES, GOAL, GOAL_MIN_BYTES, QUICK_SIZES, ValidateConfig, validate
+
+    pool, pool_source = _pool(args.pool)
+    note = None
+    started = time.perf_counter()
+    if args.profile:
+        calibration = load_calibration(args.profile)
+        source = args.profile
+    else:
+        calibration = _calibrate(True, args.workers, args.dir, pool).calibration
+        source = "calibrate --quick, run now (no --profile given)"
+        note = f"no --profile: calibrated in-process first ({time.perf_counter() - started:.1f} s)"
+    config = ValidateConfig(
+        sizes=_sizes(args.sizes_mib, QUICK_SIZES if args.quick else DEFAULT_SIZES),
+        repeats=args.repeats or (3 if args.quick else 5),
+        workers=args.workers,
+        model=args.model,
+        block_tokens=args.block_tokens,
+        directory=args.dir,
+        pool=pool,
+    )
+    with _progress() as progress:
+        rows = validate(calibration, config, _Bar(progress))
+    seconds = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({"profile": source, "pool": pool_source, "goal": GOAL, "goal_min_bytes": GOAL_MIN_BYTES,
+                          "workers": config.workers, "seconds": seconds,
+                          "paths": [r.to_json() for r in rows]}, indent=2))
+        return 0
+    console = cli.console()
+    if note:
+        console.print(note, highlight=False)
+    table = Table(title=f"restore: predicted ({source}) vs measured, {config.workers} workers, {config.model}")
+    for col in ("path", "size", "blocks", "predicted", "measured", "spread", "error", f"within {GOAL:.0%}"):
+        table.add_column(col, justify="left" if col == "path" else "right")
+    for r in rows:
+        verdict = {True: "[green]yes[/]", False: "[bold red]MISS[/]", None: "[dim]n/a[/]"}[r.meets_goal]
+        table.add_row(r.path, f"{r.bytes / MIB:g} MiB", str(r.blocks), _ms(r.predicted_s), _ms(r.measured_s),
+                      f"±{r.spread:.0%}", f"{r.error:+.1%}", verdict)
+    console.print(table)
+    graded = [r for r in rows if r.meets_goal is not None]
+    console.print(f"{sum(1 for r in graded if r.meets_goal)} of {len(graded)} rows of >= {GOAL_MIN_BYTES / MIB:g} MiB "
+                  f"within {GOAL:.0%}; pool: {pool_source}; {seconds:.1f} s", highlight=False)
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
