@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.plan.host import HostCalibration
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers.base import TierUnavailable
 from kvstrata.tiers.medium import Medium
@@ -76,6 +77,8 @@ class TierReport:
     restored_bytes: int = 0
     restore_s: float = 0.0
     loads: int = 0
+    load_sizes: list[tuple[int, int]] = field(default_factory=list)  # (bytes, blocks) per restore
+    calibrated_restore_s: float | None = None  # predicted from a `kvstrata calibrate` profile
     ttft_cold: list[float] = field(default_factory=list)
     ttft_warm: list[float] = field(default_factory=list)
     tokens_identical: bool = True
@@ -110,6 +113,7 @@ class TierReport:
             "restore_s": self.restore_s,
             "restore_gbps": self.restore_gbps,
             "predicted_restore_s": self.predicted_restore_s,
+            "calibrated_restore_s": self.calibrated_restore_s,
             "probe_gbps": self.probe_gbps,
             "tokens_identical": self.tokens_identical,
             "paths": dict(self.paths),
@@ -177,6 +181,7 @@ def run_tier(
                     report.restored_bytes += warm.load.restored_bytes
                     report.restore_s += warm.load.seconds
                     report.loads += 1
+                    report.load_sizes.append((warm.load.restored_bytes, sum(warm.load.paths.values())))
                     report.paths.update(warm.load.paths)
                 history = prompt + warm.tokens
                 if on_turn is not None:
@@ -234,8 +239,10 @@ def run_e2e(
     tiers: tuple[str, ...] = TIERS,
     pool: PoolConfig | None = None,
     on_turn: Callable[[str], None] | None = None,
+    calibration: HostCalibration | None = None,
 ) -> list[TierReport]:
-    """Every tier's report, each with its measured-bandwidth prediction."""
+    """Every tier's report, each with its measured-bandwidth prediction (and, given a
+    calibration from ``kvstrata calibrate``, the calibrated model's prediction)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -258,8 +265,20 @@ def run_e2e(
                     report.predicted_restore_s = report.restored_bytes / (gbps * 1e9)
             elif report.skipped is None:
                 report.predicted_restore_s = 0.0
+            if calibration is not None and report.skipped is None:
+                report.calibrated_restore_s = _calibrated(calibration, tier, report.load_sizes)
             reports.append(report)
     return reports
+
+
+def _calibrated(calibration: HostCalibration, tier: str, loads: list[tuple[int, int]]) -> float | None:
+    """Sum of the calibrated restore predictions of every load (None: a path not calibrated)."""
+    if tier == "device":
+        return 0.0
+    try:
+        return sum(calibration.restore_s(tier, nbytes, blocks, workers=CacheConfig.workers) for nbytes, blocks in loads)
+    except KeyError:
+        return None
 
 
 def _block_bytes(model: Any, workload: Workload) -> int:

@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--pool", metavar="FILE", help=f"the pool's config (default ${ENV}); none: pool paths skipped")
     cal.add_argument("--dir", metavar="DIR", help="scratch files here: the disk the disk tier uses (default: temp)")
     cal.add_argument("--base", default="workstation", help="the hardware profile to calibrate (name or .toml; default workstation)")
+    cal.add_argument("--model-dir", metavar="DIR", action="append", default=[],
+                     help="also fit this Hugging Face model's prefill rate (for load-or-recompute); repeatable")
     cal.add_argument("--json", action="store_true", help="print the measurements as JSON")
     cal.set_defaults(func=run_calibrate)
 
@@ -107,10 +109,31 @@ def _calibrate(quick: bool, threads: int, directory: str | None, pool: PoolConfi
         return calibrate(config, _Bar(progress))
 
 
+def _with_prefill(calibration, model_dirs: list[str]):
+    """The calibration plus each model's prefill fit, keyed by the model directory's name (the
+    model id a cache of that model is configured with, e.g. by ``kvstrata demo``)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from kvstrata.integrations.recompute import measure_prefill
+
+    prefill = dict(calibration.prefill)
+    for model_dir in model_dirs:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        prefill[Path(model_dir).resolve().name] = measure_prefill(model)
+    return dataclasses.replace(calibration, prefill=prefill)
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     base = base_profile_text(args.base)  # a bad --base fails before minutes of measuring
     pool, pool_source = _pool(args.pool)
+    for model_dir in args.model_dir:
+        if not (Path(model_dir) / "config.json").is_file():
+            raise cli.CliError(f"--model-dir {model_dir}: no config.json there (a Hugging Face model directory is expected)")
     run = _calibrate(args.quick, args.threads, args.dir, pool, args.sizes_mib, args.repeats)
+    if args.model_dir:
+        run.calibration = _with_prefill(run.calibration, args.model_dir)
     if args.out:
         out = Path(args.out)
         out.write_text(profile_text(run.calibration, base))
@@ -142,6 +165,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     console.print(fits)
     for name, why in run.skipped.items():
         console.print(f"skipped {name}: {why}", highlight=False)
+    for model, f in run.calibration.prefill.items():
+        console.print(f"prefill {model}: {f.latency_s * 1e3:.2f} ms + tokens / {f.tokens_per_s:,.0f} per s "
+                      f"+ {f.attn_s:.3g} s x tokens x context", highlight=False)
     for k, v in run.calibration.efficiency.items():
         console.print(f"efficiency.{k} = {v:.3f} (measured)", highlight=False)
     where = f"wrote {args.out} (base {args.base})" if args.out else "no --out: profile not written"

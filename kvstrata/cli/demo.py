@@ -44,6 +44,7 @@ def add_workload_args(p: argparse.ArgumentParser, conversations: int, turns: int
     p.add_argument("--tiers", default="device,host,disk,remote", help="tiers, comma separated (default: all four)")
     p.add_argument("--pool", metavar="FILE", help="a pool config (TOML or pool.json); default: $KVSTRATA_POOL, else an embedded pool")
     p.add_argument("--no-pool", action="store_true", help="skip the remote tier")
+    p.add_argument("--profile", metavar="FILE", help="a profile from `kvstrata calibrate`: its prediction is shown too")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -112,11 +113,19 @@ def run_workload(args: argparse.Namespace) -> tuple[Any, list, Path]:
     columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with _pool_context(args, tiers) as (pool, why), Progress(*columns, console=err, transient=True) as bar:
         tasks = {t: bar.add_task(f"tier {t}", total=workload.conversations * workload.turns) for t in tiers}
-        reports = run_e2e(model_dir, workload, tiers, pool, lambda t: bar.advance(tasks[t]))
+        reports = run_e2e(model_dir, workload, tiers, pool, lambda t: bar.advance(tasks[t]), _calibration(args))
     for r in reports:
         if r.tier == "remote" and r.skipped and why:
             r.skipped = why
     return workload, reports, model_dir
+
+
+def _calibration(args: argparse.Namespace):
+    if not getattr(args, "profile", None):
+        return None
+    from kvstrata.calibrate import load_calibration
+
+    return load_calibration(args.profile)
 
 
 def _ms(x: float | None) -> str:
@@ -125,23 +134,30 @@ def _ms(x: float | None) -> str:
 
 def render_tiers(console: Console, reports: list, title: str) -> None:
     t = Table(title=title, title_justify="left")
-    for col in ("tier", "hit rate", "restored MB", "restore ms (measured)", "predicted ms", "error",
-                "GB/s", "TTFT cold / warm ms", "same tokens", "route"):
+    calibrated = any(r.calibrated_restore_s is not None for r in reports)
+    columns = ["tier", "hit rate", "restored MB", "restore ms (measured)", "predicted ms", "error"]
+    columns += ["calibrated ms", "error"] if calibrated else []
+    for col in columns + ["GB/s", "TTFT cold / warm ms", "same tokens", "route"]:
         t.add_column(col)
     for r in reports:
         if r.skipped:
-            t.add_row(r.tier, f"[yellow]skipped: {r.skipped}[/]", *[""] * 8)
+            t.add_row(r.tier, f"[yellow]skipped: {r.skipped}[/]", *[""] * (len(columns) + 2))
             continue
         j = r.to_json()
-        measured, predicted = r.restore_s, r.predicted_restore_s
-        error = f"{(predicted - measured) / measured:+.0%}" if predicted and measured > 0 else "-"
+        measured = r.restore_s if r.restored_bytes else 0.0
+
+        def error(predicted: float | None) -> str:
+            return f"{(predicted - measured) / measured:+.0%}" if predicted and measured > 0 else "-"
+
+        extra = [_ms(r.calibrated_restore_s), error(r.calibrated_restore_s)] if calibrated else []
         t.add_row(
             r.tier,
             f"{r.hit_rate:.0%}",
             f"{r.restored_bytes / 1e6:.1f}",
             _ms(measured),
-            _ms(predicted),
-            error,
+            _ms(r.predicted_restore_s),
+            error(r.predicted_restore_s),
+            *extra,
             f"{r.restore_gbps:.2f}" if r.restored_bytes else "-",
             f"{_ms(j['ttft_cold_s'])} / {_ms(j['ttft_warm_s'])}",
             "[green]yes[/]" if r.tokens_identical else "[red]NO[/]",

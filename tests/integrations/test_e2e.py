@@ -62,3 +62,22 @@ def test_make_tiny_cli(tmp_path, capsys):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.txt").write_text("mine")
     assert main(["model", "make-tiny", str(tmp_path / "other")]) == 2
+
+
+def test_calibrated_profile_feeds_the_demo_and_load_or_recompute(tiny_model_dir, tmp_path, capsys):
+    from kvstrata.calibrate import load_calibration
+
+    profile = tmp_path / "host.toml"
+    assert main(["calibrate", "--quick", "--sizes-mib", "1", "2", "--repeats", "3", "--model-dir", str(tiny_model_dir),
+                 "--out", str(profile)]) == 0
+    calibration = load_calibration(profile)
+    fit = calibration.prefill[tiny_model_dir.name]
+    assert fit.tokens_per_s > 0 and fit.seconds(1024) > fit.seconds(64)
+    capsys.readouterr()
+    rc = main(["demo", "--model-dir", str(tiny_model_dir), "--conversations", "1", "--turns", "2",
+               "--tiers", "device,host,disk", "--no-pool", "--profile", str(profile), "--json"])
+    assert rc == 0
+    tiers = json.loads(capsys.readouterr().out)["tiers"]
+    assert tiers["device"]["calibrated_restore_s"] == 0.0
+    for tier in ("host", "disk"):
+        assert tiers[tier]["calibrated_restore_s"] > 0
