@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -150,7 +151,9 @@ class _Restores:
         local = pool is None
         self.cache = TieredCache(CacheConfig(
             layout=layout,
-            model_id="kvstrata-validate",
+            # Fresh random bytes each run: a fresh namespace too, since a shared pool keeps (and
+            # never overwrites) an earlier run's objects under the same keys.
+            model_id=f"kvstrata-validate-{uuid.uuid4().hex[:12]}",
             device_bytes=size,
             host_bytes=size if local else 0,
             disk_bytes=size if local else 0,

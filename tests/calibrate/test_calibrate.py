@@ -31,7 +31,8 @@ def test_load_calibration_names_what_is_missing(tmp_path):
         load_calibration(path)
 
 
-def test_calibrate_cli_quick_writes_a_loadable_profile(tmp_path, capsys):
+def test_calibrate_cli_quick_writes_a_loadable_profile(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVSTRATA_POOL", raising=False)  # CI sets one: here, no pool is configured
     out = tmp_path / "host.toml"
     code = main(["calibrate", "--quick", "--sizes-mib", "0.25", "0.5", "--repeats", "1",
                  "--dir", str(tmp_path), "--out", str(out), "--json"])
@@ -44,7 +45,8 @@ def test_calibrate_cli_quick_writes_a_loadable_profile(tmp_path, capsys):
     assert main(["plan", "--hardware", str(out)]) == 0
 
 
-def test_validate_cli_json_rows_for_host_and_disk(tmp_path, capsys):
+def test_validate_cli_json_rows_for_host_and_disk(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVSTRATA_POOL", raising=False)  # the remote row has its own test
     out = tmp_path / "host.toml"
     assert main(["calibrate", "--sizes-mib", "0.5", "1", "--repeats", "1", "--dir", str(tmp_path), "--out", str(out)]) == 0
     capsys.readouterr()
