@@ -201,8 +201,9 @@ def _checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
     return lambda: _timed(run)
 
 
-def _read_file(path: Path, dst: np.ndarray) -> None:
-    """The disk tier's read: open, header page, payload in READ_CHUNK_BYTES pieces, close."""
+def _read_file(path: Path, dst: np.ndarray, verify: bool = False) -> None:
+    """The disk tier's read: open, header page, payload in READ_CHUNK_BYTES pieces (each
+    hashed as it lands when ``verify``), close."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.pread(fd, HEADER_PAGE, 0)
@@ -215,6 +216,8 @@ def _read_file(path: Path, dst: np.ndarray) -> None:
                 if got == 0:
                     raise OSError(f"calibrate: {path} ended early")
                 view, offset = view[got:], offset + got
+            if verify:
+                xxhash.xxh3_64_intdigest(dst[o : o + READ_CHUNK_BYTES])
     finally:
         os.close(fd)
 
@@ -249,6 +252,26 @@ def _disk_read(s: _Scratch, nbytes: int, cold: bool, threaded: bool) -> Callable
         if threaded:
             return _timed(lambda: list(s.pool.map(one, jobs)))
         return _timed(lambda: one(jobs[0]))
+
+    return run
+
+
+def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, block_bytes: int) -> Callable[[], float]:
+    """The disk tier's restore as plain code: one file per block of ``block_bytes``, each read
+    in READ_CHUNK_BYTES pieces hashed as they land, the files spread over the N threads."""
+    parts = [(o, min(block_bytes, nbytes - o)) for o in range(0, nbytes, block_bytes)]
+    paths = _files(s, nbytes, parts)
+    dst = s.pair(nbytes)[1].numpy()
+    jobs = list(zip(paths, parts))
+
+    def one(job: tuple[Path, tuple[int, int]]) -> None:
+        path, (o, n) = job
+        _read_file(path, dst[o : o + n], verify=True)
+
+    def run() -> float:
+        if cold:
+            drop_page_cache(paths)
+        return _timed(lambda: list(s.pool.map(one, jobs)))
 
     return run
 
@@ -311,7 +334,9 @@ def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> Cali
         (h.DISK_READ_WARM, lambda s, b: _disk_read(s, b, cold=False, threaded=False)),
         (h.DISK_READ_WARM_NT, lambda s, b: _disk_read(s, b, cold=False, threaded=True)),
     ]
+    plans.append((h.DISK_BLOCKS_WARM, lambda s, b: _disk_blocks(s, b, False, config.object_bytes)))
     if config.cold:
+        plans.append((h.DISK_BLOCKS_COLD, lambda s, b: _disk_blocks(s, b, True, config.object_bytes)))
         plans += [
             (h.DISK_READ_COLD, lambda s, b: _disk_read(s, b, cold=True, threaded=False)),
             (h.DISK_READ_COLD_NT, lambda s, b: _disk_read(s, b, cold=True, threaded=True)),

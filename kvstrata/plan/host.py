@@ -37,13 +37,17 @@ CHECKSUM = "checksum (xxh3)"
 CHECKSUM_NT = "checksum (xxh3, N threads)"
 POOL_GET = "pool get"
 POOL_PUT = "pool put"
+# The disk tier's read pattern as plain code: one file per block, read in pieces, each piece
+# hashed as it lands, the blocks spread over N threads (cold: page cache dropped first).
+DISK_BLOCKS_COLD = "disk block reads + xxh3 (cold, N threads)"
+DISK_BLOCKS_WARM = "disk block reads + xxh3 (page cache, N threads)"
 # kvstrata's own fixed cost per restore: planning, pins, handing copy tasks to the transfer
 # engine's threads and waiting for them (measured as a restore of tiny blocks: latency only).
 RESTORE_DISPATCH = "restore dispatch (kvstrata)"
 PATHS = (
     MEMCPY_1T, MEMCPY_NT, H2D_PINNED, H2D_PAGEABLE, D2H_PINNED,
     DISK_READ_COLD, DISK_READ_WARM, DISK_READ_COLD_NT, DISK_READ_WARM_NT, DISK_WRITE,
-    CHECKSUM, CHECKSUM_NT, POOL_GET, POOL_PUT, RESTORE_DISPATCH,
+    CHECKSUM, CHECKSUM_NT, POOL_GET, POOL_PUT, DISK_BLOCKS_COLD, DISK_BLOCKS_WARM, RESTORE_DISPATCH,
 )
 
 
@@ -175,7 +179,8 @@ class HostCalibration:
         * host: one copy of every byte host -> device, layer ranges spread over the workers:
           the N-thread memcpy on a CPU-only host (the "device" is host memory), pinned H2D on
           a GPU host.
-        * disk: each block is one file, opened and read (1 MiB pieces, each checksummed with
+        * disk: the measured block-read pattern (``DISK_BLOCKS_*``) when calibrated; else
+          composed: each block is one file, opened and read (1 MiB pieces, each checksummed with
           xxh3 as it lands) by one worker; blocks spread over the workers. Per block the
           file's fixed cost (the one-thread read's latency), per byte the N-thread read rate
           and the N-thread checksum rate, in sequence: a worker reads a piece, then hashes it
@@ -199,6 +204,9 @@ class HostCalibration:
         if tier == "host":
             return self._copy_path(workers).seconds(nbytes)
         if tier == "disk":
+            blocks_path = DISK_BLOCKS_COLD if cold else DISK_BLOCKS_WARM
+            if blocks_path in self.paths:  # the tier's own pattern, measured whole
+                return self.paths[blocks_path].seconds(nbytes) + to_device
             one = self.path(DISK_READ_COLD if cold else DISK_READ_WARM)
             read = self._threaded(DISK_READ_COLD_NT if cold else DISK_READ_WARM_NT, one, workers, cold)
             per_file = math.ceil(max(1, blocks) / workers) * one.latency_s
