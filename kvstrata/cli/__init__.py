@@ -27,6 +27,21 @@ class CliError(Exception):
     """A user error worth one clear line on stderr and exit code 2, never a traceback."""
 
 
+class StepBar:
+    """A rich progress bar (one task) for ``kvstrata.bench.timing.Progress``: ``start(total)``
+    then ``step(label)`` per step; a second ``start`` begins again from zero."""
+
+    def __init__(self, progress) -> None:
+        self._progress = progress
+        self._task = progress.add_task("starting", total=None)
+
+    def start(self, total_steps: int) -> None:
+        self._progress.update(self._task, total=total_steps, completed=0)
+
+    def step(self, label: str) -> None:
+        self._progress.update(self._task, advance=1, description=label)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstrata",

@@ -132,23 +132,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e2e.set_defaults(func=run_bench_e2e)
 
 
-class _Bar:
-    """A rich progress bar on stderr, for ``kvstrata.bench.timing.Progress``."""
-
-    def __init__(self, progress: Progress) -> None:
-        self._progress = progress
-        self._task = progress.add_task("starting", total=None)
-
-    def start(self, total_steps: int) -> None:
-        self._progress.update(self._task, total=total_steps)
-
-    def step(self, label: str) -> None:
-        self._progress.update(self._task, advance=1, description=label)
-
-
 def _run_and_report(
     args: argparse.Namespace,
-    run: Callable[[_Bar], dict[str, Any]],
+    run: Callable[[cli.StepBar], dict[str, Any]],
     render: Callable[[dict[str, Any]], None],
     failures: dict[type[BaseException], str] | None = None,
 ) -> int:
@@ -161,7 +147,7 @@ def _run_and_report(
     labels = {VerificationError: "verification failed", **(failures or {})}
     try:
         with Progress(*columns, console=err, transient=True) as progress:
-            report = run(_Bar(progress))
+            report = run(cli.StepBar(progress))
     except tuple(labels) as exc:
         label = next(text for kind, text in labels.items() if isinstance(exc, kind))
         err.print(f"[bold red]{label}:[/] {exc}", highlight=False)

@@ -64,20 +64,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     val.set_defaults(func=run_validate)
 
 
-class _Bar:
-    """A rich progress bar for ``kvstrata.bench.timing.Progress``."""
-
-    def __init__(self, progress: Progress) -> None:
-        self._progress = progress
-        self._task = progress.add_task("starting", total=None)
-
-    def start(self, total_steps: int) -> None:
-        self._progress.update(self._task, total=total_steps, completed=0)
-
-    def step(self, label: str) -> None:
-        self._progress.update(self._task, advance=1, description=label)
-
-
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=Console(stderr=True), transient=True)
@@ -106,7 +92,7 @@ def _calibrate(quick: bool, threads: int, directory: str | None, pool: PoolConfi
         pool=pool,
     )
     with _progress() as progress:
-        return calibrate(config, _Bar(progress))
+        return calibrate(config, cli.StepBar(progress))
 
 
 def _with_prefill(calibration, model_dirs: list[str]):
@@ -198,7 +184,7 @@ def run_validate(args: argparse.Namespace) -> int:
         pool=pool,
     )
     with _progress() as progress:
-        rows = validate(calibration, config, _Bar(progress))
+        rows = validate(calibration, config, cli.StepBar(progress))
     seconds = time.perf_counter() - started
     if args.json:
         print(json.dumps({"profile": source, "pool": pool_source, "goal": GOAL, "goal_min_bytes": GOAL_MIN_BYTES,

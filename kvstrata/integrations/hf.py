@@ -335,47 +335,7 @@ class KVStrataLM:
                              f"{self.cache.layout.block_tokens}")
         if strategy is Strategy.AUTO:
             self._auto_inputs()  # fail before any work
-        if strategy is not Strategy.LOAD:
-            return self._generate_planned(prompt, max_new_tokens, reuse, store, streaming, strategy, split_tokens)
-        start = time.perf_counter()
-        prefix, handle = None, None
-        if reuse and self.cache is not None:
-            match = self.cache.lookup(prompt[:-1], self.tenant)  # the last token is always computed
-            if match.blocks:
-                handle = self.cache.load(match)
-                try:
-                    # How many blocks the load holds is settled once layer 0 is in; later layers
-                    # keep arriving while the model computes.
-                    handle.wait_layer(0, 120.0)
-                    loaded = handle.blocks * self.cache.layout.block_tokens
-                except Exception:  # noqa: BLE001 - a failed restore is recomputed, never served
-                    handle.release()
-                    handle, loaded = None, 0
-                if loaded:
-                    prefix = RestoredPrefix(handle, loaded)
-        stream = None
-        if streaming:
-            pin = self.device.type == "cuda"
-            stream = StreamedKV(self.num_layers, torch.device("cpu"), pin)
-        kv_cache = KVStrataCache(self.num_layers, prefix, stream)
-        try:
-            hit = prefix.tokens if prefix is not None else 0
-            ids = torch.tensor([prompt[hit:]], device=self.device)
-            logits = self.model(input_ids=ids, past_key_values=kv_cache, use_cache=True).logits[0, -1]
-            token = int(logits.argmax())
-            ttft = time.perf_counter() - start
-            load = handle.wait() if handle is not None else None
-            if handle is not None:
-                handle.release()
-            first_logits = logits.float().cpu()
-            tokens, per_step, stored = self._decode_and_store(prompt, token, max_new_tokens, kv_cache, stream, store)
-        finally:
-            if handle is not None:
-                handle.release()
-            if stream is not None:
-                stream.close()
-        extra = {"layers_before_load_done": prefix.layers_before_done} if prefix is not None else {}
-        return Generation(tokens, first_logits, ttft, time.perf_counter() - start, hit, load, stored, per_step, extra)
+        return self._generate_planned(prompt, max_new_tokens, reuse, store, streaming, strategy, split_tokens)
 
     def _decode_and_store(
         self, prompt: list[int], token: int, max_new_tokens: int, kv_cache: KVStrataCache,
@@ -401,13 +361,15 @@ class KVStrataLM:
         self, prompt: list[int], max_new_tokens: int, reuse: bool, store: bool, streaming: bool,
         strategy: Strategy, split_tokens: int | None,
     ) -> Generation:
-        """Strategies recompute, split and auto (see :meth:`generate`)."""
+        """Every strategy (see :meth:`generate`); load is the split at k = 0."""
         start = time.perf_counter()
         block = self.cache.layout.block_tokens if self.cache is not None else 1
         match = self.cache.lookup(prompt[:-1], self.tenant) if reuse and self.cache is not None else None
         hit = match.tokens if match is not None else 0
         decision = None
-        if strategy is Strategy.RECOMPUTE:
+        if strategy is Strategy.LOAD:
+            k = 0
+        elif strategy is Strategy.RECOMPUTE:
             k = hit
         elif strategy is Strategy.SPLIT:
             if split_tokens < 0 or split_tokens > hit:
