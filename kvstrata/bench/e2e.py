@@ -11,11 +11,13 @@ transformers model (:class:`~kvstrata.integrations.hf.KVStrataLM`):
   emptied, so each warm restore comes from that tier (``device``: stays on the device).
 
 Reported per tier: TTFT cold and warm (medians over turns), hit rate (reused / prompt tokens),
-bytes restored, restore seconds and GB/s (the loads' own timing), whether every warm run's
+bytes restored, restore seconds and GB/s (the loads' own timing, while the model computes
+beside them; and the same restores again alone, which is what the prediction describes), whether every warm run's
 tokens equal the cold run's, and the routes the blocks took. Beside the measured restore time,
-a prediction for this host: restored bytes over the bandwidth of the plainest operation on the
-same path, measured here in the same run (memcpy for host, a file read for disk, a batched
-Mooncake get for remote) - the seed's rule: estimate latency from measured effective bandwidth.
+the prediction for this host of :meth:`kvstrata.plan.host.HostCalibration.restore_s` for every
+load (its bytes and blocks), from a ``kvstrata calibrate`` profile or, by default, a quick
+calibration at the workload's sizes run first - the seed's rule: estimate latency from measured
+effective bandwidth (and, at these small sizes, measured fixed costs).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.index.prefix import Match
 from kvstrata.plan.host import HostCalibration
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers.base import TierUnavailable
@@ -77,14 +79,13 @@ class TierReport:
     restored_bytes: int = 0
     restore_s: float = 0.0
     loads: int = 0
+    restore_alone_s: float = 0.0  # the same restores again with nothing else running
     load_sizes: list[tuple[int, int]] = field(default_factory=list)  # (bytes, blocks) per restore
-    calibrated_restore_s: float | None = None  # predicted from a `kvstrata calibrate` profile
     ttft_cold: list[float] = field(default_factory=list)
     ttft_warm: list[float] = field(default_factory=list)
     tokens_identical: bool = True
     paths: Counter = field(default_factory=Counter)
-    predicted_restore_s: float | None = None
-    probe_gbps: float | None = None
+    predicted_restore_s: float | None = None  # the calibrated model's, summed over the loads
     skipped: str | None = None
     prompts: list[list[int]] = field(default_factory=list)  # every turn's prompt, in order
     # Host tier only: the last turn again in per-step DRAM streaming decode.
@@ -111,10 +112,9 @@ class TierReport:
             "hit_tokens": self.hit_tokens,
             "restored_bytes": self.restored_bytes,
             "restore_s": self.restore_s,
+            "restore_alone_s": self.restore_alone_s,
             "restore_gbps": self.restore_gbps,
             "predicted_restore_s": self.predicted_restore_s,
-            "calibrated_restore_s": self.calibrated_restore_s,
-            "probe_gbps": self.probe_gbps,
             "tokens_identical": self.tokens_identical,
             "paths": dict(self.paths),
             "stream_bytes_per_step": self.stream_bytes_per_step,
@@ -180,6 +180,7 @@ def run_tier(
                 if warm.load is not None:
                     report.restored_bytes += warm.load.restored_bytes
                     report.restore_s += warm.load.seconds
+                    report.restore_alone_s += _restore_alone(cache, prompt, warm.load.blocks, tier)
                     report.loads += 1
                     report.load_sizes.append((warm.load.restored_bytes, sum(warm.load.paths.values())))
                     report.paths.update(warm.load.paths)
@@ -194,43 +195,20 @@ def run_tier(
     return report
 
 
-def probe_gbps(tier: str, block_bytes: int, blocks: int, work_dir: Path, pool: PoolConfig | None, rounds: int = 3) -> float | None:
-    """GB/s of the plainest operation on the tier's path moving ``blocks`` blocks at once (a
-    restore's size: small moves are bound by fixed costs, not bandwidth), best of ``rounds``."""
-    from kvstrata.bench.baselines import Buffers, RawFile, copy_s
-
-    if tier == "device":
-        return None  # a device hit moves nothing
-    total = block_bytes * blocks
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
-    if tier == "host":
-        b = Buffers(data)
-        return total / min(copy_s(b.device_dst, b.host_data) for _ in range(rounds)) / 1e9
-    if tier == "disk":
-        # The tier keeps a file per block: read as many plain files of one block each.
-        files = [RawFile(work_dir / f"probe-{i}.bin", Buffers(data[i * block_bytes : (i + 1) * block_bytes].cpu())) for i in range(blocks)]
-        for f in files:
-            f.write_s()
-            f.read_s(cold=False)  # just-written files read from the page cache, as the tier's do
-        best = min(sum(f.read_s(cold=False) for f in files) for _ in range(rounds))
-        for f in files:
-            f.remove()
-        return total / best / 1e9
-    if pool is None:
-        return None
-    from kvstrata.bench.rawpool import RawPool
-    from kvstrata.pool.client import RemoteMode
-
-    names = [f"kvstrata-probe-{uuid.uuid4().hex[:8]}-{i}" for i in range(blocks)]
-    raw = RawPool(pool, RemoteMode.TCP, names, data.cpu().view(blocks, block_bytes))
+def _restore_alone(cache: TieredCache, prompt: list[int], blocks: int, tier: str) -> float:
+    """Seconds of the turn's restore repeated with no model computing beside it (during a
+    prefill, on a CPU-only host, the model's threads and the copies share the cores)."""
+    match = cache.lookup(prompt[:-1])
+    if match.blocks < blocks:
+        return 0.0
+    handle = cache.load(Match(match.keys[:blocks], match.media[:blocks], match.block_size, match.total_blocks))
     try:
-        raw.put_s()
-        best = min(raw.get_s() for _ in range(rounds))
+        seconds = handle.wait().seconds
     finally:
-        raw.remove()
-        raw.close()
-    return total / best / 1e9
+        handle.release()
+    for medium in _ABOVE[tier]:
+        cache.evict(medium, 1 << 30)
+    return seconds
 
 
 def run_e2e(
@@ -241,8 +219,8 @@ def run_e2e(
     on_turn: Callable[[str], None] | None = None,
     calibration: HostCalibration | None = None,
 ) -> list[TierReport]:
-    """Every tier's report, each with its measured-bandwidth prediction (and, given a
-    calibration from ``kvstrata calibrate``, the calibrated model's prediction)."""
+    """Every tier's report, each with the prediction of ``calibration`` (a profile from
+    ``kvstrata calibrate``; None: a quick calibration of this host, run first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -251,24 +229,27 @@ def run_e2e(
     reports = []
     with tempfile.TemporaryDirectory(prefix="kvstrata-e2e-") as tmp:
         work = Path(tmp)
+        if calibration is None:
+            calibration = quick_calibration(_block_bytes(model, workload), work, pool)
         for tier in tiers:
             try:
                 report = run_tier(model, tokenizer, tier, workload, work, pool, (lambda t=tier: on_turn(t)) if on_turn else None)
             except TierUnavailable as exc:  # the pool went away: say so, the other tiers still run
                 report = TierReport(tier, skipped=f"unavailable: {exc}")
-            if report.skipped is None and report.restored_bytes:
-                block_bytes = _block_bytes(model, workload)
-                per_load = max(1, round(report.restored_bytes / block_bytes / report.loads))  # blocks a restore moves
-                gbps = probe_gbps(tier, block_bytes, per_load, work, pool)
-                if gbps:
-                    report.probe_gbps = gbps
-                    report.predicted_restore_s = report.restored_bytes / (gbps * 1e9)
-            elif report.skipped is None:
-                report.predicted_restore_s = 0.0
-            if calibration is not None and report.skipped is None:
-                report.calibrated_restore_s = _calibrated(calibration, tier, report.load_sizes)
+            if report.skipped is None:
+                report.predicted_restore_s = _calibrated(calibration, tier, report.load_sizes)
             reports.append(report)
     return reports
+
+
+def quick_calibration(block_bytes: int, work_dir: Path, pool: PoolConfig | None) -> HostCalibration:
+    """This host's paths at the workload's sizes (a few blocks per restore): a few seconds."""
+    from kvstrata.calibrate.measure import CalibrateConfig, calibrate
+
+    sizes = tuple(block_bytes * n for n in (1, 2, 4, 8, 16))
+    config = CalibrateConfig(sizes=sizes, repeats=3, threads=CacheConfig.workers, directory=str(work_dir),
+                             pool=pool, object_bytes=block_bytes)
+    return calibrate(config).calibration
 
 
 def _calibrated(calibration: HostCalibration, tier: str, loads: list[tuple[int, int]]) -> float | None:

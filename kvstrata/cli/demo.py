@@ -44,7 +44,8 @@ def add_workload_args(p: argparse.ArgumentParser, conversations: int, turns: int
     p.add_argument("--tiers", default="device,host,disk,remote", help="tiers, comma separated (default: all four)")
     p.add_argument("--pool", metavar="FILE", help="a pool config (TOML or pool.json); default: $KVSTRATA_POOL, else an embedded pool")
     p.add_argument("--no-pool", action="store_true", help="skip the remote tier")
-    p.add_argument("--profile", metavar="FILE", help="a profile from `kvstrata calibrate`: its prediction is shown too")
+    p.add_argument("--profile", metavar="FILE", help="predict restores with this `kvstrata calibrate` profile "
+                   "(default: a quick calibration first)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -134,9 +135,7 @@ def _ms(x: float | None) -> str:
 
 def render_tiers(console: Console, reports: list, title: str) -> None:
     t = Table(title=title, title_justify="left")
-    calibrated = any(r.calibrated_restore_s is not None for r in reports)
-    columns = ["tier", "hit rate", "restored MB", "restore ms (measured)", "predicted ms", "error"]
-    columns += ["calibrated ms", "error"] if calibrated else []
+    columns = ["tier", "hit rate", "restored MB", "restore ms: in prefill / alone", "predicted ms", "error (alone)"]
     for col in columns + ["GB/s", "TTFT cold / warm ms", "same tokens", "route"]:
         t.add_column(col)
     for r in reports:
@@ -144,20 +143,18 @@ def render_tiers(console: Console, reports: list, title: str) -> None:
             t.add_row(r.tier, f"[yellow]skipped: {r.skipped}[/]", *[""] * (len(columns) + 2))
             continue
         j = r.to_json()
-        measured = r.restore_s if r.restored_bytes else 0.0
+        measured = r.restore_alone_s if r.restored_bytes else 0.0
 
         def error(predicted: float | None) -> str:
             return f"{(predicted - measured) / measured:+.0%}" if predicted and measured > 0 else "-"
 
-        extra = [_ms(r.calibrated_restore_s), error(r.calibrated_restore_s)] if calibrated else []
         t.add_row(
             r.tier,
             f"{r.hit_rate:.0%}",
             f"{r.restored_bytes / 1e6:.1f}",
-            _ms(measured),
+            f"{_ms(r.restore_s)} / {_ms(measured)}",
             _ms(r.predicted_restore_s),
             error(r.predicted_restore_s),
-            *extra,
             f"{r.restore_gbps:.2f}" if r.restored_bytes else "-",
             f"{_ms(j['ttft_cold_s'])} / {_ms(j['ttft_warm_s'])}",
             "[green]yes[/]" if r.tokens_identical else "[red]NO[/]",
@@ -192,8 +189,8 @@ def run_demo(args: argparse.Namespace) -> int:
         out,
         reports,
         f"kvstrata demo: {model_dir.name}, {workload.conversations} conversations x {workload.turns} turns, "
-        f"blocks of {workload.block_tokens} tokens; restore time summed over turns; predicted = bytes / this "
-        "host's measured GB/s of the plain operation on the same path",
+        f"blocks of {workload.block_tokens} tokens; restore time summed over turns; predicted by "
+        + (f"the calibrated profile {args.profile}" if args.profile else "a quick calibration of this host, run first"),
     )
     served = [r for r in reports if not r.skipped and r.turns]
     if served:

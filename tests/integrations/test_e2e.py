@@ -78,6 +78,6 @@ def test_calibrated_profile_feeds_the_demo_and_load_or_recompute(tiny_model_dir,
                "--tiers", "device,host,disk", "--no-pool", "--profile", str(profile), "--json"])
     assert rc == 0
     tiers = json.loads(capsys.readouterr().out)["tiers"]
-    assert tiers["device"]["calibrated_restore_s"] == 0.0
+    assert tiers["device"]["predicted_restore_s"] == 0.0
     for tier in ("host", "disk"):
-        assert tiers[tier]["calibrated_restore_s"] > 0
+        assert tiers[tier]["predicted_restore_s"] > 0
