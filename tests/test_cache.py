@@ -158,9 +158,12 @@ def test_store_returns_a_future_and_stores_each_block_once(tmp_path, caches):
 
 
 def test_each_layer_is_usable_while_later_layers_are_still_loading(tmp_path, caches):
+    import dataclasses
+
     layout = layout_for(16, num_layers=4)
     host = GatedHostTier(layout, 4 * layout.block_bytes, gate_from=1)
-    config = make_config(tmp_path, device=4, host=4, layout=layout)
+    # Not a small load (those are copied in one dispatch, every layer ready at once).
+    config = dataclasses.replace(make_config(tmp_path, device=4, host=4, layout=layout), small_load_bytes=0)
     cache = caches(config, [DeviceTier(layout, config.device_bytes, "cpu"), host])
     toks = tokens(1, 2, layout)
     store(cache, toks)
@@ -179,6 +182,26 @@ def test_each_layer_is_usable_while_later_layers_are_still_loading(tmp_path, cac
     host.gate.set()
     assert handle.wait(timeout=10).blocks == 2
     assert_loaded_bytes(cache, handle, keys)
+    handle.release()
+
+
+def test_a_small_load_is_one_dispatch_whose_layers_are_ready_together(tmp_path, caches):
+    layout = layout_for(16, num_layers=4)
+    host = GatedHostTier(layout, 4 * layout.block_bytes, gate_from=0)
+    config = make_config(tmp_path, device=4, host=4, layout=layout)
+    assert 2 * layout.block_bytes <= config.small_load_bytes
+    cache = caches(config, [DeviceTier(layout, config.device_bytes, "cpu"), host])
+    toks = tokens(1, 2, layout)
+    store(cache, toks)
+    cache.evict(D, 2)
+    host.gate.clear()
+    handle = cache.load(cache.lookup(toks))
+    with pytest.raises(TimeoutError):  # layer 0 waits for the one copy, gated at layer 1
+        handle.wait_layer(0, timeout=0.05)
+    host.gate.set()
+    handle.wait_layer(0, timeout=10)
+    assert handle.wait(timeout=10).blocks == 2
+    assert_loaded_bytes(cache, handle, cache.keys(toks))
     handle.release()
 
 
