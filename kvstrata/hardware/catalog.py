@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvstrata.hardware.figures import Bandwidth, Basis, Figure
+from kvstrata.hardware.figures import Bandwidth, Basis, Figure, lookup
 from kvstrata.hardware.pcie import PcieLink
 
 SEED = "seed document, hardware table"
@@ -110,10 +110,7 @@ NICS: dict[str, NicModel] = {
 
 
 def nic_model(name: str) -> NicModel:
-    try:
-        return NICS[name]
-    except KeyError:
-        raise ValueError(f"unknown NIC model {name!r}; known: {', '.join(NICS)}") from None
+    return lookup(NICS, name, "NIC model")
 
 
 # --- GPUs and HBM ---------------------------------------------------------------------------
@@ -163,10 +160,7 @@ GPUS: dict[str, GpuModel] = {
 
 
 def gpu_model(name: str) -> GpuModel:
-    try:
-        return GPUS[name]
-    except KeyError:
-        raise ValueError(f"unknown GPU model {name!r}; known: {', '.join(GPUS)}") from None
+    return lookup(GPUS, name, "GPU model")
 
 
 # --- Host DRAM and the socket interconnect ---------------------------------------------------
@@ -195,8 +189,6 @@ class DramSpec:
             basis=Basis.DERIVED,
             source=f"{self.channels} channels x {self.mt_s} MT/s x 8 bytes, reads and writes share it",
         )
-
-
 
 
 @dataclass(frozen=True)
@@ -277,10 +269,7 @@ NVMES: dict[str, NvmeModel] = {
 
 
 def nvme_model(name: str) -> NvmeModel:
-    try:
-        return NVMES[name]
-    except KeyError:
-        raise ValueError(f"unknown NVMe model {name!r}; known: {', '.join(NVMES)}") from None
+    return lookup(NVMES, name, "NVMe model")
 
 
 # --- Per-hop latencies (stated assumptions; calibrate replaces them) --------------------------

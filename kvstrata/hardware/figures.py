@@ -9,7 +9,20 @@ or a measurement on this host).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def lookup(table: Mapping[K, V], key: K, what: str) -> V:
+    """``table[key]``, or a ValueError naming ``what`` and the keys the table knows."""
+    try:
+        return table[key]
+    except KeyError:
+        raise ValueError(f"unknown {what} {key!r}; known: {', '.join(map(str, table))}") from None
 
 
 class Basis(enum.Enum):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvstrata.hardware.figures import Bandwidth, Basis
+from kvstrata.hardware.figures import Bandwidth, Basis, lookup
 
 PCI_SIG = "PCI-SIG base specifications (lane rates, encodings, FLIT layout)"
 VALID_LANES = (1, 2, 4, 8, 16)
@@ -89,10 +89,7 @@ GENERATIONS: dict[int, PcieGeneration] = {
 
 
 def generation(gen: int) -> PcieGeneration:
-    try:
-        return GENERATIONS[gen]
-    except KeyError:
-        raise ValueError(f"PCIe gen must be one of {sorted(GENERATIONS)}, got {gen!r}") from None
+    return lookup(GENERATIONS, gen, "PCIe generation")
 
 
 @dataclass(frozen=True)
