@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.hardware.profile import HardwareProfile, load_profile
 
-BUILTINS = ("b200-cx8-gen6", "gen5-cx8-socket-direct", "h200-cx7-gen5", "workstation")
+from . import BUILTINS
 
 
 @pytest.fixture(scope="session")

@@ -24,12 +24,13 @@ from kvstrata.hardware.flows import Flow, Resource, estimate, flow_along, max_mi
 from kvstrata.hardware.pcie import VALID_LANES, PcieLink
 from kvstrata.hardware.profile import builtin_text, load_profile, parse_profile
 
+from . import BUILTINS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-BUILTINS = ("b200-cx8-gen6", "gen5-cx8-socket-direct", "h200-cx7-gen5", "workstation")
 PROFILES = {name: load_profile(name) for name in BUILTINS}
 MEMORIES = {name: sorted(n.name for n in p.topology.nodes.values() if n.kind.is_memory) for name, p in PROFILES.items()}
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
