@@ -101,10 +101,6 @@ def nic_for(profile: HardwareProfile, gpu: str) -> str:
     return nics[peers.index(gpu) % len(nics)]
 
 
-def _ports(profile: HardwareProfile, nic: str) -> int:
-    return len(nic_model(next(n.model for n in profile.nics if n.name == nic)).port_gbit)
-
-
 def _stage(flows: list[Flow]) -> Stage:
     done = run_concurrently(flows)
     slowest = max(done, key=lambda c: c.finish_s)
@@ -178,7 +174,7 @@ class RestorePlanner:
             nic = nic_for(self.profile, gpu)
             spec = next(n for n in self.profile.nics if n.name == nic)
             routes = []
-            for port in range(_ports(self.profile, nic)):
+            for port in range(len(nic_model(spec.model).port_gbit)):
                 far = f"pool.nic{i % self.profile.pool.nics}.p{port}" if pool_side else f"peer.{nic}.p{port}"
                 for attach in spec.attach:
                     waypoints = (far, f"{nic}.p{port}", nic, attach)
