@@ -85,7 +85,7 @@ def kv_size_report(
         "total_params": geometry.total_params,
         "active_params": geometry.active_params,
         "weight_bytes": geometry.weight_bytes(),
-        "weight_dtype": (geometry.weight_dtype or geometry.dtype).value,
+        "weight_dtype": geometry.effective_weight_dtype.value,
     }
     if context_tokens is not None:
         report["context_tokens"] = context_tokens

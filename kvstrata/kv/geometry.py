@@ -190,8 +190,13 @@ class KVGeometry:
         """KV bytes one token occupies across all layers, on all GPUs together."""
         return self._bytes_per_token_for(self.num_kv_heads)
 
-    def bytes_per_token_per_gpu(self, tp: int = 1) -> int:
-        """KV bytes one token occupies on each GPU of a tensor-parallel group.
+    @property
+    def kv_tensors(self) -> int:
+        """Tensors cached per KV head: K and V, or MLA's one latent that serves as both."""
+        return 1 if self.attention is Attention.MLA else 2
+
+    def kv_heads_per_gpu(self, tp: int = 1) -> int:
+        """KV heads each GPU of a tensor-parallel group holds.
 
         Args:
             tp: Tensor-parallel degree.
@@ -205,11 +210,11 @@ class KVGeometry:
             # The latent is shared by every query head, so MLA TP (DeepSeek's reference code,
             # vLLM, SGLang) splits the heads and replicates the whole latent on every rank:
             # a rank's cache is the full per-token latent.
-            return self.bytes_per_token
+            return self.num_kv_heads
         if tp <= self.num_kv_heads:
             if self.num_kv_heads % tp:
                 raise GeometryError(f"'tp' ({tp}) must divide the {self.num_kv_heads} KV heads")
-            return self._bytes_per_token_for(self.num_kv_heads // tp)
+            return self.num_kv_heads // tp
         if tp % self.num_kv_heads:
             raise GeometryError(
                 f"'tp' ({tp}) exceeds the {self.num_kv_heads} KV heads and is not a multiple "
@@ -217,7 +222,18 @@ class KVGeometry:
             )
         # More ranks than KV heads: each KV head is replicated on tp / kv_heads ranks, so every
         # rank still holds one whole head.
-        return self._bytes_per_token_for(1)
+        return 1
+
+    def bytes_per_token_per_gpu(self, tp: int = 1) -> int:
+        """KV bytes one token occupies on each GPU of a tensor-parallel group.
+
+        Args:
+            tp: Tensor-parallel degree.
+
+        Raises:
+            GeometryError: as :meth:`kv_heads_per_gpu`.
+        """
+        return self._bytes_per_token_for(self.kv_heads_per_gpu(tp))
 
     def bytes_per_block(self, block_tokens: int, tp: int = 1) -> int:
         """KV bytes of one paged-cache block on one GPU.
@@ -239,23 +255,25 @@ class KVGeometry:
         check_int("'tokens'", tokens, minimum=0)
         return tokens * self.bytes_per_token_per_gpu(tp)
 
+    @property
+    def effective_weight_dtype(self) -> DType:
+        """The weights' element type: the config's (fp8 under an fp8 quantization_config), else the KV dtype."""
+        return self.weight_dtype or self.dtype
+
     def weight_bytes(self, weight_dtype: DType | None = None) -> int:
         """Bytes of all weights, unsharded.
 
         Args:
-            weight_dtype: Element type of the weights; defaults to the config's weight dtype
-                (fp8 under an fp8 quantization_config), else the KV dtype.
+            weight_dtype: Element type of the weights; defaults to ``effective_weight_dtype``.
         """
-        return self.total_params * (weight_dtype or self.weight_dtype or self.dtype).size_bytes
+        return self.total_params * (weight_dtype or self.effective_weight_dtype).size_bytes
 
     def with_dtype(self, dtype: DType) -> KVGeometry:
         """The same geometry with KV stored as ``dtype``."""
         return dataclasses.replace(self, dtype=dtype)
 
     def _bytes_per_token_for(self, kv_heads: int) -> int:
-        # K and V are stored separately, except MLA's latent, which serves as both.
-        tensors = 1 if self.attention is Attention.MLA else 2
-        return tensors * self.num_layers * kv_heads * self.head_dim * self.dtype.size_bytes
+        return self.kv_tensors * self.num_layers * kv_heads * self.head_dim * self.dtype.size_bytes
 
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstrata.kv.geometry import Attention, DType, GeometryError, KVGeometry
+from kvstrata.kv.fields import GeometryError, check_int
+from kvstrata.kv.geometry import DType, KVGeometry
 
 LAYOUT_NAME = "layer-major LKTHD"  # [layers, kv(2, or 1 for MLA), tokens, kv_heads, head_dim]
 
@@ -27,18 +28,14 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "block_tokens", "kv_heads", "head_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise GeometryError(f"KVLayout field {field!r} must be a positive integer, got {value!r}")
+            check_int(f"KVLayout field {field!r}", getattr(self, field))
         if self.kv_tensors not in (1, 2):
             raise GeometryError(f"KVLayout field 'kv_tensors' must be 1 or 2, got {self.kv_tensors!r}")
 
     @classmethod
     def from_geometry(cls, geometry: KVGeometry, block_tokens: int, tp: int = 1) -> "KVLayout":
-        per_gpu = geometry.bytes_per_token_per_gpu(tp)
-        tensors = 1 if geometry.attention is Attention.MLA else 2
-        heads = per_gpu // (tensors * geometry.num_layers * geometry.head_dim * geometry.dtype.size_bytes)
-        return cls(geometry.num_layers, block_tokens, heads, geometry.head_dim, geometry.dtype, tensors)
+        heads = geometry.kv_heads_per_gpu(tp)
+        return cls(geometry.num_layers, block_tokens, heads, geometry.head_dim, geometry.dtype, geometry.kv_tensors)
 
     @property
     def token_bytes(self) -> int:

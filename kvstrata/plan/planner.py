@@ -174,8 +174,7 @@ def make_plan(
     }
     hbm_gbps = min(profile.topology.node(g).bandwidth.effective_gbps for g in names)
     kv_shard = context_tokens * per_gpu
-    weight_dtype = geometry.weight_dtype or geometry.dtype
-    weights_share = geometry.active_params * weight_dtype.size_bytes // tp
+    weights_share = geometry.active_params * geometry.effective_weight_dtype.size_bytes // tp
     step = StepInputs(context_tokens, kv_shard, hbm_step_seconds(weights_share + kv_shard, hbm_gbps), geometry.num_layers)
     capacity = _capacity(geometry, profile, names)
     archs = compare_architectures(capacity, step, restores, full)

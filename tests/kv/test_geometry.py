@@ -213,6 +213,9 @@ def test_weight_bytes():
     geometry = load_geometry("llama-3-8b")
     assert geometry.weight_bytes() == 2 * geometry.total_params
     assert geometry.weight_bytes(DType.FP8) == geometry.total_params
+    unset = dataclasses.replace(geometry, weight_dtype=None, dtype=DType.FP32)
+    assert unset.effective_weight_dtype is DType.FP32  # no weight dtype: weights as the KV
+    assert unset.weight_bytes() == 4 * geometry.total_params
 
 
 # --- rejected configs -----------------------------------------------------------------------------

@@ -98,8 +98,10 @@ def test_unknown_preset_lists_the_available_ones():
 def test_weight_dtype_follows_the_config_not_the_kv_dtype_override():
     # DeepSeek-V3 ships fp8 weights (quantization_config fp8): 1 byte per parameter.
     v3 = load_geometry("deepseek-v3")
+    assert v3.effective_weight_dtype is DType.FP8
     assert v3.weight_bytes() == v3.total_params
     # Storing Llama's KV as fp8 halves KV bytes, never the bf16 weights.
     llama = load_geometry("llama-3-70b", "fp8")
     assert llama.bytes_per_token == 163_840
+    assert llama.effective_weight_dtype is DType.BF16
     assert llama.weight_bytes() == 2 * llama.total_params
