@@ -11,6 +11,7 @@ identical peer server on the same fabric (the other end of a P/D handoff).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
@@ -20,6 +21,8 @@ from typing import Any
 from kvstrata.hardware.catalog import (
     HOP_LATENCY_S,
     DramSpec,
+    GpuModel,
+    NicModel,
     SocketLinkSpec,
     gpu_model,
     nic_model,
@@ -176,6 +179,18 @@ def _slot(table: dict[str, Any], where: str, default: Slot | None = None) -> Slo
     return slot
 
 
+def _model_and_slot(
+    table: dict[str, Any], where: str, model_of: Callable[[str], GpuModel | NicModel]
+) -> tuple[str, Slot]:
+    """A PCIe device's catalog model name and its slot; the slot defaults to x16 at the model's gen."""
+    model = _get(table, "model", where, str)
+    try:
+        default = Slot(model_of(model).host_link.gen, 16)
+    except ValueError as exc:
+        raise ProfileError(f"{where}.model: {exc}") from None
+    return model, _slot(table, where, default)
+
+
 def _dram(table: dict[str, Any], where: str) -> DramSpec:
     d = _get(table, "dram", where, dict)
     w = f"{where}.dram"
@@ -216,23 +231,15 @@ def parse_profile(data: dict[str, Any], origin: str = "<dict>") -> HardwareProfi
     gpus = []
     for i, t in enumerate(items("gpu")):
         w = f"gpu[{i}]"
-        model = _get(t, "model", w, str)
-        try:
-            default_slot = Slot(gpu_model(model).host_link.gen, 16)
-        except ValueError as exc:
-            raise ProfileError(f"{w}.model: {exc}") from None
-        gpus.append(GpuSpec(_get(t, "name", w, str), model, _get(t, "attach", w, str), _slot(t, w, default_slot)))
+        model, slot = _model_and_slot(t, w, gpu_model)
+        gpus.append(GpuSpec(_get(t, "name", w, str), model, _get(t, "attach", w, str), slot))
     nics = []
     for i, t in enumerate(items("nic")):
         w = f"nic[{i}]"
-        model = _get(t, "model", w, str)
-        try:
-            default_slot = Slot(nic_model(model).host_link.gen, 16)
-        except ValueError as exc:
-            raise ProfileError(f"{w}.model: {exc}") from None
+        model, slot = _model_and_slot(t, w, nic_model)
         attach = _get(t, "attach", w, (str, list))
         attach = (attach,) if isinstance(attach, str) else tuple(attach)
-        nics.append(NicSpec(_get(t, "name", w, str), model, attach, _slot(t, w, default_slot)))
+        nics.append(NicSpec(_get(t, "name", w, str), model, attach, slot))
     nvmes = []
     for i, t in enumerate(items("nvme")):
         w = f"nvme[{i}]"
@@ -431,9 +438,12 @@ def build_topology(profile: HardwareProfile) -> Topology:
 _BUILTIN = "kvstrata.hardware"
 
 
+def _builtin_dir() -> resources.abc.Traversable:
+    return resources.files(_BUILTIN) / "profiles"
+
+
 def builtin_profiles() -> list[str]:
-    folder = resources.files(_BUILTIN) / "profiles"
-    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+    return sorted(p.name[: -len(".toml")] for p in _builtin_dir().iterdir() if p.name.endswith(".toml"))
 
 
 def load_profile(name_or_path: str | FsPath) -> HardwareProfile:
@@ -444,12 +454,7 @@ def load_profile(name_or_path: str | FsPath) -> HardwareProfile:
             raise FileNotFoundError(f"hardware profile file {str(path)!r} does not exist")
         text, origin = path.read_text(), str(path)
     else:
-        if str(name_or_path) not in builtin_profiles():
-            raise ProfileError(
-                f"unknown hardware profile {str(name_or_path)!r}; built-in: {', '.join(builtin_profiles())} (or a .toml path)"
-            )
-        resource = resources.files(_BUILTIN) / "profiles" / f"{name_or_path}.toml"
-        text, origin = resource.read_text(), f"built-in:{name_or_path}"
+        text, origin = builtin_text(str(name_or_path)), f"built-in:{name_or_path}"
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -460,5 +465,7 @@ def load_profile(name_or_path: str | FsPath) -> HardwareProfile:
 def builtin_text(name: str) -> str:
     """The TOML text of a built-in profile, to copy and edit."""
     if name not in builtin_profiles():
-        raise ProfileError(f"unknown hardware profile {name!r}; built-in: {', '.join(builtin_profiles())}")
-    return (resources.files(_BUILTIN) / "profiles" / f"{name}.toml").read_text()
+        raise ProfileError(
+            f"unknown hardware profile {name!r}; built-in: {', '.join(builtin_profiles())} (or a .toml path)"
+        )
+    return (_builtin_dir() / f"{name}.toml").read_text()
