@@ -10,8 +10,13 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvstrata.pool.config import ENV as POOL_ENV
+from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
 
 # Modules under kvstrata.cli that each register one or more sub-commands, in help order.
 _COMMAND_MODULES = ("plan", "demo", "hardware", "kv", "model", "pool", "bench", "trace", "simulate", "calibrate")
@@ -40,6 +45,32 @@ class StepBar:
 
     def step(self, label: str) -> None:
         self._progress.update(self._task, advance=1, description=label)
+
+
+def progress(label_width: int | None = None) -> Progress:
+    """A transient progress bar on stderr (stdout stays for the table or ``--json``): the step's
+    label, padded to ``label_width`` when given, a bar, steps done of all, time elapsed."""
+    label = "{task.description}" if label_width is None else f"{{task.description:<{label_width}}}"
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
+def add_pool_arg(parser: argparse.ArgumentParser, otherwise: str) -> None:
+    """``--pool FILE``; ``otherwise`` says what a command does when neither it nor the env var is given."""
+    parser.add_argument("--pool", metavar="FILE",
+                        help=f"a pool config (TOML or pool.json); default: ${POOL_ENV}, else {otherwise}")
+
+
+def pool_config(path: str | None) -> PoolConfig | None:
+    """The pool of ``--pool FILE``, else of ``$KVSTRATA_POOL``, else None."""
+    return load_pool_config(path) if path else pool_from_env()
+
+
+def model_dir(path: str) -> Path:
+    """``--model-dir``'s directory, which must hold a Hugging Face model (its config.json)."""
+    if not (Path(path) / "config.json").is_file():
+        raise CliError(f"--model-dir {path}: no config.json there (a Hugging Face model directory is expected)")
+    return Path(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,13 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 
 from kvstrata import cli
@@ -77,8 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     remote.add_argument("--workers", type=int, default=2, help="transfer threads on our side (default: 2, the cache's)")
     remote.add_argument("--mode", choices=("tcp", "shm"), action="append",
                         help="measure only this mode (repeatable; default: tcp and shm)")
-    remote.add_argument("--pool", metavar="FILE", help="a pool config (TOML or pool.json); default: $KVSTRATA_POOL, "
-                        "else an embedded pool for the run")
+    cli.add_pool_arg(remote, "an embedded pool for the run")
     remote.add_argument("--json", action="store_true", help="print the report as JSON")
     remote.set_defaults(func=run_remote)
     sim = benches.add_parser(
@@ -142,15 +134,13 @@ def _run_and_report(
 
     ``failures`` maps exception types to a one-line label; each becomes exit code 1.
     """
-    err = Console(stderr=True)
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     labels = {VerificationError: "verification failed", **(failures or {})}
     try:
-        with Progress(*columns, console=err, transient=True) as progress:
+        with cli.progress(32) as progress:
             report = run(cli.StepBar(progress))
     except tuple(labels) as exc:
         label = next(text for kind, text in labels.items() if isinstance(exc, kind))
-        err.print(f"[bold red]{label}:[/] {exc}", highlight=False)
+        Console(stderr=True).print(f"[bold red]{label}:[/] {exc}", highlight=False)
         return 1
     if args.json:
         print(json.dumps(report, indent=2))
@@ -275,7 +265,6 @@ def run_remote(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvstrata.bench.remote import RemoteBenchConfig, run_remote_bench
     from kvstrata.pool.client import PoolUnavailable, RemoteMode
-    from kvstrata.pool.config import load_pool_config, pool_from_env
     from kvstrata.pool.embedded import PoolError
 
     modes = tuple(dict.fromkeys(RemoteMode(m) for m in args.mode)) if args.mode else tuple(RemoteMode)
@@ -288,7 +277,7 @@ def run_remote(args: argparse.Namespace) -> int:
         modes=modes,
     )
     config.layout()  # a size that is no whole number of tokens per block fails here, before any pool starts
-    pool = load_pool_config(args.pool) if args.pool else pool_from_env()
+    pool = cli.pool_config(args.pool)
     unavailable = {PoolUnavailable: "pool unavailable", PoolError: "pool unavailable"}
     return _run_and_report(args, lambda bar: run_remote_bench(config, pool, bar), _print_remote, unavailable)
 

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstrata import cli
 from kvstrata.calibrate import base_profile_text, load_calibration, profile_text
-from kvstrata.pool.config import ENV, PoolConfig, load_pool_config, pool_from_env
+from kvstrata.pool.config import ENV, PoolConfig
 
 MIB = 1 << 20
 
@@ -36,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--sizes-mib", type=float, nargs="+", help="sizes to measure, MiB (default 4 16 64 256; --quick 4 16 64)")
     cal.add_argument("--repeats", type=int, help="timed runs per size after a warm-up (default 5; --quick 3)")
     cal.add_argument("--threads", type=int, default=2, help="the N of the N-thread paths: the cache's workers (default 2)")
-    cal.add_argument("--pool", metavar="FILE", help=f"the pool's config (default ${ENV}); none: pool paths skipped")
+    cli.add_pool_arg(cal, "pool paths skipped")
     cal.add_argument("--dir", metavar="DIR", help="scratch files here: the disk the disk tier uses (default: temp)")
     cal.add_argument("--base", default="workstation", help="the hardware profile to calibrate (name or .toml; default workstation)")
     cal.add_argument("--model-dir", metavar="DIR", action="append", default=[],
@@ -58,21 +57,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     val.add_argument("--workers", type=int, default=2, help="the cache's transfer threads (default 2)")
     val.add_argument("--model", default="llama-3-8b", help="model preset for the KV layout (default llama-3-8b)")
     val.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
-    val.add_argument("--pool", metavar="FILE", help=f"the pool's config (default ${ENV}); none: no remote row")
+    cli.add_pool_arg(val, "no remote row")
     val.add_argument("--dir", metavar="DIR", help="where the disk tier's files go (default: temp)")
     val.add_argument("--json", action="store_true", help="print the rows as JSON")
     val.set_defaults(func=run_validate)
 
 
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True)
-
-
 def _pool(arg: str | None) -> tuple[PoolConfig | None, str]:
+    """The pool and where it came from, for the report."""
+    pool = cli.pool_config(arg)
     if arg:
-        return load_pool_config(arg), f"--pool {arg}"
-    pool = pool_from_env()
+        return pool, f"--pool {arg}"
     return pool, (f"${ENV}" if pool is not None else f"no pool: --pool FILE nor ${ENV} given")
 
 
@@ -91,7 +86,7 @@ def _calibrate(quick: bool, threads: int, directory: str | None, pool: PoolConfi
         directory=directory,
         pool=pool,
     )
-    with _progress() as progress:
+    with cli.progress() as progress:
         return calibrate(config, cli.StepBar(progress))
 
 
@@ -115,8 +110,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     base = base_profile_text(args.base)  # a bad --base fails before minutes of measuring
     pool, pool_source = _pool(args.pool)
     for model_dir in args.model_dir:
-        if not (Path(model_dir) / "config.json").is_file():
-            raise cli.CliError(f"--model-dir {model_dir}: no config.json there (a Hugging Face model directory is expected)")
+        cli.model_dir(model_dir)  # a bad one fails before minutes of measuring
     run = _calibrate(args.quick, args.threads, args.dir, pool, args.sizes_mib, args.repeats)
     if args.model_dir:
         run.calibration = _with_prefill(run.calibration, args.model_dir)
@@ -132,7 +126,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "seconds": run.seconds, "pool": pool_source, "skipped": run.skipped,
             "measurements": [{"path": m.path, "bytes": m.size_bytes, "median_s": m.median_s, "spread": m.spread,
                               "gbps": m.gbps, "runs_s": list(m.runs_s)} for m in run.measurements],
-            "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps, "spread": p.spread} for k, p in run.calibration.paths.items()},
+            # a fixed cost's bandwidth is infinite: null (JSON has no infinity)
+            "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None, "spread": p.spread}
+                     for k, p in run.calibration.paths.items()},
             "efficiency": run.calibration.efficiency, "out": args.out,
         }, indent=2))
         return 0
@@ -183,7 +179,7 @@ def run_validate(args: argparse.Namespace) -> int:
         directory=args.dir,
         pool=pool,
     )
-    with _progress() as progress:
+    with cli.progress() as progress:
         rows = validate(calibration, config, cli.StepBar(progress))
     seconds = time.perf_counter() - started
     if args.json:

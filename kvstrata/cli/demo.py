@@ -5,15 +5,22 @@ planner's view of the same workload on a built-in hardware profile."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstrata import cli
+from kvstrata.cli.plan import render, resolve_profile
+from kvstrata.kv.presets import load_geometry
+from kvstrata.plan.planner import make_plan
+from kvstrata.pool.config import PoolConfig
 
 
 def default_model_dir() -> Path:
@@ -42,7 +49,7 @@ def add_workload_args(p: argparse.ArgumentParser, conversations: int, turns: int
     p.add_argument("--turns", type=int, default=turns, help=f"turns per conversation (default: {turns})")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per cached block (default: 256)")
     p.add_argument("--tiers", default="device,host,disk,remote", help="tiers, comma separated (default: all four)")
-    p.add_argument("--pool", metavar="FILE", help="a pool config (TOML or pool.json); default: $KVSTRATA_POOL, else an embedded pool")
+    cli.add_pool_arg(p, "an embedded pool")
     p.add_argument("--no-pool", action="store_true", help="skip the remote tier")
     p.add_argument("--profile", metavar="FILE", help="predict restores with this `kvstrata calibrate` profile "
                    "(default: a quick calibration first)")
@@ -61,48 +68,33 @@ def _workload(args: argparse.Namespace):
 
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model_dir:
-        path = Path(args.model_dir)
-        if not (path / "config.json").is_file():
-            raise cli.CliError(f"--model-dir {path}: no config.json there (a Hugging Face model directory is expected)")
-        return path
+        return cli.model_dir(args.model_dir)
     from kvstrata.integrations.tiny import make_tiny
 
     return make_tiny(default_model_dir())
 
 
-def _pool_context(args: argparse.Namespace, tiers: tuple[str, ...]):
-    """A context yielding (pool or None, why none)."""
-    from contextlib import contextmanager
+@contextmanager
+def _pool_context(args: argparse.Namespace, tiers: tuple[str, ...]) -> Iterator[tuple[PoolConfig | None, str | None]]:
+    """Yields (the pool, None), or (None, why there is none); an embedded pool stops on exit."""
+    if "remote" not in tiers or args.no_pool:
+        yield None, "--no-pool"
+        return
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before Mooncake's library loads
+    configured = cli.pool_config(args.pool)
+    if configured is None and importlib.util.find_spec("mooncake") is None:
+        yield None, "pool engine not installed (pip install 'kvstrata[remote]')"
+        return
+    from kvstrata.bench.remote import bench_pool
+    from kvstrata.pool.embedded import PoolError
 
-    @contextmanager
-    def ctx():
-        if "remote" not in tiers or args.no_pool:
-            yield None, "--no-pool"
-            return
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        import importlib.util
-
-        from kvstrata.pool.config import load_pool_config, pool_from_env
-
-        configured = load_pool_config(args.pool) if args.pool else pool_from_env()
-        if configured is None and importlib.util.find_spec("mooncake") is None:
-            yield None, "pool engine not installed (pip install 'kvstrata[remote]')"
-            return
-        from kvstrata.bench.remote import bench_pool
-        from kvstrata.pool.embedded import PoolError
-
+    with ExitStack() as stack:
         try:
-            started = bench_pool(configured, 512 << 20)
-            pool, _about = started.__enter__()
+            pool, _about = stack.enter_context(bench_pool(configured, 512 << 20))
+            why = None
         except (PoolError, OSError, ImportError, RuntimeError) as exc:  # e.g. Debian's libibverbs1 missing
-            yield None, f"pool did not start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-            return
-        try:
-            yield pool, None
-        finally:
-            started.__exit__(None, None, None)
-
-    return ctx()
+            pool, why = None, f"pool did not start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        yield pool, why
 
 
 def run_workload(args: argparse.Namespace) -> tuple[Any, list, Path]:
@@ -110,9 +102,7 @@ def run_workload(args: argparse.Namespace) -> tuple[Any, list, Path]:
 
     workload, tiers = _workload(args)
     model_dir = _model_dir(args)
-    err = Console(stderr=True)
-    columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with _pool_context(args, tiers) as (pool, why), Progress(*columns, console=err, transient=True) as bar:
+    with _pool_context(args, tiers) as (pool, why), cli.progress(24) as bar:
         tasks = {t: bar.add_task(f"tier {t}", total=workload.conversations * workload.turns) for t in tiers}
         reports = run_e2e(model_dir, workload, tiers, pool, lambda t: bar.advance(tasks[t]), _calibration(args))
     for r in reports:
@@ -122,7 +112,7 @@ def run_workload(args: argparse.Namespace) -> tuple[Any, list, Path]:
 
 
 def _calibration(args: argparse.Namespace):
-    if not getattr(args, "profile", None):
+    if not args.profile:
         return None
     from kvstrata.calibrate import load_calibration
 
@@ -171,18 +161,11 @@ def render_tiers(console: Console, reports: list, title: str) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kvstrata.kv.presets import load_geometry
-    from kvstrata.plan.planner import make_plan
-
-    from kvstrata.cli.plan import render, resolve_profile
-
     profile = resolve_profile(args.hardware)
     geometry = load_geometry(args.plan_model)
     workload, reports, model_dir = run_workload(args)
     out = cli.console()
     if args.json:
-        import json
-
         print(json.dumps({"model_dir": str(model_dir), "tiers": {r.tier: r.to_json() for r in reports}}, indent=2))
         return 0 if all(r.tokens_identical for r in reports) else 1
     render_tiers(
@@ -221,8 +204,6 @@ def run_bench_e2e(args: argparse.Namespace) -> int:
         "lmcache": lmcache,
     }
     if args.json:
-        import json
-
         print(json.dumps(report, indent=2))
     else:
         out = cli.console()
