@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstrata.bench.timing import NoProgress, Progress, drop_page_cache
+from kvstrata.bench.timing import NoProgress, Progress, drop_page_cache, elapsed_s
 from kvstrata.plan import host as h
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers.disk import READ_CHUNK_BYTES
@@ -122,12 +122,6 @@ class CalibrationRun:
 # --- the paths ----------------------------------------------------------------------------------
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     t.fill_(1)  # pre-fault: first writes into fresh pages run several times slower
@@ -167,7 +161,7 @@ def _memcpy_1t(s: _Scratch, nbytes: int) -> Callable[[], float]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _timed(lambda: dst.copy_(src))
+            return elapsed_s(lambda: dst.copy_(src))
         finally:
             torch.set_num_threads(threads)
 
@@ -187,7 +181,7 @@ def _memcpy_nt(s: _Scratch, nbytes: int) -> Callable[[], float]:
         ends = [min(c + COPY_PIECE_BYTES, o + n) for c in cuts]
         torch._foreach_copy_([dst[c:e] for c, e in zip(cuts, ends)], [src[c:e] for c, e in zip(cuts, ends)])
 
-    return lambda: _timed(lambda: list(s.pool.map(copy, ranges)))
+    return lambda: elapsed_s(lambda: list(s.pool.map(copy, ranges)))
 
 
 def _checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
@@ -198,7 +192,7 @@ def _checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
         for o in range(0, nbytes, READ_CHUNK_BYTES):
             xxhash.xxh3_64_intdigest(data[o : o + READ_CHUNK_BYTES])
 
-    return lambda: _timed(run)
+    return lambda: elapsed_s(run)
 
 
 def _read_file(path: Path, dst: np.ndarray, verify: bool = False) -> None:
@@ -250,8 +244,8 @@ def _disk_read(s: _Scratch, nbytes: int, cold: bool, threaded: bool) -> Callable
         if cold:
             drop_page_cache(paths)
         if threaded:
-            return _timed(lambda: list(s.pool.map(one, jobs)))
-        return _timed(lambda: one(jobs[0]))
+            return elapsed_s(lambda: list(s.pool.map(one, jobs)))
+        return elapsed_s(lambda: one(jobs[0]))
 
     return run
 
@@ -271,7 +265,7 @@ def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, block_bytes: int) -> Call
     def run() -> float:
         if cold:
             drop_page_cache(paths)
-        return _timed(lambda: list(s.pool.map(one, jobs)))
+        return elapsed_s(lambda: list(s.pool.map(one, jobs)))
 
     return run
 
@@ -292,7 +286,7 @@ def _disk_write(s: _Scratch, nbytes: int) -> Callable[[], float]:
 
     def run() -> float:
         try:
-            return _timed(write)
+            return elapsed_s(write)
         finally:
             path.unlink(missing_ok=True)
 
@@ -329,7 +323,7 @@ def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> Cali
         (h.MEMCPY_1T, _memcpy_1t),
         (h.MEMCPY_NT, _memcpy_nt),
         (h.CHECKSUM, _checksum),
-        (h.CHECKSUM_NT, lambda s, b: _threaded_checksum(s, b)),
+        (h.CHECKSUM_NT, _threaded_checksum),
         (h.DISK_WRITE, _disk_write),
         (h.DISK_READ_WARM, lambda s, b: _disk_read(s, b, cold=False, threaded=False)),
         (h.DISK_READ_WARM_NT, lambda s, b: _disk_read(s, b, cold=False, threaded=True)),
@@ -423,7 +417,7 @@ def _threaded_checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
         for c in range(o, o + n, READ_CHUNK_BYTES):
             xxhash.xxh3_64_intdigest(data[c : min(c + READ_CHUNK_BYTES, o + n)])
 
-    return lambda: _timed(lambda: list(s.pool.map(hash_part, parts)))
+    return lambda: elapsed_s(lambda: list(s.pool.map(hash_part, parts)))
 
 
 def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measurement]:
@@ -461,10 +455,8 @@ def _fit(base: h.HostCalibration, measurements: list[Measurement]) -> h.HostCali
         by_path.setdefault(m.path, []).append(m)
     paths = {}
     for path, ms in by_path.items():
-        if path == h.RESTORE_DISPATCH:  # a fixed cost: its bytes are negligible
-            paths[path] = h.PathFit(ms[0].median_s, 1e6, ms[0].spread, (ms[0].size_bytes,))
-            continue
-        paths[path] = h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms))
+        paths[path] = h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms),
+                                 fixed=path in h.FIXED_COST_PATHS)
     efficiency = {}
     if h.H2D_PINNED in paths and torch.cuda.is_available():
         efficiency = _pcie_efficiency(paths[h.H2D_PINNED].gbps)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 GB = 1e9
 
@@ -44,6 +44,9 @@ DISK_BLOCKS_WARM = "disk block reads + xxh3 (page cache, N threads)"
 # kvstrata's own fixed cost per restore: planning, pins, handing copy tasks to the transfer
 # engine's threads and waiting for them (measured as a restore of tiny blocks: latency only).
 RESTORE_DISPATCH = "restore dispatch (kvstrata)"
+# Paths whose measured bytes take no measurable time: fitted as a latency alone (``fit_path``'s
+# ``fixed``), their bandwidth infinite.
+FIXED_COST_PATHS = frozenset({RESTORE_DISPATCH})
 PATHS = (
     MEMCPY_1T, MEMCPY_NT, H2D_PINNED, H2D_PAGEABLE, D2H_PINNED,
     DISK_READ_COLD, DISK_READ_WARM, DISK_READ_COLD_NT, DISK_READ_WARM_NT, DISK_WRITE,
@@ -57,7 +60,8 @@ class PathFit:
 
     Attributes:
         latency_s: the fixed cost of one operation.
-        gbps: effective bandwidth, decimal GB/s.
+        gbps: effective bandwidth, decimal GB/s; ``math.inf`` for a fixed cost (the bytes
+            take no measurable time).
         spread: the largest relative half-range (max - min) / 2 / median among the sizes'
             repeats: how far one measurement strays.
         sizes: the sizes measured, bytes.
@@ -71,25 +75,29 @@ class PathFit:
     def __post_init__(self) -> None:
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"latency_s must be finite and >= 0, got {self.latency_s}")
-        if not (self.gbps > 0 and math.isfinite(self.gbps)):
-            raise ValueError(f"gbps must be finite and > 0, got {self.gbps}")
+        if not self.gbps > 0:
+            raise ValueError(f"gbps must be > 0 (inf for a fixed cost), got {self.gbps}")
 
     def seconds(self, nbytes: int, ops: int = 1) -> float:
         """Time for ``nbytes`` moved in ``ops`` operations (each pays the latency)."""
         return ops * self.latency_s + nbytes / (self.gbps * GB)
 
 
-def fit_path(sizes: Sequence[int], seconds: Sequence[float], spread: float = 0.0) -> PathFit:
+def fit_path(sizes: Sequence[int], seconds: Sequence[float], spread: float = 0.0, fixed: bool = False) -> PathFit:
     """Least-squares ``latency + bytes / bandwidth`` through (size, seconds) points.
 
     One size, or a negative fitted latency, gives the bandwidth through the origin of the
-    largest size's point (the fixed cost is then unmeasurable, taken as 0).
+    largest size's point (the fixed cost is then unmeasurable, taken as 0). ``fixed``: the
+    bytes take no measurable time (see ``FIXED_COST_PATHS``): the latency is the mean time,
+    the bandwidth infinite.
     """
     if len(sizes) != len(seconds) or not sizes:
         raise ValueError(f"fit needs as many sizes as times, at least one; got {len(sizes)} and {len(seconds)}")
     if any(s <= 0 for s in sizes) or any(not t > 0 for t in seconds):
         raise ValueError("fit needs positive sizes and times")
     n = len(sizes)
+    if fixed:
+        return PathFit(sum(seconds) / n, math.inf, spread, tuple(sizes))
     if n >= 2 and len(set(sizes)) >= 2:
         mx, my = sum(sizes) / n, sum(seconds) / n
         sxx = sum((x - mx) ** 2 for x in sizes)
@@ -243,24 +251,9 @@ class HostCalibration:
             f"threads = {self.threads}",
         ]
         for name, p in self.paths.items():
-            lines += [
-                "",
-                "[[calibration.path]]",
-                f"name = {_q(name)}",
-                f"latency_s = {p.latency_s!r}",
-                f"gbps = {p.gbps!r}",
-                f"spread = {p.spread!r}",
-                f"sizes = [{', '.join(str(s) for s in p.sizes)}]",
-            ]
+            lines += _array_entry("calibration.path", {"name": name, **asdict(p)})
         for model, f in self.prefill.items():
-            lines += [
-                "",
-                "[[calibration.prefill]]",
-                f"model = {_q(model)}",
-                f"latency_s = {f.latency_s!r}",
-                f"tokens_per_s = {f.tokens_per_s!r}",
-                f"attn_s = {f.attn_s!r}",
-            ]
+            lines += _array_entry("calibration.prefill", {"model": model, **asdict(f)})
         if self.efficiency:
             lines += ["", "[efficiency]"] + [f"{_q(k)} = {v!r}" for k, v in self.efficiency.items()]
         return "\n".join(lines) + "\n"
@@ -286,6 +279,19 @@ def _parallel(workers: int, cold: bool) -> float:
     """How much faster several readers are than one: page-cache reads are memory copies that
     scale with threads up to the cores; a cold device read is taken as not scaling (conservative)."""
     return 1.0 if cold else float(max(1, workers))
+
+
+def _array_entry(table: str, fields: dict[str, object]) -> list[str]:
+    """One ``[[table]]`` entry's lines, a blank line first; values are str, int, float or tuples of them."""
+    return ["", f"[[{table}]]"] + [f"{k} = {_value(v)}" for k, v in fields.items()]
+
+
+def _value(v: object) -> str:
+    if isinstance(v, str):
+        return _q(v)
+    if isinstance(v, tuple):
+        return f"[{', '.join(_value(x) for x in v)}]"
+    return repr(v)  # int, float (inf as TOML's inf)
 
 
 def _q(text: str) -> str:

@@ -29,6 +29,12 @@ def test_fit_of_one_size_goes_through_the_origin():
     assert (fit.latency_s, fit.gbps) == (0.0, pytest.approx(1.0))
 
 
+def test_fixed_fit_is_latency_only():
+    fit = h.fit_path([2048], [3e-4], 0.1, fixed=True)
+    assert (fit.latency_s, fit.gbps, fit.spread, fit.sizes) == (3e-4, float("inf"), 0.1, (2048,))
+    assert fit.seconds(10**12) == 3e-4  # the bytes cost nothing
+
+
 @pytest.mark.parametrize(
     ("sizes", "seconds", "match"),
     [([], [], "at least one"), ([1, 2], [1.0], "as many"), ([0], [1.0], "positive"), ([10], [0.0], "positive")],
@@ -53,6 +59,7 @@ def _calibration(**extra) -> h.HostCalibration:
 
 def test_toml_round_trip():
     cal = _calibration(efficiency={"pcie": 0.8})
+    cal.paths[h.RESTORE_DISPATCH] = h.fit_path([2048], [2e-4], fixed=True)  # gbps = inf: TOML's inf
     assert h.HostCalibration.from_mapping(tomllib.loads(cal.to_toml())) == cal
 
 
