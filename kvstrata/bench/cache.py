@@ -41,7 +41,7 @@ import torch
 
 from kvstrata.bench import lmcache as lmcache_side
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
-from kvstrata.bench.goals import evaluate_goals
+from kvstrata.bench.goals import as_json, cache_goals
 from kvstrata.bench.kvdata import block_layout, random_kv
 from kvstrata.bench.ours import OursCache
 from kvstrata.bench.timing import NoProgress, Progress, Rounds, rotated
@@ -145,7 +145,7 @@ def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) 
         shutil.rmtree(scratch, ignore_errors=True)
 
     report = _report(config, layout, device, rounds, lookups, verified, lmcache_ok, lmcache_note)
-    report["goals"] = evaluate_goals(report)
+    report["goals"] = as_json(cache_goals(report))
     return report
 
 

@@ -34,7 +34,8 @@ REMOTE_OF_RAW = 0.90  # the remote tier's restore and store, of raw Mooncake cal
 SIM_WALL_S = 5.0  # one simulation of a trace, one architecture, on one core (kvstrata bench sim)
 
 
-def goals(report: dict[str, Any]) -> list[Goal]:
+def cache_goals(report: dict[str, Any]) -> list[Goal]:
+    """The cache benchmark's: each tier against its baseline, LMCache when it ran, lookup time."""
     host, disk = report["tiers"]["host"], report["tiers"]["disk"]
     out = [
         Goal("host store", f">={HOST_STORE_OF_COPY}x copy", host["store_ratio"], HOST_STORE_OF_COPY),
@@ -74,8 +75,3 @@ def remote_goals(report: dict[str, Any]) -> list[Goal]:
 def as_json(judged: list[Goal]) -> list[dict[str, Any]]:
     """Goals as JSON-ready dicts, each with ``passed``."""
     return [{**asdict(g), "passed": g.passed} for g in judged]
-
-
-def evaluate_goals(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cache benchmark's goals as JSON-ready dicts, each with ``passed``."""
-    return as_json(goals(report))
