@@ -29,14 +29,15 @@ batches (see :mod:`kvstrata.integrations.vllm`).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvstrata.cache import LoadHandle, LoadResult, TieredCache
+from kvstrata.cache import TORCH_DTYPES, LoadHandle, LoadResult, TieredCache
 from kvstrata.index.prefix import Match
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
@@ -44,7 +45,8 @@ from kvstrata.plan.host import DISK_READ_COLD, HostCalibration, PrefillFit
 from kvstrata.plan.recompute import LoadTime, PlanKind, RecomputePlan, Strategy, choose
 from kvstrata.tiers.medium import Medium
 
-_DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
+# The model's dtype is the cache's KV dtype: the pairs the cache views its bytes as (FP8 aside).
+_DTYPES = {TORCH_DTYPES[d.name]: d for d in (DType.BF16, DType.FP16, DType.FP32)}
 
 
 def model_layout(config: Any, block_tokens: int, dtype: torch.dtype) -> KVLayout:
@@ -65,12 +67,10 @@ class RestoredPrefix:
         self.handle = handle
         self.tokens = tokens
         self.timeout_s = timeout_s
-        self.layers_before_done = 0  # layers whose compute began while later layers were still loading
 
     def layer(self, i: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K and V as ``[1, kv_heads, tokens, head_dim]`` on ``device`` (waits for it)."""
         self.handle.wait_layer(i, self.timeout_s)
-        self.layers_before_done += not self.handle.done()
         kv = torch.cat([self.handle.block(b)[i] for b in range(self.handle.blocks)], dim=1)  # [2, tokens, H, D]
         kv = kv.to(device, non_blocking=True).permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, H, tokens, D]
         return kv[0], kv[1]
@@ -81,10 +81,10 @@ class RestoringLayer(DynamicLayer):
     prompt's cached prefix (before anything was computed), or, in a split, the loaded blocks
     after the computed beginning. ``prefix`` is the span still to append (None once appended)."""
 
-    def __init__(self, index: int, prefix: RestoredPrefix | None = None) -> None:
+    def __init__(self, index: int) -> None:
         super().__init__()
         self.index = index
-        self.prefix = prefix
+        self.prefix: RestoredPrefix | None = None
 
     def get_seq_length(self) -> int:
         return super().get_seq_length() + (self.prefix.tokens if self.prefix is not None else 0)
@@ -107,8 +107,8 @@ class StreamingLayer(RestoringLayer):
     """KV kept in host memory; each update copies this layer's KV to the device (prefetched
     while the layer before ran) and starts the next layer's copy."""
 
-    def __init__(self, index: int, stream: StreamedKV, prefix: RestoredPrefix | None = None) -> None:
-        super().__init__(index, prefix)
+    def __init__(self, index: int, stream: StreamedKV) -> None:
+        super().__init__(index)
         self.stream = stream
         self.length = 0  # tokens in the host copy
 
@@ -206,13 +206,18 @@ class StreamedKV:
 class KVStrataCache(Cache):
     """A transformers Cache of :class:`RestoringLayer` (or :class:`StreamingLayer`) per layer."""
 
-    def __init__(self, num_layers: int, prefix: RestoredPrefix | None = None, stream: StreamedKV | None = None):
+    def __init__(self, num_layers: int, stream: StreamedKV | None = None):
         if stream is None:
-            layers = [RestoringLayer(i, prefix) for i in range(num_layers)]
+            layers = [RestoringLayer(i) for i in range(num_layers)]
         else:
-            layers = [StreamingLayer(i, stream, prefix) for i in range(num_layers)]
+            layers = [StreamingLayer(i, stream) for i in range(num_layers)]
         super().__init__(layers=layers)
         self.stream = stream
+
+    def append_restored(self, prefix: RestoredPrefix) -> None:
+        """Append ``prefix`` after what each layer holds, at that layer's next update."""
+        for layer in self.layers:
+            layer.prefix = prefix
 
     def kv(self) -> torch.Tensor:
         """All cached KV as ``[layers, 2, tokens, kv_heads, head_dim]`` (batch 1), for storing."""
@@ -252,7 +257,6 @@ class Generation:
     load: LoadResult | None = None
     stored_blocks: int = 0
     stream_bytes_per_step: float = 0.0
-    extra: dict = field(default_factory=dict)
     plan: PlanKind = PlanKind.LOAD
     compute_tokens: int = 0
     decision: RecomputePlan | None = None
@@ -381,7 +385,7 @@ class KVStrataLM:
             k = decision.compute_tokens
         kind = PlanKind.LOAD if k == 0 else PlanKind.RECOMPUTE if k == hit else PlanKind.SPLIT
         stream = StreamedKV(self.num_layers, torch.device("cpu"), self.device.type == "cuda") if streaming else None
-        kv_cache = KVStrataCache(self.num_layers, None, stream)
+        kv_cache = KVStrataCache(self.num_layers, stream)
         prefix, handle, load = None, None, None
         try:
             if kind is PlanKind.RECOMPUTE or hit == 0:
@@ -401,8 +405,7 @@ class KVStrataLM:
                     handle, loaded = None, 0
                 if loaded:
                     prefix = RestoredPrefix(handle, loaded)
-                    for layer in kv_cache.layers:
-                        layer.prefix = prefix  # appended after [0, k) at each layer's next update
+                    kv_cache.append_restored(prefix)  # after [0, k)
                 done = k + loaded
             ids = torch.tensor([prompt[done:]], device=self.device)
             # Only the last position's logits are needed: the LM head over the whole prompt is
@@ -422,16 +425,13 @@ class KVStrataLM:
             if stream is not None:
                 stream.close()
         loaded_tokens = prefix.tokens if prefix is not None else 0
-        extra = {"cached_tokens": hit}
-        if prefix is not None:
-            extra["layers_before_load_done"] = prefix.layers_before_done
         return Generation(tokens, first_logits, ttft, time.perf_counter() - start, loaded_tokens, load, stored,
-                          per_step, extra, kind, k, decision)
+                          per_step, kind, k, decision)
 
     def _auto_inputs(self) -> tuple[HostCalibration, PrefillFit]:
         if self.cache is None:
             raise ValueError("strategy 'auto' needs a cache: there is nothing to load or recompute without one")
-        calibration = self.calibration or (self.cache.config.calibration if self.cache is not None else None)
+        calibration = self.calibration or self.cache.config.calibration
         if calibration is None:
             raise ValueError("strategy 'auto' needs a HostCalibration: pass calibration= to KVStrataLM or set the "
                              "cache's config.calibration (kvstrata calibrate)")
@@ -462,13 +462,11 @@ def calibrated_load_time(
     on the device cost nothing. Disk reads use the cold-read path when it was calibrated (a
     prediction for storage, not for the page cache), else the page-cache path."""
     cold = DISK_READ_COLD in calibration.paths
+
     def load_s(blocks: int) -> float:
-        counts: dict[Medium, int] = {}
-        for medium in media[len(media) - blocks:] if blocks else ():
-            counts[medium] = counts.get(medium, 0) + 1
         return sum(
             calibration.restore_s(medium.label, n * block_bytes, n, workers, cold=cold)
-            for medium, n in counts.items() if medium is not Medium.DEVICE
+            for medium, n in _to_restore(media, blocks).items()
         )
 
     return load_s
@@ -486,18 +484,22 @@ def calibrated_contention(
         return None
 
     def cpu_s(blocks: int) -> float:
-        counts: dict[Medium, int] = {}
-        for medium in media[len(media) - blocks:] if blocks else ():
-            counts[medium] = counts.get(medium, 0) + 1
         try:
             return sum(
                 calibration.restore_s(medium.label, n * block_bytes, n, workers=1, cold=False)
-                for medium, n in counts.items() if medium is not Medium.DEVICE
+                for medium, n in _to_restore(media, blocks).items()
             )
         except KeyError:  # a path not calibrated: the whole load counts
             return load(blocks)
 
     return cpu_s
+
+
+def _to_restore(media: tuple[Medium, ...], blocks: int) -> Counter[Medium]:
+    """Blocks per source tier among the last ``blocks`` of ``media``; those on the device move nothing."""
+    counts = Counter(media[len(media) - blocks:] if blocks else ())
+    counts.pop(Medium.DEVICE, None)
+    return counts
 
 
 def _strategy(value: Strategy | str) -> Strategy:
