@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.cache import TORCH_DTYPES, CacheConfig, TieredCache
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 MiB = 1024**2
-_DTYPES = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
+# vLLM's KV dtype is the cache's: the pairs the cache views its bytes as (FP8 aside).
+_DTYPES = {TORCH_DTYPES[d.name]: d for d in (DType.FP32, DType.BF16, DType.FP16)}
 _LOOKUP_WAIT_S = 10.0  # how long the scheduler waits for its worker's lookup socket to appear
 
 
