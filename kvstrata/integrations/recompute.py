@@ -2,10 +2,10 @@
 
 The load-or-recompute decision (:mod:`kvstrata.plan.recompute`) weighs loading a cached prefix
 against computing it; the compute side is this measurement. Prefill is timed as
-:class:`~kvstrata.integrations.hf.KVStrataLM` runs it (one forward, ``use_cache=True``, full
-logits), on seeded random token ids, at several prompt sizes from scratch and at some sizes
-after a cached prefix (the attention term), each after one warm-up, the median of ``repeats``;
-then the model of :func:`~kvstrata.plan.host.fit_prefill` fitted on relative error
+:class:`~kvstrata.integrations.hf.KVStrataLM` runs it (one forward, ``use_cache=True``, the last
+position's logits only), on seeded random token ids, at several prompt sizes from scratch and
+at some sizes after a cached prefix (the attention term), each after one warm-up, the median of
+``repeats``; then the model of :func:`~kvstrata.plan.host.fit_prefill` fitted on relative error
 (:func:`~kvstrata.plan.recompute.fit_prefill_relative`). Why relative: times span two orders of
 magnitude across sizes, and an absolute least squares lets the largest prompts' noise set the
 small ones' predictions (measured on the tiny model, 2 shared cores: a fitted latency of 31 ms
@@ -77,11 +77,12 @@ def prefill_points(
             ids = torch.randint(0, vocab, (1, c + n), generator=generator).to(device)
             past = DynamicCache()
             if c:
-                model(input_ids=ids[:, :c], past_key_values=past, use_cache=True)
+                model(input_ids=ids[:, :c], past_key_values=past, use_cache=True, logits_to_keep=1)
             times = []
             for i in range(repeats + 1):  # the first is the warm-up
                 start = time.perf_counter()
-                model(input_ids=ids[:, c:], past_key_values=past, use_cache=True).logits[0, -1].float().cpu()
+                logits = model(input_ids=ids[:, c:], past_key_values=past, use_cache=True, logits_to_keep=1).logits
+                logits[0, -1].float().cpu()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if i:
