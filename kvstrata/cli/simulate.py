@@ -11,8 +11,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.hardware.profile import load_profile
-from kvstrata.hardware.whatif import apply_upgrades
+from kvstrata.cli.plan import resolve_profile
 from kvstrata.kv.presets import load_geometry
 from kvstrata.sim.engine import SimConfig
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
@@ -37,11 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_simulate)
 
 
-def _profile(text: str):
-    name, _, upgrades = text.partition("+")
-    return apply_upgrades(load_profile(name), upgrades) if upgrades else load_profile(name)
-
-
 def run_simulate(args: argparse.Namespace) -> int:
     requests = read_trace(args.trace)
     if args.requests is not None:
@@ -58,7 +52,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise cli.CliError("--arch names no architecture")
     config = SimConfig(
         load_geometry(args.model),
-        _profile(args.hardware),
+        resolve_profile(args.hardware),
         args.gpus_per_instance,
         args.instances,
         restore_slots=args.restore_slots,
