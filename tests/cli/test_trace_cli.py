@@ -16,24 +16,14 @@ REAL_TRACE = (
 )
 
 
+def generate(path: Path, *argv: str) -> None:
+    assert main(["trace", "generate", "--out", str(path), *argv]) == 0
+
+
 @pytest.fixture
 def small_trace(tmp_path) -> Path:
     path = tmp_path / "small.jsonl"
-    assert (
-        main(
-            [
-                "trace",
-                "generate",
-                "--out",
-                str(path),
-                "--requests",
-                "200",
-                "--seed",
-                "3",
-            ]
-        )
-        == 0
-    )
+    generate(path, "--requests", "200", "--seed", "3")
     return path
 
 
@@ -89,23 +79,7 @@ def test_capacities_take_suffixes_and_inf(small_trace, capsys):
 def test_generate_is_deterministic_and_readable(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for path in (a, b):
-        assert (
-            main(
-                [
-                    "trace",
-                    "generate",
-                    "--out",
-                    str(path),
-                    "--requests",
-                    "50",
-                    "--seed",
-                    "9",
-                    "--kind",
-                    "agent",
-                ]
-            )
-            == 0
-        )
+        generate(path, "--requests", "50", "--seed", "9", "--kind", "agent")
     assert a.read_bytes() == b.read_bytes()
     assert len(read_trace(a)) == 50
 
