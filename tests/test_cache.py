@@ -12,6 +12,7 @@ left behind and that the prefix index agrees with the tier tables.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -107,6 +108,18 @@ def moved(cache: TieredCache) -> dict:
     return {pair: n for pair, n in cache.metrics.moved_bytes.items() if pair != (D, D)}
 
 
+def gated_host_cache(tmp_path, caches, blocks=2, layout=LAYOUT, gate_from=0, **changes):
+    """A CPU device tier over a gated host tier (4 blocks each; ``changes`` to the config):
+    ``blocks`` blocks stored, the first two evicted to the host."""
+    config = dataclasses.replace(make_config(tmp_path, device=4, host=4, layout=layout), **changes)
+    host = GatedHostTier(layout, config.host_bytes, gate_from=gate_from)
+    cache = caches(config, [DeviceTier(layout, config.device_bytes, "cpu"), host])
+    toks = tokens(1, blocks, layout)
+    store(cache, toks)
+    cache.evict(D, 2)
+    return cache, host, toks
+
+
 # --- lookup, load, store -----------------------------------------------------------------------
 
 
@@ -158,16 +171,9 @@ def test_store_returns_a_future_and_stores_each_block_once(tmp_path, caches):
 
 
 def test_each_layer_is_usable_while_later_layers_are_still_loading(tmp_path, caches):
-    import dataclasses
-
     layout = layout_for(16, num_layers=4)
-    host = GatedHostTier(layout, 4 * layout.block_bytes, gate_from=1)
     # Not a small load (those are copied in one dispatch, every layer ready at once).
-    config = dataclasses.replace(make_config(tmp_path, device=4, host=4, layout=layout), small_load_bytes=0)
-    cache = caches(config, [DeviceTier(layout, config.device_bytes, "cpu"), host])
-    toks = tokens(1, 2, layout)
-    store(cache, toks)
-    cache.evict(D, 2)
+    cache, host, toks = gated_host_cache(tmp_path, caches, layout=layout, gate_from=1, small_load_bytes=0)
     keys = cache.keys(toks)
 
     host.gate.clear()  # layers 1.. of every host read wait
@@ -187,13 +193,8 @@ def test_each_layer_is_usable_while_later_layers_are_still_loading(tmp_path, cac
 
 def test_a_small_load_is_one_dispatch_whose_layers_are_ready_together(tmp_path, caches):
     layout = layout_for(16, num_layers=4)
-    host = GatedHostTier(layout, 4 * layout.block_bytes, gate_from=0)
-    config = make_config(tmp_path, device=4, host=4, layout=layout)
-    assert 2 * layout.block_bytes <= config.small_load_bytes
-    cache = caches(config, [DeviceTier(layout, config.device_bytes, "cpu"), host])
-    toks = tokens(1, 2, layout)
-    store(cache, toks)
-    cache.evict(D, 2)
+    cache, host, toks = gated_host_cache(tmp_path, caches, layout=layout)
+    assert 2 * layout.block_bytes <= cache.config.small_load_bytes
     host.gate.clear()
     handle = cache.load(cache.lookup(toks))
     with pytest.raises(TimeoutError):  # layer 0 waits for the one copy, gated at layer 1
@@ -365,12 +366,7 @@ def test_release_is_idempotent_and_only_drops_its_own_pins(tmp_path, caches):
 
 
 def test_release_of_a_load_in_flight_waits_for_it_and_leaves_no_pins(tmp_path, caches):
-    config = make_config(tmp_path, device=4, host=4)
-    host = GatedHostTier(LAYOUT, config.host_bytes)
-    cache = caches(config, [DeviceTier(LAYOUT, config.device_bytes, "cpu"), host])
-    toks = tokens(1, 2)
-    store(cache, toks)
-    cache.evict(D, 2)
+    cache, host, toks = gated_host_cache(tmp_path, caches)
     host.gate.clear()
     handle = cache.load(cache.lookup(toks))
     assert host.reads_waiting.acquire(timeout=10)  # the copy is in flight
@@ -384,12 +380,7 @@ def test_release_of_a_load_in_flight_waits_for_it_and_leaves_no_pins(tmp_path, c
 
 
 def test_a_failed_load_surfaces_its_error_and_leaves_no_pins(tmp_path, caches):
-    config = make_config(tmp_path, device=4, host=4)
-    host = GatedHostTier(LAYOUT, config.host_bytes)
-    cache = caches(config, [DeviceTier(LAYOUT, config.device_bytes, "cpu"), host])
-    toks = tokens(1, 3)
-    store(cache, toks)
-    cache.evict(D, 2)  # blocks 0, 1 on the host, block 2 on the device
+    cache, host, toks = gated_host_cache(tmp_path, caches, blocks=3)  # blocks 0, 1 on the host, 2 on the device
     host.fail_reads = True
     handle = cache.load(cache.lookup(toks))
     with pytest.raises(OSError, match="injected"):
@@ -408,12 +399,7 @@ def test_a_failed_load_surfaces_its_error_and_leaves_no_pins(tmp_path, caches):
 
 
 def test_two_loads_of_one_prefix_racing_stay_exact_and_balanced(tmp_path, caches):
-    config = make_config(tmp_path, device=4, host=4)
-    host = GatedHostTier(LAYOUT, config.host_bytes)
-    cache = caches(config, [DeviceTier(LAYOUT, config.device_bytes, "cpu"), host])
-    toks = tokens(1, 2)
-    store(cache, toks)
-    cache.evict(D, 2)
+    cache, host, toks = gated_host_cache(tmp_path, caches)
     host.gate.clear()
     first = cache.load(cache.lookup(toks))
     assert host.reads_waiting.acquire(timeout=10)  # first holds WRITING device slots for both
@@ -476,8 +462,6 @@ def test_prefetch_timeout_waits_up_to_its_deadline(tmp_path, caches):
 
 def deadline_cache(tmp_path, caches, predicted_s):
     """Three blocks on disk only, and a calibration predicting ``predicted_s`` to promote them."""
-    import dataclasses
-
     from kvstrata.plan.host import DISK_READ_WARM, MEMCPY_1T, HostCalibration, PathFit
 
     gbps = 3 * B / predicted_s / 1e9
@@ -553,7 +537,7 @@ def test_metrics_count_hits_per_tier_misses_bytes_per_pair_and_gbps(tmp_path, ca
     assert moved(cache) == {(D, H): 2 * B, (H, D): 2 * B}
     records = cache.metrics.recent()
     assert {(r.src, r.dst) for r in records} == {(H, D)} and sum(r.bytes for r in records) == 2 * B
-    assert all(r.gbps > 0 for r in records)
+    assert all(r.bytes > 0 and r.seconds > 0 for r in records)  # a positive GB/s each
 
     families = {f.name: f for f in text_string_to_metric_families(cache.metrics.exposition().decode())}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
