@@ -30,7 +30,7 @@ from kvstrata.index.keys import BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import Match, PrefixIndex
 from kvstrata.kv.layout import KVLayout
 from kvstrata.plan.host import HostCalibration
-from kvstrata.metrics import CacheMetrics, TransferRecord
+from kvstrata.metrics import CacheMetrics
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, schedule
 from kvstrata.policies.write import WriteRule
@@ -525,7 +525,7 @@ class TieredCache:
                     host.table.complete_store(p.key, ok=False)
                 error = error or exc
                 continue
-            self._record(result)
+            self.metrics.transfer(result)
             bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
             if reservation is None:
                 p.done = True  # the whole block is on the device already
@@ -600,7 +600,7 @@ class TieredCache:
             batches = [future.result() for future in futures]  # raises the first copy error, if any
         for batch in batches:
             for result in batch:
-                self._record(result)
+                self.metrics.transfer(result)
                 bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
 
     # --- writing ---------------------------------------------------------------------------
@@ -647,7 +647,7 @@ class TieredCache:
                 except BaseException:
                     device.table.complete_store(key, ok=False)
                     raise
-                self._record(TransferRecord(Medium.DEVICE, Medium.DEVICE, self.layout.block_bytes, seconds))
+                self.metrics.transfer(TransferResult(Medium.DEVICE, Medium.DEVICE, self.layout.block_bytes, seconds))
                 # Write-through pins the new block from READY until it is written down: an
                 # eviction in between would drop its only copy (write-through never demotes on
                 # eviction), and the store would be acknowledged with the block nowhere.
@@ -719,7 +719,7 @@ class TieredCache:
             except BaseException:
                 dst.table.complete_store(key, ok=False)
                 return False
-            self._record(result)
+            self.metrics.transfer(result)
             dst.table.complete_store(key, ok=True)
             self.index.add(key, dst.medium)
             return True
@@ -768,7 +768,7 @@ class TieredCache:
         except BaseException:
             dst.table.complete_store(victim.key, ok=False)
             return
-        self._record(result)
+        self.metrics.transfer(result)
         dst.table.complete_store(victim.key, ok=True)
         self.index.add(victim.key, dst.medium)
 
@@ -869,9 +869,6 @@ class TieredCache:
         table = self._tiers[medium].table
         for key in keys:
             table.unpin(key)
-
-    def _record(self, result: Any) -> None:
-        self.metrics.transfer(TransferRecord(result.src, result.dst, result.bytes, result.seconds))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -3,27 +3,19 @@ GB/s per transfer; exposed in Prometheus text format from a registry of the cach
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections import deque
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kvstrata.tiers.medium import Medium
 
+if TYPE_CHECKING:
+    from kvstrata.transfer.engine import TransferResult
+
 GBPS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
-
-
-@dataclass(frozen=True)
-class TransferRecord:
-    src: Medium
-    dst: Medium
-    bytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 class CacheMetrics:
@@ -42,22 +34,23 @@ class CacheMetrics:
             registry=self.registry,
         )
         self._lock = threading.Lock()
-        self._recent: deque[TransferRecord] = deque(maxlen=keep_last)
+        self._recent: deque[TransferResult] = deque(maxlen=keep_last)
         self.hit_blocks = {m: 0 for m in Medium}
         self.miss_blocks = 0
         self.moved_bytes: dict[tuple[Medium, Medium], int] = {}
 
     def lookup(self, media: tuple[Medium, ...], missed: int) -> None:
+        found = collections.Counter(media)  # blocks per fastest tier
         with self._lock:
-            for m in media:
-                self.hit_blocks[m] += 1
+            for m, blocks in found.items():
+                self.hit_blocks[m] += blocks
             self.miss_blocks += missed
-        for m in set(media):
-            self._hits.labels(m.label).inc(sum(1 for x in media if x is m))
+        for m, blocks in found.items():
+            self._hits.labels(m.label).inc(blocks)
         if missed:
             self._misses.inc(missed)
 
-    def transfer(self, record: TransferRecord) -> None:
+    def transfer(self, record: TransferResult) -> None:
         with self._lock:
             self._recent.append(record)
             key = (record.src, record.dst)
@@ -66,7 +59,7 @@ class CacheMetrics:
         if record.seconds > 0:
             self._gbps.labels(record.src.label, record.dst.label).observe(record.gbps)
 
-    def recent(self) -> list[TransferRecord]:
+    def recent(self) -> list[TransferResult]:
         with self._lock:
             return list(self._recent)
 
