@@ -83,3 +83,14 @@ class Tier(abc.ABC):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def _layer_range(self, layers: slice) -> tuple[int, int]:
+        """``layers`` as ``(start, stop)`` layer indices, ``start <= stop``.
+
+        Raises:
+            ValueError: ``layers`` has a step other than 1.
+        """
+        start, stop, step = layers.indices(self.layout.num_layers)
+        if step != 1:
+            raise ValueError(f"{self.medium.label} tier: layers must be a contiguous range, got {layers}")
+        return start, max(start, stop)

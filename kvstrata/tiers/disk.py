@@ -311,12 +311,6 @@ class DiskTier(Tier):
             raise ValueError(f"disk tier: src must be uint8 {list(shape)}, got {src.dtype} {list(src.shape)}")
         return src.detach().cpu().contiguous().numpy()  # no copy for a contiguous CPU tensor
 
-    def _layer_range(self, layers: slice) -> tuple[int, int]:
-        start, stop, step = layers.indices(self.layout.num_layers)
-        if step != 1:
-            raise ValueError(f"disk tier: layers must be a contiguous range, got {layers}")
-        return start, max(start, stop)
-
 
 class _ReadPacer:
     """A virtual clock of reads at ``gbps``: each read books the next ``bytes / rate`` seconds

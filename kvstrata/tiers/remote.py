@@ -440,12 +440,6 @@ class RemoteTier(Tier):
             raise CorruptBlock(f"remote tier: block {name} has {header.payload_bytes} payload bytes")
         return header
 
-    def _layer_range(self, layers: slice) -> tuple[int, int]:
-        start, stop, step = layers.indices(self.layout.num_layers)
-        if step != 1:
-            raise ValueError(f"remote tier: layers must be a contiguous range, got {layers}")
-        return start, max(start, stop)
-
 
 def _undo_late_put(store, name: str, codes: list[int]) -> None:
     # A put that completed after its caller gave up: its source may have changed meanwhile.
