@@ -19,7 +19,7 @@ import tempfile
 import threading
 
 import pytest
-from cache_support import LAYOUT, assert_quiescent, content, held_pins, kv_for, raw
+from cache_support import LAYOUT, assert_loaded_bytes, assert_quiescent, content, held_pins, kv_for, raw
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -214,6 +214,16 @@ TestWriteBackMachine.settings = TestWriteThroughMachine.settings = TestSelective
 # --- threads ---------------------------------------------------------------------------------------
 
 
+def run_threads(target, args: list[tuple]) -> None:
+    """Run ``target(*a)`` for each ``a`` of ``args`` on threads of its own, and wait for all."""
+    threads = [threading.Thread(target=target, args=a) for a in args]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a worker hung"
+
+
 @pytest.mark.parametrize("policy", list(WritePolicy))
 def test_concurrent_stores_loads_evictions_and_prefetches_stay_bit_exact(tmp_path, policy):
     config = make_config(str(tmp_path), WriteRule(policy, 1), Eviction.LRU)
@@ -222,7 +232,6 @@ def test_concurrent_stores_loads_evictions_and_prefetches_stay_bit_exact(tmp_pat
     loaded = [0]
     lock = threading.Lock()
     with TieredCache(config) as cache:
-        expected = {key: content(LAYOUT, key) for toks in pool for key in cache.keys(toks)}
         start = threading.Barrier(4)
 
         def worker(seed: int) -> None:
@@ -238,8 +247,7 @@ def test_concurrent_stores_loads_evictions_and_prefetches_stay_bit_exact(tmp_pat
                         keys = cache.keys(toks)
                         with cache.load(cache.lookup(toks)) as handle:
                             result = handle.wait(timeout=20)
-                            for i in range(handle.blocks):
-                                assert raw(handle.block(i)).numpy().tobytes() == raw(expected[keys[i]]).numpy().tobytes()
+                            assert_loaded_bytes(cache, handle, keys)
                         with lock:
                             loaded[0] += result.blocks
                     elif op < 0.95:
@@ -249,12 +257,7 @@ def test_concurrent_stores_loads_evictions_and_prefetches_stay_bit_exact(tmp_pat
             except BaseException as exc:  # noqa: BLE001 - reported by the test thread
                 errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not any(thread.is_alive() for thread in threads), "a worker hung"
+        run_threads(worker, [(seed,) for seed in range(4)])
         if errors:
             raise errors[0]
         assert loaded[0] > 0
@@ -280,16 +283,11 @@ def test_loads_of_one_prefix_from_many_threads_are_exact_and_leave_no_pins(tmp_p
                     with cache.load(cache.lookup(toks)) as handle:
                         result = handle.wait(timeout=20)
                         assert result.blocks == 3 or result.stopped
-                        for i in range(handle.blocks):
-                            assert raw(handle.block(i)).numpy().tobytes() == raw(content(LAYOUT, keys[i])).numpy().tobytes()
+                        assert_loaded_bytes(cache, handle, keys)
                 except BaseException as exc:  # noqa: BLE001
                     errors.append(exc)
 
-            threads = [threading.Thread(target=worker, args=(start,)) for _ in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
+            run_threads(worker, [(start,)] * 4)
             if errors:
                 raise errors[0]
             assert_quiescent(cache)
