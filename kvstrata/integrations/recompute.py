@@ -5,12 +5,8 @@ against computing it; the compute side is this measurement. Prefill is timed as
 :class:`~kvstrata.integrations.hf.KVStrataLM` runs it (one forward, ``use_cache=True``, the last
 position's logits only), on seeded random token ids, at several prompt sizes from scratch and
 at some sizes after a cached prefix (the attention term), each after one warm-up, the median of
-``repeats``; then the model of :func:`~kvstrata.plan.host.fit_prefill` fitted on relative error
-(:func:`~kvstrata.plan.recompute.fit_prefill_relative`). Why relative: times span two orders of
-magnitude across sizes, and an absolute least squares lets the largest prompts' noise set the
-small ones' predictions (measured on the tiny model, 2 shared cores: a fitted latency of 31 ms
-where a 128-token prefill takes 4 ms, or a per-token term of zero or less, which fit_prefill
-rejects); the decision needs C(k) right for every k, not only for the longest prompt.
+``repeats``; then fitted with :func:`~kvstrata.plan.host.fit_prefill` (on relative error: see
+there why).
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvstrata.plan.host import PrefillFit
-from kvstrata.plan.recompute import fit_prefill_relative
+from kvstrata.plan.host import PrefillFit, fit_prefill
 
 DEFAULT_SIZES = (128, 512, 1024, 2048, 4096)  # new tokens, nothing cached
 DEFAULT_CACHED = (1024, 4096)  # cached-prefix sizes, each with CACHED_NEW new tokens
@@ -50,7 +45,7 @@ def measure_prefill(
     Raises:
         ValueError: sizes out of range (non-positive, beyond the model's positions).
     """
-    return fit_prefill_relative(prefill_points(model, sizes, cached, repeats, seed))
+    return fit_prefill(prefill_points(model, sizes, cached, repeats, seed))
 
 
 def prefill_points(

@@ -125,28 +125,35 @@ class PrefillFit:
 
 
 def fit_prefill(points: Sequence[tuple[int, int, float]]) -> PrefillFit:
-    """Least squares of ``a + b * n + c * n * (cached + n / 2)`` through (new, cached, seconds).
+    """Least squares of ``a + b * n + c * n * (cached + n / 2)`` through (new, cached, seconds),
+    on relative error (each point weighted by 1 / seconds).
 
-    Coefficients that come out negative are dropped (refitted without them): every term is a
-    cost, and a negative one would predict faster prefill for more work.
+    Why relative: prefill times span orders of magnitude across prompt sizes, and an absolute
+    fit lets the largest prompts' noise set the small ones' predictions (measured on the tiny
+    model, 2 shared cores: a fitted latency of 31 ms where a 128-token prefill takes 4 ms, or a
+    per-token term of zero or less); load-or-recompute needs C(k) right for every k. A negative
+    latency or attention term is dropped (refitted without it): every term is a cost, and the
+    per-token term must stay.
     """
-    if len(points) < 3:
-        raise ValueError(f"a prefill fit needs at least 3 points, got {len(points)}")
     import numpy as np
 
-    rows = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in points])
-    y = np.array([t for _, _, t in points])
+    if len(points) < 3:
+        raise ValueError(f"a prefill fit needs at least 3 points, got {len(points)}")
+    if any(n <= 0 or c < 0 or not t > 0 for n, c, t in points):
+        raise ValueError("prefill fit needs positive sizes and times")
+    weight = np.array([1 / t for _, _, t in points])
+    rows = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in points]) * weight[:, None]
     keep = [0, 1, 2]
     while True:
-        coef, *_ = np.linalg.lstsq(rows[:, keep], y, rcond=None)
-        negative = [k for k, v in zip(keep, coef) if v < 0 and k != 1]
-        if not negative:
+        coef, *_ = np.linalg.lstsq(rows[:, keep], np.ones(len(points)), rcond=None)
+        values = dict(zip(keep, coef))
+        drop = next((k for k in (0, 2) if k in values and (values[k] < 0 or values[1] <= 0)), None)
+        if drop is None:
             break
-        keep.remove(negative[0])
-    full = dict.fromkeys(range(3), 0.0) | dict(zip(keep, coef))
-    if full[1] <= 0:
+        keep.remove(drop)
+    if values[1] <= 0:
         raise ValueError("prefill fit: time does not grow with tokens; measure larger prompts")
-    return PrefillFit(float(full[0]), float(1 / full[1]), float(full[2]))
+    return PrefillFit(float(values.get(0, 0.0)), float(1 / values[1]), float(values.get(2, 0.0)))
 
 
 @dataclass(frozen=True)

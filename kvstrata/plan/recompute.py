@@ -30,7 +30,7 @@ Pure arithmetic: no torch, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -173,34 +173,6 @@ def choose(
     if split is not None and split.predicted_s < (1 - split_margin) * best.predicted_s:
         best = split
     return best
-
-
-def fit_prefill_relative(points: Sequence[tuple[int, int, float]]) -> PrefillFit:
-    """:func:`~kvstrata.plan.host.fit_prefill`'s model fitted on relative error (each point
-    weighted by 1 / seconds): prefill times span orders of magnitude across prompt sizes, and an
-    absolute least squares lets the largest prompts' noise set the small ones' predictions (or
-    drives the per-token term to zero or below when attention dominates). Negative coefficients are dropped as there, the latency first, then the attention
-    term (the per-token term must stay).
-    """
-    import numpy as np
-
-    if len(points) < 3:
-        raise ValueError(f"a prefill fit needs at least 3 points, got {len(points)}")
-    if any(n <= 0 or c < 0 or not t > 0 for n, c, t in points):
-        raise ValueError("prefill fit needs positive sizes and times")
-    weight = np.array([1 / t for _, _, t in points])
-    rows = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in points]) * weight[:, None]
-    keep = [0, 1, 2]
-    while True:
-        coef, *_ = np.linalg.lstsq(rows[:, keep], np.ones(len(points)), rcond=None)
-        values = dict(zip(keep, coef))
-        drop = next((k for k in (0, 2) if k in values and (values[k] < 0 or values[1] <= 0)), None)
-        if drop is None:
-            break
-        keep.remove(drop)
-    if values[1] <= 0:
-        raise ValueError("prefill fit: time does not grow with tokens; measure larger prompts")
-    return PrefillFit(float(values.get(0, 0.0)), float(1 / values[1]), float(values.get(2, 0.0)))
 
 
 def _checked(seconds: float, blocks: int) -> float:

@@ -110,10 +110,10 @@ def test_a_bad_load_time_is_named():
 
 
 def test_the_relative_fit_recovers_a_prefill_dominated_by_attention():
-    from kvstrata.plan.recompute import fit_prefill_relative
+    from kvstrata.plan.host import fit_prefill
 
     truth = PrefillFit(0.002, 80_000.0, 3e-8)
     points = [(n, c, truth.seconds(n, c)) for n, c in [(128, 0), (512, 0), (1024, 0), (4096, 0), (64, 4096)]]
-    fit = fit_prefill_relative(points)
+    fit = fit_prefill(points)
     assert fit.tokens_per_s == pytest.approx(80_000.0, rel=1e-6)
     assert fit.latency_s == pytest.approx(0.002, rel=1e-6) and fit.attn_s == pytest.approx(3e-8, rel=1e-6)
