@@ -54,13 +54,12 @@ class TimeModel:
         tp = len(gpus)
         tflops = min(gpu_model(profile.gpu(g).model).bf16_dense_tflops for g in gpus)
         hbm_gbps = min(profile.topology.node(g).bandwidth.effective_gbps for g in gpus)
-        weight_dtype = geometry.weight_dtype or geometry.dtype
         hidden = geometry.num_attention_heads * geometry.head_dim
         return cls(
             tp=tp,
             flops_per_s=tp * tflops * TFLOP * COMPUTE_EFFICIENCY,
             hbm_bytes_per_s=hbm_gbps * GB,
-            weight_bytes_per_gpu=geometry.active_params * weight_dtype.size_bytes // tp,
+            weight_bytes_per_gpu=geometry.active_params * geometry.effective_weight_dtype.size_bytes // tp,
             kv_bytes_per_token_per_gpu=geometry.bytes_per_token_per_gpu(tp),
             active_params=geometry.active_params,
             attn_width=geometry.num_layers * hidden,
