@@ -32,7 +32,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.plan.host import HostCalibration
 from kvstrata.metrics import CacheMetrics
 from kvstrata.policies.eviction import Eviction
-from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, schedule
+from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, PrefetchTiming, schedule
 from kvstrata.policies.write import WriteRule
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers.base import BlockMissing, CorruptBlock, Tier, TierUnavailable, TransferAbandoned
@@ -250,7 +250,8 @@ class TieredCache:
         self._disk_direct = config.disk_path == "direct" or (config.disk_path == "auto" and device.device.type == "cpu")
         self._engine = TransferEngine(config.workers)
         self._orchestrator = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstrata-plan")
-        self._timers: set[threading.Timer] = set()  # deadline prefetches not yet started
+        self._timers: dict[threading.Timer, Future] = {}  # deadline prefetches not yet begun
+        self._timer_lock = threading.Lock()
         # Write-downs of stores: their own threads, so a store never waits on a task queued
         # behind it in the orchestrator; bytes still move on the engine's bounded pool.
         self._writers = ThreadPoolExecutor(max_workers=max(2, config.workers), thread_name_prefix="kvstrata-write")
@@ -794,15 +795,16 @@ class TieredCache:
 
     def prefetch(
         self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "", deadline_s: float | None = None
-    ) -> Future:
+    ) -> PrefetchFuture:
         """Promote the prefix's disk/remote blocks to the host for a queued request. Waits as
         ``rule`` says; the Future gives the number of blocks promoted.
 
         ``deadline_s`` (``time.monotonic()`` clock) is when the request is expected to start.
         With the DEADLINE policy and a calibration, the promotion starts as late as its predicted
         time allows (see :func:`kvstrata.policies.prefetch.schedule`); the call returns at once
-        (the request's load, at its start, uses what has arrived) and the Future's ``timing``
-        attribute holds the schedule. Without a calibration the promotion starts at once.
+        (the request's load, at its start, uses what has arrived) and the returned
+        :class:`PrefetchFuture`'s ``timing`` holds the schedule. Without a calibration the
+        promotion starts at once.
         """
         self._check_open()
         rule = rule or PrefetchRule()
@@ -814,27 +816,28 @@ class TieredCache:
                 raise ValueError("the deadline prefetch policy needs deadline_s (time.monotonic() of the request's start)")
             if self.config.calibration is not None:  # without one, nothing says how late to start
                 timing = schedule(now, deadline_s, self.predict_promotion_s(match), rule.margin)
+        future = PrefetchFuture(timing)
+        future.set_running_or_notify_cancel()
+
+        def begin(timer: threading.Timer | None = None) -> None:
+            with self._timer_lock:
+                if timer is not None and self._timers.pop(timer, None) is None:
+                    return  # close() got there first and failed the future
+            try:
+                inner = self._orchestrator.submit(self._run_prefetch, match)
+            except RuntimeError as exc:  # the cache closed meanwhile
+                future.set_exception(exc)
+                return
+            inner.add_done_callback(lambda f: _chain(f, future))
+
         if timing is not None and timing.start_s > now:
-            future: Future = Future()
-            future.set_running_or_notify_cancel()
-
-            def begin() -> None:
-                self._timers.discard(timer)
-                try:
-                    inner = self._orchestrator.submit(self._run_prefetch, match)
-                except RuntimeError as exc:  # closed meanwhile
-                    future.set_exception(exc)
-                    return
-                inner.add_done_callback(lambda f: _chain(f, future))
-
-            timer = threading.Timer(timing.start_s - now, begin)
+            timer = threading.Timer(timing.start_s - now, lambda: begin(timer))
             timer.daemon = True
-            timer.future = future
-            self._timers.add(timer)
+            with self._timer_lock:
+                self._timers[timer] = future
             timer.start()
         else:
-            future = self._orchestrator.submit(self._run_prefetch, match)
-        future.timing = timing
+            begin()
         wait_s = rule.wait_s()
         if wait_s != 0:
             wait([future], timeout=wait_s)
@@ -878,10 +881,11 @@ class TieredCache:
         if self._closed:
             return
         self._closed = True
-        for timer in list(self._timers):  # deadline prefetches that have not begun never will
+        with self._timer_lock:  # deadline prefetches that have not begun never will
+            pending, self._timers = self._timers, {}
+        for timer, future in pending.items():
             timer.cancel()
-            if not timer.future.done():
-                timer.future.set_exception(RuntimeError("the cache closed before this prefetch began"))
+            future.set_exception(RuntimeError("the cache closed before this prefetch began"))
         self._orchestrator.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self._engine.close()
@@ -907,6 +911,15 @@ class _Planned:
     route: str = ""  # how the block reached the device, for LoadResult.paths
     done: bool = False  # the whole block already landed (remote -> device)
     quarantined: bool = False  # a transfer into the slot was abandoned: never free it
+
+
+class PrefetchFuture(Future):
+    """A prefetch's Future (its result: blocks promoted), with the deadline schedule it ran
+    on (``timing``; None unless the DEADLINE policy had a calibration to schedule from)."""
+
+    def __init__(self, timing: PrefetchTiming | None) -> None:
+        super().__init__()
+        self.timing = timing
 
 
 def _chain(src: Future, dst: Future) -> None:
