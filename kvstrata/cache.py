@@ -561,7 +561,9 @@ class TieredCache:
         ]
 
     def _copy_layers(self, copies: list["_Planned"], handle: LoadHandle, bytes_from: dict[Medium, int]) -> None:
-        """One task per layer copies that layer of every block; layer events fire as they land."""
+        """Copy the blocks' layers in tasks of whole layer ranges; each range's layer events fire
+        as it lands. A small load (``small_load_bytes``) is one range; a single range is copied
+        on this thread, since handing it to a worker only adds a wait."""
         device = self.tier(Medium.DEVICE)
         layers = range(self.layout.num_layers)
         if not copies:
@@ -576,8 +578,11 @@ class TieredCache:
         # Tasks of whole layer ranges: a range of a block is contiguous (blocks are layer-major),
         # so each copy stays large; events still fire per layer as each range lands.
         # At least two tasks per worker, so early layers land (and fire) while later ones move.
-        big_enough = -(-COPY_TASK_BYTES // (len(copies) * self.layout.layer_bytes))
-        per_task = max(1, min(big_enough, -(-len(layers) // (2 * self.config.workers))))
+        if len(copies) * self.layout.block_bytes <= self.config.small_load_bytes:
+            per_task = len(layers)
+        else:
+            big_enough = -(-COPY_TASK_BYTES // (len(copies) * self.layout.layer_bytes))
+            per_task = max(1, min(big_enough, -(-len(layers) // (2 * self.config.workers))))
         ranges = [range(a, min(a + per_task, len(layers))) for a in range(0, len(layers), per_task)]
 
         def copy_range(chunk: range) -> list:
@@ -593,8 +598,8 @@ class TieredCache:
                 handle._layer_done(layer)
             return out
 
-        if len(copies) * self.layout.block_bytes <= self.config.small_load_bytes:
-            batches = [copy_range(range(len(layers)))]  # one dispatch; every layer fires at its end
+        if len(ranges) == 1:
+            batches = [copy_range(ranges[0])]
         else:
             futures = [self._engine.submit_call(copy_range, chunk) for chunk in ranges]
             wait(futures)
