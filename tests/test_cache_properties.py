@@ -229,8 +229,6 @@ def test_concurrent_stores_loads_evictions_and_prefetches_stay_bit_exact(tmp_pat
     config = make_config(str(tmp_path), WriteRule(policy, 1), Eviction.LRU)
     pool = [seq_tokens([a, b, c]) for a in range(2) for b in range(2) for c in range(3)]  # 12 x 3 blocks
     errors: list[BaseException] = []
-    loaded = [0]
-    lock = threading.Lock()
     with TieredCache(config) as cache:
         start = threading.Barrier(4)
 
@@ -246,10 +244,8 @@ def test_concurrent_stores_loads_evictions_and_prefetches_stay_bit_exact(tmp_pat
                     elif op < 0.85:
                         keys = cache.keys(toks)
                         with cache.load(cache.lookup(toks)) as handle:
-                            result = handle.wait(timeout=20)
+                            handle.wait(timeout=20)
                             assert_loaded_bytes(cache, handle, keys)
-                        with lock:
-                            loaded[0] += result.blocks
                     elif op < 0.95:
                         cache.evict(rng.choice(cache.media), rng.randint(1, 3))
                     else:
@@ -260,7 +256,17 @@ def test_concurrent_stores_loads_evictions_and_prefetches_stay_bit_exact(tmp_pat
         run_threads(worker, [(seed,) for seed in range(4)])
         if errors:
             raise errors[0]
-        assert loaded[0] > 0
+        assert_quiescent(cache)
+        # Whether the racing loads hit depends on the threads' timing (a run where evictions won
+        # every race failed `loaded > 0` once); what must hold is that the cache still serves
+        # exact bytes afterwards: a fresh sequence, stored into an emptied cache, loads whole.
+        for medium in cache.media:
+            cache.evict(medium, 100)
+        toks = seq_tokens([9, 9, 9])
+        cache.store(toks, kv_for(cache, toks)).result(timeout=20)
+        with cache.load(cache.lookup(toks)) as handle:
+            assert handle.wait(timeout=20).blocks == 3
+            assert_loaded_bytes(cache, handle, cache.keys(toks))
         assert_quiescent(cache)
 
 
