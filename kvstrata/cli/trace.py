@@ -11,6 +11,7 @@ from rich.table import Table
 from kvstrata import cli
 from kvstrata.sim.analyze import analyze
 from kvstrata.sim.synthetic import Mix, SyntheticConfig, TraceKind, generate
+from kvstrata.sim.trace import BLOCK_TOKENS
 from kvstrata.sim.traceio import read_trace, write_trace
 
 DEFAULT_CACHE_TOKENS = ("64K", "256K", "1M", "inf")
@@ -86,7 +87,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     console = cli.console()
     console.print(
         f"[bold]{args.trace}[/]: {result.requests:,} requests, mean input {result.mean_input:,.0f} tokens, "
-        f"mean output {result.mean_output:,.0f}, {result.unique_blocks:,} unique 512-token blocks; "
+        f"mean output {result.mean_output:,.0f}, {result.unique_blocks:,} unique {BLOCK_TOKENS}-token blocks; "
         f"replayed in {elapsed_s * 1e3:,.0f} ms"
     )
     t = Table(
