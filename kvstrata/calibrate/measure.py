@@ -336,7 +336,8 @@ def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> Cali
             (h.DISK_READ_COLD_NT, lambda s, b: _disk_read(s, b, cold=True, threaded=True)),
         ]
     else:
-        run.skipped[h.DISK_READ_COLD] = "cold reads not asked for"
+        for path in (h.DISK_READ_COLD, h.DISK_READ_COLD_NT, h.DISK_BLOCKS_COLD):
+            run.skipped[path] = "cold reads not asked for"
     if cuda:
         plans += [
             (h.H2D_PINNED, lambda s, b: _device_copy(b, device, True, True)),
