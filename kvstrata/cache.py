@@ -26,17 +26,19 @@ from typing import Any
 
 import torch
 
+from kvstrata.errors import BlockMissing, CorruptBlock, TierUnavailable, TransferAbandoned
 from kvstrata.index.keys import BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import Match, PrefixIndex
 from kvstrata.kv.layout import KVLayout
-from kvstrata.plan.host import HostCalibration
+from kvstrata.media import Medium
 from kvstrata.metrics import CacheMetrics
+from kvstrata.plan.host import HostCalibration
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, PrefetchTiming, schedule
 from kvstrata.policies.write import WriteRule
 from kvstrata.pool.config import PoolConfig
-from kvstrata.tiers.base import BlockMissing, CorruptBlock, Tier, TierUnavailable, TransferAbandoned
-from kvstrata.tiers.medium import Medium
+from kvstrata.tensors import torch_dtype
+from kvstrata.tiers.base import Tier
 from kvstrata.tiers.table import Reservation, TierFull
 from kvstrata.transfer.engine import TransferEngine, TransferResult
 
@@ -46,11 +48,6 @@ COPY_TASK_BYTES = 32 * 1024 * 1024  # bytes per copy task of a load: large copie
 # (measured on the tiny model, ~1 MB restores: 0.48 -> 0.21 ms idle, 0.81 -> 0.52 ms right after
 # a forward pass). Its layers then become ready together, about 0.1 ms in.
 SMALL_LOAD_BYTES = 4 * 1024 * 1024
-TORCH_DTYPES = {"FP32": torch.float32, "BF16": torch.bfloat16, "FP16": torch.float16, "FP8": torch.float8_e4m3fn}
-
-
-def torch_dtype(layout: KVLayout) -> torch.dtype:
-    return TORCH_DTYPES[layout.dtype.name]
 
 
 @dataclass(frozen=True)
@@ -356,7 +353,7 @@ class TieredCache:
 
     def device_block(self, slot: int) -> torch.Tensor:
         view = self.tier(Medium.DEVICE).view(slot)
-        return view.view(torch_dtype(self.layout)).view(self.layout.block_shape)
+        return view.view(torch_dtype(self.layout.dtype)).view(self.layout.block_shape)
 
     def load(self, match: Match) -> LoadHandle:
         """Bring the matched blocks into the device tier; returns at once with a handle."""
@@ -624,8 +621,8 @@ class TieredCache:
         layout = self.layout
         if not isinstance(kv, torch.Tensor):
             raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.dtype != torch_dtype(layout):
-            raise ValueError(f"kv dtype {kv.dtype} does not match the cache layout's {torch_dtype(layout)}")
+        if kv.dtype != torch_dtype(layout.dtype):
+            raise ValueError(f"kv dtype {kv.dtype} does not match the cache layout's {torch_dtype(layout.dtype)}")
         expected = (layout.num_layers, layout.kv_tensors, "tokens", layout.kv_heads, layout.head_dim)
         if kv.dim() != 5 or tuple(kv.shape[i] for i in (0, 1, 3, 4)) != tuple(expected[i] for i in (0, 1, 3, 4)):
             raise ValueError(f"kv shape {tuple(kv.shape)} does not match [layers, kv, tokens, kv_heads, head_dim] = {expected}")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kvstrata.tiers.medium import Medium
+from kvstrata.media import Medium
 
 if TYPE_CHECKING:
     from kvstrata.transfer.engine import TransferResult

@@ -13,10 +13,11 @@ import threading
 import numpy as np
 import torch
 
-from kvstrata.cache import TieredCache, torch_dtype
+from kvstrata.cache import TieredCache
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
+from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import HostTier
 from kvstrata.tiers.table import BlockState
@@ -38,7 +39,7 @@ def content(layout: KVLayout, key: BlockKey) -> torch.Tensor:
     """The KV of the block keyed ``key``: ``layout.block_shape``, random bits of the layout's dtype."""
     rng = np.random.default_rng(int.from_bytes(key, "little"))
     raw = rng.integers(0, 256, size=layout.block_bytes, dtype=np.uint8)
-    return torch.from_numpy(raw).view(torch_dtype(layout)).view(layout.block_shape)
+    return torch.from_numpy(raw).view(torch_dtype(layout.dtype)).view(layout.block_shape)
 
 
 def kv_for(cache: TieredCache, toks: list[int], tenant: str = "") -> torch.Tensor:
@@ -51,9 +52,9 @@ def kv_for(cache: TieredCache, toks: list[int], tenant: str = "") -> torch.Tenso
     tail = len(toks) - len(keys) * bs
     if tail:
         shape = (layout.num_layers, layout.kv_tensors, tail, layout.kv_heads, layout.head_dim)
-        parts.append(torch.randn(shape).to(torch_dtype(layout)))
+        parts.append(torch.randn(shape).to(torch_dtype(layout.dtype)))
     return torch.cat(parts, dim=2) if parts else torch.empty(
-        (layout.num_layers, layout.kv_tensors, 0, layout.kv_heads, layout.head_dim), dtype=torch_dtype(layout)
+        (layout.num_layers, layout.kv_tensors, 0, layout.kv_heads, layout.head_dim), dtype=torch_dtype(layout.dtype)
     )
 
 
@@ -104,7 +105,7 @@ def assert_quiescent(cache: TieredCache, held: dict | None = None) -> None:
 
 def held_pins(cache: TieredCache, handles) -> dict:
     """The device pins ``handles`` (live, not released) account for."""
-    from kvstrata.tiers.medium import Medium
+    from kvstrata.media import Medium
 
     out: dict = {}
     for handle in handles:

@@ -36,10 +36,10 @@ from cache_support import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.cache import CacheConfig, LoadHandle, LoadResult, StoreResult, TieredCache
+from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.memory import DeviceTier, HostTier
 
 D, H, K = Medium.DEVICE, Medium.HOST, Medium.DISK

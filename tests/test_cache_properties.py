@@ -32,10 +32,10 @@ from hypothesis.stateful import (
 )
 
 from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.table import BlockState
 
 BS = LAYOUT.block_tokens

@@ -32,11 +32,11 @@ from cache_support import assert_loaded_bytes, assert_quiescent, content, kv_for
 from kvstrata.cache import CacheConfig, LoadHandle, LoadResult, StoreResult, TieredCache
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool import embedded
 from kvstrata.pool.config import PoolConfig
-from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.remote import RemoteTier
 
 # 2 layers x K,V x 16 tokens x 2 heads x 32 dims x bf16: 4 KiB a layer, 8 KiB a block.

@@ -32,13 +32,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.errors import TierUnavailable
 from kvstrata.index.prefix import Match
+from kvstrata.media import Medium
 from kvstrata.plan.host import HostCalibration
 from kvstrata.pool.config import PoolConfig
-from kvstrata.tiers.base import TierUnavailable
-from kvstrata.tiers.medium import Medium
 
 TIERS = ("device", "host", "disk", "remote")
 _ABOVE = {

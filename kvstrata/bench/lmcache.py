@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from kvstrata.bench.timing import VerificationError, drop_page_cache
-from kvstrata.cache import torch_dtype
 from kvstrata.kv.layout import KVLayout
+from kvstrata.tensors import torch_dtype
 
 GIB = 1 << 30
 DISK_WAIT_S = 300.0  # a chunk not on disk by then means LMCache dropped the write
@@ -74,7 +74,7 @@ def engine_metadata(layout: Any, model_name: str) -> Any:
         local_world_size=1,
         worker_id=0,
         local_worker_id=0,
-        kv_dtype=torch_dtype(layout),
+        kv_dtype=torch_dtype(layout.dtype),
         kv_shape=(layout.num_layers, layout.kv_tensors, layout.block_tokens, layout.kv_heads, layout.head_dim),
         chunk_size=layout.block_tokens,
     )
@@ -145,7 +145,7 @@ class LMCacheSide:
         self._builder = LMCacheEngineBuilder
         self.layout = layout
         self.kv_bytes = kv_bytes
-        self.kv = kv_bytes.view(torch_dtype(layout))
+        self.kv = kv_bytes.view(torch_dtype(layout.dtype))
         self.tokens = torch.tensor(tokens, dtype=torch.long)
         self.size_bytes = kv_bytes.numel()
         self.directory = directory

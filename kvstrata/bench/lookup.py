@@ -26,7 +26,7 @@ import xxhash
 
 from kvstrata.index.keys import BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import PrefixIndex
-from kvstrata.tiers.medium import Medium
+from kvstrata.media import Medium
 
 VOCAB = 128_256  # Llama 3's vocabulary: ids need the full 17 bits, as real prompts do
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from kvstrata.bench.timing import VerificationError, drop_page_cache
-from kvstrata.cache import CacheConfig, LoadHandle, TieredCache, torch_dtype
+from kvstrata.cache import CacheConfig, LoadHandle, TieredCache
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
+from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.disk import SUFFIX, DiskTier
-from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.memory import MemoryTier
 
 
@@ -53,7 +54,7 @@ class OursCache:
         self.layout = layout
         self.blocks = len(tokens) // layout.block_tokens
         self.kv_bytes = kv_bytes
-        self.kv = kv_bytes.view(torch_dtype(layout))  # [layers, kv, tokens, kv_heads, head_dim]
+        self.kv = kv_bytes.view(torch_dtype(layout.dtype))  # [layers, kv, tokens, kv_heads, head_dim]
         self.tokens = tokens
         self.size_bytes = self.blocks * layout.block_bytes
         capacity = self.size_bytes

@@ -22,8 +22,7 @@ import torch
 from kvstrata.bench.timing import VerificationError
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
-from kvstrata.pool.client import RemoteMode
-from kvstrata.pool.config import PoolConfig
+from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.memory import HostTier
 from kvstrata.tiers.remote import RemoteTier

@@ -26,8 +26,8 @@ import torch
 from kvstrata.bench.timing import VerificationError
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.index.prefix import Match
+from kvstrata.media import Medium
 from kvstrata.pool.client import PoolUnavailable
-from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.memory import MemoryTier
 
 ROUTES = {"direct": "remote -> device", "staged": "remote -> host -> device"}

@@ -19,8 +19,8 @@ import time
 import torch
 
 from kvstrata.bench.timing import VerificationError
-from kvstrata.pool.client import LOCAL_BUFFER_BYTES, RemoteMode
-from kvstrata.pool.config import PoolConfig
+from kvstrata.pool.client import LOCAL_BUFFER_BYTES
+from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tiers.remote import OBJECT_NOT_FOUND
 
 

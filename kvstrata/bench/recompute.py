@@ -36,8 +36,8 @@ import torch
 
 from kvstrata.bench.timing import NoProgress, Progress, rotated
 from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.media import Medium
 from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, fit_path
-from kvstrata.tiers.medium import Medium
 
 PLANS = ("load", "recompute", "auto")
 PROBE_BLOCKS = (1, 2, 8)

@@ -64,8 +64,7 @@ from kvstrata.cache import CacheConfig
 from kvstrata.index.keys import block_keys
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool import embedded
-from kvstrata.pool.client import RemoteMode
-from kvstrata.pool.config import PoolConfig
+from kvstrata.pool.config import PoolConfig, RemoteMode
 
 Step = tuple[str, Callable[[], float]]  # (figure name, timed step returning seconds)
 PHASES = ("store", "restore", "first byte")

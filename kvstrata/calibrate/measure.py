@@ -387,7 +387,7 @@ def _restore_dispatch(device: torch.device, workers: int, repeats: int) -> Measu
     from kvstrata.cache import CacheConfig, TieredCache
     from kvstrata.kv.geometry import DType
     from kvstrata.kv.layout import KVLayout
-    from kvstrata.tiers.medium import Medium
+    from kvstrata.media import Medium
 
     layout = KVLayout(32, 2, 1, 8, DType.BF16)
     b = layout.block_bytes
@@ -424,7 +424,7 @@ def _threaded_checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
 def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measurement]:
     """Pool get and put of ``size`` bytes in objects of ``object_bytes``, one batched call each."""
     from kvstrata.bench.rawpool import RawPool
-    from kvstrata.pool.client import RemoteMode
+    from kvstrata.pool.config import RemoteMode
     from kvstrata.tiers.poolvalue import HEADER_BYTES
 
     out: list[Measurement] = []

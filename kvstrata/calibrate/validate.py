@@ -21,14 +21,15 @@ from pathlib import Path
 import torch
 
 from kvstrata.bench.timing import NoProgress, Progress, VerificationError, drop_page_cache
-from kvstrata.cache import CacheConfig, TieredCache, torch_dtype
+from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.layout import KVLayout
 from kvstrata.kv.presets import load_geometry
+from kvstrata.media import Medium
 from kvstrata.plan.host import HostCalibration
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool.config import PoolConfig
+from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.disk import SUFFIX, DiskTier
-from kvstrata.tiers.medium import Medium
 
 MIB = 1 << 20
 DEFAULT_SIZES = (16 * MIB, 64 * MIB, 256 * MIB)
@@ -145,7 +146,7 @@ class _Restores:
         size = blocks * layout.block_bytes
         self.tokens = list(range(blocks * layout.block_tokens))
         shape = (layout.num_layers, layout.kv_tensors, len(self.tokens), layout.kv_heads, layout.head_dim)
-        itemsize = torch.empty((), dtype=torch_dtype(layout)).element_size()
+        itemsize = torch.empty((), dtype=torch_dtype(layout.dtype)).element_size()
         kv_bytes = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), dtype=torch.uint8)
         self.kv_bytes = kv_bytes  # [layers, kv, tokens, kv_heads, head_dim * itemsize]
         local = pool is None
@@ -165,7 +166,7 @@ class _Restores:
         ))
         if pool is not None and Medium.REMOTE not in self.cache.media:
             raise RuntimeError(f"validate: the pool could not be reached ({self.cache.remote_error})")
-        result = self.cache.store(self.tokens, kv_bytes.view(torch_dtype(layout))).result()
+        result = self.cache.store(self.tokens, kv_bytes.view(torch_dtype(layout.dtype))).result()
         if result.new_blocks != blocks:
             raise RuntimeError(f"validate: stored {result.new_blocks} of {blocks} blocks")
 

@@ -264,7 +264,8 @@ def run_remote(args: argparse.Namespace) -> int:
     # loads: set before any import of it. Its few benign ERROR lines still show.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvstrata.bench.remote import RemoteBenchConfig, run_remote_bench
-    from kvstrata.pool.client import PoolUnavailable, RemoteMode
+    from kvstrata.pool.client import PoolUnavailable
+    from kvstrata.pool.config import RemoteMode
     from kvstrata.pool.embedded import PoolError
 
     modes = tuple(dict.fromkeys(RemoteMode(m) for m in args.mode)) if args.mode else tuple(RemoteMode)

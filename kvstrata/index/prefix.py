@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstrata.index.keys import BlockKey
-from kvstrata.tiers.medium import FASTEST_BY_MASK, Medium
+from kvstrata.media import FASTEST_BY_MASK, Medium
 
 
 @dataclass(frozen=True)

@@ -37,16 +37,17 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvstrata.cache import TORCH_DTYPES, LoadHandle, LoadResult, TieredCache
+from kvstrata.cache import LoadHandle, LoadResult, TieredCache
 from kvstrata.index.prefix import Match
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.plan.host import DISK_READ_COLD, HostCalibration, PrefillFit
 from kvstrata.plan.recompute import LoadTime, PlanKind, RecomputePlan, Strategy, choose
-from kvstrata.tiers.medium import Medium
+from kvstrata.tensors import kv_dtype
 
-# The model's dtype is the cache's KV dtype: the pairs the cache views its bytes as (FP8 aside).
-_DTYPES = {TORCH_DTYPES[d.name]: d for d in (DType.BF16, DType.FP16, DType.FP32)}
+# The model's dtype is the cache's KV dtype (FP8 KV is an engine's choice, not a model's).
+_MODEL_DTYPES = (DType.BF16, DType.FP16, DType.FP32)
 
 
 def model_layout(config: Any, block_tokens: int, dtype: torch.dtype) -> KVLayout:
@@ -54,9 +55,7 @@ def model_layout(config: Any, block_tokens: int, dtype: torch.dtype) -> KVLayout
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if dtype not in _DTYPES:
-        raise ValueError(f"KV dtype {dtype} is not supported: use bfloat16, float16 or float32")
-    return KVLayout(config.num_hidden_layers, block_tokens, kv_heads, head_dim, _DTYPES[dtype])
+    return KVLayout(config.num_hidden_layers, block_tokens, kv_heads, head_dim, kv_dtype(dtype, _MODEL_DTYPES))
 
 
 class RestoredPrefix:

@@ -48,10 +48,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstrata.cache import TORCH_DTYPES, CacheConfig, TieredCache
+from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
+from kvstrata.tensors import kv_dtype, torch_dtype
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,8 +64,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 MiB = 1024**2
-# vLLM's KV dtype is the cache's: the pairs the cache views its bytes as (FP8 aside).
-_DTYPES = {TORCH_DTYPES[d.name]: d for d in (DType.FP32, DType.BF16, DType.FP16)}
+# vLLM's KV dtype is the cache's (FP8 KV caches: not yet).
+_VLLM_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 _LOOKUP_WAIT_S = 10.0  # how long the scheduler waits for its worker's lookup socket to appear
 
 
@@ -260,13 +261,13 @@ class KVStrataConnector(KVConnectorBase_V1):
         kv_heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
         head_dim = model.get_head_size()
         per_block = first[0].numel()
-        if per_block != 2 * self._block_size * kv_heads * head_dim or first.dtype not in _DTYPES:
+        if per_block != 2 * self._block_size * kv_heads * head_dim or first.dtype not in map(torch_dtype, _VLLM_DTYPES):
             raise ValueError(
                 f"KVStrataConnector: vLLM block of shape {tuple(first.shape[1:])} ({first.dtype}) is not "
                 f"K and V of {self._block_size} tokens x {kv_heads} heads x {head_dim} (MLA, fp8: unsupported)"
             )
         layout = KVLayout(
-            len(self._layers), self._block_size, kv_heads, head_dim, _DTYPES[first.dtype],
+            len(self._layers), self._block_size, kv_heads, head_dim, kv_dtype(first.dtype, _VLLM_DTYPES),
             name=f"vllm-{current_platform.device_type} opaque",
         )
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()

@@ -38,7 +38,6 @@ call releases it. So neither can be bounded by a thread, and:
 from __future__ import annotations
 
 import ctypes
-import enum
 import socket
 import threading
 import time
@@ -49,20 +48,15 @@ from typing import Any
 
 import torch
 
-from kvstrata.pool.config import PoolConfig
+from kvstrata.errors import TierUnavailable
+from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.pool.embedded import accepts
 from kvstrata.pool.workers import Workers
-from kvstrata.tiers.base import TierUnavailable
 
 PROBE_OBJECT = "kvstrata/.probe"  # never written: the probe asks whether it exists
 LOCAL_BUFFER_BYTES = 4 << 20  # Mooncake's own staging for copying APIs, which we do not use
 PARKED_PER_POOL = 2
 _NOT_A_REQUEST = bytes(16)
-
-
-class RemoteMode(enum.Enum):
-    TCP = "tcp"  # a client of the master; objects move over the pool's protocol
-    SHM = "shm"  # a client of the pool daemon on this host, through shared memory
 
 
 class PoolUnavailable(TierUnavailable):

@@ -6,6 +6,7 @@ such a file or to an embedded pool's state file), or from the embedded pool's st
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import sys
@@ -18,6 +19,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV = "KVSTRATA_POOL"
+
+
+class RemoteMode(enum.Enum):
+    """How a process reaches the pool."""
+
+    TCP = "tcp"  # a client of the master; objects move over the pool's protocol
+    SHM = "shm"  # a client of the pool daemon on this host, through shared memory
 
 
 @dataclass(frozen=True)

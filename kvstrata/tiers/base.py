@@ -13,26 +13,9 @@ import torch
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
-from kvstrata.tiers.medium import Medium
 from kvstrata.tiers.table import BlockTable
-
-
-class CorruptBlock(Exception):
-    """A stored block failed verification (checksum, size, header); it must not be served."""
-
-
-class BlockMissing(CorruptBlock):
-    """The block is gone (removed under a reader, evicted by a shared pool): a miss."""
-
-
-class TierUnavailable(RuntimeError):
-    """The service behind a tier cannot be reached (a pool master or daemon is down)."""
-
-
-class TransferAbandoned(TierUnavailable):
-    """A transfer timed out; its bytes may still land in the destination later, so the
-    caller must never reuse that destination (quarantine the slot) nor trust it."""
 
 
 class Tier(abc.ABC):

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvstrata.errors import CorruptBlock
 from kvstrata.index.keys import KEY_BYTES, BlockKey
-from kvstrata.tiers.base import CorruptBlock
 
 MAGIC = b"KVSTRATA"
 VERSION = 1

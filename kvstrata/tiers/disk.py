@@ -52,12 +52,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstrata.errors import CorruptBlock
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.tiers import blockfile
-from kvstrata.tiers.base import CorruptBlock, Tier
-from kvstrata.tiers.medium import Medium
+from kvstrata.tiers.base import Tier
 from kvstrata.tiers.table import BlockState
 
 SUFFIX = ".kvb"

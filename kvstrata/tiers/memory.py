@@ -18,9 +18,9 @@ import torch
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.medium import Medium
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvstrata.errors import CorruptBlock
 from kvstrata.index.keys import KEY_BYTES, BlockKey
-from kvstrata.tiers.base import CorruptBlock
 
 MAGIC = b"KVSPOOL\x00"
 VERSION = 1

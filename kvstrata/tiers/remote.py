@@ -21,7 +21,7 @@ Faults. Every store call is bounded (``op_timeout_s``) on a private worker threa
 a transport error puts the tier DOWN for a cool-off, during which calls raise PoolUnavailable at
 once (see ``kvstrata.pool.client``). The contract for the caller's memory:
 
-* ``read_into`` raises TransferAbandoned (a PoolUnavailable and a ``kvstrata.tiers.base.TransferAbandoned``) when it handed ``dst``'s memory to
+* ``read_into`` raises TransferAbandoned (a PoolUnavailable and a ``kvstrata.errors.TransferAbandoned``) when it handed ``dst``'s memory to
   the pool and the call did not end cleanly (timed out, or a transport error): bytes may still
   land in ``dst`` at any later time. The caller must quarantine that memory (e.g. never reuse
   the host slot). A read that went through staging raises plain PoolUnavailable: ``dst`` was
@@ -42,14 +42,16 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstrata import errors
+from kvstrata.errors import BlockMissing, CorruptBlock
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
-from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable, RemoteMode
-from kvstrata.pool.config import PoolConfig
-from kvstrata.tiers import base, poolvalue
-from kvstrata.tiers.base import BlockMissing, CorruptBlock, Tier
-from kvstrata.tiers.medium import Medium
+from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable
+from kvstrata.pool.config import PoolConfig, RemoteMode
+from kvstrata.tiers import poolvalue
+from kvstrata.tiers.base import Tier
 from kvstrata.tiers.table import TierFull
 
 __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "RemoteMode", "RemoteTier", "TransferAbandoned"]
@@ -71,7 +73,7 @@ _MISSING = {REPLICA_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED}
 _PUT_REFUSED = {NO_SPACE, INVALID_KEY, BUFFERS_TOO_SMALL, REPLICA_NOT_READY, OBJECT_HAS_LEASE, TENANT_QUOTA_EXCEEDED}
 
 
-class TransferAbandoned(base.TransferAbandoned, PoolUnavailable):
+class TransferAbandoned(errors.TransferAbandoned, PoolUnavailable):
     """A read gave up on a transfer into the caller's memory, which may still be written later.
 
     Quarantine that memory: never reuse it for anything (see the module docstring).

@@ -27,8 +27,8 @@ from typing import TypeVar
 import torch
 
 from kvstrata.index.keys import BlockKey
+from kvstrata.media import Medium
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.medium import Medium
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstrata.index.keys import Namespace, block_keys
 from kvstrata.index.prefix import Match, PrefixIndex
-from kvstrata.tiers.medium import Medium
+from kvstrata.media import Medium
 
 D, H, K, R = Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE
 

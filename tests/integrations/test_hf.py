@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
 from kvstrata.integrations.hf import KVStrataLM, model_layout  # noqa: E402
-from kvstrata.tiers.medium import Medium  # noqa: E402
+from kvstrata.media import Medium  # noqa: E402
 
 BLOCK = 32
 NEW_TOKENS = 12

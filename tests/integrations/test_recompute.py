@@ -12,9 +12,9 @@ transformers = pytest.importorskip("transformers")
 from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
 from kvstrata.integrations.hf import KVStrataLM, model_layout  # noqa: E402
 from kvstrata.integrations.recompute import measure_prefill  # noqa: E402
+from kvstrata.media import Medium  # noqa: E402
 from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, PrefillFit  # noqa: E402
 from kvstrata.plan.recompute import PlanKind  # noqa: E402
-from kvstrata.tiers.medium import Medium  # noqa: E402
 
 BLOCK = 32
 NEW_TOKENS = 8

@@ -28,10 +28,10 @@ import pytest
 import torch
 import xxhash
 
+from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.tiers import blockfile
-from kvstrata.tiers.base import CorruptBlock
 from kvstrata.tiers.disk import DirectoryInUse, DiskTier
 
 SMALL = KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DType.BF16)  # 4 x 1 KiB

@@ -18,9 +18,9 @@ import xxhash
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 from kvstrata.tiers.blockfile import PAGE_BYTES
 from kvstrata.tiers.disk import DiskTier
-from kvstrata.tiers.medium import Medium
 
 LAYOUT = KVLayout(num_layers=4, block_tokens=16, kv_heads=4, head_dim=128, dtype=DType.BF16)  # 4 x 16 KiB
 FILE_BYTES = PAGE_BYTES + LAYOUT.block_bytes  # a one-page header, then the payload

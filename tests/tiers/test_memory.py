@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.tiers.medium import Medium
+from kvstrata.media import Medium
 from kvstrata.tiers.memory import DeviceTier, HostTier, copy_bytes
 
 from .conformance import SMALL

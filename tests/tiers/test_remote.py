@@ -21,13 +21,14 @@ import pytest
 import torch
 import xxhash
 
+from kvstrata import errors
+from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool import embedded
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
-from kvstrata.tiers import base, poolvalue
-from kvstrata.tiers.base import CorruptBlock
+from kvstrata.tiers import poolvalue
 from kvstrata.tiers.remote import (
     BlockMissing,
     PoolUnavailable,
@@ -343,7 +344,7 @@ def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private
     os.kill(private_pool.daemon_pid, signal.SIGSTOP)  # holds the bytes (and serves SHM clients)
     error, seconds = timed(lambda: load(tier, make_key(11), host[0]))
     assert isinstance(error, TransferAbandoned)  # host[0] was handed to the pool: quarantine it
-    assert isinstance(error, base.TransferAbandoned)  # what the cache catches
+    assert isinstance(error, errors.TransferAbandoned)  # what the cache catches
     assert op_timeout_s <= seconds < op_timeout_s + SLACK_S
     assert not tier.up
     error, seconds = timed(lambda: load(tier, make_key(11), host[1]))  # cooling off: fails at once

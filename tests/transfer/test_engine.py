@@ -9,10 +9,11 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
-from kvstrata.tiers.base import CorruptBlock, Tier
-from kvstrata.tiers.medium import Medium
+from kvstrata.media import Medium
+from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import DeviceTier, HostTier
 from kvstrata.tiers.table import BlockState
 from kvstrata.transfer import HANDLERS, TransferEngine, TransferResult
