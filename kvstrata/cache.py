@@ -22,6 +22,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,13 +31,14 @@ from kvstrata.errors import BlockMissing, CorruptBlock, TierUnavailable, Transfe
 from kvstrata.index.keys import BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import Match, PrefixIndex
 from kvstrata.kv.layout import KVLayout
-from kvstrata.media import Medium
+from kvstrata.manager.plans import StopReason
+from kvstrata.media import FetchPath, Medium, Route
 from kvstrata.metrics import CacheMetrics
 from kvstrata.plan.host import HostCalibration
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, PrefetchTiming, schedule
 from kvstrata.policies.write import WriteRule
-from kvstrata.pool.config import PoolConfig
+from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.table import Reservation, TierFull
@@ -59,7 +61,7 @@ class CacheConfig:
     device_bytes: int
     host_bytes: int
     disk_bytes: int = 0
-    disk_dir: str | None = None
+    disk_dir: Path | None = None
     write: WriteRule = field(default_factory=WriteRule)
     eviction: Eviction = Eviction.LRU
     workers: int = 2
@@ -68,9 +70,9 @@ class CacheConfig:
     device: str | None = None  # torch device for the device tier; None: CUDA if present, else CPU
     pool: PoolConfig | None = None  # the shared remote DRAM pool; None: no remote tier
     remote_bytes: int = 0  # this instance's view of the pool (how many blocks it tracks)
-    remote_mode: str = "tcp"  # "tcp" (any host) or "shm" (a pool daemon on this host)
-    remote_path: str = "auto"  # "direct" (pool -> device), "staged" (pool -> host -> device), "auto"
-    disk_path: str = "auto"  # "direct" (disk -> device), "staged" (disk -> host -> device), "auto"
+    remote_mode: RemoteMode = RemoteMode.TCP  # TCP (any host) or SHM (a pool daemon on this host)
+    remote_path: FetchPath = FetchPath.AUTO  # how pool blocks reach the device
+    disk_path: FetchPath = FetchPath.AUTO  # how disk blocks reach the device
     # This host's measured paths (kvstrata.plan.host.HostCalibration): predicted transfer times
     # for prefetch deadlines and load-or-recompute choices. None: not calibrated.
     calibration: HostCalibration | None = None
@@ -87,11 +89,12 @@ class CacheConfig:
             raise ValueError(f"cache workers must be >= 1, got {self.workers}")
         if self.pool is not None and self.remote_bytes <= 0:
             raise ValueError("cache with a pool needs remote_bytes > 0 (how much of the pool it tracks)")
-        if self.remote_mode not in ("tcp", "shm"):
-            raise ValueError(f"cache remote_mode must be tcp or shm, got {self.remote_mode!r}")
-        for name in ("remote_path", "disk_path"):
-            if getattr(self, name) not in ("auto", "direct", "staged"):
-                raise ValueError(f"cache {name} must be auto, direct or staged, got {getattr(self, name)!r}")
+        for name, kind in (("remote_mode", RemoteMode), ("remote_path", FetchPath), ("disk_path", FetchPath),
+                           ("write", WriteRule), ("eviction", Eviction)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"cache {name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if self.disk_dir is not None and not isinstance(self.disk_dir, Path):
+            raise ValueError(f"cache disk_dir must be a pathlib.Path, got {self.disk_dir!r}")
         if self.small_load_bytes < 0:
             raise ValueError(f"cache small_load_bytes must be >= 0, got {self.small_load_bytes}")
         if self.disk_read_gbps is not None and not self.disk_read_gbps > 0:
@@ -116,9 +119,10 @@ class LoadResult:
     tokens: int
     bytes_from: dict[Medium, int]  # per source medium of every leg (disk -> host -> device: both)
     seconds: float
-    stopped: str | None  # why fewer blocks than matched were loaded, if so
+    stopped: StopReason | None  # why fewer blocks than matched were loaded, if so
     restored_bytes: int = 0  # bytes that arrived on the device (blocks not already there)
-    paths: dict[str, int] = field(default_factory=dict)  # blocks per route, e.g. "remote -> host -> device"
+    paths: dict[Route, int] = field(default_factory=dict)  # blocks per route, e.g. (REMOTE, HOST, DEVICE)
+    stopped_at: Medium | None = None  # the tier of the block the load stopped at, if one did
 
     @property
     def gbps(self) -> float:
@@ -232,11 +236,11 @@ class TieredCache:
                 self.index.add(key, tier.medium)
         device = self._tiers[Medium.DEVICE]
         remote = self._tiers.get(Medium.REMOTE)
-        if remote is not None and config.remote_path != "staged":
+        if remote is not None and config.remote_path is not FetchPath.STAGED:
             # Direct pool -> device where the pool can address device memory: a CPU stand-in
             # for HBM here, or GPU memory over RDMA (GPUDirect) on GPU hosts.
             direct = device.device.type == "cpu" or (config.pool is not None and config.pool.protocol == "rdma")
-            self._remote_direct = config.remote_path == "direct" or direct
+            self._remote_direct = config.remote_path is FetchPath.DIRECT or direct
             if self._remote_direct and device.device.type == "cpu" and hasattr(remote, "register"):
                 remote.register(device.buffer)
         else:
@@ -244,7 +248,7 @@ class TieredCache:
         # "auto": disk blocks read straight into device slots the CPU can address (the CPU
         # stand-in for HBM); into GPU memory they are staged in the host tier (GPUDirect
         # Storage would lift that).
-        self._disk_direct = config.disk_path == "direct" or (config.disk_path == "auto" and device.device.type == "cpu")
+        self._disk_direct = config.disk_path is FetchPath.DIRECT or (config.disk_path is FetchPath.AUTO and device.device.type == "cpu")
         self._engine = TransferEngine(config.workers)
         self._orchestrator = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstrata-plan")
         self._timers: dict[threading.Timer, Future] = {}  # deadline prefetches not yet begun
@@ -260,7 +264,7 @@ class TieredCache:
         remote = self._connect_remote(config)
         device_buffer = None
         where = torch.device(config.device) if config.device else default_device()
-        if remote is not None and config.remote_mode == "shm" and where.type == "cpu":
+        if remote is not None and config.remote_mode is RemoteMode.SHM and where.type == "cpu":
             # A CPU stand-in for HBM on a shared-memory pool: in the pool's memory, so the
             # direct pool -> device path is zero-copy too.
             slots = config.device_bytes // config.layout.block_bytes
@@ -288,14 +292,14 @@ class TieredCache:
         then serves from its local tiers."""
         if config.pool is None:
             return None
-        from kvstrata.tiers.remote import RemoteMode, RemoteTier
+        from kvstrata.tiers.remote import RemoteTier
 
         try:
             return RemoteTier(
                 config.layout,
                 config.remote_bytes,
                 config.pool,
-                RemoteMode(config.remote_mode),
+                config.remote_mode,
                 namespace_tag=config.namespace().tag,
                 eviction=config.eviction,
             )
@@ -371,6 +375,7 @@ class TieredCache:
         try:
             stopped = self._plan_load(match, plan)
             stopped = self._fetch_unviewable(plan, bytes_from) or stopped
+            reason, at = stopped or (None, None)
             handle._plan([p.key for p in plan], [p.dst_slot for p in plan])
             fresh = [p for p in plan if p.fresh]
             self._copy_layers([p for p in fresh if not p.done], handle, bytes_from)
@@ -386,38 +391,38 @@ class TieredCache:
             seconds = time.perf_counter() - start
             tokens = len(keys) * self.layout.block_tokens
             paths = dict(Counter(p.route for p in plan))
-            handle._finish(LoadResult(len(keys), tokens, bytes_from, seconds, stopped, restored, paths))
+            handle._finish(LoadResult(len(keys), tokens, bytes_from, seconds, reason, restored, paths, at))
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle
             self._abandon(plan)
             handle._plan([], [])  # _abandon dropped every pin: release() must not unpin again
             handle._finish(None, exc)
 
-    def _plan_load(self, match: Match, plan: list["_Planned"]) -> str | None:
+    def _plan_load(self, match: Match, plan: list["_Planned"]) -> tuple[StopReason, Medium] | None:
         """Pin each matched block where it is and reserve a device slot for those not on the
         device, in order; stop at the first block that cannot be had. Returns why it stopped."""
         device = self.tier(Medium.DEVICE)
         for key in match.keys:
             slot = device.table.pin(key)
             if slot is not None:
-                plan.append(_Planned(key, slot, fresh=False, route="device"))
+                plan.append(_Planned(key, slot, fresh=False, route=(Medium.DEVICE,)))
                 continue
             source = self._pin_source(key, above=Medium.DEVICE, hit=True)
             if source is None:
-                return "a block left every tier before it could be loaded"
+                return StopReason.GONE, match.media[len(plan)]
             try:
                 reservation = self._reserve(device, key)
             except TierFull:
-                reservation, why = None, "device tier full of pinned blocks"
+                reservation, why = None, StopReason.DEVICE_FULL
             else:
-                why = "block being loaded by another request"
+                why = StopReason.LOADING_ELSEWHERE
             if reservation is None:
                 self._unpin(source[0], [key])
                 slot = device.table.pin(key)  # the other request may have finished meanwhile
                 if slot is None:
-                    return why
-                plan.append(_Planned(key, slot, fresh=False, route="device"))
+                    return why, source[0]
+                plan.append(_Planned(key, slot, fresh=False, route=(Medium.DEVICE,)))
                 continue
-            route = f"{source[0].label} -> device"
+            route = (source[0], Medium.DEVICE)
             plan.append(_Planned(key, reservation.slot, fresh=True, src=source[0], src_slot=source[1], route=route))
         return None
 
@@ -446,7 +451,7 @@ class TieredCache:
                 return medium, slot
         return None
 
-    def _fetch_unviewable(self, plan: list["_Planned"], bytes_from: dict[Medium, int]) -> str | None:
+    def _fetch_unviewable(self, plan: list["_Planned"], bytes_from: dict[Medium, int]) -> tuple[StopReason, Medium] | None:
         """Bring planned sources that have no in-memory view (disk, remote) within reach, in
         parallel: a remote block straight into its device slot where the transport allows
         (``remote -> device``, the GDR path), else staged in the host tier (a promotion; the
@@ -457,7 +462,7 @@ class TieredCache:
             return None
         host = self._tiers.get(Medium.HOST)
         device = self.tier(Medium.DEVICE)
-        failed: dict[int, str] = {}
+        failed: dict[int, tuple[StopReason, Medium]] = {}
         futures: list[tuple[int, Future, Reservation | None]] = []
         batched = [i for i in pending if plan[i].src is Medium.REMOTE and self._remote_direct]
         batches = [batched[w :: self.config.workers] for w in range(self.config.workers)]
@@ -465,21 +470,21 @@ class TieredCache:
         for i in pending:
             p = plan[i]
             if i in batched:
-                p.route = "remote -> device"
+                p.route = (Medium.REMOTE, Medium.DEVICE)
                 continue
             if p.src is Medium.DISK and self._disk_direct:
-                p.route = "disk -> device"
+                p.route = (Medium.DISK, Medium.DEVICE)
                 futures.append((i, self._engine.submit(self._tiers[p.src], p.src_slot, device, p.dst_slot, p.key), None))
                 continue
             try:
                 reservation = self._reserve(host, p.key) if host is not None else None
-                why = "no host tier to stage disk/remote blocks" if host is None else "block being promoted elsewhere"
+                why = StopReason.NO_STAGING if host is None else StopReason.STAGING_ELSEWHERE
             except TierFull:
-                reservation, why = None, "host tier full of pinned blocks"
+                reservation, why = None, StopReason.STAGING_FULL
             if reservation is None:
-                failed[i] = why
+                failed[i] = why, p.src
                 break
-            p.route = f"{p.src.label} -> host -> device"
+            p.route = (p.src, Medium.HOST, Medium.DEVICE)
             futures.append((i, self._engine.submit(self._tiers[p.src], p.src_slot, host, reservation.slot, p.key), reservation))
         outcomes: list[tuple[int, Any, Reservation | None]] = []
         for i, future, reservation in futures:
@@ -496,25 +501,24 @@ class TieredCache:
                 if isinstance(outcome, BaseException):
                     raise outcome
                 result = outcome
-            except TransferAbandoned as exc:
+            except TransferAbandoned:
                 # Bytes may still land in the destination later: never reuse that slot.
                 if reservation is None:
                     p.quarantined = True  # the device slot: retired when the plan is abandoned
                 else:
                     host.table.quarantine(p.key)
-                failed[i] = f"the {p.src.label} tier stopped answering ({exc}); destination slot quarantined"
+                failed[i] = StopReason.ABANDONED, p.src
                 continue
-            except TierUnavailable as exc:
+            except TierUnavailable:
                 # The destination was never exposed: a plain miss, its slot is reusable.
                 if reservation is not None:
                     host.table.complete_store(p.key, ok=False)
-                failed[i] = f"the {p.src.label} tier is unavailable ({exc})"
+                failed[i] = StopReason.UNAVAILABLE, p.src
                 continue
             except CorruptBlock as exc:
                 if reservation is not None:
                     host.table.complete_store(p.key, ok=False)
-                what = "was gone" if isinstance(exc, BlockMissing) else "failed verification and was dropped"
-                failed[i] = f"a {p.src.label} block {what}"
+                failed[i] = StopReason.MISSING if isinstance(exc, BlockMissing) else StopReason.CORRUPT, p.src
                 self._drop_corrupt(p.src, p.key, p.src_slot)
                 p.src = None  # its pin went with the block
                 continue
@@ -910,7 +914,7 @@ class _Planned:
     fresh: bool  # True: a reserved (WRITING) device slot to fill from ``src``
     src: Medium | None = None
     src_slot: int = -1
-    route: str = ""  # how the block reached the device, for LoadResult.paths
+    route: Route = ()  # how the block reached the device, for LoadResult.paths
     done: bool = False  # the whole block already landed (remote -> device)
     quarantined: bool = False  # a transfer into the slot was abandoned: never free it
 

@@ -36,7 +36,8 @@ from cache_support import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.cache import CacheConfig, LoadHandle, LoadResult, StoreResult, TieredCache
-from kvstrata.media import Medium
+from kvstrata.manager.plans import StopReason
+from kvstrata.media import FetchPath, Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
@@ -47,7 +48,7 @@ B = LAYOUT.block_bytes
 
 
 def make_config(tmp_path, device=4, host=8, disk=0, write=WritePolicy.WRITE_BACK, layout=LAYOUT,
-                eviction=Eviction.LRU, model_id="tiny", selective_hits=2, disk_path="staged") -> CacheConfig:
+                eviction=Eviction.LRU, model_id="tiny", selective_hits=2, disk_path=FetchPath.STAGED) -> CacheConfig:
     # Staged by default: the path a GPU's device tier takes (disk -> host -> device); the
     # direct path of a CPU-addressable device tier has its own tests.
     blocks = layout.block_bytes
@@ -57,7 +58,7 @@ def make_config(tmp_path, device=4, host=8, disk=0, write=WritePolicy.WRITE_BACK
         device_bytes=device * blocks,
         host_bytes=host * blocks,
         disk_bytes=disk * blocks,
-        disk_dir=str(tmp_path) if disk else None,
+        disk_dir=tmp_path if disk else None,
         write=WriteRule(write, selective_hits),
         eviction=eviction,
         disk_path=disk_path,
@@ -319,7 +320,7 @@ def test_a_block_in_use_is_never_evicted_until_its_handle_is_released(tmp_path, 
     assert store(cache, tokens(3, 2)).new_blocks == 0  # nothing fits: refused cleanly
     assert cache.lookup(tokens(3, 2)).blocks == 0
     refused = load_released(cache, waiting)  # on the host, but no device slot can be had
-    assert (refused.blocks, refused.stopped) == (0, "device tier full of pinned blocks")
+    assert (refused.blocks, refused.stopped) == (0, StopReason.DEVICE_FULL)
     assert_loaded_bytes(cache, handle, cache.keys(busy))  # pinned bytes untouched
     assert_quiescent(cache, held=held_pins(cache, [handle]))
 
@@ -334,7 +335,7 @@ def test_a_load_longer_than_the_device_loads_the_prefix_that_fits(tmp_path, cach
     store(cache, toks)
     cache.evict(D, 2)
     result = load_released(cache, toks)
-    assert (result.blocks, result.tokens, result.stopped) == (2, 32, "device tier full of pinned blocks")
+    assert (result.blocks, result.tokens, result.stopped) == (2, 32, StopReason.DEVICE_FULL)
 
 
 def test_a_stale_match_loads_what_is_still_cached(tmp_path, caches):
@@ -345,7 +346,7 @@ def test_a_stale_match_loads_what_is_still_cached(tmp_path, caches):
     cache.evict(D, 4)  # no lower tier: gone everywhere
     with cache.load(match) as handle:
         result = handle.wait(timeout=10)
-    assert (result.blocks, result.stopped) == (0, "a block left every tier before it could be loaded")
+    assert (result.blocks, result.stopped) == (0, StopReason.GONE)
 
 
 # --- load handles --------------------------------------------------------------------------------
@@ -405,7 +406,7 @@ def test_two_loads_of_one_prefix_racing_stay_exact_and_balanced(tmp_path, caches
     assert host.reads_waiting.acquire(timeout=10)  # first holds WRITING device slots for both
     second = cache.load(cache.lookup(toks))
     result = second.wait(timeout=10)  # does not wait on the first: loads what it can have now
-    assert (result.blocks, result.stopped) == (0, "block being loaded by another request")
+    assert (result.blocks, result.stopped) == (0, StopReason.LOADING_ELSEWHERE)
     host.gate.set()
     assert first.wait(timeout=10).blocks == 2
     assert_loaded_bytes(cache, first, cache.keys(toks))
@@ -592,7 +593,7 @@ def test_a_damaged_disk_block_mid_match_is_dropped_and_the_load_stops_before_it(
     damage(file_of(cache, keys[2]))
     result, handle = load(cache, toks)
     assert result.blocks == 2
-    assert result.stopped == "a disk block failed verification and was dropped"
+    assert (result.stopped, result.stopped_at) == (StopReason.CORRUPT, K)
     handle.release()
     assert cache.tier(K).table.state(keys[2]) is None and not file_of(cache, keys[2]).exists()
     assert cache.index.media(keys[2]) == ()
@@ -607,7 +608,7 @@ def test_a_damaged_block_another_reader_holds_stays_listed_until_the_last_reader
     flip_last_byte(file_of(cache, keys[1]))
     assert disk.table.pin(keys[1]) is not None  # a reader (say, a prefetch) that has not read yet
     result = load_released(cache, toks)
-    assert (result.blocks, result.stopped) == (1, "a disk block failed verification and was dropped")
+    assert (result.blocks, result.stopped, result.stopped_at) == (1, StopReason.CORRUPT, K)
     # It could not be removed while pinned: it stays READY, so the index keeps listing it.
     assert disk.table.state(keys[1]) is not None and K in cache.index.media(keys[1])
     assert_quiescent(cache, held={(K, keys[1]): 1})
@@ -620,7 +621,7 @@ def test_a_damaged_first_block_loads_nothing(tmp_path, caches):
     cache, toks, keys = on_disk_only(tmp_path, caches, 2)
     truncate(file_of(cache, keys[0]))
     result = load_released(cache, toks)
-    assert (result.blocks, result.stopped) == (0, "a disk block failed verification and was dropped")
+    assert (result.blocks, result.stopped, result.stopped_at) == (0, StopReason.CORRUPT, K)
     assert cache.lookup(toks).blocks == 0
 
 

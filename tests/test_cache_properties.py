@@ -17,6 +17,7 @@ import random
 import shutil
 import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 from cache_support import LAYOUT, assert_loaded_bytes, assert_quiescent, content, held_pins, kv_for, raw
@@ -32,7 +33,7 @@ from hypothesis.stateful import (
 )
 
 from kvstrata.cache import CacheConfig, TieredCache
-from kvstrata.media import Medium
+from kvstrata.media import FetchPath, Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
@@ -59,9 +60,9 @@ def prefix_of(seq_tenant: tuple[list[int], str], blocks: int) -> tuple[list[int]
     return (toks[: blocks * BS] if blocks else toks), tenant
 
 
-def make_config(directory: str, write: WriteRule, eviction: Eviction, disk_path: str = "staged") -> CacheConfig:
+def make_config(directory: str, write: WriteRule, eviction: Eviction, disk_path=FetchPath.STAGED) -> CacheConfig:
     b = LAYOUT.block_bytes
-    return CacheConfig(LAYOUT, "tiny", device_bytes=3 * b, host_bytes=4 * b, disk_bytes=6 * b, disk_dir=directory,
+    return CacheConfig(LAYOUT, "tiny", device_bytes=3 * b, host_bytes=4 * b, disk_bytes=6 * b, disk_dir=Path(directory),
                        write=write, eviction=eviction, disk_path=disk_path)
 
 

@@ -32,11 +32,12 @@ from cache_support import assert_loaded_bytes, assert_quiescent, content, kv_for
 from kvstrata.cache import CacheConfig, LoadHandle, LoadResult, StoreResult, TieredCache
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
-from kvstrata.media import Medium
+from kvstrata.manager.plans import StopReason
+from kvstrata.media import FetchPath, Medium, route_text
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool import embedded
-from kvstrata.pool.config import PoolConfig
+from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tiers.remote import RemoteTier
 
 # 2 layers x K,V x 16 tokens x 2 heads x 32 dims x bf16: 4 KiB a layer, 8 KiB a block.
@@ -45,7 +46,7 @@ B = LAYOUT.block_bytes
 D, H, R = Medium.DEVICE, Medium.HOST, Medium.REMOTE
 MODES = ["tcp", "shm"]
 PATHS = ["direct", "staged"]
-ROUTE = {"direct": "remote -> device", "staged": "remote -> host -> device"}
+ROUTE = {"direct": (R, D), "staged": (R, H, D)}
 # The bounds the cache's remote tier is built with (CacheConfig does not set them).
 _DEFAULTS = inspect.signature(RemoteTier).parameters
 CONNECT_TIMEOUT_S = _DEFAULTS["connect_timeout_s"].default
@@ -66,7 +67,7 @@ def make_config(pool: PoolConfig, model: str, mode: str = "tcp", path: str = "au
     return CacheConfig(
         LAYOUT, model, device_bytes=device * B, host_bytes=host * B,
         write=WriteRule(WritePolicy.WRITE_THROUGH), device="cpu",
-        pool=pool, remote_bytes=remote * B, remote_mode=mode, remote_path=path,
+        pool=pool, remote_bytes=remote * B, remote_mode=RemoteMode(mode), remote_path=FetchPath(path),
     )
 
 
@@ -228,10 +229,10 @@ def test_no_pool_at_start_the_cache_builds_quickly_and_serves_from_local_tiers(c
 
     toks = tokens(5, 3, LAYOUT, tail=4)
     assert store(cache, toks).new_blocks == 3
-    assert load_released(cache, toks).paths == {"device": 3}
+    assert load_released(cache, toks).paths == {(D,): 3}
     cache.evict(D, 3)
     assert cache.lookup(toks).media == (H,) * 3  # write-through reached the host tier
-    assert load_released(cache, toks).paths == {"host -> device": 3}
+    assert load_released(cache, toks).paths == {(H, D): 3}
 
 
 @pytest.fixture
@@ -295,7 +296,7 @@ def test_pool_killed_mid_run_loads_end_in_bounded_time_and_local_tiers_keep_work
         stored, seconds = timed(lambda fresh=fresh: store(cache, fresh))
         assert stored.new_blocks == 3 and seconds < bound_s
         assert cache.lookup(fresh).media == (D,) * 3
-        assert load_released(cache, fresh).paths == {"device": 3}
+        assert load_released(cache, fresh).paths == {(D,): 3}
     _, seconds = timed(cache.close)
     assert seconds < bound_s
 
@@ -321,7 +322,7 @@ def test_block_removed_from_the_pool_after_lookup_ends_the_load_before_it(pool, 
         result = handle.wait(timeout=OP_TIMEOUT_S + SLACK_S)
         assert_loaded_bytes(reader, handle, keys)
         handle.release()
-        assert result.blocks == gone and "gone" in result.stopped
+        assert (result.blocks, result.stopped, result.stopped_at) == (gone, StopReason.MISSING, R)
         assert result.paths == ({ROUTE[path]: gone} if gone else {})
         # The reader forgot the vanished block: its prefix ends before it, from now on.
         assert reader.lookup(toks).media == (D,) * gone
@@ -378,7 +379,7 @@ def random_run(cache: TieredCache, seed: int, ops: int, threads: int = 2) -> dic
                         bad = [b for b in range(handle.blocks)
                                if not raw(handle.block(b)).equal(raw(content(LAYOUT, keys[b])))]
                     with lock:
-                        routes.update(result.paths)
+                        routes.update({route_text(r): n for r, n in result.paths.items()})  # JSON keys
                         mismatches.extend(f"seq {i} block {b}" for b in bad)
                 elif op < 0.95:
                     cache.evict(rng.choice(cache.media), rng.randint(1, 3))
@@ -436,7 +437,7 @@ def test_randomized_two_processes_never_load_other_bytes_than_stored(pool, cache
     for i in sorted(set(here["stored"]) | set(there["stored"])):
         result = load_released(cache, seqs[i])
         assert result.blocks == 3, f"seq {i}, acknowledged as stored: {result}"
-        assert set(result.paths) <= {ROUTE[mine[1]], "device"}  # a shared prefix may be on the device already
+        assert set(result.paths) <= {ROUTE[mine[1]], (D,)}  # a shared prefix may be on the device already
 
 
 def _random(args: dict) -> dict:

@@ -35,7 +35,7 @@ from typing import Any
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.errors import TierUnavailable
 from kvstrata.index.prefix import Match
-from kvstrata.media import Medium
+from kvstrata.media import Medium, route_text
 from kvstrata.plan.host import HostCalibration
 from kvstrata.pool.config import PoolConfig
 
@@ -115,7 +115,7 @@ class TierReport:
             "restore_gbps": self.restore_gbps,
             "predicted_restore_s": self.predicted_restore_s,
             "tokens_identical": self.tokens_identical,
-            "paths": dict(self.paths),
+            "paths": {route_text(r): n for r, n in self.paths.items()},
             "stream_bytes_per_step": self.stream_bytes_per_step,
             "stream_tokens_identical": self.stream_tokens_identical,
         }
@@ -153,7 +153,7 @@ def run_tier(
         device_bytes=blocks * layout.block_bytes,
         host_bytes=blocks * layout.block_bytes if tier != "device" else 0,
         disk_bytes=blocks * layout.block_bytes if tier in ("disk", "remote") else 0,
-        disk_dir=str(work_dir / f"disk-{tier}") if tier in ("disk", "remote") else None,
+        disk_dir=work_dir / f"disk-{tier}" if tier in ("disk", "remote") else None,
         pool=pool if tier == "remote" else None,
         remote_bytes=blocks * layout.block_bytes if tier == "remote" else 0,
     )

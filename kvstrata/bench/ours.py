@@ -64,7 +64,7 @@ class OursCache:
             device_bytes=capacity,
             host_bytes=capacity,
             disk_bytes=capacity,
-            disk_dir=str(directory),
+            disk_dir=Path(directory),
             write=WriteRule(WritePolicy.WRITE_BACK),
             workers=workers,
             device=str(device),

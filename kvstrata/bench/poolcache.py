@@ -26,11 +26,14 @@ import torch
 from kvstrata.bench.timing import VerificationError
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.index.prefix import Match
-from kvstrata.media import Medium
+from kvstrata.media import FetchPath, Medium, route_text
 from kvstrata.pool.client import PoolUnavailable
 from kvstrata.tiers.memory import MemoryTier
 
-ROUTES = {"direct": "remote -> device", "staged": "remote -> host -> device"}
+ROUTES = {
+    "direct": (Medium.REMOTE, Medium.DEVICE),
+    "staged": (Medium.REMOTE, Medium.HOST, Medium.DEVICE),
+}
 
 
 class PoolReader:
@@ -56,7 +59,7 @@ class PoolReader:
         self.blocks = len(tokens) // base.layout.block_tokens
         self.size_bytes = self.blocks * base.layout.block_bytes
         host_bytes = self.size_bytes if path == "staged" else 0
-        self.cache = TieredCache(dataclasses.replace(base, remote_path=path, host_bytes=host_bytes))
+        self.cache = TieredCache(dataclasses.replace(base, remote_path=FetchPath(path), host_bytes=host_bytes))
         if self.cache.remote_error is not None:
             self.cache.close()
             raise PoolUnavailable(f"the cache could not use the pool: {self.cache.remote_error}")
@@ -76,12 +79,12 @@ class PoolReader:
             if result.blocks != self.blocks:
                 raise VerificationError(f"load restored {result.blocks} of {self.blocks} blocks ({result.stopped})")
             if result.paths != {self.route: self.blocks}:
-                raise RuntimeError(f"expected every block by {self.route}, the load took {result.paths}")
+                raise RuntimeError(f"expected every block by {route_text(self.route)}, the load took {result.paths}")
             for i in range(self.blocks):
                 got = handle.block(i).view(torch.uint8)  # [layers, kv, block_tokens, kv_heads, head_dim * itemsize]
                 bs = self.layout.block_tokens
                 if not torch.equal(got, self.kv_bytes[:, :, i * bs : (i + 1) * bs]):
-                    raise VerificationError(f"block {i} restored {self.route} differs from the block stored")
+                    raise VerificationError(f"block {i} restored {route_text(self.route)} differs from the block stored")
         finally:
             handle.release()
         self.verified_bytes += self.size_bytes

@@ -107,7 +107,7 @@ def run_recompute_bench(config: RecomputeBenchConfig, progress: Progress | None 
         def cache_config(gbps: float | None) -> CacheConfig:
             b = layout.block_bytes
             return CacheConfig(layout, model_id, device_bytes=2 * hit_blocks * b, host_bytes=0,
-                               disk_bytes=2 * hit_blocks * b, disk_dir=str(work / "disk"), device="cpu",
+                               disk_bytes=2 * hit_blocks * b, disk_dir=work / "disk", device="cpu",
                                disk_read_gbps=gbps)
 
         with TieredCache(cache_config(None)) as cache:  # the prefix, computed once, on disk

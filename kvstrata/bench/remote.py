@@ -62,6 +62,7 @@ from kvstrata.bench.rawpool import RawPool
 from kvstrata.bench.timing import NoProgress, Progress, Rounds, rotated
 from kvstrata.cache import CacheConfig
 from kvstrata.index.keys import block_keys
+from kvstrata.media import route_text
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool import embedded
 from kvstrata.pool.config import PoolConfig, RemoteMode
@@ -171,7 +172,7 @@ def run_remote_bench(
                 device=str(device),
                 pool=pool_config,
                 remote_bytes=config.size_bytes,
-                remote_mode=mode.value,
+                remote_mode=mode,
             )
             rounds, verified, faulted, loopback = _run_mode(
                 config, mode, base, tokens, kv_bytes, blocks, prefault, progress
@@ -277,7 +278,7 @@ def _mode_report(rounds: Rounds, verified: int, config: RemoteBenchConfig, mode:
 
     cache = {
         path: {
-            "route": route,
+            "route": route_text(route),
             "restore_gbps": gbps(f"cache.{path}"),
             "raw_gbps": gbps("raw.restore"),
             "ratio": rounds.ratio(f"cache.{path}", "raw.restore"),

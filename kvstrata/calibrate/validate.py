@@ -158,7 +158,7 @@ class _Restores:
             device_bytes=size,
             host_bytes=size if local else 0,
             disk_bytes=size if local else 0,
-            disk_dir=str(directory) if local else None,
+            disk_dir=Path(directory) if local else None,
             write=WriteRule(WritePolicy.WRITE_BACK),
             workers=config.workers,
             pool=pool,

@@ -19,6 +19,7 @@ from rich.table import Table
 from kvstrata import cli
 from kvstrata.cli.plan import render, resolve_profile
 from kvstrata.kv.presets import load_geometry
+from kvstrata.media import route_text
 from kvstrata.plan.planner import make_plan
 from kvstrata.pool.config import PoolConfig
 
@@ -148,7 +149,7 @@ def render_tiers(console: Console, reports: list, title: str) -> None:
             f"{r.restore_gbps:.2f}" if r.restored_bytes else "-",
             f"{_ms(j['ttft_cold_s'])} / {_ms(j['ttft_warm_s'])}",
             "[green]yes[/]" if r.tokens_identical else "[red]NO[/]",
-            ", ".join(f"{k} x{v}" for k, v in r.paths.items()) or "-",
+            ", ".join(f"{route_text(k)} x{v}" for k, v in r.paths.items()) or "-",
         )
     console.print(t)
     for r in reports:

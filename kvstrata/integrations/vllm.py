@@ -36,6 +36,7 @@ import os
 import tempfile
 import threading
 import time
+from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Client, Listener
@@ -51,7 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
-from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
+from kvstrata.media import route_text
+from kvstrata.pool.config import PoolConfig, RemoteMode, load_pool_config, pool_from_env
 from kvstrata.tensors import kv_dtype, torch_dtype
 
 if TYPE_CHECKING:
@@ -107,6 +109,11 @@ class ConnectorSettings:
         if unknown:
             raise ValueError(f"KVStrataConnector: unknown extra config {sorted(unknown)}; known: {sorted(known)}")
         return cls(**extra)
+
+    def __post_init__(self) -> None:
+        modes = [m.value for m in RemoteMode]
+        if self.remote_mode not in modes:
+            raise ValueError(f"KVStrataConnector: remote_mode must be one of {modes}, got {self.remote_mode!r}")
 
     def pool_config(self) -> PoolConfig | None:
         if self.pool is None:
@@ -278,11 +285,11 @@ class KVStrataConnector(KVConnectorBase_V1):
             device_bytes=s.device_bytes,
             host_bytes=s.host_bytes,
             disk_bytes=s.disk_bytes,
-            disk_dir=s.disk_dir,
+            disk_dir=Path(s.disk_dir) if s.disk_dir else None,
             device=str(first.device),
             pool=s.pool_config(),
             remote_bytes=s.remote_bytes,
-            remote_mode=s.remote_mode,
+            remote_mode=RemoteMode(s.remote_mode),
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
@@ -536,7 +543,7 @@ class _Stats:
     def to_json(self, cache: TieredCache | None) -> dict[str, Any]:
         with self._lock:
             data = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-            data["load_paths"] = dict(self.load_paths)
+            data["load_paths"] = {route_text(r): n for r, n in self.load_paths.items()}
         data["stored_bytes"] = data["new_blocks"] * self.block_bytes
         if cache is not None:
             data["media"] = [m.label for m in cache.media]

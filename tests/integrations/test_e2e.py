@@ -10,6 +10,9 @@ pytest.importorskip("transformers")
 
 from kvstrata.bench.e2e import Workload, run_e2e  # noqa: E402
 from kvstrata.cli import main  # noqa: E402
+from kvstrata.media import Medium  # noqa: E402
+
+D, H, K, R = Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE
 
 SMALL = Workload(conversations=2, turns=2, system_words=200, user_words=60, answer_tokens=8, block_tokens=64)
 
@@ -17,7 +20,7 @@ SMALL = Workload(conversations=2, turns=2, system_words=200, user_words=60, answ
 def test_every_tier_serves_the_workload_with_cold_tokens(tiny_model_dir, pool):
     reports = {r.tier: r for r in run_e2e(tiny_model_dir, SMALL, pool=pool)}
     assert set(reports) == {"device", "host", "disk", "remote"}
-    route = {"device": "device", "host": "host -> device", "disk": "disk -> device", "remote": "remote -> device"}
+    route = {"device": (D,), "host": (H, D), "disk": (K, D), "remote": (R, D)}
     hits = {r.hit_tokens for r in reports.values()}
     assert len(hits) == 1 and hits.pop() > 0  # the same prompts hit the same prefixes on every tier
     for tier, r in reports.items():

@@ -38,7 +38,7 @@ def make_cache(model, tmp_path, pool=None, blocks=64, device_blocks=64):
             device_bytes=device_blocks * b,
             host_bytes=blocks * b,
             disk_bytes=blocks * b,
-            disk_dir=str(tmp_path / "disk"),
+            disk_dir=tmp_path / "disk",
             device="cpu",
             pool=pool,
             remote_bytes=blocks * b if pool else 0,
@@ -55,10 +55,10 @@ def prompt(tokenizer, words=300, seed=0):
 
 
 ROUTES = {
-    "device": "device",
-    "host": "host -> device",
-    "disk": "disk -> device",
-    "remote": "remote -> device",
+    "device": (Medium.DEVICE,),
+    "host": (Medium.HOST, Medium.DEVICE),
+    "disk": (Medium.DISK, Medium.DEVICE),
+    "remote": (Medium.REMOTE, Medium.DEVICE),
 }
 ABOVE = {"device": [], "host": [Medium.DEVICE], "disk": [Medium.DEVICE, Medium.HOST]}
 ABOVE["remote"] = ABOVE["disk"] + [Medium.DISK]

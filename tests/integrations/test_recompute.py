@@ -40,7 +40,7 @@ def warm(model, ids, tmp_path):
     layout = model_layout(model.config, BLOCK, model.dtype)
     b = layout.block_bytes
     config = CacheConfig(layout, f"tiny-{uuid.uuid4().hex[:8]}", device_bytes=64 * b, host_bytes=64 * b,
-                         disk_bytes=64 * b, disk_dir=str(tmp_path / "disk"), device="cpu")
+                         disk_bytes=64 * b, disk_dir=tmp_path / "disk", device="cpu")
     with TieredCache(config) as cache:
         cold = KVStrataLM(model, cache).generate(ids, NEW_TOKENS, reuse=False)
         yield cache, cold
@@ -80,7 +80,7 @@ def test_split_at_each_k_gives_the_cold_tokens(blocks, model, ids, warm):
     assert got.plan is (PlanKind.LOAD if k == 0 else PlanKind.RECOMPUTE if k == hit else PlanKind.SPLIT)
     if got.plan is not PlanKind.RECOMPUTE:
         assert got.hit_tokens == hit - k
-        assert got.load.paths == {"disk -> device": (hit - k) // BLOCK}  # only [k, hit) was read
+        assert got.load.paths == {(Medium.DISK, Medium.DEVICE): (hit - k) // BLOCK}  # only [k, hit) was read
 
 
 @pytest.mark.parametrize(("gbps", "kind"), [(1e3, PlanKind.LOAD), (1e-5, PlanKind.RECOMPUTE), (0.04, PlanKind.SPLIT)])

@@ -90,7 +90,7 @@ def test_the_cache_caps_its_disk_tier_from_the_config(tmp_path):
     gbps, blocks = 0.01, 8
     b = LAYOUT.block_bytes
     config = CacheConfig(LAYOUT, f"throttle-{uuid.uuid4().hex[:8]}", device_bytes=4 * blocks * b, host_bytes=0,
-                         disk_bytes=4 * blocks * b, disk_dir=str(tmp_path), device="cpu", disk_read_gbps=gbps)
+                         disk_bytes=4 * blocks * b, disk_dir=tmp_path, device="cpu", disk_read_gbps=gbps)
     tokens = list(range(blocks * LAYOUT.block_tokens + 1))
     kv = torch.zeros(LAYOUT.num_layers, 2, len(tokens), LAYOUT.kv_heads, LAYOUT.head_dim, dtype=torch.bfloat16)
     with TieredCache(config) as cache:
@@ -106,5 +106,5 @@ def test_the_cache_caps_its_disk_tier_from_the_config(tmp_path):
         with cache.load(match) as handle:
             result = handle.wait()
         elapsed = time.perf_counter() - start
-        assert result.paths == {"disk -> device": blocks}
+        assert result.paths == {(Medium.DISK, Medium.DEVICE): blocks}
         assert elapsed >= blocks * FILE_BYTES / (gbps * 1e9) - TOLERANCE_S
