@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from kvstrata.media import Medium
 
 if TYPE_CHECKING:
-    from kvstrata.transfer.engine import TransferResult
+    from kvstrata.transfer.worker import TransferResult
 
 GBPS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
 

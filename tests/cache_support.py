@@ -20,7 +20,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.memory import HostTier
-from kvstrata.tiers.table import BlockState
+from kvstrata.manager.table import BlockState
 
 # 2 layers x K,V x 16 tokens x 1 head x 32 dims x bf16: 2 KiB a layer, 4 KiB a block.
 LAYOUT = KVLayout(num_layers=2, block_tokens=16, kv_heads=1, head_dim=32, dtype=DType.BF16)
@@ -75,13 +75,7 @@ def assert_loaded_bytes(cache: TieredCache, handle, keys: list[BlockKey]) -> Non
 
 def pins(cache: TieredCache) -> dict:
     """{(medium, key): pins} for every pinned block of every tier."""
-    out = {}
-    for medium in cache.media:
-        table = cache.tier(medium).table
-        for key in table.ready_keys():
-            if table.pins(key):
-                out[(medium, key)] = table.pins(key)
-    return out
+    return {(medium, key): n for medium in cache.media for key, n in cache.manager.table(medium).pinned().items()}
 
 
 def assert_quiescent(cache: TieredCache, held: dict | None = None) -> None:
@@ -92,15 +86,17 @@ def assert_quiescent(cache: TieredCache, held: dict | None = None) -> None:
     assert pins(cache) == (held or {}), "pins left behind"
     where: dict[BlockKey, set] = {}
     for medium in cache.media:
-        table = cache.tier(medium).table
+        table = cache.manager.table(medium)
         ready = table.ready_keys()
         assert table.used_blocks == len(ready), f"{medium.label}: slots stuck WRITING or EVICTING"
+        assert table.used_blocks + table.free_blocks + table.quarantined_slots == table.capacity_blocks, (
+            f"{medium.label}: slots neither used, free nor retired")
         for key in ready:
             assert table.state(key) is BlockState.READY
             where.setdefault(key, set()).add(medium)
     for key, media in where.items():
-        assert set(cache.index.media(key)) == media, f"index says {cache.index.media(key)}, tables say {media}"
-    assert len(cache.index) == len(where), "the index holds blocks no tier holds READY"
+        assert set(cache.manager.where(key)) == media, f"index says {cache.manager.where(key)}, tables say {media}"
+    assert cache.manager.indexed_blocks() == len(where), "the index holds blocks no tier holds READY"
 
 
 def held_pins(cache: TieredCache, handles) -> dict:
@@ -109,7 +105,7 @@ def held_pins(cache: TieredCache, handles) -> dict:
 
     out: dict = {}
     for handle in handles:
-        for key in handle._keys:
+        for key in handle.keys:
             out[(Medium.DEVICE, key)] = out.get((Medium.DEVICE, key), 0) + 1
     return out
 
@@ -141,7 +137,7 @@ class GatedHostTier(HostTier):
 
     def read_many_into(self, slots, keys, dsts, layers=slice(None)):
         self._hold(layers)
-        super().read_many_into(slots, keys, dsts, layers)
+        return super().read_many_into(slots, keys, dsts, layers)
 
 
 class GatedDiskTier(DiskTier):

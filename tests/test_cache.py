@@ -77,7 +77,7 @@ def caches():
 
     yield make
     for cache in made:
-        if not cache._closed:
+        if not cache.closed:
             assert_quiescent(cache)
             cache.close()
 
@@ -217,7 +217,7 @@ def test_write_through_sends_new_blocks_to_host_and_disk_at_once(tmp_path, cache
     keys = cache.keys(toks)
     assert media(cache, toks) == (D, D, D)
     for medium in (H, K):
-        assert set(cache.tier(medium).table.ready_keys()) == set(keys)
+        assert set(cache.manager.table(medium).ready_keys()) == set(keys)
     disk = cache.tier(K)
     assert sorted(p.name for p in disk.directory.glob("*.kvb")) == sorted(k.hex() + ".kvb" for k in keys)
     assert moved(cache) == {(D, H): 3 * B, (D, K): 3 * B}
@@ -263,9 +263,9 @@ def test_selective_writes_a_block_down_on_its_nth_hit_and_drops_cold_blocks(tmp_
     store(cache, hot)
     store(cache, cold)
     load_released(cache, hot)  # hit 1: stays on the device only
-    assert moved(cache) == {} and cache.index.media(cache.keys(hot)[0]) == (D,)
+    assert moved(cache) == {} and cache.manager.where(cache.keys(hot)[0]) == (D,)
     load_released(cache, hot)  # hit 2: written to host and disk
-    assert cache.index.media(cache.keys(hot)[0]) == (D, H, K)
+    assert cache.manager.where(cache.keys(hot)[0]) == (D, H, K)
     assert moved(cache) == {(D, H): B, (D, K): B}
     load_released(cache, hot)  # later hits move nothing more
     assert moved(cache) == {(D, H): B, (D, K): B}
@@ -595,26 +595,26 @@ def test_a_damaged_disk_block_mid_match_is_dropped_and_the_load_stops_before_it(
     assert result.blocks == 2
     assert (result.stopped, result.stopped_at) == (StopReason.CORRUPT, K)
     handle.release()
-    assert cache.tier(K).table.state(keys[2]) is None and not file_of(cache, keys[2]).exists()
-    assert cache.index.media(keys[2]) == ()
-    assert cache.index.media(keys[3]) == (H, K)  # staged alongside, kept on the host
+    assert cache.manager.table(K).state(keys[2]) is None and not file_of(cache, keys[2]).exists()
+    assert cache.manager.where(keys[2]) == ()
+    assert cache.manager.where(keys[3]) == (H, K)  # staged alongside, kept on the host
     assert media(cache, toks) == (D, D)
     assert_quiescent(cache)
 
 
 def test_a_damaged_block_another_reader_holds_stays_listed_until_the_last_reader_drops_it(tmp_path, caches):
     cache, toks, keys = on_disk_only(tmp_path, caches, 2)
-    disk = cache.tier(K)
+    disk = cache.manager.table(K)
     flip_last_byte(file_of(cache, keys[1]))
-    assert disk.table.pin(keys[1]) is not None  # a reader (say, a prefetch) that has not read yet
+    assert cache.manager.pin(K, keys[1]) is not None  # a reader (say, a prefetch) that has not read yet
     result = load_released(cache, toks)
     assert (result.blocks, result.stopped, result.stopped_at) == (1, StopReason.CORRUPT, K)
     # It could not be removed while pinned: it stays READY, so the index keeps listing it.
-    assert disk.table.state(keys[1]) is not None and K in cache.index.media(keys[1])
+    assert disk.state(keys[1]) is not None and K in cache.manager.where(keys[1])
     assert_quiescent(cache, held={(K, keys[1]): 1})
-    disk.table.unpin(keys[1])
+    cache.manager.unpin(K, [keys[1]])
     assert load_released(cache, toks).blocks == 1  # the next reader drops it for good
-    assert disk.table.state(keys[1]) is None and cache.index.media(keys[1]) == ()
+    assert disk.state(keys[1]) is None and cache.manager.where(keys[1]) == ()
 
 
 def test_a_damaged_first_block_loads_nothing(tmp_path, caches):
@@ -629,7 +629,7 @@ def test_prefetch_drops_a_damaged_disk_block(tmp_path, caches):
     cache, toks, keys = on_disk_only(tmp_path, caches, 3)
     flip_last_byte(file_of(cache, keys[1]))
     assert cache.prefetch(toks, PrefetchRule(PrefetchPolicy.WAIT)).result() == 2
-    assert cache.tier(K).table.state(keys[1]) is None and not file_of(cache, keys[1]).exists()
+    assert cache.manager.table(K).state(keys[1]) is None and not file_of(cache, keys[1]).exists()
     assert media(cache, toks) == (H,)
     assert load_released(cache, toks).blocks == 1
 
@@ -706,7 +706,7 @@ def test_two_models_sharing_a_disk_directory_never_see_each_others_blocks(tmp_pa
         cache.evict(H, 2)
         assert media(cache, toks) == (K, K)
         assert load_released(cache, toks).bytes_from[K] == 2 * B  # its own bytes (checked in load)
-        assert set(cache.tier(K).table.ready_keys()) == set(cache.keys(toks))
+        assert set(cache.manager.table(K).ready_keys()) == set(cache.keys(toks))
     assert one.tier(K).directory != two.tier(K).directory
     assert one.tier(K).directory.parent == two.tier(K).directory.parent == tmp_path
 

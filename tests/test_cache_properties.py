@@ -37,7 +37,7 @@ from kvstrata.media import FetchPath, Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.tiers.table import BlockState
+from kvstrata.manager.table import BlockState
 
 BS = LAYOUT.block_tokens
 
@@ -127,8 +127,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
         assert list(match.keys) == keys[: match.blocks] and match.total_blocks == len(keys)
         for key, medium in zip(match.keys, match.media):
             assert key in self.stored
-            assert self.cache.tier(medium).table.state(key) is BlockState.READY
-            assert medium is min(self.cache.index.media(key), key=lambda m: m.value)
+            assert self.cache.manager.table(medium).state(key) is BlockState.READY
+            assert medium is min(self.cache.manager.where(key), key=lambda m: m.value)
 
     @rule(seq=stored_seqs, blocks=st.integers(0, 3), hold=st.booleans())
     def load(self, seq, blocks, hold):
@@ -167,7 +167,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), damage=st.sampled_from(["flip", "truncate"]))
     def damage_a_disk_block(self, data, damage):
         disk = self.cache.tier(Medium.DISK)
-        keys = sorted(disk.table.ready_keys())
+        keys = sorted(self.cache.manager.table(Medium.DISK).ready_keys())
         if not keys:
             return
         path = disk.directory / f"{data.draw(st.sampled_from(keys)).hex()}.kvb"
@@ -187,7 +187,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.held.clear()
         self.cache.close()
         self.cache = TieredCache(self.config)  # memory tiers start empty; disk blocks are recovered
-        assert self.cache.tier(Medium.DEVICE).table.used_blocks == 0
+        assert self.cache.manager.table(Medium.DEVICE).used_blocks == 0
 
     # --- invariants ---
 

@@ -88,7 +88,7 @@ def caches():
 
     yield make
     for cache, quiescent in made:
-        if not cache._closed:
+        if not cache.closed:
             try:
                 if quiescent:
                     assert_quiescent(cache)
@@ -122,7 +122,7 @@ def timed(fn):
 
 def empty_local_tiers(cache: TieredCache) -> None:
     for medium in (D, H):
-        cache.evict(medium, cache.tier(medium).table.capacity_blocks)
+        cache.evict(medium, cache.manager.table(medium).capacity_blocks)
 
 
 def child_env() -> dict:
@@ -158,7 +158,7 @@ def test_blocks_another_process_stored_are_found_in_the_pool_and_load_bit_exact(
 
     # Instance B, this process, fresh device and host: nothing local, everything in the pool.
     cache = caches(make_config(pool, model, mode, path))
-    assert cache.remote_error is None and cache.tier(R).table.ready_keys() == []
+    assert cache.remote_error is None and cache.manager.table(R).ready_keys() == []
     match = cache.lookup(toks + tokens(2, 2, LAYOUT))
     assert (match.blocks, match.total_blocks, match.media) == (5, 7, (R,) * 5)
     assert match.keys == tuple(cache.keys(toks))
@@ -432,7 +432,7 @@ def test_randomized_two_processes_never_load_other_bytes_than_stored(pool, cache
     # nothing local, and this view of the pool forgotten (found by discovery again).
     assert there["stored"], "the other instance stored nothing"
     empty_local_tiers(cache)
-    cache.evict(R, cache.tier(R).table.capacity_blocks)
+    cache.evict(R, cache.manager.table(R).capacity_blocks)
     seqs = sequences()
     for i in sorted(set(here["stored"]) | set(there["stored"])):
         result = load_released(cache, seqs[i])

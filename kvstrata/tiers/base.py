@@ -1,8 +1,10 @@
-"""The tier interface: a narrow, byte-moving surface; bookkeeping lives in its BlockTable.
+"""The tier interface: a narrow surface that moves bytes; what sits in which slot is the block
+manager's (``kvstrata.manager``).
 
 A tier stores whole blocks (``layout.block_bytes`` bytes, viewed as uint8 ``[layers,
-layer_bytes]``) in slots. Its ``table`` (pure) says which key sits in which slot and in what
-state; the tier's methods only move bytes. Three methods are required; the rest default.
+layer_bytes]``) in ``capacity_blocks`` slots. Three methods are required; the rest default.
+Errors a caller must tell apart are those of ``kvstrata.errors`` (a block that does not verify,
+a block gone, a tier down, a transfer abandoned).
 """
 
 from __future__ import annotations
@@ -14,19 +16,21 @@ import torch
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.policies.eviction import Eviction
-from kvstrata.tiers.table import BlockTable
 
 
 class Tier(abc.ABC):
     medium: Medium
+    shared: bool = False  # other processes put blocks here too (``find`` sees them)
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int, eviction: Eviction = Eviction.LRU) -> None:
+    def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{self.medium.label} tier: capacity_bytes must be >= 0, got {capacity_bytes}")
         self.layout = layout
         self.capacity_bytes = capacity_bytes
-        self.table = BlockTable(capacity_bytes // layout.block_bytes, eviction.make(), self.medium.label)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_bytes // self.layout.block_bytes
 
     @abc.abstractmethod
     def write(self, slot: int, key: BlockKey, src: torch.Tensor) -> None:
@@ -46,22 +50,32 @@ class Tier(abc.ABC):
 
     def read_many_into(
         self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
-    ) -> None:
-        """``read_into`` for several blocks at once; memory tiers batch it into one call."""
-        for slot, key, dst in zip(slots, keys, dsts, strict=True):
-            self.read_into(slot, key, dst, layers)
+    ) -> list[BaseException | None]:
+        """``read_into`` for several blocks; per block None or the error it met (one block's
+        failure does not stop the others). Memory tiers batch it into one copy, the pool into
+        one call."""
+        return [_outcome(self.read_into, slot, key, dst, layers) for slot, key, dst in zip(slots, keys, dsts, strict=True)]
+
+    def write_many(self, slots: list[int], keys: list[BlockKey], srcs: list[torch.Tensor]) -> list[BaseException | None]:
+        """``write`` for several blocks; per block None or the error it met."""
+        return [_outcome(self.write, slot, key, src) for slot, key, src in zip(slots, keys, srcs, strict=True)]
 
     def view(self, slot: int) -> torch.Tensor | None:
         """The slot's bytes in place (memory tiers), for zero-copy transfers; else None."""
         return None
 
     def discard(self, slot: int, key: BlockKey) -> None:
-        """Forget a block's bytes after the table released it (disk: delete the file)."""
+        """Forget a block's bytes as it leaves the tier (disk: delete its file)."""
 
-    def recover(self) -> list[tuple[BlockKey, int]]:
-        """Blocks found intact at start (persistent tiers), as (key, slot) already READY in
-        the table."""
+    def recover(self) -> list[BlockKey]:
+        """Blocks found intact at start (persistent tiers), oldest first, at most
+        ``capacity_blocks``."""
         return []
+
+    def find(self, keys: list[BlockKey]) -> list[bool]:
+        """Which of ``keys`` this tier holds that others may have put there (``shared`` tiers);
+        False where it cannot say."""
+        return [False] * len(keys)
 
     @property
     def device(self) -> torch.device:
@@ -77,3 +91,11 @@ class Tier(abc.ABC):
         if step != 1:
             raise ValueError(f"{self.medium.label} tier: layers must be a contiguous range, got {layers}")
         return start, max(start, stop)
+
+
+def _outcome(call, *args) -> BaseException | None:
+    try:
+        call(*args)
+    except Exception as error:  # noqa: BLE001 - per block, for the caller to classify
+        return error
+    return None

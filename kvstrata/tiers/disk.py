@@ -3,16 +3,16 @@
 Where blocks live. A tier owns one directory: ``directory``, or ``directory/<namespace_tag>``
 when a tag is given, so tiers of different namespaces never scan, count or evict each other's
 blocks (their keys could not collide anyway: keys are chained from the namespace digest). Block
-``key`` is the file ``<key hex>.kvb`` in the format of ``kvstrata.tiers.blockfile``; the table's
-slot is bookkeeping only. A ``.lock`` file, ``flock``-ed while the tier is open, keeps a second
+``key`` is the file ``<key hex>.kvb`` in the format of ``kvstrata.tiers.blockfile``; the block
+manager's slot is bookkeeping only. A ``.lock`` file, ``flock``-ed while the tier is open, keeps a second
 tier (in this process or another) out of the directory, since each would delete the other's
 temp files and overrun the capacity.
 
 Why a file per block rather than slab files (measured in ``benchmarks/disk_layout.py``, whose
 docstring has the numbers): at >= 1 MiB per block, cold reads in the order a restore asks for
 blocks run level with a slab (1 MiB, 4 threads: 1.8-2.2 vs 2.0-2.2 GB/s); atomic writes come from
-``os.replace``, recovery from the file name, and slots stay the table's to assign (a slab would
-need the table to re-adopt a key at its old slot on recovery). The price is one create + rename
+``os.replace``, recovery from the file name, and slots stay the block manager's to assign (a slab
+would need the manager to re-adopt a key at its old slot on recovery). The price is one create + rename
 per write and one unlink per eviction (~100-500 us each on the VM measured), which makes writes
 of blocks below ~1 MiB several times slower than a slab's: keep disk blocks big.
 
@@ -56,10 +56,8 @@ from kvstrata.errors import CorruptBlock
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.policies.eviction import Eviction
 from kvstrata.tiers import blockfile
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.table import BlockState
 
 SUFFIX = ".kvb"
 LOCK_NAME = ".lock"
@@ -85,7 +83,6 @@ class DiskTier(Tier):
         layout: what every block holds; blocks written under another layout are never served.
         capacity_bytes: payload bytes to hold (each file adds a header of 4 KiB or more).
         directory: created if missing.
-        eviction: the table's eviction policy.
         namespace_tag: a sub-directory for this namespace (e.g. ``Namespace.tag``).
         fsync: make each write durable against power loss (fsync file and directory).
         read_gbps: cap reads at this many decimal GB/s in aggregate (emulates slower storage);
@@ -99,12 +96,11 @@ class DiskTier(Tier):
         layout: KVLayout,
         capacity_bytes: int,
         directory: str | os.PathLike[str],
-        eviction: Eviction = Eviction.LRU,
         namespace_tag: str | None = None,
         fsync: bool = False,
         read_gbps: float | None = None,
     ) -> None:
-        super().__init__(layout, capacity_bytes, eviction)
+        super().__init__(layout, capacity_bytes)
         self._pacer = _ReadPacer(read_gbps) if read_gbps is not None else None
         if namespace_tag is not None and not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"disk tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
@@ -201,21 +197,19 @@ class DiskTier(Tier):
             dst.copy_(torch.from_numpy(buffer))
 
     def discard(self, slot: int, key: BlockKey) -> None:
-        """Delete the file of a block the table released."""
+        """Delete the file of a block leaving the tier. The block manager calls this while the
+        block is EVICTING, before it forgets the key, so no new write of the key can be under way."""
         with self._lock:
             self._check_open()
-            # Released, then stored again before this call: the file is the new block's.
-            if self.table.state(key) in (BlockState.WRITING, BlockState.READY):
-                return
             _unlink_quietly(self._path(key))
 
-    def recover(self) -> list[tuple[BlockKey, int]]:
-        """The blocks the constructor found intact and made READY (those still READY now).
+    def recover(self) -> list[BlockKey]:
+        """The blocks the constructor found intact, oldest write first (at most ``capacity_blocks``).
 
         Recovery runs once, in the constructor: rescanning later could delete the temp file of
         a write in flight.
         """
-        return [(key, self.table.slot(key)) for key in self._recovered if self.table.state(key) is BlockState.READY]
+        return list(self._recovered)
 
     def close(self) -> None:
         """Release the directory (its lock); the files stay for the next tier to recover.
@@ -267,10 +261,10 @@ class DiskTier(Tier):
         return header
 
     def _recover_from_disk(self) -> list[BlockKey]:
-        """Delete temp files and blocks that do not verify; make the rest READY, oldest first.
+        """Delete temp files and blocks that do not verify; return the rest, oldest first.
 
-        Blocks beyond capacity go, oldest write first; the survivors enter the eviction
-        policy in write order, so LRU after a restart evicts the least recently *written*.
+        Blocks beyond capacity go, oldest write first; the survivors are listed in write order
+        (adopted in that order, LRU after a restart evicts the least recently *written*).
         """
         found: list[tuple[int, str, BlockKey]] = []  # (mtime_ns, name, key)
         with os.scandir(self.directory) as entries:
@@ -294,15 +288,10 @@ class DiskTier(Tier):
                     continue
                 found.append((mtime_ns, entry.name, key))
         found.sort()
-        excess = max(0, len(found) - self.table.capacity_blocks)
+        excess = max(0, len(found) - self.capacity_blocks)
         for _, name, _ in found[:excess]:
             _unlink_quietly(self.directory / name)
-        recovered = []
-        for _, _, key in found[excess:]:
-            self.table.prepare_store(key)
-            self.table.complete_store(key, ok=True)
-            recovered.append(key)
-        return recovered
+        return [key for _, _, key in found[excess:]]
 
     # --- helpers ------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ so ``view(slot)`` hands out the bytes in place and a transfer needs no staging c
 
 Copies that involve CUDA run ``non_blocking`` when the host side is pinned; they are then
 ordered on the current CUDA stream and the caller must synchronize that stream before it
-trusts the bytes (the transfer engine does so before a transfer's future completes).
+trusts the bytes (the transfer worker does so before it reports a transfer).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.policies.eviction import Eviction
 from kvstrata.tiers.base import Tier
 
 
@@ -67,11 +66,10 @@ class MemoryTier(Tier):
         capacity_bytes: int,
         device: torch.device,
         pin: bool,
-        eviction: Eviction = Eviction.LRU,
         buffer: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(layout, capacity_bytes, eviction)
-        slots = self.table.capacity_blocks
+        super().__init__(layout, capacity_bytes)
+        slots = self.capacity_blocks
         shape = (slots, layout.num_layers, layout.layer_bytes)
         if buffer is None:
             pool = torch.empty(shape, dtype=torch.uint8, device=device)
@@ -102,7 +100,7 @@ class MemoryTier(Tier):
 
     @property
     def slots(self) -> int:
-        return self.table.capacity_blocks
+        return self.capacity_blocks
 
     @property
     def pinned(self) -> bool:
@@ -141,15 +139,16 @@ class MemoryTier(Tier):
 
     def read_many_into(
         self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
-    ) -> None:
+    ) -> list[BaseException | None]:
         """One batched copy (``torch._foreach_copy_``): a layer of many blocks costs one
-        dispatch, not one per block."""
+        dispatch, not one per block. It succeeds or fails for all of them (raises)."""
         srcs = [self._slot(slot)[layers] for slot in slots]
         for src, dst in zip(srcs, dsts, strict=True):
             if dst.shape != src.shape or dst.dtype != torch.uint8:
                 raise ValueError(f"block copy needs uint8 {tuple(src.shape)}, got {dst.dtype}{tuple(dst.shape)}")
         if srcs:
             torch._foreach_copy_(dsts, srcs, non_blocking=any(_can_copy_async(d, s) for d, s in zip(dsts, srcs)))
+        return [None] * len(srcs)
 
     def close(self) -> None:
         if self._finalizer is not None:
@@ -169,9 +168,9 @@ class DeviceTier(MemoryTier):
     Args:
         layout: the block layout.
         capacity_bytes: pool size; ``capacity_bytes // layout.block_bytes`` slots (0 allowed:
-            every store then raises TierFull).
+            the cache then stores nothing).
         device: where the pool lives; by default CUDA when available, else CPU.
-        eviction: the order blocks leave a full tier.
+        buffer: use this memory (uint8, contiguous, on ``device``) for the pool instead of allocating.
     """
 
     medium = Medium.DEVICE
@@ -181,7 +180,6 @@ class DeviceTier(MemoryTier):
         layout: KVLayout,
         capacity_bytes: int,
         device: torch.device | str | None = None,
-        eviction: Eviction = Eviction.LRU,
         buffer: torch.Tensor | None = None,
     ) -> None:
         where = default_device() if device is None else torch.device(device)
@@ -189,7 +187,7 @@ class DeviceTier(MemoryTier):
             raise ValueError(f"device tier: device {where} requested but CUDA is not available")
         if buffer is not None and buffer.device != where:
             raise ValueError(f"device tier: buffer on {buffer.device}, tier on {where}")
-        super().__init__(layout, capacity_bytes, where, pin=False, eviction=eviction, buffer=buffer)
+        super().__init__(layout, capacity_bytes, where, pin=False, buffer=buffer)
 
 
 class HostTier(MemoryTier):
@@ -199,7 +197,6 @@ class HostTier(MemoryTier):
     Args:
         layout: the block layout.
         capacity_bytes: pool size; ``capacity_bytes // layout.block_bytes`` slots (0 allowed).
-        eviction: the order blocks leave a full tier.
         pin: pin the pool; by default only when CUDA is available. ``True`` without CUDA is
             an error.
         buffer: use this CPU memory (uint8, contiguous) for the pool instead of allocating.
@@ -211,7 +208,6 @@ class HostTier(MemoryTier):
         self,
         layout: KVLayout,
         capacity_bytes: int,
-        eviction: Eviction = Eviction.LRU,
         pin: bool | None = None,
         buffer: torch.Tensor | None = None,
     ) -> None:
@@ -219,4 +215,4 @@ class HostTier(MemoryTier):
         if pin and not cuda:
             raise ValueError("host tier: pin=True needs CUDA, which is not available")
         pin = cuda if pin is None else pin
-        super().__init__(layout, capacity_bytes, torch.device("cpu"), pin=pin, eviction=eviction, buffer=buffer)
+        super().__init__(layout, capacity_bytes, torch.device("cpu"), pin=pin, buffer=buffer)

@@ -6,11 +6,11 @@ Keys are chained from the namespace digest already; the tag keeps the objects of
 models or tenants apart and greppable. Objects live in the pool daemons, never in this process
 (it joins with a segment of 0 bytes), so they outlive it and every instance sees them.
 
-The table is this process's view of the pool. ``write`` + ``complete_store`` and ``adopt``
-(for blocks another instance wrote, found with ``exists``) put keys in it; ``discard`` does not
-remove the object, since other instances share it, and the pool evicts by itself when full. A
-key READY in the table may therefore be gone from the pool: reading it raises BlockMissing (a
-CorruptBlock), a miss, never wrong data. ``remove_from_pool`` deletes objects explicitly.
+The block manager's table for this tier is this process's view of the pool: keys it wrote, and
+keys other instances wrote that ``find`` (``exists``) saw. ``discard`` does not remove the
+object, since other instances share it, and the pool evicts by itself when full. A key READY in
+the view may therefore be gone from the pool: reading it raises BlockMissing (a CorruptBlock),
+a miss, never wrong data. ``remove_from_pool`` deletes objects explicitly.
 
 Zero-copy. Memory from ``allocate`` (or passed to ``register``) is registered with the store;
 ``write`` and ``read_into`` on tensors inside it hand the pool the caller's bytes directly. Any
@@ -47,12 +47,10 @@ from kvstrata.errors import BlockMissing, CorruptBlock
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.policies.eviction import Eviction
 from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.table import TierFull
 
 __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "RemoteMode", "RemoteTier", "TransferAbandoned"]
 
@@ -97,13 +95,12 @@ class RemoteTier(Tier):
 
     Args:
         layout: what every block holds; values written under another layout are never served.
-        capacity_bytes: how much of the pool this process's table tracks.
+        capacity_bytes: how much of the pool this process's view tracks.
         pool: where the pool is.
         mode: TCP (via the master) or SHM (via the pool daemon on this host).
         namespace_tag: the object name's middle part (e.g. ``Namespace.tag``).
         op_timeout_s: the longest one store call is waited for.
         connect_timeout_s: the longest connecting may take.
-        eviction: the table's eviction policy.
         verify_payload: write an xxh3_64 of each payload, and check it on every read of a value
             that has one (a pass over the bytes on each side).
         cooloff_s: after a fault, how long calls fail at once before the pool is probed again.
@@ -113,6 +110,7 @@ class RemoteTier(Tier):
     """
 
     medium = Medium.REMOTE
+    shared = True
 
     def __init__(
         self,
@@ -123,11 +121,10 @@ class RemoteTier(Tier):
         namespace_tag: str = "",
         op_timeout_s: float = 10.0,
         connect_timeout_s: float = 5.0,
-        eviction: Eviction = Eviction.LRU,
         verify_payload: bool = False,
         cooloff_s: float = 1.0,
     ) -> None:
-        super().__init__(layout, capacity_bytes, eviction)
+        super().__init__(layout, capacity_bytes)
         if not isinstance(namespace_tag, str) or not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"remote tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
         self.pool = pool
@@ -266,14 +263,17 @@ class RemoteTier(Tier):
         if not direct:
             dst.copy_(parts[0].view(self.layout.num_layers, layer_bytes)[start:stop])
 
-    def read_batch(self, keys: list[BlockKey], dsts: list[torch.Tensor]) -> list[BaseException | None]:
+    def read_many_into(
+        self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
+    ) -> list[BaseException | None]:
         """Whole blocks of several keys in one pool call per 64 (each value still verified on
         its own): per key None (in ``dst``, verified) or the exception ``read_into`` would
         have raised for it. One call per block would pay the pool's round trips per block.
-        Destinations outside registered memory fall back to ``read_into`` one by one."""
+        Partial reads, and destinations outside registered memory, go one by one."""
         client = self._live()
-        if not all(client.is_registered(d) for d in dsts):
-            return [_outcome(self.read_into, 0, key, dst) for key, dst in zip(keys, dsts, strict=True)]
+        whole = self._layer_range(layers) == (0, self.layout.num_layers)
+        if not whole or not all(client.is_registered(d) for d in dsts):
+            return super().read_many_into(slots, keys, dsts, layers)
         out: list[BaseException | None] = []
         per_call = 4096 // poolvalue.HEADER_BYTES  # headers that fit the lane's registered page
         for first in range(0, len(keys), per_call):
@@ -323,6 +323,9 @@ class RemoteTier(Tier):
 
     # --- shared visibility --------------------------------------------------------------------
 
+    def find(self, keys: list[BlockKey]) -> list[bool]:
+        return self.exists(keys)
+
     def exists(self, keys: list[BlockKey]) -> list[bool]:
         """Which of ``keys`` are in the pool now (written by any instance). False where the
         pool could not say (down, error)."""
@@ -337,26 +340,6 @@ class RemoteTier(Tier):
         if any(a < 0 for a in answers):
             client.mark_down(f"exists answered {min(answers)}")
         return [a == 1 for a in answers]
-
-    def adopt(self, keys: list[BlockKey]) -> list[BlockKey]:
-        """Record blocks found in the pool (with ``exists``) as READY in this tier's table.
-
-        Keys already in the table are skipped; stops at the first key the full table has no
-        slot for. Nothing is read: a block that vanished since reads as BlockMissing.
-
-        Returns:
-            The keys adopted, in order.
-        """
-        adopted = []
-        for key in keys:
-            try:
-                reservation = self.table.prepare_store(key)
-            except TierFull:
-                break
-            if reservation is not None:
-                self.table.complete_store(key, ok=True)
-                adopted.append(key)
-        return adopted
 
     def remove_from_pool(self, keys: list[BlockKey], force: bool = False) -> list[bool]:
         """Delete objects from the pool for every instance (the table is the caller's).
@@ -452,11 +435,3 @@ def _undo_late_put(store, name: str, codes: list[int]) -> None:
 def fresh_tag() -> str:
     """A namespace tag no other tier uses (tests, benchmarks)."""
     return uuid.uuid4().hex
-
-
-def _outcome(read, slot: int, key: BlockKey, dst: torch.Tensor) -> BaseException | None:
-    try:
-        read(slot, key, dst)
-    except (CorruptBlock, PoolUnavailable) as error:
-        return error
-    return None

@@ -1,5 +1,6 @@
-"""Moving block bytes between tiers: handlers by (src medium, dst medium) on worker threads."""
+"""Moving block bytes between tiers: handlers by (src medium, dst medium), run by the transfer worker."""
 
-from kvstrata.transfer.engine import HANDLERS, Handler, TransferEngine, TransferResult
+from kvstrata.transfer.handlers import HANDLERS, Handler
+from kvstrata.transfer.worker import Moved, TransferResult, TransferWorker
 
-__all__ = ["HANDLERS", "Handler", "TransferEngine", "TransferResult"]
+__all__ = ["HANDLERS", "Handler", "Moved", "TransferResult", "TransferWorker"]

@@ -1,8 +1,9 @@
 """The tier conformance suite: what every tier (device, host, disk, remote) must do.
 
-It drives a tier the way the cache does, through its block table and its byte methods:
-``prepare_store`` -> ``write`` -> ``complete_store`` to store, ``pin`` -> ``read_into`` ->
-``unpin`` to read, ``choose_victims`` -> ``release`` -> ``discard`` to evict.
+It drives a tier the way the cache does, through a block table beside it (``tier.table``, made by
+the fixture: the block manager keeps one per tier) and the tier's byte methods: ``prepare_store``
+-> ``write`` -> ``complete_store`` to store, ``pin`` -> ``read_into`` -> ``unpin`` to read,
+``choose_victims`` -> ``discard`` -> ``release`` to evict.
 
 Contracts decided here (every tier must follow them):
 
@@ -26,7 +27,7 @@ from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.eviction import Eviction
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.table import BlockState, TierFull
+from kvstrata.manager.table import BlockState, TierFull
 
 # Small heads keep blocks small (token_bytes = 2 * heads * head_dim * 2 = 64 B): 4 to 64 KiB.
 LAYOUTS = {
@@ -41,7 +42,7 @@ class TierSpec:
     """How to build one kind of tier for the suite."""
 
     name: str
-    build: Callable[..., Tier]  # (layout, capacity_bytes, eviction, tmp_path, **fixtures) -> Tier
+    build: Callable[..., Tier]  # (layout, capacity_bytes, tmp_path, **fixtures) -> Tier
     has_view: bool
     fixtures: tuple[str, ...] = ()  # pytest fixtures ``build`` takes as keyword arguments
 
@@ -84,8 +85,8 @@ def load(tier: Tier, k: bytes, layers: slice = slice(None)) -> torch.Tensor:
 def evict(tier: Tier, count: int) -> list[bytes]:
     victims = tier.table.choose_victims(count)
     for victim in victims:
-        tier.table.release(victim.key)
         tier.discard(victim.slot, victim.key)
+        tier.table.release(victim.key)
     return [v.key for v in victims]
 
 
@@ -138,7 +139,7 @@ class TierConformance:
     def test_capacity_in_whole_blocks(self, make_tier: MakeTier, blocks: int, extra_bytes: int) -> None:
         tier = make_tier(blocks=blocks, extra_bytes=extra_bytes)
         assert tier.capacity_bytes == blocks * SMALL.block_bytes + extra_bytes
-        assert tier.table.capacity_blocks == blocks
+        assert tier.capacity_blocks == tier.table.capacity_blocks == blocks
         assert tier.table.free_blocks == blocks
 
     def test_full_tier_raises_tier_full(self, make_tier: MakeTier) -> None:
@@ -204,14 +205,16 @@ class TierConformance:
         tier.read_into(victim.slot, victim.key, out)  # a demotion copies it down now
         assert torch.equal(out, block)
 
-    def test_remove_refuses_pinned_block(self, make_tier: MakeTier) -> None:
+    def test_take_refuses_pinned_block(self, make_tier: MakeTier) -> None:
         tier = make_tier(blocks=1)
         store(tier, key(1), random_block(SMALL, 1))
         tier.table.pin(key(1))
-        assert tier.table.remove(key(1)) is False
+        assert tier.table.take(key(1)) is None
         assert tier.table.state(key(1)) is BlockState.READY
         tier.table.unpin(key(1))
-        assert tier.table.remove(key(1)) is True
+        assert tier.table.take(key(1)) is not None
+        tier.discard(tier.table.slot(key(1)), key(1))
+        tier.table.release(key(1))
         assert tier.table.free_blocks == 1
 
     # --- view, recover, close ---------------------------------------------------------------

@@ -4,38 +4,40 @@ from __future__ import annotations
 
 import pytest
 
+from kvstrata.manager.table import BlockTable
 from kvstrata.policies.eviction import Eviction
 from kvstrata.tiers.memory import DeviceTier, HostTier
 
 from .conformance import SMALL, TierConformance, TierSpec
 
 
-def _disk(layout, capacity_bytes, eviction, tmp_path):
+def _disk(layout, capacity_bytes, tmp_path):
     try:
         from kvstrata.tiers.disk import DiskTier
     except ModuleNotFoundError as error:
         if error.name != "kvstrata.tiers.disk":
             raise  # disk.py exists but is broken: fail, don't hide it
         pytest.skip("kvstrata.tiers.disk is not written yet")
-    return DiskTier(layout, capacity_bytes, directory=tmp_path, eviction=eviction)
+    return DiskTier(layout, capacity_bytes, directory=tmp_path)
 
 
 def _remote(mode_name):
-    def build(layout, capacity_bytes, eviction, tmp_path, pool):
-        from kvstrata.tiers.remote import RemoteMode, RemoteTier, fresh_tag
+    def build(layout, capacity_bytes, tmp_path, pool):
+        from kvstrata.pool.config import RemoteMode
+        from kvstrata.tiers.remote import RemoteTier, fresh_tag
 
         mode = RemoteMode[mode_name]
         if mode is RemoteMode.SHM and not pool.daemon:
             pytest.skip("the configured pool has no daemon on this host for SHM mode")
         # A fresh namespace per tier: tests never see each other's objects in the shared pool.
-        return RemoteTier(layout, capacity_bytes, pool, mode, namespace_tag=fresh_tag(), eviction=eviction)
+        return RemoteTier(layout, capacity_bytes, pool, mode, namespace_tag=fresh_tag())
 
     return build
 
 
 SPECS = [
-    TierSpec("device", lambda layout, capacity, eviction, _: DeviceTier(layout, capacity, eviction=eviction), True),
-    TierSpec("host", lambda layout, capacity, eviction, _: HostTier(layout, capacity, eviction=eviction), True),
+    TierSpec("device", lambda layout, capacity, _: DeviceTier(layout, capacity), True),
+    TierSpec("host", lambda layout, capacity, _: HostTier(layout, capacity), True),
     TierSpec("disk", _disk, False),
     TierSpec("remote-tcp", _remote("TCP"), False, fixtures=("pool",)),
     TierSpec("remote-shm", _remote("SHM"), False, fixtures=("pool",)),
@@ -62,7 +64,9 @@ def make_tier(tier_spec, tmp_path, request):
         directory = tmp_path / f"tier{len(made)}"  # used by disk tiers only
         directory.mkdir()
         fixtures = {name: request.getfixturevalue(name) for name in tier_spec.fixtures}
-        tier = tier_spec.build(layout, blocks * layout.block_bytes + extra_bytes, eviction, directory, **fixtures)
+        tier = tier_spec.build(layout, blocks * layout.block_bytes + extra_bytes, directory, **fixtures)
+        # The block table the block manager keeps beside a tier: the suite drives both as the cache does.
+        tier.table = BlockTable(tier.capacity_blocks, eviction.make(), tier.medium.label)
         made.append(tier)
         return tier
 

@@ -35,15 +35,13 @@ def filled(tier: DiskTier, blocks: int) -> list[bytes]:
     keys = [make_key(i) for i in range(blocks)]
     for key in keys:
         data = np.random.default_rng(int.from_bytes(key, "little")).integers(0, 256, LAYOUT.block_bytes, np.uint8)
-        reservation = tier.table.prepare_store(key)
-        tier.write(reservation.slot, key, torch.from_numpy(data).view(LAYOUT.num_layers, LAYOUT.layer_bytes))
-        tier.table.complete_store(key, ok=True)
+        tier.write(0, key, torch.from_numpy(data).view(LAYOUT.num_layers, LAYOUT.layer_bytes))  # slot: unused
     return keys
 
 
 def read(tier: DiskTier, key: bytes, layers: slice = slice(None)) -> None:
     start, stop, _ = layers.indices(LAYOUT.num_layers)
-    tier.read_into(tier.table.slot(key), key, torch.empty(stop - start, LAYOUT.layer_bytes, dtype=torch.uint8), layers)
+    tier.read_into(0, key, torch.empty(stop - start, LAYOUT.layer_bytes, dtype=torch.uint8), layers)
 
 
 @pytest.mark.parametrize("gbps", [0.005, 0.02])
@@ -97,7 +95,7 @@ def test_the_cache_caps_its_disk_tier_from_the_config(tmp_path):
         cache.store(tokens, kv).result()
         keys = cache.keys(tokens)[:blocks]
         deadline = time.monotonic() + 10  # the write-down to disk runs behind the store
-        while not all(Medium.DISK in cache.index.media(k) for k in keys) and time.monotonic() < deadline:
+        while not all(Medium.DISK in cache.manager.where(k) for k in keys) and time.monotonic() < deadline:
             time.sleep(0.01)
         cache.evict(Medium.DEVICE, 10_000)
         match = cache.lookup(tokens)

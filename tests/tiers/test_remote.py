@@ -55,16 +55,14 @@ def content(key: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(LAYOUT.num_layers, LAYOUT.layer_bytes)
 
 
-def store(tier: RemoteTier, key: bytes, block: torch.Tensor | None = None) -> int:
-    reservation = tier.table.prepare_store(key)
-    tier.write(reservation.slot, key, content(key) if block is None else block)
-    tier.table.complete_store(key, ok=True)
-    return reservation.slot
+def store(tier: RemoteTier, key: bytes, block: torch.Tensor | None = None) -> None:
+    # A pool object is named by its key: the slot (the block manager's view) is not used.
+    tier.write(0, key, content(key) if block is None else block)
 
 
 def load(tier: RemoteTier, key: bytes, dst: torch.Tensor | None = None) -> torch.Tensor:
     dst = torch.full((LAYOUT.num_layers, LAYOUT.layer_bytes), 0xAA, dtype=torch.uint8) if dst is None else dst
-    tier.read_into(tier.table.slot(key), key, dst)
+    tier.read_into(0, key, dst)
     return dst
 
 
@@ -174,7 +172,7 @@ def test_allocated_memory_moves_without_staging(make_tier, mode):
     for layers in (slice(1, 3), slice(0, 1), slice(3, 4), slice(2, 2)):
         dst = host[2][: len(range(*layers.indices(LAYOUT.num_layers)))]
         dst.fill_(0xAA)
-        tier.read_into(tier.table.slot(make_key(1)), make_key(1), dst, layers)
+        tier.read_into(0, make_key(1), dst, layers)
         assert torch.equal(dst, host[0][layers])
 
 
@@ -203,28 +201,24 @@ def test_shm_mode_cannot_register_private_memory_but_still_moves_it(make_tier):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_exists_and_adopt_stop_at_a_full_table(make_tier, mode):
+def test_another_tier_finds_and_reads_what_one_wrote(make_tier, mode):
     writer = make_tier(mode)
     keys = [make_key(i, "adopt") for i in range(5)]
     for key in keys[:3]:
         store(writer, key)
     reader = RemoteTier(LAYOUT, 2 * LAYOUT.block_bytes, writer.pool, mode, namespace_tag=writer.namespace_tag)
     try:
-        assert reader.exists(keys) == [True, True, True, False, False]
+        assert reader.shared and reader.find(keys) == reader.exists(keys) == [True, True, True, False, False]
         assert reader.exists([]) == []
-        assert reader.adopt(keys[:3]) == keys[:2]  # two slots
-        assert [torch.equal(load(reader, k), content(k)) for k in keys[:2]] == [True, True]
-        assert reader.adopt(keys[:2]) == []  # already there
+        assert [torch.equal(load(reader, k), content(k)) for k in keys[:3]] == [True, True, True]
     finally:
         reader.close()
 
 
 def test_discard_leaves_the_object_for_others(make_tier):
     tier = make_tier()
-    slot = store(tier, make_key(3))
-    tier.table.choose_victims(1)
-    tier.table.release(make_key(3))
-    tier.discard(slot, make_key(3))
+    store(tier, make_key(3))
+    tier.discard(0, make_key(3))
     assert tier.exists([make_key(3)]) == [True]
 
 
@@ -243,7 +237,6 @@ def test_other_namespace_is_a_miss(make_tier):
     other = make_tier()  # same pool, another tag
     store(writer, make_key(5))
     assert other.exists([make_key(5)]) == [False]
-    assert other.adopt([make_key(5)]) == [make_key(5)]
     with pytest.raises(BlockMissing):
         load(other, make_key(5))
 
@@ -258,7 +251,6 @@ def test_value_of_the_wrong_size_is_rejected(make_tier, raw, extra_bytes):
     good = value_bytes(key, content(key))
     value = good + bytes(extra_bytes) if extra_bytes > 0 else good[:extra_bytes]
     put_raw(raw, tier.object_name(key), value)
-    tier.adopt([key])
     with pytest.raises(CorruptBlock, match="wrong size") as caught:
         load(tier, key)
     assert not isinstance(caught.value, BlockMissing)
@@ -279,7 +271,6 @@ def test_wrong_header_is_rejected(make_tier, raw, defect):
         value[0 if defect == "bad magic" else 20] ^= 0xFF
         value = bytes(value)
     put_raw(raw, tier.object_name(key), value)
-    tier.adopt([key])
     with pytest.raises(CorruptBlock) as caught:
         load(tier, key)
     assert not isinstance(caught.value, BlockMissing)
@@ -295,8 +286,6 @@ def test_verify_payload_catches_a_flipped_byte(make_tier, raw, mode):
     flipped = payload.clone()
     flipped[2, 5] ^= 1
     put_raw(raw, checked.object_name(key), value_bytes(key, flipped, checksum=checksum))
-    for tier in (checked, unchecked):
-        tier.adopt([key])
     with pytest.raises(CorruptBlock, match="payload checksum"):
         load(checked, key)
     assert torch.equal(load(unchecked, key), flipped)  # without verify_payload: served as stored
@@ -304,7 +293,7 @@ def test_verify_payload_catches_a_flipped_byte(make_tier, raw, mode):
     store(checked, make_key(10))
     assert torch.equal(load(checked, make_key(10)), content(make_key(10)))
     part = torch.empty(2, LAYOUT.layer_bytes, dtype=torch.uint8)
-    checked.read_into(checked.table.slot(make_key(10)), make_key(10), part, slice(1, 3))
+    checked.read_into(0, make_key(10), part, slice(1, 3))
     assert torch.equal(part, content(make_key(10))[1:3])
 
 
@@ -331,7 +320,6 @@ def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_tier, private_pool
         assert timed(lambda: tier.exists(keys))[0] == [False] * 3
         error, seconds = timed(lambda victim=victim: store(tier, make_key(9, victim)))
         assert isinstance(error, PoolUnavailable) and seconds < op_timeout_s + SLACK_S
-        tier.table.complete_store(make_key(9, victim), ok=False)
     assert timed(tier.close)[1] < op_timeout_s + SLACK_S
 
 
@@ -372,7 +360,6 @@ def test_blocks_shared_between_processes_and_outlive_their_writer(make_tier):
     assert json.loads(child.stdout.strip().splitlines()[-1]) == {"read_ok": [True, True, True]}
     # The child has exited: its blocks live on in the pool.
     assert tier.exists(theirs) == [True, True, True]
-    assert tier.adopt(theirs) == theirs
     assert [torch.equal(load(tier, k), content(k)) for k in theirs] == [True, True, True]
 
 
@@ -382,7 +369,6 @@ def _child(args: dict) -> None:
     try:
         wanted = [bytes.fromhex(k) for k in args["read"]]
         assert tier.exists(wanted) == [True] * len(wanted)
-        assert tier.adopt(wanted) == wanted
         read_ok = [torch.equal(load(tier, k), content(k)) for k in wanted]
         for key in (bytes.fromhex(k) for k in args["write"]):
             store(tier, key)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstrata.policies.eviction import LFU, LRU, Eviction
-from kvstrata.tiers.table import BlockState, BlockTable, InvalidTransition, Reservation, TierFull
+from kvstrata.manager.table import BlockState, BlockTable, InvalidTransition, Reservation, TierFull
 
 W, R, E = BlockState.WRITING, BlockState.READY, BlockState.EVICTING
 KEYS = [bytes([i]) * 16 for i in range(8)]
@@ -49,7 +49,7 @@ OPERATIONS = {
     "choose_victims": lambda t: t.choose_victims(4),
     "release": lambda t: t.release(A),
     "restore": lambda t: t.restore(A),
-    "remove": lambda t: t.remove(A),
+    "take": lambda t: t.take(A),
     "pin": lambda t: t.pin(A),
 }
 RAISES = "raises InvalidTransition"
@@ -63,7 +63,7 @@ MATRIX = [
     (None, False, "choose_victims", None),
     (None, False, "release", RAISES),
     (None, False, "restore", RAISES),
-    (None, False, "remove", None),
+    (None, False, "take", None),
     (None, False, "pin", None),
     (W, False, "prepare_store", W),
     (W, False, "complete_ok", R),
@@ -71,7 +71,7 @@ MATRIX = [
     (W, False, "choose_victims", W),
     (W, False, "release", RAISES),
     (W, False, "restore", RAISES),
-    (W, False, "remove", W),
+    (W, False, "take", W),
     (W, False, "pin", W),
     (R, False, "prepare_store", R),
     (R, False, "complete_ok", RAISES),
@@ -79,7 +79,7 @@ MATRIX = [
     (R, False, "choose_victims", E),
     (R, False, "release", RAISES),
     (R, False, "restore", RAISES),
-    (R, False, "remove", None),
+    (R, False, "take", E),
     (R, False, "pin", R),
     (R, True, "prepare_store", R),
     (R, True, "complete_ok", RAISES),
@@ -87,7 +87,7 @@ MATRIX = [
     (R, True, "choose_victims", R),
     (R, True, "release", RAISES),
     (R, True, "restore", RAISES),
-    (R, True, "remove", R),
+    (R, True, "take", R),
     (R, True, "pin", R),
     (E, False, "prepare_store", E),
     pytest.param(E, False, "complete_ok", RAISES),
@@ -95,7 +95,7 @@ MATRIX = [
     (E, False, "choose_victims", E),
     (E, False, "release", None),
     (E, False, "restore", R),
-    (E, False, "remove", E),
+    (E, False, "take", E),
     (E, False, "pin", E),
 ]
 
@@ -151,7 +151,7 @@ def test_complete_store_with_pin_is_ready_and_pinned_at_once():
     t.complete_store(A, ok=True, pin=True)
     assert (t.state(A), t.pins(A), t.hits(A)) == (R, 1, 0)  # pinned for the writer, not a hit
     assert t.choose_victims(2) == [Reservation(B, t.slot(B))]
-    assert t.remove(A) is False
+    assert t.take(A) is None
     t.unpin(A)
     assert t.choose_victims(1) == [Reservation(A, t.slot(A))]
 
@@ -291,14 +291,15 @@ def test_pins_are_counted_and_unpin_without_pin_raises():
         t.unpin(B)
 
 
-def test_a_pinned_block_cannot_be_removed_or_evicted():
+def test_a_pinned_block_cannot_be_taken_or_evicted():
     t = table()
     stored(t, A)
     t.pin(A)
-    assert t.remove(A) is False
+    assert t.take(A) is None
     assert t.choose_victims(1) == []
     t.unpin(A)
-    assert t.remove(A) is True
+    assert t.take(A) == Reservation(A, t.slot(A))
+    t.release(A)
     assert t.state(A) is None and t.free_blocks == 4
 
 
@@ -309,7 +310,8 @@ def test_hits_are_counted_by_pin_and_reset_when_the_block_leaves():
         t.pin(A)
         t.unpin(A)
     assert t.hits(A) == 3
-    t.remove(A)
+    t.take(A)
+    t.release(A)
     assert t.hits(A) == 0
     stored(t, A)
     assert t.hits(A) == 0
@@ -323,10 +325,11 @@ def test_ready_keys_lists_only_ready_blocks():
     assert sorted(t.ready_keys()) == sorted([B, C])
 
 
-def test_a_removed_block_leaves_the_eviction_order():
+def test_a_taken_block_leaves_the_eviction_order():
     t = table()
     stored(t, A, B)
-    t.remove(A)
+    t.take(A)
+    t.release(A)
     stored(t, A)  # A comes back as the most recent, not at its old place
     assert [v.key for v in t.choose_victims(2)] == [B, A]
 
@@ -464,11 +467,13 @@ class BlockTableMachine(RuleBasedStateMachine):
                 self.table.restore(key)
 
     @rule(key=st.sampled_from(POOL))
-    def remove(self, key):
-        removable = self.state.get(key) is R and self.pins[key] == 0
-        assert self.table.remove(key) is removable
-        if removable:
-            self._forget(key)
+    def take(self, key):
+        takeable = self.state.get(key) is R and self.pins[key] == 0
+        taken = self.table.take(key)
+        assert (taken is not None) is takeable
+        if takeable:
+            assert taken == Reservation(key, self.slot[key])
+            self.state[key] = E
 
     @invariant()
     def slots_are_unique_and_accounted_for(self):
@@ -525,3 +530,67 @@ def test_quarantine_retires_the_slot_for_good_and_frees_the_key():
     stored(t, B)
     with pytest.raises(InvalidTransition):
         t.quarantine(B)  # only a block being written can be quarantined
+
+
+# --- handing a victim's slot over ----------------------------------------------------------------
+
+
+def full_with_victim() -> tuple[BlockTable, Reservation]:
+    """A table of capacity 1 holding A, chosen as a victim (EVICTING)."""
+    t = table(capacity=1)
+    stored(t, A)
+    (victim,) = t.choose_victims(1)
+    return t, victim
+
+
+def test_a_victims_slot_goes_to_the_new_block_and_stays_taken_when_the_victim_leaves():
+    t, victim = full_with_victim()
+    with pytest.raises(TierFull):
+        t.prepare_store(B)
+    reservation = t.hand_over(victim, B)
+    assert reservation == Reservation(B, victim.slot)
+    assert (t.state(A), t.state(B)) == (E, W)  # the victim's bytes still to be copied down
+    t.release(A)
+    assert t.free_blocks == 0 and t.owners() == {victim.slot: B}
+    t.complete_store(B, ok=True)
+    assert t.ready_keys() == [B]
+
+
+def test_a_handed_over_store_that_fails_gives_the_slot_back_to_its_victim():
+    t, victim = full_with_victim()
+    t.hand_over(victim, B)
+    t.complete_store(B, ok=False)  # e.g. the plan stopped before the victim was carried out
+    assert t.free_blocks == 0 and t.owners() == {victim.slot: A}
+    t.release(A)  # only now is nobody using the slot's bytes
+    assert t.free_blocks == 1 and t.owners() == {}
+
+
+def test_a_handed_over_store_that_fails_after_its_victim_left_frees_the_slot():
+    t, victim = full_with_victim()
+    t.hand_over(victim, B)
+    t.release(A)
+    t.complete_store(B, ok=False)
+    assert t.free_blocks == 1 and t.owners() == {}
+
+
+def test_a_handed_over_slot_that_is_quarantined_stays_retired_when_the_victim_leaves():
+    t, victim = full_with_victim()
+    t.hand_over(victim, B)
+    t.quarantine(B)
+    t.release(A)
+    assert (t.free_blocks, t.quarantined_slots, t.owners()) == (0, 1, {})
+
+
+def test_hand_over_needs_an_evicting_owner_and_an_absent_key():
+    t = table(capacity=2)
+    stored(t, A, B)
+    with pytest.raises(InvalidTransition):
+        t.hand_over(Reservation(A, t.slot(A)), C)  # A is READY, not evicting
+    (victim,) = t.choose_victims(1)
+    with pytest.raises(InvalidTransition):
+        t.hand_over(victim, B)  # B is here already
+    t.hand_over(victim, C)
+    with pytest.raises(InvalidTransition):
+        t.hand_over(victim, D)  # the slot is C's now
+    with pytest.raises(InvalidTransition):
+        t.restore(victim.key)  # nor can the victim come back to it

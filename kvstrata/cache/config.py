@@ -1,0 +1,80 @@
+"""What a TieredCache holds and how it behaves: frozen, validated data (no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstrata.index.keys import Namespace
+from kvstrata.kv.layout import KVLayout
+from kvstrata.manager.manager import SMALL_LOAD_BYTES
+from kvstrata.media import FetchPath
+from kvstrata.plan.host import HostCalibration
+from kvstrata.policies.eviction import Eviction
+from kvstrata.policies.write import WriteRule
+from kvstrata.pool.config import PoolConfig, RemoteMode
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What a TieredCache holds and how it behaves. Capacities in bytes; 0 disables a tier.
+
+    Strings from users (CLI flags, an engine's JSON config) are parsed into these types at that
+    edge; a string here is refused with the type it should be.
+    """
+
+    layout: KVLayout
+    model_id: str
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int = 0
+    disk_dir: Path | None = None
+    write: WriteRule = field(default_factory=WriteRule)
+    eviction: Eviction = Eviction.LRU
+    workers: int = 2
+    tp_rank: int = 0
+    tp_size: int = 1
+    device: str | None = None  # torch device for the device tier; None: CUDA if present, else CPU
+    pool: PoolConfig | None = None  # the shared remote DRAM pool; None: no remote tier
+    remote_bytes: int = 0  # this instance's view of the pool (how many blocks it tracks)
+    remote_mode: RemoteMode = RemoteMode.TCP  # TCP (any host) or SHM (a pool daemon on this host)
+    remote_path: FetchPath = FetchPath.AUTO  # how pool blocks reach the device
+    disk_path: FetchPath = FetchPath.AUTO  # how disk blocks reach the device
+    # This host's measured paths (kvstrata.plan.host.HostCalibration): predicted transfer times
+    # for prefetch deadlines and load-or-recompute choices. None: not calibrated.
+    calibration: HostCalibration | None = None
+    disk_read_gbps: float | None = None  # cap disk reads at this rate (emulates slower storage)
+    small_load_bytes: int = SMALL_LOAD_BYTES  # loads up to this size: one copy dispatch, layers ready together
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes", "disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cache {name} must be >= 0, got {getattr(self, name)}")
+        if self.disk_bytes and not self.disk_dir:
+            raise ValueError("cache disk_bytes > 0 needs a disk_dir")
+        if self.workers < 1:
+            raise ValueError(f"cache workers must be >= 1, got {self.workers}")
+        if self.pool is not None and self.remote_bytes <= 0:
+            raise ValueError("cache with a pool needs remote_bytes > 0 (how much of the pool it tracks)")
+        for name, kind in (("remote_mode", RemoteMode), ("remote_path", FetchPath), ("disk_path", FetchPath),
+                           ("write", WriteRule), ("eviction", Eviction)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"cache {name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if self.disk_dir is not None and not isinstance(self.disk_dir, Path):
+            raise ValueError(f"cache disk_dir must be a pathlib.Path, got {self.disk_dir!r}")
+        if self.small_load_bytes < 0:
+            raise ValueError(f"cache small_load_bytes must be >= 0, got {self.small_load_bytes}")
+        if self.disk_read_gbps is not None and not self.disk_read_gbps > 0:
+            raise ValueError(f"cache disk_read_gbps must be positive, got {self.disk_read_gbps}")
+        self.namespace()  # a bad model_id or TP rank/size fails here, not on first use
+
+    def namespace(self, tenant: str = "") -> Namespace:
+        return Namespace(
+            model_id=self.model_id,
+            kv_dtype=self.layout.dtype.name.lower(),
+            kv_layout=self.layout.describe(),
+            block_size=self.layout.block_tokens,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            tenant=tenant,
+        )

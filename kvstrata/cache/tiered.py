@@ -1,0 +1,363 @@
+"""The tiered cache: block-hashed prefix lookup over device, host, disk (and remote) tiers.
+
+``lookup(tokens)`` finds the longest cached prefix and the fastest tier of each block;
+``load(match)`` brings those blocks into the device tier asynchronously, layer by layer, and
+returns a handle the model can wait on per layer; ``store(tokens, kv)`` saves the full blocks
+of a sequence's KV, and the write policy sends them down the tiers.
+
+A facade over two halves: the block manager (``kvstrata.manager``) decides, synchronously and
+without touching bytes, which blocks go where (plans), and the transfer worker
+(``kvstrata.transfer.worker``) moves the bytes those plans name, on its own threads, and says
+per leg what happened; the manager then settles every slot. Each operation here is the same
+three steps: prepare a plan, carry it out, complete it.
+
+Integrity: a block is readable only once READY in a tier; a block that fails verification is
+dropped from its tier and ends the match there, so wrong KV is never served.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import Future, wait
+from typing import Any
+
+import torch
+
+from kvstrata.cache.build import build_tiers, direct_media
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, StoreResult
+from kvstrata.index.keys import BlockKey, Namespace, block_keys
+from kvstrata.index.prefix import Match
+from kvstrata.manager.manager import BlockManager, ManagerConfig
+from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
+from kvstrata.media import Medium
+from kvstrata.metrics import CacheMetrics
+from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, PrefetchTiming, schedule
+from kvstrata.tensors import torch_dtype
+from kvstrata.tiers.base import Tier
+from kvstrata.transfer.worker import Moved, TransferResult, TransferWorker
+
+
+class TieredCache:
+    """See the module docstring. ``tiers``: the tiers to use (the device tier required),
+    instead of those ``config`` describes; the cache closes them."""
+
+    def __init__(self, config: CacheConfig, tiers: Sequence[Tier] | None = None) -> None:
+        self.config = config
+        self.layout = config.layout
+        self.metrics = CacheMetrics()
+        self.remote_error: str | None = None  # why a configured pool is not in use
+        if tiers is None:
+            tiers, self.remote_error = build_tiers(config)
+        self._tiers = _by_medium(tiers, config)
+        try:
+            capacities = {m: t.capacity_blocks for m, t in self._tiers.items()}
+            self.manager = BlockManager(ManagerConfig(config.layout, capacities, config.eviction, config.write,
+                                                      direct_media(tiers, config), config.workers,
+                                                      config.small_load_bytes))
+            for tier in self._tiers.values():
+                self.manager.adopt(tier.medium, tier.recover())
+        except BaseException:
+            for tier in self._tiers.values():
+                tier.close()
+            raise
+        self._worker = TransferWorker(self._tiers, config.workers)
+        self._namespaces: dict[str, Namespace] = {}
+        self._closed = False
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def tier(self, medium: Medium) -> Tier:
+        try:
+            return self._tiers[medium]
+        except KeyError:
+            raise ValueError(f"this cache has no {medium.label} tier") from None
+
+    @property
+    def media(self) -> list[Medium]:
+        return list(self.manager.media)
+
+    def keys(self, tokens: Any, tenant: str = "") -> list[BlockKey]:
+        namespace = self._namespaces.get(tenant)  # one per tenant, kept: its digest is computed once
+        if namespace is None:
+            namespace = self._namespaces.setdefault(tenant, self.config.namespace(tenant))
+        return block_keys(tokens, namespace)
+
+    def lookup(self, tokens: Any, tenant: str = "") -> Match:
+        """The longest cached prefix of ``tokens`` (full blocks) and where each block is."""
+        keys = self.keys(tokens, tenant)
+        match = self.manager.match(keys)
+        if match.blocks < len(keys) and Medium.REMOTE in self._tiers and self._discover(keys[match.blocks :]):
+            match = self.manager.match(keys)
+        self.metrics.lookup(match.media, len(keys) - match.blocks)
+        return match
+
+    def _discover(self, keys: list[BlockKey]) -> int:
+        """Blocks other instances put in the shared pool: the leading run of ``keys`` found
+        there joins this cache's view of it (READY, indexed)."""
+        found = self._worker.find(Medium.REMOTE, keys)
+        run = next((i for i, hit in enumerate(found) if not hit), len(found))
+        known = self.manager.adopt(Medium.REMOTE, keys[:run])
+        if known < run:  # our view of the pool is full: forget its coldest, not the pool's
+            self._carry_out(self.manager.prepare_evict(Medium.REMOTE, run - known))
+            known = self.manager.adopt(Medium.REMOTE, keys[:run])
+        return known
+
+    def device_block(self, slot: int) -> torch.Tensor:
+        view = self.tier(Medium.DEVICE).view(slot)
+        return view.view(torch_dtype(self.layout.dtype)).view(self.layout.block_shape)
+
+    def load(self, match: Match) -> LoadHandle:
+        """Bring the matched blocks into the device tier; returns at once with a handle."""
+        self._check_open()
+        handle = LoadHandle(match, self.layout.num_layers, self.device_block,
+                            lambda keys: self.manager.unpin(Medium.DEVICE, keys))
+        self._worker.submit(self._run_load, match, handle)
+        return handle
+
+    def _run_load(self, match: Match, handle: LoadHandle) -> None:
+        start = time.perf_counter()
+        plan = self.manager.prepare_load(match)
+        moves: list[TransferResult] = []  # the load's own legs (not its room's demotions)
+        try:
+            self._carry_out(plan.room)
+            fetched = self._moved(self._worker.move(plan.legs(Step.FETCH)), moves)
+            plan, drops = self.manager.complete_fetch(plan, fetched.failures)
+            self._carry_out(drops)
+            if fetched.error is not None:
+                raise fetched.error
+            handle._plan(plan.keys, plan.device_slots)
+            copies = plan.legs(Step.COPY)
+            copied = self._moved(self._worker.copy_layers(copies, plan.ranges, handle._layers_done), moves)
+            if copied.error is not None:
+                raise copied.error
+            if not copies:
+                handle._layers_done(range(self.layout.num_layers))
+        except BaseException as exc:  # noqa: BLE001 - surfaced through the handle
+            self.manager.abandon_load(plan)
+            handle._finish(None, exc)
+            return
+        for key in self.manager.complete_load(plan):  # hot blocks the write policy sends down now
+            self._write_down(key)
+        handle._finish(self._load_result(plan, moves, time.perf_counter() - start))
+
+    def _load_result(self, plan: LoadPlan, moves: list[TransferResult], seconds: float) -> LoadResult:
+        bytes_from: dict[Medium, int] = {}
+        for result in moves:
+            bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
+        restored = sum(1 for _ in plan.moving()) * self.layout.block_bytes
+        paths = dict(Counter(b.route for b in plan.blocks))
+        tokens = len(plan.blocks) * self.layout.block_tokens
+        return LoadResult(len(plan.blocks), tokens, bytes_from, seconds, plan.stopped, restored, paths, plan.stopped_at)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def store(self, tokens: Any, kv: torch.Tensor, tenant: str = "") -> Future:
+        """Save the full blocks of ``kv`` (``[layers, kv, tokens, kv_heads, head_dim]``, the
+        layout's dtype, any device) keyed by ``tokens``. Returns a Future of StoreResult."""
+        self._check_open()
+        self._check_kv(kv)
+        count = min(kv.shape[2], len(tokens)) // self.layout.block_tokens
+        keys = self.keys(list(tokens)[: count * self.layout.block_tokens], tenant)  # [] validates the tenant too
+        ready = torch.cuda.current_stream(kv.device).record_event() if kv.is_cuda else None
+        return self._worker.submit(self._run_store, keys, kv, ready)
+
+    def _check_kv(self, kv: torch.Tensor) -> None:
+        layout = self.layout
+        if not isinstance(kv, torch.Tensor):
+            raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dtype != torch_dtype(layout.dtype):
+            raise ValueError(f"kv dtype {kv.dtype} does not match the cache layout's {torch_dtype(layout.dtype)}")
+        expected = (layout.num_layers, layout.kv_tensors, "tokens", layout.kv_heads, layout.head_dim)
+        if kv.dim() != 5 or tuple(kv.shape[i] for i in (0, 1, 3, 4)) != tuple(expected[i] for i in (0, 1, 3, 4)):
+            raise ValueError(f"kv shape {tuple(kv.shape)} does not match [layers, kv, tokens, kv_heads, head_dim] = {expected}")
+
+    def _run_store(self, keys: list[BlockKey], kv: torch.Tensor, ready: Any) -> StoreResult:
+        """Store in rounds: each reserves what the device has room for. Write-through pins each
+        new block until it is written down (an eviction in between would drop its only copy),
+        so a device full of this store's own blocks waits for its oldest write-down."""
+        start = time.perf_counter()
+        writing: deque[Future] | None = deque() if self.config.write.on_store() else None
+        new = done = refused = 0
+        try:
+            while done < len(keys):
+                plan = self.manager.prepare_store(keys[done:])
+                new += self._store_round(plan, kv, done, ready, writing)
+                done += plan.consumed
+                if plan.stopped is not None and not plan.blocks:  # nothing could go in this round
+                    if not writing:
+                        refused = len(keys) - done  # every device block is pinned by others: refuse cleanly
+                        break
+                    writing.popleft().result()
+        finally:
+            for future in writing or ():
+                future.result()
+        return StoreResult(len(keys), new, time.perf_counter() - start, refused)
+
+    def _store_round(self, plan: StorePlan, kv: torch.Tensor, offset: int, ready: Any, writing: deque | None) -> int:
+        self._carry_out(plan.room)
+        bs = self.layout.block_tokens
+        sources = [kv[:, :, (offset + b.position) * bs : (offset + b.position + 1) * bs] for b in plan.blocks]
+        moved = self._moved(self._worker.ingest([self.device_block(b.slot) for b in plan.blocks], sources, ready))
+        stored = self.manager.complete_store(plan, moved.failures, pin=writing is not None)
+        if moved.error is not None:
+            raise moved.error
+        for key in stored if writing is not None else ():
+            # Each block goes down as soon as it is in, several at once (the worker bounds the
+            # byte movers); the store returns when all are down.
+            writing.append(self._worker.submit_aside(self._write_down_then_unpin, key))
+        return len(stored)
+
+    def _write_down_then_unpin(self, key: BlockKey) -> None:
+        try:
+            self._write_down(key)
+        finally:
+            self.manager.unpin(Medium.DEVICE, [key])
+
+    def _write_down(self, key: BlockKey) -> None:
+        """Copy ``key`` into every tier below the device that lacks it (best effort: a full
+        tier is skipped, never an error)."""
+        self._copy(self.manager.prepare_copies([key], self.manager.media[1:]))
+
+    def _copy(self, plan: CopyPlan) -> int:
+        self._carry_out(plan.room)
+        moved = self._moved(self._worker.move(plan.legs))
+        landed, drops = self.manager.complete_copies(plan, moved.failures)
+        self._carry_out(drops)
+        return landed
+
+    # --- capacity ----------------------------------------------------------------------------
+
+    def evict(self, medium: Medium, blocks: int) -> int:
+        """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy)."""
+        self.tier(medium)
+        room = self.manager.prepare_evict(medium, blocks)
+        self._carry_out(room)
+        return sum(1 for v in room.victims if v.slot.medium is medium)
+
+    def _carry_out(self, room: Room) -> None:
+        if room:
+            moved = self._moved(self._worker.carry_out(room))
+            self.manager.complete_room(room, moved.failures)
+
+    def _moved(self, moved: Moved, into: list[TransferResult] | None = None) -> Moved:
+        for result in moved.transfers:
+            self.metrics.transfer(result)
+        if into is not None:
+            into.extend(moved.transfers)
+        return moved
+
+    # --- prefetch ----------------------------------------------------------------------------
+
+    def prefetch(
+        self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "", deadline_s: float | None = None
+    ) -> PrefetchFuture:
+        """Promote the prefix's disk/remote blocks to the host for a queued request. Waits as
+        ``rule`` says; the Future gives the number of blocks promoted.
+
+        ``deadline_s`` (``time.monotonic()`` clock) is when the request is expected to start.
+        With the DEADLINE policy and a calibration, the promotion starts as late as its predicted
+        time allows (see :func:`kvstrata.policies.prefetch.schedule`); the call returns at once
+        (the request's load, at its start, uses what has arrived) and the returned
+        :class:`PrefetchFuture`'s ``timing`` holds the schedule. Without a calibration the
+        promotion starts at once.
+        """
+        self._check_open()
+        rule = rule or PrefetchRule()
+        match = self.lookup(tokens, tenant)
+        future = PrefetchFuture(self._timing(match, rule, deadline_s))
+        future.set_running_or_notify_cancel()
+
+        def begin() -> None:
+            try:
+                inner = self._worker.submit(self._run_prefetch, match)
+            except RuntimeError as exc:  # the cache closed meanwhile
+                future.set_exception(exc)
+                return
+            inner.add_done_callback(lambda f: _chain(f, future))
+
+        timing = future.timing
+        if timing is not None and timing.start_s > time.monotonic():
+            cancelled = RuntimeError("the cache closed before this prefetch began")
+            self._worker.at(timing.start_s, begin, lambda: future.set_exception(cancelled))
+        else:
+            begin()
+        wait_s = rule.wait_s()
+        if wait_s != 0:
+            wait([future], timeout=wait_s)
+        return future
+
+    def _timing(self, match: Match, rule: PrefetchRule, deadline_s: float | None) -> PrefetchTiming | None:
+        if rule.policy is not PrefetchPolicy.DEADLINE:
+            return None
+        if deadline_s is None:
+            raise ValueError("the deadline prefetch policy needs deadline_s (time.monotonic() of the request's start)")
+        if self.config.calibration is None:  # without one, nothing says how late to start
+            return None
+        return schedule(time.monotonic(), deadline_s, self.predict_promotion_s(match), rule.margin)
+
+    def predict_promotion_s(self, match: Match) -> float:
+        """Predicted seconds to promote the match's disk and remote blocks to the host, from the
+        configured calibration (0 without one, or with nothing to promote)."""
+        cal = self.config.calibration
+        if cal is None:
+            return 0.0
+        seconds = 0.0
+        for medium in (Medium.DISK, Medium.REMOTE):
+            blocks = match.count(medium)
+            if blocks:
+                seconds += cal.restore_s(medium.label, blocks * self.layout.block_bytes, blocks, self.config.workers)
+        return seconds
+
+    def _run_prefetch(self, match: Match) -> int:
+        if Medium.HOST not in self._tiers:
+            return 0
+        below = [key for key, medium in zip(match.keys, match.media) if medium.value > Medium.HOST.value]
+        return self._copy(self.manager.prepare_copies(below, (Medium.HOST,)))
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the cache is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Cancel deadline prefetches not begun, finish what is under way, close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.close()
+        for tier in self._tiers.values():
+            tier.close()
+
+    def __enter__(self) -> "TieredCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _by_medium(tiers: Sequence[Tier], config: CacheConfig) -> dict[Medium, Tier]:
+    by_medium: dict[Medium, Tier] = {}
+    for tier in tiers:
+        if tier.layout != config.layout:
+            raise ValueError(f"{tier.medium.label} tier layout {tier.layout} differs from the cache's {config.layout}")
+        if tier.medium in by_medium:
+            raise ValueError(f"two {tier.medium.label} tiers given")
+        by_medium[tier.medium] = tier
+    if Medium.DEVICE not in by_medium:
+        raise ValueError("the cache needs a device tier")
+    return dict(sorted(by_medium.items(), key=lambda item: item[0].value))
+
+
+def _chain(src: Future, dst: Future) -> None:
+    if src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())

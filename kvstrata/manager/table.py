@@ -1,0 +1,269 @@
+"""A tier's block table: which keys it holds, in which slot, in what state (pure, not locked).
+
+Two-step writes with explicit states: ``prepare_store`` reserves a slot (state WRITING, never
+readable, never evicted); ``complete_store(ok)`` makes it READY or frees it. A READY block can
+be pinned by readers (a reference count); only READY, unpinned blocks are ever chosen to leave,
+and leaving is two-step too: ``choose_victims`` (or ``take`` for one named block) marks them
+EVICTING (the bytes still there, so a demotion can copy them down, a disk file be deleted),
+``release`` forgets them.
+
+    (absent) --prepare_store--> WRITING --complete_store(ok)--> READY --choose_victims/take--> EVICTING
+                                   |                              ^                             |
+                                   +--complete_store(fail)--> (absent) <-----release------------+
+                                                                  (EVICTING --restore--> READY)
+
+Slots have one owner each. A victim's slot may be handed over (``hand_over``) to a new key while
+the victim is still EVICTING: the new key is WRITING in that slot, and whoever moves the bytes
+must finish with the victim's bytes (its demotion) before writing the new ones. Releasing the
+victim then frees nothing; failing the new key's store before the victim is released gives the
+slot back to the victim. So a slot is free only once nobody has a use for its bytes.
+
+The table takes no lock: the block manager that owns it serializes every call.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvstrata.index.keys import BlockKey
+from kvstrata.policies.eviction import EvictionPolicy
+
+
+class BlockState(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+    EVICTING = "evicting"
+
+
+_ALLOWED = {
+    (None, BlockState.WRITING),
+    (BlockState.WRITING, BlockState.READY),
+    (BlockState.WRITING, None),
+    (BlockState.READY, BlockState.EVICTING),
+    (BlockState.EVICTING, None),
+    (BlockState.EVICTING, BlockState.READY),  # a demotion that failed gives the block back
+}
+
+
+class TierFull(Exception):
+    """No free slot and nothing evictable (every block is pinned or in flight)."""
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Entry:
+    key: BlockKey
+    slot: int
+    state: BlockState
+    pins: int = 0
+    hits: int = 0
+    handed_from: BlockKey | None = None  # WRITING in the slot of this victim, still EVICTING
+
+
+@dataclass(frozen=True)
+class Reservation:
+    key: BlockKey
+    slot: int
+
+
+class BlockTable:
+    """Slots 0..capacity-1 of one tier."""
+
+    def __init__(self, capacity_blocks: int, policy: EvictionPolicy, name: str = "tier") -> None:
+        if capacity_blocks < 0:
+            raise ValueError(f"{name}: capacity_blocks must be >= 0, got {capacity_blocks}")
+        self.name = name
+        self.capacity_blocks = capacity_blocks
+        self._policy = policy
+        self._entries: dict[BlockKey, Entry] = {}
+        self._owner: dict[int, BlockKey] = {}  # slot -> the key whose slot it is
+        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._quarantined: set[int] = set()  # slots retired by abandoned transfers
+
+    # --- state changes ---------------------------------------------------------------------
+
+    def _move(self, entry: Entry | None, key: BlockKey, to: BlockState | None) -> None:
+        frm = entry.state if entry else None
+        if (frm, to) not in _ALLOWED:
+            raise InvalidTransition(f"{self.name}: block {key.hex()[:12]} cannot go {frm} -> {to}")
+
+    def prepare_store(self, key: BlockKey) -> Reservation | None:
+        """A slot for ``key`` in state WRITING; None if the key is already here (any state).
+
+        Raises:
+            TierFull: no free slot (make room first: ``choose_victims`` then ``hand_over``).
+        """
+        if key in self._entries:
+            return None
+        if not self._free:
+            raise TierFull(f"{self.name}: all {self.capacity_blocks} slots in use")
+        self._move(None, key, BlockState.WRITING)
+        slot = self._free.pop()
+        self._entries[key] = Entry(key, slot, BlockState.WRITING)
+        self._owner[slot] = key
+        return Reservation(key, slot)
+
+    def hand_over(self, victim: Reservation, key: BlockKey) -> Reservation:
+        """Reserve ``key`` (WRITING) in the slot of ``victim``, a block still EVICTING here."""
+        entry = self._entries.get(victim.key)
+        if entry is None or entry.state is not BlockState.EVICTING or self._owner.get(entry.slot) != victim.key:
+            raise InvalidTransition(f"{self.name}: hand_over from a block that is not evicting in its own slot")
+        if key in self._entries:
+            raise InvalidTransition(f"{self.name}: hand_over to block {key.hex()[:12]}, which is here already")
+        self._entries[key] = Entry(key, entry.slot, BlockState.WRITING, handed_from=victim.key)
+        self._owner[entry.slot] = key
+        return Reservation(key, entry.slot)
+
+    def complete_store(self, key: BlockKey, ok: bool, pin: bool = False) -> None:
+        """WRITING -> READY (``ok``; pinned at once if ``pin``, so no eviction can slip in
+        between) or -> absent."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not BlockState.WRITING:
+            raise InvalidTransition(f"{self.name}: complete_store of a block that is not being written")
+        to = BlockState.READY if ok else None
+        self._move(entry, key, to)
+        if ok:
+            entry.state = BlockState.READY
+            self._policy.inserted(key)
+            if pin:
+                entry.pins += 1
+        else:
+            self._drop(entry)
+
+    def choose_victims(self, count: int) -> list[Reservation]:
+        """Mark up to ``count`` READY unpinned blocks EVICTING, in policy order."""
+        if count < 0:
+            raise ValueError(f"{self.name}: victim count must be >= 0, got {count}")
+        victims = []
+        for key in self._policy.order():
+            if len(victims) >= count:
+                break
+            entry = self._entries.get(key)
+            if entry is not None and entry.state is BlockState.READY and entry.pins == 0:
+                self._move(entry, key, BlockState.EVICTING)
+                entry.state = BlockState.EVICTING
+                victims.append(Reservation(key, entry.slot))
+        return victims
+
+    def take(self, key: BlockKey) -> Reservation | None:
+        """Mark one READY, unpinned block EVICTING (e.g. it failed verification); None if it
+        cannot go now (absent, in flight, or another reader holds it)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not BlockState.READY or entry.pins:
+            return None
+        self._move(entry, key, BlockState.EVICTING)
+        entry.state = BlockState.EVICTING
+        return Reservation(key, entry.slot)
+
+    def release(self, key: BlockKey) -> None:
+        """Forget an EVICTING block; its slot is free unless it was handed over."""
+        entry = self._entries.get(key)
+        self._move(entry, key, None)
+        if entry.state is not BlockState.EVICTING:
+            raise InvalidTransition(f"{self.name}: release of a {entry.state} block")
+        self._drop(entry)
+
+    def restore(self, key: BlockKey) -> None:
+        """An EVICTING block stays after all (its slot was not handed over)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not BlockState.EVICTING or self._owner.get(entry.slot) != key:
+            raise InvalidTransition(f"{self.name}: restore of a block that is not being evicted from its own slot")
+        self._move(entry, key, BlockState.READY)
+        entry.state = BlockState.READY
+
+    def quarantine(self, key: BlockKey) -> None:
+        """Retire a WRITING block's slot for good (a transfer into it was abandoned and may
+        still land): the key is free to be stored again elsewhere, the slot never reused."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not BlockState.WRITING:
+            raise InvalidTransition(f"{self.name}: quarantine of a block that is not being written")
+        del self._entries[key]
+        del self._owner[entry.slot]
+        self._quarantined.add(entry.slot)
+
+    def _drop(self, entry: Entry) -> None:
+        del self._entries[entry.key]
+        self._policy.removed(entry.key)
+        slot = entry.slot
+        if self._owner.get(slot) != entry.key:
+            # Released after handing its slot over: the slot is the new block's now.
+            successor = self._entries.get(self._owner.get(slot))
+            if successor is not None and successor.handed_from == entry.key:
+                successor.handed_from = None
+            return
+        victim = self._entries.get(entry.handed_from) if entry.handed_from else None
+        if victim is not None and victim.state is BlockState.EVICTING and victim.slot == slot:
+            self._owner[slot] = victim.key  # the victim's bytes are still in use: give it back
+        else:
+            del self._owner[slot]
+            self._free.append(slot)
+
+    # --- readers ----------------------------------------------------------------------------
+
+    def pin(self, key: BlockKey, hit: bool = True) -> int | None:
+        """Pin a READY block for reading; its slot, or None (absent, being written or evicted).
+
+        ``hit``: a request is reading it (counts a hit and an access for the eviction policy);
+        False for the cache's own copying (write-down, prefetch), which must not look hot.
+        """
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not BlockState.READY:
+            return None
+        entry.pins += 1
+        if hit:
+            entry.hits += 1
+            self._policy.accessed(key)
+        return entry.slot
+
+    def unpin(self, key: BlockKey) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.pins == 0:
+            raise InvalidTransition(f"{self.name}: unpin of a block that is not pinned")
+        entry.pins -= 1
+
+    def state(self, key: BlockKey) -> BlockState | None:
+        entry = self._entries.get(key)
+        return entry.state if entry else None
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._entries
+
+    def slot(self, key: BlockKey) -> int | None:
+        entry = self._entries.get(key)
+        return entry.slot if entry and entry.state is not BlockState.WRITING else None
+
+    def pins(self, key: BlockKey) -> int:
+        entry = self._entries.get(key)
+        return entry.pins if entry else 0
+
+    def hits(self, key: BlockKey) -> int:
+        entry = self._entries.get(key)
+        return entry.hits if entry else 0
+
+    def ready_keys(self) -> list[BlockKey]:
+        return [k for k, e in self._entries.items() if e.state is BlockState.READY]
+
+    def pinned(self) -> dict[BlockKey, int]:
+        """Pins per pinned block."""
+        return {k: e.pins for k, e in self._entries.items() if e.pins}
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks in the table, in any state (a victim and the block its slot went to: both)."""
+        return len(self._entries)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def quarantined_slots(self) -> int:
+        return len(self._quarantined)
+
+    def owners(self) -> dict[int, BlockKey]:
+        """Slot -> the key that owns it (for invariant checks)."""
+        return dict(self._owner)

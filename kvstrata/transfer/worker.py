@@ -1,0 +1,322 @@
+"""The transfer worker: carries out the block manager's plans, and owns every thread and timer.
+
+It moves legs (``kvstrata.manager.plans.Leg``) through handlers keyed by ``(source medium,
+destination medium)`` (``kvstrata.transfer.handlers``), carries out rooms (demotions, then
+discards, deepest tier first), copies a load's layer ranges and copies a store's KV in, and
+reports per leg None or a ``Failure``; it never decides anything about a block's state.
+
+Threads: a bounded pool of ``workers`` byte movers (torch copies, file I/O and pool calls
+release the GIL); one orchestration pool that runs the cache's loads, stores and prefetches
+(they wait on byte movers, which never wait on them); one for write-downs and demotions, so a
+store never waits on a task queued behind it; and one timer thread for deadline prefetches.
+A batch that is one task runs on the calling thread: handing it over only adds a wait.
+
+CUDA: a handler that touches a GPU tier runs on its thread's own stream, which first waits for
+what the submitting thread had queued on its current stream, and is synchronized before the
+handler's results are reported, so reported bytes are in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from kvstrata.errors import BlockMissing, CorruptBlock, TierUnavailable, TransferAbandoned
+from kvstrata.manager.plans import Failure, Leg, Room, Victim
+from kvstrata.media import Medium
+from kvstrata.tiers.base import Tier
+from kvstrata.transfer.handlers import HANDLERS, Handler
+from kvstrata.transfer.timers import Timers
+
+T = TypeVar("T")
+_log = logging.getLogger(__name__)
+MEMORY = (Medium.DEVICE, Medium.HOST)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One handler call: ``bytes`` moved from ``src`` to ``dst`` in ``seconds`` (its own time,
+    queueing excluded)."""
+
+    src: Medium
+    dst: Medium
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Decimal GB/s (1 GB = 1e9 bytes)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What moving some legs did: per leg (in order) None or its Failure, and the exception
+    behind it; the handler calls that moved bytes."""
+
+    failures: tuple[Failure | None, ...] = ()
+    errors: tuple[BaseException | None, ...] = ()
+    transfers: tuple[TransferResult, ...] = ()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first unexpected error (Failure.ERROR), to surface to the caller."""
+        return next((e for f, e in zip(self.failures, self.errors) if f is Failure.ERROR), None)
+
+    def __add__(self, other: Moved) -> Moved:
+        return Moved(self.failures + other.failures, self.errors + other.errors, self.transfers + other.transfers)
+
+
+def classify(error: BaseException | None) -> Failure | None:
+    """What an exception from a tier means for the slots of its leg."""
+    if error is None:
+        return None
+    if isinstance(error, TransferAbandoned):
+        return Failure.ABANDONED
+    if isinstance(error, BlockMissing):
+        return Failure.MISSING
+    if isinstance(error, CorruptBlock):
+        return Failure.CORRUPT
+    if isinstance(error, TierUnavailable):
+        return Failure.UNAVAILABLE
+    return Failure.ERROR
+
+
+class TransferWorker:
+    """Moves bytes between ``tiers`` on ``workers`` threads.
+
+    Args:
+        tiers: the tiers by medium.
+        workers: byte-moving threads (>= 1).
+        handlers: overrides of the default handler per (src medium, dst medium).
+        orchestrators: threads running the cache's operations.
+    """
+
+    def __init__(self, tiers: Mapping[Medium, Tier], workers: int = 2,
+                 handlers: Mapping[tuple[Medium, Medium], Handler] | None = None, orchestrators: int = 4) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"transfer worker: workers must be a positive integer, got {workers!r}")
+        self.tiers = dict(tiers)
+        if len({t.layout for t in self.tiers.values()}) > 1:
+            raise ValueError("transfer worker: tiers of different layouts")
+        self.workers = workers
+        self.handlers = {**HANDLERS, **(handlers or {})}
+        self._movers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstrata-transfer")
+        self._orchestrators = ThreadPoolExecutor(max_workers=orchestrators, thread_name_prefix="kvstrata-plan")
+        self._writers = ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="kvstrata-write")
+        self._timers = Timers()
+        self._streams = threading.local()  # per thread: {device: torch.cuda.Stream}
+
+    # --- threads -------------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run one of the cache's operations (a load, a store, a prefetch) off the caller's thread."""
+        return self._orchestrators.submit(fn, *args)
+
+    def submit_aside(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run a write-down or a demotion, which an operation may wait for."""
+        return self._writers.submit(fn, *args)
+
+    def at(self, when_s: float, run: Callable[[], None], on_cancel: Callable[[], None]) -> None:
+        """Run ``run()`` at ``time.monotonic()`` ``when_s``; ``on_cancel()`` instead if closed first."""
+        self._timers.at(when_s, run, on_cancel)
+
+    # --- moving bytes --------------------------------------------------------------------------
+
+    def move(self, legs: Sequence[Leg], layers: slice = slice(None)) -> Moved:
+        """Move ``legs`` (``layers`` of each), groups of one medium pair split across the
+        workers (memory-to-memory groups stay one batched copy). Returns when all are settled."""
+        _check_layers(layers)
+        chunks: list[list[int]] = []
+        for group in _groups(legs).values():
+            split = 1 if group and _memory_pair(legs[group[0]]) else min(self.workers, len(group))
+            chunks += [group[w::split] for w in range(split)]
+        ready = self._ready_event(legs)
+        results = self._run_all([lambda c=c: self._run_handler([legs[i] for i in c], layers, ready) for c in chunks])
+        return _assemble(len(legs), chunks, results)
+
+    def copy_layers(self, legs: Sequence[Leg], ranges: Sequence[range], on_range: Callable[[range], None]) -> Moved:
+        """Copy ``legs`` into memory one layer range at a time (ranges in parallel); after each
+        range has landed for every leg, ``on_range(range)``. Per leg, the first failure."""
+        if not legs:
+            return Moved()
+        for span in ranges:
+            _check_layers(slice(span.start, span.stop, span.step))
+        ready = self._ready_event(legs)
+        groups = list(_groups(legs).values())
+
+        def copy_range(span: range) -> list[tuple[list[BaseException | None], TransferResult | None]]:
+            out = [self._run_handler([legs[i] for i in g], slice(span.start, span.stop), ready) for g in groups]
+            if all(e is None for errors, _ in out for e in errors):
+                on_range(span)  # only bytes that all landed are announced
+            return out
+
+        per_range = self._run_all([lambda r=r: copy_range(r) for r in ranges])
+        moved = Moved((None,) * len(legs), (None,) * len(legs))
+        for results in per_range:
+            moved = _first_failures(moved, _assemble(len(legs), groups, results))
+        return moved
+
+    def ingest(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], ready: Any = None) -> Moved:
+        """Copy a caller's KV blocks into device slots (a store), in one batched copy. ``ready``:
+        a CUDA event the caller recorded after computing ``srcs``."""
+        if not dsts:
+            return Moved()
+        start = time.perf_counter()
+        device = next((t.device for t in (*dsts, *srcs) if t.is_cuda), None)
+        try:
+            with self._on_stream(device, ready):
+                torch._foreach_copy_(list(dsts), list(srcs), non_blocking=device is not None)
+        except Exception as error:  # noqa: BLE001 - every block of the batch met it
+            return Moved((Failure.ERROR,) * len(dsts), (error,) * len(dsts))
+        nbytes = sum(d.numel() * d.element_size() for d in dsts)
+        result = TransferResult(Medium.DEVICE, Medium.DEVICE, nbytes, time.perf_counter() - start)
+        return Moved((None,) * len(dsts), (None,) * len(dsts), (result,))
+
+    def carry_out(self, room: Room) -> Moved:
+        """Carry out a room, deepest tier first: each stage's demotions, then its victims' bytes
+        discarded (a disk file deleted). Per victim (in ``room.victims`` order) the outcome of
+        its demotion (None without one)."""
+        outcome: dict[int, tuple[Failure | None, BaseException | None]] = {}
+        transfers: list[TransferResult] = []
+        position = {id(v): i for i, v in enumerate(room.victims)}
+        for stage in room.stages():
+            demoting = [v for v in stage if v.demotion is not None]
+            moved = self.move([v.demotion for v in demoting])
+            transfers += moved.transfers
+            for victim, failure, error in zip(demoting, moved.failures, moved.errors):
+                outcome[position[id(victim)]] = (failure, error)
+            for victim in stage:
+                self._discard(victim)
+        pairs = [outcome.get(i, (None, None)) for i in range(len(room.victims))]
+        return Moved(tuple(f for f, _ in pairs), tuple(e for _, e in pairs), tuple(transfers))
+
+    def find(self, medium: Medium, keys: Sequence[Any]) -> list[bool]:
+        """Which of ``keys`` a shared tier holds that others may have put there."""
+        return self.tiers[medium].find(list(keys))
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _run_all(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
+        if len(tasks) <= 1:
+            return [task() for task in tasks]
+        futures = [self._movers.submit(task) for task in tasks]
+        return [future.result() for future in futures]
+
+    def _run_handler(self, legs: Sequence[Leg], layers: slice, ready: Any) -> tuple[list, TransferResult | None]:
+        """One handler call for legs of one medium pair: per leg its error (or None), and what moved."""
+        src, dst = self.tiers[legs[0].src.medium], self.tiers[legs[0].dst.medium]
+        handler = self.handlers.get((src.medium, dst.medium))
+        start = time.perf_counter()
+        try:
+            if handler is None:
+                raise ValueError(f"no transfer handler for {src.medium.label} -> {dst.medium.label}")
+            with self._on_stream(_cuda_device(src, dst), ready):
+                errors = list(handler(src, dst, legs, layers))
+        except Exception as error:  # noqa: BLE001 - every leg of the call met it
+            errors = [error] * len(legs)
+        seconds = time.perf_counter() - start
+        first, stop, _ = layers.indices(src.layout.num_layers)
+        moved = sum(1 for e in errors if e is None) * (stop - first) * src.layout.layer_bytes
+        return errors, (TransferResult(src.medium, dst.medium, moved, seconds) if moved else None)
+
+    def _ready_event(self, legs: Sequence[Leg]) -> Any:
+        devices = {_cuda_device(self.tiers[leg.src.medium], self.tiers[leg.dst.medium]) for leg in legs} - {None}
+        return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
+
+    def _on_stream(self, device: torch.device | None, ready: Any):
+        if device is None:
+            return nullcontext()
+        return _StreamScope(self._stream(device), ready.get(device) if isinstance(ready, dict) else ready)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        streams = self._streams.__dict__.setdefault("by_device", {})
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device=device)
+        return streams[device]
+
+    def _discard(self, victim: Victim) -> None:
+        try:
+            self.tiers[victim.slot.medium].discard(victim.slot.index, victim.key)
+        except Exception:  # noqa: BLE001 - the block leaves the table anyway; its bytes linger
+            _log.exception("discarding block %s from the %s tier failed", victim.key.hex()[:12],
+                           victim.slot.medium.label)
+
+    def close(self) -> None:
+        """Cancel timers not yet run, finish queued work, stop every thread. Idempotent."""
+        self._timers.close()
+        self._orchestrators.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        self._movers.shutdown(wait=True)
+
+    def __enter__(self) -> TransferWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _StreamScope:
+    """Run on ``stream`` after ``ready``; synchronize on exit, even on failure (no copy may
+    still be landing in a slot the caller releases)."""
+
+    def __init__(self, stream: torch.cuda.Stream, ready: Any) -> None:
+        self._stream, self._ready = stream, ready
+        self._scope = torch.cuda.stream(stream)
+
+    def __enter__(self) -> None:
+        if self._ready is not None:
+            self._stream.wait_event(self._ready)
+        self._scope.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._scope.__exit__(*exc)
+        finally:
+            self._stream.synchronize()
+
+
+def _check_layers(layers: slice) -> None:
+    if not isinstance(layers, slice) or layers.step not in (None, 1):
+        raise ValueError(f"layers must be a contiguous slice, got {layers!r}")
+
+
+def _cuda_device(src: Tier, dst: Tier) -> torch.device | None:
+    return next((t.device for t in (src, dst) if t.device.type == "cuda"), None)
+
+
+def _memory_pair(leg: Leg) -> bool:
+    return leg.src.medium in MEMORY and leg.dst.medium in MEMORY
+
+
+def _groups(legs: Sequence[Leg]) -> dict[tuple[Medium, Medium], list[int]]:
+    """Leg indices per (src medium, dst medium), in order."""
+    groups: dict[tuple[Medium, Medium], list[int]] = {}
+    for i, leg in enumerate(legs):
+        groups.setdefault((leg.src.medium, leg.dst.medium), []).append(i)
+    return groups
+
+
+def _assemble(n: int, chunks: Sequence[Sequence[int]], results: Sequence[tuple[list, TransferResult | None]]) -> Moved:
+    errors: list[BaseException | None] = [None] * n
+    transfers = []
+    for chunk, (chunk_errors, transfer) in zip(chunks, results, strict=True):
+        for i, error in zip(chunk, chunk_errors, strict=True):
+            errors[i] = error
+        if transfer is not None:
+            transfers.append(transfer)
+    return Moved(tuple(classify(e) for e in errors), tuple(errors), tuple(transfers))
+
+
+def _first_failures(so_far: Moved, more: Moved) -> Moved:
+    pairs = [(f, e) if f is not None else (g, x)
+             for f, e, g, x in zip(so_far.failures, so_far.errors, more.failures, more.errors, strict=True)]
+    return Moved(tuple(f for f, _ in pairs), tuple(e for _, e in pairs), so_far.transfers + more.transfers)
