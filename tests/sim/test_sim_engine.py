@@ -135,6 +135,11 @@ def test_block_lru_evicts_least_recent():
     assert lru.leading_run([1]) == 1 and lru.leading_run([2]) == 0 and len(lru) == 2
 
 
+def test_block_lru_of_no_blocks_holds_and_evicts_nothing():
+    lru = BlockLRU(0)
+    assert lru.touch([1, 2]) == [] and len(lru) == 0 and lru.leading_run([1]) == 0
+
+
 def test_parse_arch():
     assert parse_arch("hbm+pool+nvme").tiers == (Tier.HBM, Tier.POOL, Tier.NVME)
     assert parse_arch("pd-handoff").pd_handoff
