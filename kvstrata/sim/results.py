@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class Summary:
     link_utilisation: dict[str, float]
     meets_slo: bool
     gpus: int = 0
-    tier_writes: dict[Medium, int] | None = None  # blocks written into each tier
+    tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
 
     @property
     def throughput_per_gpu(self) -> float:
@@ -55,7 +55,7 @@ class Summary:
             "throughput_tok_s": self.throughput_tok_s,
             "gpus": self.gpus,
             "throughput_tok_s_per_gpu": clean(self.throughput_per_gpu),
-            "tier_writes_blocks": {HARDWARE_NAME[m]: n for m, n in (self.tier_writes or {}).items()},
+            "tier_writes_blocks": {HARDWARE_NAME[m]: n for m, n in self.tier_writes.items()},
             "hit_rate": {HARDWARE_NAME[m]: rate for m, rate in self.hit_rate.items()},
             "link_bytes": self.link_bytes,
             "link_utilisation": self.link_utilisation,
