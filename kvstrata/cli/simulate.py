@@ -16,6 +16,7 @@ from kvstrata.kv.presets import load_geometry
 from kvstrata.sim.engine import SimConfig
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
 from kvstrata.sim.run import offered_load, scale_time, simulate
+from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES
 from kvstrata.sim.traceio import read_trace
 
 
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs per instance (default 1)")
     p.add_argument("--requests", type=int, default=None, help="take the first N requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
-    p.add_argument("--write", choices=("through", "back"), default="through", help="tier write policy")
+    p.add_argument("--write", choices=tuple(WRITE_NAMES), default="through", help="tier write policy")
     p.add_argument("--restore-slots", type=int, default=4, help="requests restoring at once per instance")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here")
@@ -61,7 +62,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks = {a: bar.add_task(f"simulating {a}", total=len(requests)) for a in archs}
         summaries, outcomes = simulate(
-            requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d), write=args.write
+            requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d), write=WRITE_NAMES[args.write]
         )
     if args.plot:
         _plot(args.plot, outcomes)
@@ -80,7 +81,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             "/".join(f"{v * 1e3:.1f}" for v in s.tpot_s.values()),
             f"{s.throughput_tok_s:,.0f}",
             f"{s.throughput_per_gpu:,.1f}",
-            " ".join(f"{k} {v:.0%}" for k, v in s.hit_rate.items()),
+            " ".join(f"{HARDWARE_NAME[m]} {v:.0%}" for m, v in s.hit_rate.items()),
             "[green]yes[/]" if s.meets_slo else "[red]no[/]",
         )
     out = cli.console()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvstrata.hardware.figures import Bandwidth, Basis, Figure, lookup
+from kvstrata.hardware.figures import Bandwidth, Basis, Figure, lookup, require_positive
 from kvstrata.hardware.pcie import PcieLink
 
 SEED = "seed document, hardware table"
@@ -175,9 +175,7 @@ class DramSpec:
     capacity_gb: float
 
     def __post_init__(self) -> None:
-        for field in ("channels", "mt_s", "capacity_gb"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"dram {field} must be positive, got {getattr(self, field)!r}")
+        require_positive(self, "dram", "channels", "mt_s", "capacity_gb")
 
     @property
     def peak_gbps(self) -> float:
@@ -202,9 +200,7 @@ class SocketLinkSpec:
     flit_bits: int = 80
 
     def __post_init__(self) -> None:
-        for field in ("links", "gt_s", "lanes"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"socket_link {field} must be positive, got {getattr(self, field)!r}")
+        require_positive(self, "socket_link", "links", "gt_s", "lanes")
 
     @property
     def one_way_gbps(self) -> float:

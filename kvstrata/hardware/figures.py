@@ -25,6 +25,14 @@ def lookup(table: Mapping[K, V], key: K, what: str) -> V:
         raise ValueError(f"unknown {what} {key!r}; known: {', '.join(map(str, table))}") from None
 
 
+def require_positive(spec: object, what: str, *fields: str) -> None:
+    """A ValueError naming ``what`` and the first of ``spec``'s ``fields`` that is not positive."""
+    for name in fields:
+        value = getattr(spec, name)
+        if not value > 0:
+            raise ValueError(f"{what} {name} must be positive, got {value!r}")
+
+
 class Basis(enum.Enum):
     """What a bandwidth figure counts."""
 
@@ -67,8 +75,7 @@ class Bandwidth:
     efficiency_basis: str = "no overhead model (1.0); calibrate to measure"
 
     def __post_init__(self) -> None:
-        if not self.spec_gbps > 0:
-            raise ValueError(f"bandwidth spec_gbps must be positive, got {self.spec_gbps!r}")
+        require_positive(self, "bandwidth", "spec_gbps")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
 

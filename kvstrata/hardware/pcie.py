@@ -143,15 +143,12 @@ class PcieLink:
     def one_way(self) -> Bandwidth:
         """One direction's capacity: the spec figure, with the payload fraction as efficiency."""
         g = generation(self.gen)
+        o = g.tlp_overhead()
+        tlp = f"{o.max_payload_bytes}/{o.max_payload_bytes + o.per_tlp_overhead_bytes}"
         if g.flit is not None:
-            why = (
-                f"FLIT {g.flit.tlp_bytes}/{g.flit.flit_bytes} TLP bytes x TLP "
-                f"{g.tlp_overhead().max_payload_bytes}/"
-                f"{g.tlp_overhead().max_payload_bytes + g.tlp_overhead().per_tlp_overhead_bytes}"
-            )
+            why = f"FLIT {g.flit.tlp_bytes}/{g.flit.flit_bytes} TLP bytes x TLP {tlp}"
         else:
-            o = g.tlp_overhead()
-            why = f"TLP payload {o.max_payload_bytes}/{o.max_payload_bytes + o.per_tlp_overhead_bytes} (MPS 256, 24 B overhead)"
+            why = f"TLP payload {tlp} (MPS {o.max_payload_bytes}, {o.per_tlp_overhead_bytes} B overhead)"
         return Bandwidth(
             spec_gbps=self.spec_gbps,
             basis=self.spec_basis,

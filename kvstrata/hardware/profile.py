@@ -292,18 +292,15 @@ def _validate(p: HardwareProfile) -> None:
     for s in p.switches:
         if s.socket not in socket_names:
             raise ProfileError(f"switch {s.name!r}: socket {s.socket!r} is not a [[socket]]")
-    for g in p.gpus:
-        gpu_model(g.model)
-        if g.attach not in attachable:
-            raise ProfileError(f"gpu {g.name!r}: attach {g.attach!r} is not a socket or switch")
+    for group, devices, model_of in (("gpu", p.gpus, gpu_model), ("nvme", p.nvmes, nvme_model)):
+        for d in devices:
+            model_of(d.model)
+            if d.attach not in attachable:
+                raise ProfileError(f"{group} {d.name!r}: attach {d.attach!r} is not a socket or switch")
     for n in p.nics:
         nic_model(n.model)
         if not 1 <= len(n.attach) <= 2 or any(a not in attachable for a in n.attach):
             raise ProfileError(f"nic {n.name!r}: attach must name one or two sockets/switches, got {list(n.attach)}")
-    for d in p.nvmes:
-        nvme_model(d.model)
-        if d.attach not in attachable:
-            raise ProfileError(f"nvme {d.name!r}: attach {d.attach!r} is not a socket or switch")
     if p.pool is not None:
         nic_model(p.pool.nic_model)
         if p.pool.host_links not in (1, 2):

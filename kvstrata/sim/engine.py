@@ -36,12 +36,14 @@ from kvstrata.hardware.flows import GB, Flow, flow_along, max_min_share
 from kvstrata.hardware.profile import HardwareProfile
 from kvstrata.hardware.topology import NodeKind
 from kvstrata.kv.geometry import KVGeometry
+from kvstrata.media import Medium
 from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION
 from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
+from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.network import Network
-from kvstrata.sim.tiers import ArchSpec, Tier, WritePolicy
+from kvstrata.sim.tiers import ArchSpec
 from kvstrata.sim.trace import BLOCK_TOKENS, Request, sort_by_time
 
 
@@ -64,7 +66,7 @@ class SimConfig:
     profile: HardwareProfile
     gpus_per_instance: int = 1
     instances: int | None = None
-    tier_tokens: tuple[tuple[Tier, int], ...] = ()
+    tier_tokens: tuple[tuple[Medium, int], ...] = ()
     max_batch: int = 256
     restore_slots: int = 4
     record_events: bool = False
@@ -93,7 +95,7 @@ class RequestRecord:
     request: Request
     instance: int
     arrival_s: float
-    hit_tokens: dict[Tier, int]
+    hit_tokens: dict[Medium, int]
     restore_s: float = 0.0  # arrival to restored, queueing for a restore slot included
     restore_started_s: float | None = None  # when its restore took a slot; None: nothing to restore
     first_token_s: float | None = None
@@ -123,7 +125,7 @@ class SimOutcome:
     link_gbps: dict[str, float]
     link_labels: dict[str, str]
     gpus: int = 0
-    tier_writes: dict[Tier, int] = field(default_factory=dict)  # blocks written into each tier
+    tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
     event_times: list[float] = field(default_factory=list)
 
 
@@ -133,7 +135,7 @@ class _Instance:
     gpus: list[str]
     planner: RestorePlanner
     model: TimeModel
-    caches: dict[Tier, BlockLRU]
+    caches: dict[Medium, BlockLRU]
     kv_limit_tokens: int
     stream_bytes_per_s: float  # per GPU, DRAM -> HBM with all K GPUs streaming at once
     stream_flows: list[Flow]
@@ -178,7 +180,7 @@ class Simulation:
         def total(kind: NodeKind) -> int:
             return sum(x.capacity_bytes for x in topo.of_kind(kind) if not x.name.startswith("peer."))
 
-        pool_tokens = overrides.get(Tier.POOL, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION) // g.bytes_per_token)
+        pool_tokens = overrides.get(Medium.REMOTE, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION) // g.bytes_per_token)
         self.pool = BlockLRU(pool_tokens // BLOCK_TOKENS)
         self.instances: list[_Instance] = []
         for i in range(n):
@@ -188,23 +190,23 @@ class Simulation:
             hbm_free = min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION - g.weight_bytes() / k
             hbm_tokens = max(0, int(hbm_free // model.kv_bytes_per_token_per_gpu))
             default = {
-                Tier.HBM: hbm_tokens,
-                Tier.DRAM: int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / n) // g.bytes_per_token,
-                Tier.NVME: int(total(NodeKind.FLASH) / n) // g.bytes_per_token,
+                Medium.DEVICE: hbm_tokens,
+                Medium.HOST: int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / n) // g.bytes_per_token,
+                Medium.DISK: int(total(NodeKind.FLASH) / n) // g.bytes_per_token,
             }
             caches = {}
             for tier in arch.tiers:
-                if tier is Tier.POOL:
+                if tier is Medium.REMOTE:
                     caches[tier] = self.pool
                 else:
                     caches[tier] = BlockLRU(overrides.get(tier, default[tier]) // BLOCK_TOKENS)
             planner = RestorePlanner(p, gpus)
             stream = [flow_along(topo, topo.route(local_dram(p, x), x, size_bytes=1), 1) for x in gpus]
             stream_rate = min(s.gbps for s in max_min_share(stream)) * GB
-            limit = default[Tier.DRAM] if arch.streaming else hbm_tokens
+            limit = default[Medium.HOST] if arch.streaming else hbm_tokens
             self.instances.append(_Instance(i, gpus, planner, model, caches, max(limit, 1), stream_rate, stream))
         self._stream_bytes: dict[str, float] = {}
-        self._tier_writes: dict[Tier, int] = dict.fromkeys(arch.tiers, 0)
+        self._tier_writes: dict[Medium, int] = dict.fromkeys(arch.tiers, 0)
         self._gpus = n * k * (2 if arch.pd_handoff else 1)
 
     # --- the loop -----------------------------------------------------------------------------
@@ -286,12 +288,13 @@ class Simulation:
     def _write(self, inst: _Instance, ids: Sequence[int]) -> None:
         """Insert a request's blocks per the write policy (see :mod:`kvstrata.sim.tiers`)."""
         tiers, writes = self.arch.tiers, self._tier_writes
-        if self.arch.write is WritePolicy.THROUGH:
+        if self.arch.write is WritePolicy.WRITE_THROUGH:
             for tier in tiers:
                 cache = inst.caches[tier]
                 writes[tier] += sum(1 for b in ids if b not in cache)
                 cache.touch(ids)
             return
+        # Write-back, the one other policy an ArchSpec admits.
         for tier in tiers[1:]:
             inst.caches[tier].refresh(ids)
         first = inst.caches[tiers[0]]

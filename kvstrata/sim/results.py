@@ -1,14 +1,20 @@
-"""Summaries of simulation runs: percentiles, hit rates per tier, link use, SLOs and ranking."""
+"""Summaries of simulation runs: percentiles, hit rates per tier, link use, SLOs and ranking.
+
+Per-tier figures are keyed by :class:`kvstrata.media.Medium`; :meth:`Summary.to_json` writes each
+tier by its hardware name (:data:`kvstrata.sim.tiers.HARDWARE_NAME`: ``hbm``, ``dram``, ...).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstrata.media import Medium
 from kvstrata.sim.engine import SimOutcome
+from kvstrata.sim.tiers import HARDWARE_NAME
 
 TTFT_P90_SLO_S = 2.0
 TPOT_P99_SLO_S = 0.100
@@ -27,12 +33,12 @@ class Summary:
     mean_ttft_s: float
     mean_restore_s: float
     throughput_tok_s: float
-    hit_rate: dict[str, float]
+    hit_rate: dict[Medium, float]  # tiers in the order searched
     link_bytes: dict[str, float]
     link_utilisation: dict[str, float]
     meets_slo: bool
     gpus: int = 0
-    tier_writes: dict[str, int] | None = None  # blocks written into each tier
+    tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
 
     @property
     def throughput_per_gpu(self) -> float:
@@ -49,8 +55,8 @@ class Summary:
             "throughput_tok_s": self.throughput_tok_s,
             "gpus": self.gpus,
             "throughput_tok_s_per_gpu": clean(self.throughput_per_gpu),
-            "tier_writes_blocks": self.tier_writes or {},
-            "hit_rate": self.hit_rate,
+            "tier_writes_blocks": {HARDWARE_NAME[m]: n for m, n in self.tier_writes.items()},
+            "hit_rate": {HARDWARE_NAME[m]: rate for m, rate in self.hit_rate.items()},
             "link_bytes": self.link_bytes,
             "link_utilisation": self.link_utilisation,
             "meets_slo": self.meets_slo,
@@ -64,7 +70,7 @@ def summarise(outcome: SimOutcome) -> Summary:
     quant = lambda xs: {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}  # noqa: E731
     input_tokens = sum(r.request.input_length for r in recs)
     hit_rate = {
-        tier.value: (sum(r.hit_tokens[tier] for r in recs) / input_tokens if input_tokens else 0.0)
+        tier: (sum(r.hit_tokens[tier] for r in recs) / input_tokens if input_tokens else 0.0)
         for tier in outcome.arch.tiers
     }
     span = outcome.makespan_s
@@ -90,7 +96,7 @@ def summarise(outcome: SimOutcome) -> Summary:
         util,
         bool(meets),
         outcome.gpus,
-        {t.value: n for t, n in outcome.tier_writes.items()},
+        dict(outcome.tier_writes),
     )
 
 

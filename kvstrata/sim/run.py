@@ -8,6 +8,7 @@ from dataclasses import replace
 from kvstrata.sim.engine import SimConfig, SimOutcome, Simulation
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.results import Summary, rank, summarise
+from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import Request
 
@@ -40,7 +41,7 @@ def simulate(
     config: SimConfig,
     archs: Sequence[str],
     progress: Callable[[str, int, int], None] | None = None,
-    write: str = "through",
+    write: WritePolicy = WritePolicy.WRITE_THROUGH,
 ) -> tuple[list[Summary], list[SimOutcome]]:
     """Run each architecture; summaries ranked (see :func:`kvstrata.sim.results.rank`)."""
     outcomes = []

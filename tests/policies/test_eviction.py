@@ -58,6 +58,23 @@ def test_lru_reinsertion_counts_as_most_recent():
     assert order(policy) == [B, C, A]
 
 
+def test_lru_batch_insert_within_a_capacity_pushes_out_the_least_recent():
+    policy = LRU()
+    assert policy.inserted_all([A, B], capacity=2) == []
+    # C pushes out A; A comes back and pushes out B: an earlier key of the same call can go too.
+    assert policy.inserted_all([C, A], capacity=2) == [A, B]
+    assert order(policy) == [C, A] and len(policy) == 2 and B not in policy
+    assert policy.inserted_all([D, C, B]) == []  # no capacity: nothing leaves
+    assert order(policy) == [A, D, C, B]
+
+
+def test_lru_batch_access_refreshes_present_keys_only():
+    policy = LRU()
+    policy.inserted_all([A, B, C])
+    policy.accessed_all([D, A, B])
+    assert order(policy) == [C, A, B]
+
+
 # --- LFU -------------------------------------------------------------------------------------------
 
 

@@ -37,6 +37,8 @@ def test_simulate_time_scale_write_back_and_load(tmp_path, capsys):
             "--arch", "hbm+dram+nvme", "--instances", "1", "--json"]
     assert main(base) == 0
     one = json.loads(capsys.readouterr().out)
+    tiers = ["hbm", "dram", "nvme"]  # hardware names, in the order searched
+    assert list(one["architectures"][0]["hit_rate"]) == tiers == list(one["architectures"][0]["tier_writes_blocks"])
     assert main(base + ["--time-scale", "2", "--write", "back"]) == 0
     two = json.loads(capsys.readouterr().out)
     assert two["offered_load"] == pytest.approx(one["offered_load"] / 2, rel=1e-2)

@@ -12,11 +12,13 @@ from kvstrata.hardware.pcie import PcieLink
 from kvstrata.hardware.profile import load_profile
 from kvstrata.hardware.whatif import apply_upgrades, with_nics
 from kvstrata.kv.presets import load_geometry
+from kvstrata.media import Medium
+from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.engine import SimConfig, Simulation
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.results import percentile, summarise
 from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate
-from kvstrata.sim.tiers import Tier, parse_arch
+from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import BLOCK_TOKENS
 
 SEVEN = ["hbm", "local-dram", "remote-gdr", "remote-staged", "pd-handoff", "dram-streaming", "nvme"]
@@ -39,12 +41,12 @@ def restore_heavy():
 
 def small_hbm(profile, geometry, gpus=1, instances=1, **kw):
     # A tiny HBM prefix cache forces hits down to the slower tier.
-    return SimConfig(geometry, profile, gpus, instances, tier_tokens=((Tier.HBM, 0),), **kw)
+    return SimConfig(geometry, profile, gpus, instances, tier_tokens=((Medium.DEVICE, 0),), **kw)
 
 
 @pytest.mark.parametrize("arch", SEVEN + ["hbm+pool+nvme"])
 def test_every_request_completes_once_in_time_order(arch, geometry, trace):
-    cfg = SimConfig(geometry, load_profile("h200-cx7-gen5"), 1, 2, tier_tokens=((Tier.HBM, 4096),), record_events=True)
+    cfg = SimConfig(geometry, load_profile("h200-cx7-gen5"), 1, 2, tier_tokens=((Medium.DEVICE, 4096),), record_events=True)
     out = Simulation(trace, cfg, parse_arch(arch)).run()
     assert len(out.records) == len(trace)
     assert all(r.completions == 1 for r in out.records)
@@ -64,7 +66,7 @@ def test_bytes_conserved_per_link(arch, geometry, trace):
 def test_gdr_bytes_into_gpu_equal_pool_hits(geometry, trace):
     cfg = small_hbm(load_profile("h200-cx7-gen5"), geometry, 1, 1)
     out = Simulation(trace, cfg, parse_arch("remote-gdr")).run()
-    hit = sum(r.hit_tokens[Tier.POOL] for r in out.records) * geometry.bytes_per_token_per_gpu(1)
+    hit = sum(r.hit_tokens[Medium.REMOTE] for r in out.records) * geometry.bytes_per_token_per_gpu(1)
     assert hit > 0
     assert out.link_bytes["mem:gpu0"] == pytest.approx(hit, rel=1e-9)
 
@@ -85,8 +87,8 @@ def test_larger_cache_never_lowers_hit_rate(geometry, trace):
     profile = load_profile("h200-cx7-gen5")
     rates = []
     for tokens in (0, 8192, 65536, 1 << 20):
-        cfg = SimConfig(geometry, profile, 1, 2, tier_tokens=((Tier.HBM, tokens),))
-        rates.append(summarise(Simulation(trace, cfg, parse_arch("hbm")).run()).hit_rate["hbm"])
+        cfg = SimConfig(geometry, profile, 1, 2, tier_tokens=((Medium.DEVICE, tokens),))
+        rates.append(summarise(Simulation(trace, cfg, parse_arch("hbm")).run()).hit_rate[Medium.DEVICE])
     assert rates == sorted(rates)
     assert rates[-1] > rates[0] == 0.0
 
@@ -135,8 +137,13 @@ def test_block_lru_evicts_least_recent():
     assert lru.leading_run([1]) == 1 and lru.leading_run([2]) == 0 and len(lru) == 2
 
 
+def test_block_lru_of_no_blocks_holds_and_evicts_nothing():
+    lru = BlockLRU(0)
+    assert lru.touch([1, 2]) == [] and len(lru) == 0 and lru.leading_run([1]) == 0
+
+
 def test_parse_arch():
-    assert parse_arch("hbm+pool+nvme").tiers == (Tier.HBM, Tier.POOL, Tier.NVME)
+    assert parse_arch("hbm+pool+nvme").tiers == (Medium.DEVICE, Medium.REMOTE, Medium.DISK)
     assert parse_arch("pd-handoff").pd_handoff
     with pytest.raises(ValueError):
         parse_arch("tape")
@@ -173,22 +180,28 @@ def test_restore_slots_must_be_positive(geometry):
 
 def test_write_back_demotes_only_what_hbm_evicts(geometry, trace):
     profile = load_profile("h200-cx7-gen5")
-    roomy = SimConfig(geometry, profile, 1, 1, tier_tokens=((Tier.HBM, 10**9),))
+    roomy = SimConfig(geometry, profile, 1, 1, tier_tokens=((Medium.DEVICE, 10**9),))
     out = Simulation(trace, roomy, parse_arch("hbm+dram+nvme", "back")).run()
-    assert out.tier_writes[Tier.DRAM] == out.tier_writes[Tier.NVME] == 0  # nothing ever evicted
-    tight = SimConfig(geometry, profile, 1, 1, tier_tokens=((Tier.HBM, 8 * BLOCK_TOKENS), (Tier.DRAM, 32 * BLOCK_TOKENS)))
+    assert out.tier_writes[Medium.HOST] == out.tier_writes[Medium.DISK] == 0  # nothing ever evicted
+    tight = SimConfig(geometry, profile, 1, 1, tier_tokens=((Medium.DEVICE, 8 * BLOCK_TOKENS), (Medium.HOST, 32 * BLOCK_TOKENS)))
     back = Simulation(trace, tight, parse_arch("hbm+dram+nvme", "back")).run()
     through = Simulation(trace, tight, parse_arch("hbm+dram+nvme")).run()
-    assert 0 < back.tier_writes[Tier.DRAM] < through.tier_writes[Tier.DRAM]
-    assert 0 < back.tier_writes[Tier.NVME] <= through.tier_writes[Tier.NVME]
+    assert 0 < back.tier_writes[Medium.HOST] < through.tier_writes[Medium.HOST]
+    assert 0 < back.tier_writes[Medium.DISK] <= through.tier_writes[Medium.DISK]
     assert all(r.completions == 1 for r in back.records)
     # What HBM misses, the cascade still serves from below.
-    assert sum(r.hit_tokens[Tier.DRAM] + r.hit_tokens[Tier.NVME] for r in back.records) > 0
+    assert sum(r.hit_tokens[Medium.HOST] + r.hit_tokens[Medium.DISK] for r in back.records) > 0
 
 
 def test_unknown_write_policy_is_named():
     with pytest.raises(ValueError, match="write policy 'around'"):
         parse_arch("nvme", "around")
+
+
+def test_selective_write_is_refused_in_one_line():
+    assert parse_arch("nvme", WritePolicy.WRITE_BACK).label == "nvme (write-back)"
+    with pytest.raises(ValueError, match="^the simulator models write-through and write-back, not selective$"):
+        parse_arch("nvme", WritePolicy.SELECTIVE)
 
 
 def test_pd_counts_its_prefill_gpus(geometry, trace):
