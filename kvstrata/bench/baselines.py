@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.bench.timing import VerificationError, drop_page_cache
+from kvstrata.timing import VerificationError, drop_page_cache
 
 
 def synchronize(*tensors: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ The bytes: KV of a real model's geometry (Llama-3-8B by default, bf16, one TP ra
 is random, so nothing compresses or dedupes, and every restore is verified bit-exact.
 
 Each round runs these phases, in order (the cache's state carries from one to the next); the
-steps within a phase run in an order that rotates from round to round (``kvstrata.bench.timing``):
+steps within a phase run in an order that rotates from round to round (``kvstrata.bench.rounds``):
 
 ============  =====================================  ==========================  =====================
 phase         ours (``TieredCache``)                 baseline                    LMCache
@@ -28,12 +28,10 @@ Where there is no CUDA the device tier, and the "device" side of every copy, is 
 
 from __future__ import annotations
 
-import os
-import platform
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +39,13 @@ import torch
 
 from kvstrata.bench import lmcache as lmcache_side
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
-from kvstrata.bench.goals import as_json, cache_goals
-from kvstrata.bench.kvdata import block_layout, random_kv
+from kvstrata.bench.cache_report import CacheBenchReport, CacheRun, CacheVerified, cache_report
+from kvstrata.bench.kvdata import KVSetup, block_layout, random_kv
 from kvstrata.bench.ours import OursCache
-from kvstrata.bench.timing import NoProgress, Progress, Rounds, rotated
-from kvstrata.bench.lookup import hash_and_lookup_ms
+from kvstrata.bench.lookup import LookupTimes, hash_and_lookup_ms
+from kvstrata.bench.rounds import Environment, Rounds, check_rounds, rotated
 from kvstrata.kv.layout import KVLayout
+from kvstrata.progress import NoProgress, Progress
 
 MIB = 1 << 20
 LOOKUP_TOKENS = 131_072
@@ -81,11 +80,7 @@ class CacheBenchConfig:
     lookup_repeats: int = 50
 
     def __post_init__(self) -> None:
-        for name in ("size_bytes", "blocks", "workers", "lookup_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"bench cache: {name} must be >= 1, got {getattr(self, name)}")
-        if self.repeats < 3:
-            raise ValueError(f"bench cache: repeats must be >= 3 (a median and a spread), got {self.repeats}")
+        check_rounds(self, "bench cache", ("size_bytes", "blocks", "workers", "lookup_repeats"))
 
 
 def bench_layout(config: CacheBenchConfig) -> KVLayout:
@@ -97,8 +92,8 @@ def bench_layout(config: CacheBenchConfig) -> KVLayout:
     return block_layout(config.model, config.size_bytes, config.blocks, "bench cache")
 
 
-def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    """Run the benchmark; returns the report (JSON-ready), goals evaluated.
+def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) -> CacheBenchReport:
+    """Run the benchmark; returns the report, goals judged.
 
     Raises:
         VerificationError: some step moved other bytes than it was given.
@@ -132,11 +127,11 @@ def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) 
             ours.reset()
             if lmc is not None:
                 lmc.reset()
-        lookups = {}
+        lookups: dict[int, LookupTimes] = {}
         for block_size in LOOKUP_BLOCK_SIZES:
             lookups[block_size] = hash_and_lookup_ms(LOOKUP_TOKENS, block_size, config.lookup_repeats)
             progress.step(f"hash+lookup, block {block_size}")
-        verified = {"ours_bytes": ours.verified_bytes, "lmcache_bytes": lmc.verified_bytes if lmc else 0}
+        verified = CacheVerified(ours.verified_bytes, lmc.verified_bytes if lmc else 0)
     finally:
         if lmc is not None:
             lmc.close()
@@ -144,9 +139,8 @@ def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) 
             ours.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
-    report = _report(config, layout, device, rounds, lookups, verified, lmcache_ok, lmcache_note)
-    report["goals"] = as_json(cache_goals(report))
-    return report
+    run = CacheRun(config, KVSetup.of(layout, device), Environment.here())
+    return cache_report(run, rounds, lookups, verified, lmcache_note if lmcache_ok else None, lmcache_note)
 
 
 # --- phases -------------------------------------------------------------------------------------
@@ -201,133 +195,3 @@ PHASES = (
 )
 # Rotation runs the disk tier's warm read first on odd rounds: it is warm all the same (the
 # phase before read every file), and the cold read drops the page cache itself.
-
-
-# --- the report ---------------------------------------------------------------------------------
-
-
-def _report(
-    config: CacheBenchConfig,
-    layout: KVLayout,
-    device: torch.device,
-    rounds: Rounds,
-    lookups: dict[int, dict],
-    verified: dict[str, int],
-    lmcache_ok: bool,
-    lmcache_note: str,
-) -> dict[str, Any]:
-    size = config.size_bytes
-
-    def gbps(name: str) -> float:
-        return rounds.gbps(name, size)["gbps"]
-
-    def runs(*names: str) -> dict[str, list[float]]:
-        return {name: rounds.gbps(name, size)["runs_gbps"] for name in names}
-
-    host = {
-        "store_gbps": gbps("ours.host.store"),
-        "restore_gbps": gbps("ours.host.restore"),
-        "baseline_gbps": gbps("copy.host_to_device"),
-        "store_baseline_gbps": gbps("copy.device_to_host"),
-        "store_ratio": rounds.ratio("ours.host.store", "copy.device_to_host"),
-        "restore_ratio": rounds.ratio("ours.host.restore", "copy.host_to_device"),
-        "baseline": "plain torch copy device<->host into a pre-faulted buffer",
-        "runs_gbps": runs("ours.host.store", "ours.host.restore", "copy.device_to_host", "copy.host_to_device"),
-    }
-    host["ratio"] = host["restore_ratio"]
-    cold = {
-        "restore_gbps": gbps("ours.disk.restore_cold"),
-        "baseline_gbps": gbps("raw.read_cold"),
-        "ratio": rounds.ratio("ours.disk.restore_cold", "raw.read_cold"),
-        "tier_read_gbps": gbps("ours.disk.tier_read_cold"),
-        "tier_read_ratio": rounds.ratio("ours.disk.tier_read_cold", "raw.read_cold"),
-        "baseline": "plain readinto of one file, page cache dropped",
-    }
-    warm = {
-        "restore_gbps": gbps("ours.disk.restore_warm"),
-        "baseline_gbps": gbps("copy.host_to_device.disk_warm"),
-        "ratio": rounds.ratio("ours.disk.restore_warm", "copy.host_to_device.disk_warm"),
-        "raw_read_gbps": gbps("raw.read_warm"),
-        "raw_read_ratio": rounds.ratio("ours.disk.restore_warm", "raw.read_warm"),
-        "tier_read_gbps": gbps("ours.disk.tier_read_warm"),
-        "tier_read_ratio": rounds.ratio("ours.disk.tier_read_warm", "raw.read_warm"),
-        "baseline": "plain torch copy host -> device (raw_read: plain readinto from the page cache)",
-    }
-    disk = {
-        "restore_gbps": cold["restore_gbps"],
-        "baseline_gbps": cold["baseline_gbps"],
-        "ratio": cold["ratio"],
-        "store_gbps": gbps("ours.disk.store"),
-        "store_baseline_gbps": gbps("raw.write"),
-        "store_ratio": rounds.ratio("ours.disk.store", "raw.write"),
-        "cold": cold,
-        "warm": warm,
-        "note": "restore = load() of blocks on disk only (disk -> host -> device); tier_read = "
-        "DiskTier.read_into alone (disk -> host); top-level restore figures are the cold ones",
-        "runs_gbps": runs(*(n for n in rounds.seconds if n.startswith(("ours.disk.", "raw.")))),
-    }
-    device_tier = {
-        "store_gbps": gbps("ours.device.store"),
-        "baseline_gbps": gbps("copy.device_to_device"),
-        "ratio": rounds.ratio("ours.device.store", "copy.device_to_device"),
-        "hit_ms": rounds.ms("ours.device.hit")["ms"],
-        "note": "store = store() into the device tier; hit = load() of blocks already there (pins, no copy)",
-        "runs_gbps": runs("ours.device.store", "copy.device_to_device"),
-    }
-    report: dict[str, Any] = {
-        "config": {
-            **asdict(config),
-            "device": str(device),
-            "layout": layout.describe(),
-            "block_tokens": layout.block_tokens,
-            "block_bytes": layout.block_bytes,
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(),
-            "machine": platform.machine(),
-            "units": "GB/s, 1 GB = 1e9 bytes; ratio = median over rounds of ours / baseline in the same round",
-        },
-        "tiers": {"host": host, "disk": disk, "device": device_tier},
-        "baselines": {
-            name: rounds.gbps(name, size) for name in rounds.seconds if name.startswith(("copy.", "raw."))
-        },
-        "lmcache": _lmcache_report(rounds, size, lmcache_ok, lmcache_note),
-        "lookup_128k_ms": {str(bs): lookups[bs]["ours_ms"] for bs in LOOKUP_BLOCK_SIZES},
-        "lookup_128k": {str(bs): lookups[bs] for bs in LOOKUP_BLOCK_SIZES},
-        "verified": {
-            **verified,
-            "bit_exact": True,  # a mismatch raises VerificationError: a report exists only if all matched
-            "what": "every restore (ours and LMCache's) and plain read compared byte for byte with the KV stored",
-        },
-    }
-    return report
-
-
-def _lmcache_report(rounds: Rounds, size: int, ok: bool, note: str) -> dict[str, Any]:
-    if not ok:
-        return {"available": False, "reason": note}
-
-    def figure(name: str, baseline: str, ours: str) -> dict[str, Any]:
-        return {
-            **rounds.gbps(name, size),
-            "baseline_ratio": rounds.ratio(name, baseline),
-            "ours_over_lmcache": rounds.ratio(ours, name),
-        }
-
-    return {
-        "available": True,
-        "version": note,
-        "host": {
-            "store": figure("lmcache.host.store", "copy.device_to_host", "ours.host.store"),
-            "retrieve": figure("lmcache.host.retrieve", "copy.host_to_device", "ours.host.restore"),
-        },
-        "disk": {
-            "store": figure("lmcache.disk.store", "raw.write", "ours.disk.store"),
-            "retrieve_cold": figure("lmcache.disk.retrieve_cold", "raw.read_cold", "ours.disk.restore_cold"),
-            "retrieve_warm": figure(
-                "lmcache.disk.retrieve_warm", "copy.host_to_device.disk_warm", "ours.disk.restore_warm"
-            ),
-        },
-        "setup": "standalone LMCacheEngine on CPU, chunk = one block, a CPU-tensor GPUConnectorInterface adapter",
-    }
-

@@ -1,77 +1,85 @@
-"""The benchmarks' goals, checked against their reports (``run_cache_bench``, ``run_remote_bench``;
+"""The benchmarks' goals, checked against their figures (``run_cache_bench``, ``run_remote_bench``;
 ``run_sim_bench`` judges its own rows against :data:`SIM_WALL_S`).
 
 Ratio goals use the paired ratios of the report (ours over the baseline of the same round);
 "at least LMCache" goals use ours over LMCache's figure of the same round, and are left out
 when LMCache did not run.
+
+A goal names the figure it judges with the benchmark's own key: a member of
+:class:`CacheFigure` or :class:`RemoteFigure` (the JSON holds its value), or for ``bench sim``,
+whose figures are data (a trace and an architecture), a ``"<trace> <arch>"`` id.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+import enum
+from dataclasses import dataclass, field
+
+from kvstrata.pool.config import RemoteMode
+
+
+class CacheFigure(enum.Enum):
+    """The figures of ``bench cache`` that goals judge (values: their ids in the JSON)."""
+
+    HOST_STORE = "host store"
+    HOST_RESTORE = "host restore"
+    DISK_STORE = "disk store"
+    DISK_COLD = "disk restore, cold"
+    DISK_WARM = "disk restore, warm"
+    LOOKUP_256 = "hash+lookup 128K, block 256"
+    LOOKUP_16 = "hash+lookup 128K, block 16"
+
+    @staticmethod
+    def lookup(block_size: int) -> CacheFigure:
+        return CacheFigure(f"hash+lookup 128K, block {block_size}")
+
+
+class RemoteFigure(enum.Enum):
+    """The figures of ``bench remote`` that goals judge, per way into the pool."""
+
+    TCP_RESTORE = "tcp restore"
+    TCP_STORE = "tcp store"
+    SHM_RESTORE = "shm restore"
+    SHM_STORE = "shm store"
+
+    @staticmethod
+    def of(mode: RemoteMode, store: bool) -> RemoteFigure:
+        return RemoteFigure(f"{mode.value} {'store' if store else 'restore'}")
 
 
 @dataclass(frozen=True)
 class Goal:
-    figure: str  # the row of the table it belongs to
-    goal: str  # what it asks, in words
+    """One target for one figure, judged on construction.
+
+    Attributes:
+        figure: the figure judged.
+        goal: what it asks, in words.
+        value: the figure's value.
+        target: the bound.
+        at_most: a time: ``value <= target`` passes; else ``value >= target``.
+        passed: the verdict.
+    """
+
+    figure: CacheFigure | RemoteFigure | str
+    goal: str
     value: float
     target: float
-    at_most: bool = False  # a time: value <= target passes; else value >= target
+    at_most: bool = False
+    passed: bool = field(init=False)
 
-    @property
-    def passed(self) -> bool:
-        return self.value <= self.target if self.at_most else self.value >= self.target
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "passed", self.value <= self.target if self.at_most else self.value >= self.target)
 
 
 HOST_STORE_OF_COPY = 0.95
 HOST_RESTORE_OF_COPY = 0.98
 DISK_WARM_OF_COPY = 0.80
 DISK_COLD_OF_RAW_READ = 0.90
-LOOKUP_MS = {"256": 0.2, "16": 2.0}
+LOOKUP_MS = {256: 0.2, 16: 2.0}  # per block size: hashing and looking up 128K tokens
 REMOTE_OF_RAW = 0.90  # the remote tier's restore and store, of raw Mooncake calls on the same bytes
 SIM_WALL_S = 5.0  # one simulation of a trace, one architecture, on one core (kvstrata bench sim)
 
 
-def cache_goals(report: dict[str, Any]) -> list[Goal]:
-    """The cache benchmark's: each tier against its baseline, LMCache when it ran, lookup time."""
-    host, disk = report["tiers"]["host"], report["tiers"]["disk"]
-    out = [
-        Goal("host store", f">={HOST_STORE_OF_COPY}x copy", host["store_ratio"], HOST_STORE_OF_COPY),
-        Goal("host restore", f">={HOST_RESTORE_OF_COPY}x copy", host["restore_ratio"], HOST_RESTORE_OF_COPY),
-        Goal(
-            "disk restore, cold", f">={DISK_COLD_OF_RAW_READ}x cold read", disk["cold"]["ratio"], DISK_COLD_OF_RAW_READ
-        ),
-        Goal("disk restore, warm", f">={DISK_WARM_OF_COPY}x copy", disk["warm"]["ratio"], DISK_WARM_OF_COPY),
-    ]
-    lmc = report["lmcache"]
-    if lmc.get("available"):
-        for figure, (group, name) in {
-            "host store": ("host", "store"),
-            "host restore": ("host", "retrieve"),
-            "disk store": ("disk", "store"),
-            "disk restore, cold": ("disk", "retrieve_cold"),
-            "disk restore, warm": ("disk", "retrieve_warm"),
-        }.items():
-            out.append(Goal(figure, ">=LMCache", lmc[group][name]["ours_over_lmcache"], 1.0))
-    for block_size, limit_ms in LOOKUP_MS.items():
-        value = report["lookup_128k_ms"][block_size]
-        out.append(Goal(f"hash+lookup 128K, block {block_size}", f"<={limit_ms} ms", value, limit_ms, at_most=True))
-    return out
-
-
-def remote_goals(report: dict[str, Any]) -> list[Goal]:
-    """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls."""
-    out = []
-    for mode, figures in report["modes"].items():
-        if "skipped" in figures:
-            continue
-        out.append(Goal(f"{mode} restore", f">={REMOTE_OF_RAW}x raw", figures["ratio"], REMOTE_OF_RAW))
-        out.append(Goal(f"{mode} store", f">={REMOTE_OF_RAW}x raw", figures["store_ratio"], REMOTE_OF_RAW))
-    return out
-
-
-def as_json(judged: list[Goal]) -> list[dict[str, Any]]:
-    """Goals as JSON-ready dicts, each with ``passed``."""
-    return [{**asdict(g), "passed": g.passed} for g in judged]
+def goals_for(figure: CacheFigure | RemoteFigure, judged: tuple[Goal, ...]) -> list[Goal]:
+    """The goals of ``figure``, in order."""
+    return [g for g in judged if g.figure is figure]

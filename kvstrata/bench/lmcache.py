@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from kvstrata.bench.timing import VerificationError, drop_page_cache
 from kvstrata.kv.layout import KVLayout
 from kvstrata.tensors import torch_dtype
+from kvstrata.timing import VerificationError, drop_page_cache
 
 GIB = 1 << 30
 DISK_WAIT_S = 300.0  # a chunk not on disk by then means LMCache dropped the write

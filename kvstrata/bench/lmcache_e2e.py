@@ -104,7 +104,7 @@ class _Tier:
         """Disk: only the disk holds chunks now (and, with drop_pages, not the page cache)."""
         if self.name != "disk":
             return
-        from kvstrata.bench.timing import drop_page_cache
+        from kvstrata.timing import drop_page_cache
 
         self.engine.clear(locations=[CPU])
         if len(tokens) >= self.chunk_tokens and self.engine.lookup(tokens, search_range=[CPU]):
@@ -313,7 +313,7 @@ def _warm_turn(
     import torch
     from transformers import DynamicCache
 
-    from kvstrata.bench.timing import VerificationError
+    from kvstrata.timing import VerificationError
 
     n = len(tokens)
     # The restore buffer (the "GPU" KV the connector writes) is allocated and faulted in before

@@ -20,6 +20,7 @@ import pickle
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -69,7 +70,19 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples) / 1e6
 
 
-def hash_and_lookup_ms(tokens: int = 131072, block_size: int = 256, repeats: int = 50) -> dict:
+@dataclass(frozen=True)
+class LookupTimes:
+    """Median milliseconds of each variant (see the module text) on ``tokens`` ids."""
+
+    block_size: int
+    tokens: int
+    ours_ms: float
+    hash_only_ms: float
+    sha256_pickle_ms: float
+    xxh3_loop_ms: float
+
+
+def hash_and_lookup_ms(tokens: int = 131072, block_size: int = 256, repeats: int = 50) -> LookupTimes:
     """Median milliseconds to key and look up ``tokens`` random ids, and the baselines.
 
     Args:
@@ -77,8 +90,6 @@ def hash_and_lookup_ms(tokens: int = 131072, block_size: int = 256, repeats: int
         block_size: tokens per block.
         repeats: timed runs per variant; the median is reported.
 
-    Returns:
-        ``{"block_size", "tokens", "ours_ms", "hash_only_ms", "sha256_pickle_ms", "xxh3_loop_ms"}``.
     """
     for name, value in (("tokens", tokens), ("block_size", block_size), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -99,11 +110,11 @@ def hash_and_lookup_ms(tokens: int = 131072, block_size: int = 256, repeats: int
     if match.blocks != len(keys) or match.count(Medium.HOST) != len(keys):
         raise RuntimeError("benchmark index is not the all-present worst case")
 
-    return {
-        "block_size": block_size,
-        "tokens": tokens,
-        "ours_ms": _median_ms(lambda: index.match(block_keys(ids, namespace), block_size), repeats),
-        "hash_only_ms": _median_ms(lambda: block_keys(ids, namespace), repeats),
-        "sha256_pickle_ms": _median_ms(lambda: sha256_pickle_keys(ids_list, block_size), repeats),
-        "xxh3_loop_ms": _median_ms(lambda: xxh3_loop_keys(ids, block_size, namespace.digest), repeats),
-    }
+    return LookupTimes(
+        block_size=block_size,
+        tokens=tokens,
+        ours_ms=_median_ms(lambda: index.match(block_keys(ids, namespace), block_size), repeats),
+        hash_only_ms=_median_ms(lambda: block_keys(ids, namespace), repeats),
+        sha256_pickle_ms=_median_ms(lambda: sha256_pickle_keys(ids_list, block_size), repeats),
+        xxh3_loop_ms=_median_ms(lambda: xxh3_loop_keys(ids, block_size, namespace.digest), repeats),
+    )

@@ -15,18 +15,20 @@ a step that moved nothing or the wrong bytes fails the run instead of looking fa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from kvstrata.bench.timing import VerificationError, drop_page_cache
-from kvstrata.cache import CacheConfig, LoadHandle, TieredCache
+from kvstrata.bench.kvdata import kv_block, timed_restore
+from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.disk import SUFFIX, DiskTier
 from kvstrata.tiers.memory import MemoryTier
+from kvstrata.timing import VerificationError, drop_page_cache
 
 
 class OursCache:
@@ -76,14 +78,8 @@ class OursCache:
 
     def device_store_s(self) -> float:
         """``store()`` of every block into the (empty) device tier."""
-        self._zero(Medium.DEVICE)
-        start = time.perf_counter()
-        result = self.cache.store(self.tokens, self.kv).result()
-        seconds = time.perf_counter() - start
-        if result.new_blocks != self.blocks:
-            raise VerificationError(f"store wrote {result.new_blocks} of {self.blocks} blocks to the device tier")
-        self._expect(Medium.DEVICE)
-        return seconds
+        return self._filled_s(Medium.DEVICE, lambda: self.cache.store(self.tokens, self.kv).result().new_blocks,
+                              "store wrote {} of {} blocks to the device tier")
 
     def device_hit_s(self) -> float:
         """``load()`` of blocks already on the device: pins only, no bytes move."""
@@ -91,14 +87,8 @@ class OursCache:
 
     def host_store_s(self) -> float:
         """Evict the device tier: each block is written device -> host (write-back demotion)."""
-        self._zero(Medium.HOST)
-        start = time.perf_counter()
-        evicted = self.cache.evict(Medium.DEVICE, self.blocks)
-        seconds = time.perf_counter() - start
-        if evicted != self.blocks:
-            raise VerificationError(f"evicted {evicted} of {self.blocks} device blocks")
-        self._expect(Medium.HOST)
-        return seconds
+        return self._filled_s(Medium.HOST, lambda: self.cache.evict(Medium.DEVICE, self.blocks),
+                              "evicted {} of {} device blocks")
 
     def host_restore_s(self) -> float:
         """``load()`` of blocks on the host only, into the device tier."""
@@ -108,12 +98,8 @@ class OursCache:
         """Evict the host tier: each block is written host -> disk as a file (buffered, as the
         cache's disk tier is configured). Afterwards, untimed, the files are fsynced and dropped
         from the page cache, as the plain write's file is."""
-        start = time.perf_counter()
-        evicted = self.cache.evict(Medium.HOST, self.blocks)
-        seconds = time.perf_counter() - start
-        if evicted != self.blocks:
-            raise VerificationError(f"evicted {evicted} of {self.blocks} host blocks")
-        self._expect(Medium.DISK)
+        seconds = self._filled_s(Medium.DISK, lambda: self.cache.evict(Medium.HOST, self.blocks),
+                                 "evicted {} of {} host blocks")
         drop_page_cache(self.disk_files())
         return seconds
 
@@ -130,13 +116,12 @@ class OursCache:
         disk = self.disk_tier
         blocks = dst.view(self.blocks, self.layout.num_layers, self.layout.layer_bytes)
         keys = self.cache.keys(self.tokens)
-        slots = [disk.table.slot(key) for key in keys]
         dst.zero_()
         if cold:
             drop_page_cache(self.disk_files())
         start = time.perf_counter()
-        for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-            disk.read_into(slot, key, blocks[i])
+        for i, key in enumerate(keys):
+            disk.read_into(0, key, blocks[i])  # the file is named by the key: no slot
         seconds = time.perf_counter() - start
         for i in range(self.blocks):
             want = self._block(i).reshape(self.layout.num_layers, -1).cpu()
@@ -171,16 +156,8 @@ class OursCache:
             raise RuntimeError(f"expected {self.blocks} blocks on {source.label} only, lookup found {match.media}")
         if source is not Medium.DEVICE:
             self._zero(Medium.DEVICE)
-        start = time.perf_counter()
-        handle = self.cache.load(match)
-        result = handle.wait()
-        seconds = time.perf_counter() - start
-        try:
-            if result.blocks != self.blocks:
-                raise VerificationError(f"load restored {result.blocks} of {self.blocks} blocks ({result.stopped})")
-            self._verify(handle)
-        finally:
-            handle.release()
+        _, seconds = timed_restore(self.cache, match, self.kv_bytes)
+        self.verified_bytes += self.size_bytes
         # Back to where the blocks were: the copies above the source go (they are there too).
         for medium in (Medium.DEVICE, Medium.HOST):
             if medium.value < source.value:
@@ -188,16 +165,21 @@ class OursCache:
         self._expect(source)
         return seconds
 
-    def _verify(self, handle: LoadHandle) -> None:
-        for i in range(self.blocks):
-            got = handle.block(i).view(torch.uint8)  # [layers, kv, block_tokens, kv_heads, head_dim * itemsize]
-            if not torch.equal(got, self._block(i)):
-                raise VerificationError(f"restored block {i} differs from the block stored")
-        self.verified_bytes += self.size_bytes
+    def _filled_s(self, medium: Medium, fill: Callable[[], int], short: str) -> float:
+        """Seconds of ``fill()``, which moves every block into ``medium`` (memory slots zeroed
+        first, untimed) and returns how many it moved; ``short`` formats (moved, expected)."""
+        if medium is not Medium.DISK:
+            self._zero(medium)
+        start = time.perf_counter()
+        moved = fill()
+        seconds = time.perf_counter() - start
+        if moved != self.blocks:
+            raise VerificationError(short.format(moved, self.blocks))
+        self._expect(medium)
+        return seconds
 
     def _block(self, i: int) -> torch.Tensor:
-        bs = self.layout.block_tokens
-        return self.kv_bytes[:, :, i * bs : (i + 1) * bs]
+        return kv_block(self.kv_bytes, self.layout, i)
 
     def _zero(self, medium: Medium) -> None:
         tier = self.cache.tier(medium)

@@ -4,8 +4,9 @@ This is the first hop of every pool transfer the cache makes: the engine's worke
 default, as in the cache) call ``RemoteTier.write`` and ``RemoteTier.read_into`` once per block,
 between the pool and host memory from ``RemoteTier.allocate`` (a host tier built on it, as the
 cache builds its own), so the blocks move zero-copy; each call puts or gets one object (the
-64-byte value header and the block) and verifies the header it reads. The block table is kept
-as the cache keeps it (reserve, complete; pin, unpin), inside the timing.
+64-byte value header and the block) and verifies the header it reads. The tier is driven
+directly, with no block table: its ``write`` and ``read_into`` name the object by the key and
+ignore the slot (the cache's block manager keeps the table, outside this first hop).
 
 Verification: before each restore the destination is zeroed (untimed); afterwards every block
 is compared byte for byte with the block stored, so a restore that moved nothing or the wrong
@@ -19,13 +20,13 @@ from concurrent.futures import Future
 
 import torch
 
-from kvstrata.bench.timing import VerificationError
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.memory import HostTier
 from kvstrata.tiers.remote import RemoteTier
+from kvstrata.timing import VerificationError
 from kvstrata.transfer.engine import TransferEngine, TransferResult
 
 OP_TIMEOUT_S = 60.0  # a benchmark may move large blocks over a slow link: bound calls loosely
@@ -94,57 +95,28 @@ class OursRemote:
         """Every block, host -> pool, as new objects (removed first, untimed: a put of a name
         that exists is a no-op and would time nothing)."""
         self.remove()
-        table = self.tier.table
         start = time.perf_counter()
-        reservations = [table.prepare_store(key) for key in self.keys]
-        futures = [
-            self._live().submit(self.src, i, self.tier, r.slot, r.key) for i, r in enumerate(reservations)
-        ]
-        ok = _settle(futures)
-        for r in reservations:
-            table.complete_store(r.key, ok=ok)
-        seconds = time.perf_counter() - start
-        if not ok:
-            _raise_first(futures)
-        return seconds
+        # The remote tier names the object by the key: slot 0, no table.
+        futures = [self._live().submit(self.src, i, self.tier, 0, key) for i, key in enumerate(self.keys)]
+        return _settled_s(futures, start)
 
     def restore_s(self, count: int | None = None) -> float:
         """The first ``count`` blocks (all by default), pool -> host; then verified."""
         keys = self.keys[: len(self.keys) if count is None else count]
         dst = self.dst.buffer[: len(keys)]  # [blocks, layers, layer_bytes]
         dst.zero_()  # a restore that moved nothing must not verify
-        table = self.tier.table
         start = time.perf_counter()
-        slots = [table.pin(key, hit=False) for key in keys]
-        if None in slots:
-            raise RuntimeError("remote tier: a stored block is not READY in its table")
-        futures = [self._live().submit(self.tier, slot, self.dst, i, key) for i, (slot, key) in enumerate(zip(slots, keys))]
-        ok = _settle(futures)
-        for key in keys:
-            table.unpin(key)
-        seconds = time.perf_counter() - start
-        if not ok:
-            _raise_first(futures)
+        futures = [self._live().submit(self.tier, 0, self.dst, i, key) for i, key in enumerate(keys)]
+        seconds = _settled_s(futures, start)
         for i in range(len(keys)):
             if not torch.equal(dst[i], self.src.view(i)):
                 raise VerificationError(f"remote tier: restored block {i} differs from the block stored")
         self.verified_bytes += dst.numel()
         return seconds
 
-    def exists_s(self) -> float:
-        """``RemoteTier.exists`` of every block (each must exist)."""
-        start = time.perf_counter()
-        found = self.tier.exists(self.keys)
-        seconds = time.perf_counter() - start
-        if not all(found):
-            raise RuntimeError(f"remote tier: exists found {sum(found)} of {len(found)} stored blocks")
-        return seconds
-
     def remove(self) -> None:
-        """Delete the objects from the pool and forget them (untimed housekeeping)."""
+        """Delete the objects from the pool (untimed housekeeping)."""
         self.tier.remove_from_pool(self.keys, force=True)
-        for key in self.keys:
-            self.tier.table.remove(key)
 
     def close(self) -> None:
         """Remove the objects, stop the engine, leave the pool. Idempotent."""
@@ -163,12 +135,11 @@ class OursRemote:
         return self._engine
 
 
-def _settle(futures: list[Future[TransferResult]]) -> bool:
-    """Wait for every transfer; whether all succeeded."""
-    errors = [f.exception() for f in futures]  # a list, not all(): wait for every one
-    return not any(errors)
-
-
-def _raise_first(futures: list[Future[TransferResult]]) -> None:
-    for f in futures:
-        f.result()
+def _settled_s(futures: list[Future[TransferResult]], start: float) -> float:
+    """Seconds from ``start`` until every transfer has finished; then the first failure, if any, raises."""
+    errors = [f.exception() for f in futures]  # a list, not any(): wait for every one
+    seconds = time.perf_counter() - start
+    for error in errors:
+        if error is not None:
+            raise error
+    return seconds

@@ -23,16 +23,16 @@ import time
 
 import torch
 
-from kvstrata.bench.timing import VerificationError
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.index.prefix import Match
-from kvstrata.media import FetchPath, Medium, route_text
+from kvstrata.bench.kvdata import timed_restore
+from kvstrata.media import FetchPath, Medium, Route, route_text
 from kvstrata.pool.client import PoolUnavailable
 from kvstrata.tiers.memory import MemoryTier
 
-ROUTES = {
-    "direct": (Medium.REMOTE, Medium.DEVICE),
-    "staged": (Medium.REMOTE, Medium.HOST, Medium.DEVICE),
+ROUTES: dict[FetchPath, Route] = {
+    FetchPath.DIRECT: (Medium.REMOTE, Medium.DEVICE),
+    FetchPath.STAGED: (Medium.REMOTE, Medium.HOST, Medium.DEVICE),
 }
 
 
@@ -41,9 +41,9 @@ class PoolReader:
 
     Args:
         base: the cache's configuration (layout, namespace, pool, mode); ``remote_path`` and
-            the host tier's size are set here: ``path`` "direct" needs no host tier, "staged"
+            the host tier's size are set here: ``path`` DIRECT needs no host tier, STAGED
             one that holds every block.
-        path: "direct" or "staged".
+        path: DIRECT or STAGED.
         tokens: the token ids of the blocks.
         kv_bytes: their KV, uint8 ``[layers, kv, tokens, kv_heads, head_dim * itemsize]``.
 
@@ -51,15 +51,15 @@ class PoolReader:
         PoolUnavailable: the cache could not reach the pool.
     """
 
-    def __init__(self, base: CacheConfig, path: str, tokens: list[int], kv_bytes: torch.Tensor) -> None:
+    def __init__(self, base: CacheConfig, path: FetchPath, tokens: list[int], kv_bytes: torch.Tensor) -> None:
         self.route = ROUTES[path]
         self.tokens = tokens
         self.kv_bytes = kv_bytes
         self.layout = base.layout
         self.blocks = len(tokens) // base.layout.block_tokens
         self.size_bytes = self.blocks * base.layout.block_bytes
-        host_bytes = self.size_bytes if path == "staged" else 0
-        self.cache = TieredCache(dataclasses.replace(base, remote_path=FetchPath(path), host_bytes=host_bytes))
+        host_bytes = self.size_bytes if path is FetchPath.STAGED else 0
+        self.cache = TieredCache(dataclasses.replace(base, remote_path=path, host_bytes=host_bytes))
         if self.cache.remote_error is not None:
             self.cache.close()
             raise PoolUnavailable(f"the cache could not use the pool: {self.cache.remote_error}")
@@ -71,22 +71,9 @@ class PoolReader:
         """``load()`` of every block, found in the pool only, to the device; then verified."""
         match = self._lookup()
         self._zero_device()
-        start = time.perf_counter()
-        handle = self.cache.load(match)
-        result = handle.wait()
-        seconds = time.perf_counter() - start
-        try:
-            if result.blocks != self.blocks:
-                raise VerificationError(f"load restored {result.blocks} of {self.blocks} blocks ({result.stopped})")
-            if result.paths != {self.route: self.blocks}:
-                raise RuntimeError(f"expected every block by {route_text(self.route)}, the load took {result.paths}")
-            for i in range(self.blocks):
-                got = handle.block(i).view(torch.uint8)  # [layers, kv, block_tokens, kv_heads, head_dim * itemsize]
-                bs = self.layout.block_tokens
-                if not torch.equal(got, self.kv_bytes[:, :, i * bs : (i + 1) * bs]):
-                    raise VerificationError(f"block {i} restored {route_text(self.route)} differs from the block stored")
-        finally:
-            handle.release()
+        result, seconds = timed_restore(self.cache, match, self.kv_bytes, f"load {route_text(self.route)}")
+        if result.paths != {self.route: self.blocks}:
+            raise RuntimeError(f"expected every block by {route_text(self.route)}, the load took {result.paths}")
         self.verified_bytes += self.size_bytes
         for medium in (Medium.DEVICE, Medium.HOST):  # back to the pool only
             if medium in self.cache.media:

@@ -34,13 +34,18 @@ from typing import Any
 
 import torch
 
-from kvstrata.bench.timing import NoProgress, Progress, rotated
+from kvstrata.bench.rounds import rotated
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.media import Medium
 from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, fit_path
+from kvstrata.plan.recompute import PlanKind, Strategy
+from kvstrata.progress import NoProgress, Progress
 
-PLANS = ("load", "recompute", "auto")
+PLANS = (Strategy.LOAD, Strategy.RECOMPUTE, Strategy.AUTO)
 PROBE_BLOCKS = (1, 2, 8)
+LOAD_MODEL = ("probe of the capped disk tier (DiskTier.read_into of 1, 2, 8 blocks, one thread, median of 3) fitted "
+              "as HostCalibration path 'disk read (cold)'; its CPU time as 'disk read (page cache)', the load's "
+              "contention with the model's compute on this CPU-only host")
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,68 @@ class RecomputeBenchConfig:
             raise ValueError(f"repeats must be >= 3, got {self.repeats}")
 
 
-def run_recompute_bench(config: RecomputeBenchConfig, progress: Progress | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RecomputeRun:
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    tail_tokens: int
+    block_tokens: int
+    block_bytes: int
+    cached_bytes: int
+    repeats: int
+    goal_ratio: float
+    torch_threads: int
+    load_model: str = LOAD_MODEL
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """The prefill fit measured on this host, and how long measuring it took."""
+
+    latency_s: float
+    tokens_per_s: float
+    attn_s: float
+    measure_s: float
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The capped disk tier's reads, fitted: the load side of the auto decision."""
+
+    gbps: float
+    latency_s: float
+    spread: float
+    cpu_gbps: float
+
+
+@dataclass(frozen=True)
+class RateRow:
+    """One read cap: TTFT medians per strategy, the auto plan chosen, and the verdict."""
+
+    gbps: float
+    probe: Probe
+    ttft_s: dict[Strategy, float]
+    ttft_range_s: dict[Strategy, tuple[float, float]]
+    plan: PlanKind
+    k: int  # tokens computed from scratch by the auto plan
+    predicted_s: dict[Strategy, float]
+    ratio: float  # auto / min(load, recompute), of medians
+    passed: bool
+    tokens_match: bool
+
+
+@dataclass(frozen=True)
+class RecomputeBenchReport:
+    config: RecomputeRun
+    prefill: PrefillTiming
+    rates: tuple[RateRow, ...]
+    passed: bool
+    tokens_match: bool
+    wall_s: float
+
+
+def run_recompute_bench(config: RecomputeBenchConfig, progress: Progress | None = None) -> RecomputeBenchReport:
     import transformers
 
     from kvstrata.integrations.hf import KVStrataLM, model_layout
@@ -114,33 +180,24 @@ def run_recompute_bench(config: RecomputeBenchConfig, progress: Progress | None 
             lm = KVStrataLM(model, cache)
             cold = lm.generate(prompt, 1, reuse=False, store=False)
             lm.generate(prompt[: config.cached_tokens], 1, reuse=False, store=True)
-            _wait_on_disk(cache, cache.keys(prompt[: config.cached_tokens]))
+            _wait_on_disk(cache, prompt[: config.cached_tokens], hit_blocks)
         rows = [_run_rate(gbps, cache_config(gbps), model, prefill, prompt, cold.tokens[0], config, progress)
                 for gbps in config.rates_gbps]
-    return {
-        "config": {
-            "model": "tiny (kvstrata.integrations.tiny: 4 layers, 2 KV heads, head_dim 64, bf16)",
-            "prompt_tokens": prompt_tokens, "cached_tokens": config.cached_tokens, "tail_tokens": config.tail_tokens,
-            "block_tokens": config.block_tokens, "block_bytes": layout.block_bytes,
-            "cached_bytes": hit_blocks * layout.block_bytes, "repeats": config.repeats,
-            "goal_ratio": config.goal_ratio, "torch_threads": torch.get_num_threads(),
-            "load_model": "probe of the capped disk tier (DiskTier.read_into of 1, 2, 8 blocks, one thread, "
-                          "median of 3) fitted as HostCalibration path 'disk read (cold)'; its CPU time as 'disk read (page cache)', the "
-                          "load's contention with the model's compute on this CPU-only host",
-        },
-        "prefill": {"latency_s": prefill.latency_s, "tokens_per_s": prefill.tokens_per_s, "attn_s": prefill.attn_s,
-                    "measure_s": prefill_s},
-        "rates": rows,
-        "passed": all(r["passed"] for r in rows),
-        "tokens_match": all(r["tokens_match"] for r in rows),
-        "wall_s": time.perf_counter() - started,
-    }
+    run = RecomputeRun(
+        model="tiny (kvstrata.integrations.tiny: 4 layers, 2 KV heads, head_dim 64, bf16)",
+        prompt_tokens=prompt_tokens, cached_tokens=config.cached_tokens, tail_tokens=config.tail_tokens,
+        block_tokens=config.block_tokens, block_bytes=layout.block_bytes, cached_bytes=hit_blocks * layout.block_bytes,
+        repeats=config.repeats, goal_ratio=config.goal_ratio, torch_threads=torch.get_num_threads(),
+    )
+    timing = PrefillTiming(prefill.latency_s, prefill.tokens_per_s, prefill.attn_s, prefill_s)
+    return RecomputeBenchReport(run, timing, tuple(rows), all(r.passed for r in rows), all(r.tokens_match for r in rows),
+                                time.perf_counter() - started)
 
 
 def _run_rate(
     gbps: float, cache_config: CacheConfig, model: Any, prefill: Any, prompt: list[int], cold_token: int,
     config: RecomputeBenchConfig, progress: Progress,
-) -> dict[str, Any]:
+) -> RateRow:
     from kvstrata.integrations.hf import KVStrataLM
 
     with TieredCache(cache_config) as cache:
@@ -152,7 +209,7 @@ def _run_rate(
         paths = {DISK_READ_COLD: probe, DISK_READ_WARM: cpu}
         calibration = HostCalibration(platform.node(), "cpu", cache_config.workers, paths)
         lm = KVStrataLM(model, cache, calibration=calibration, prefill=prefill)
-        ttft: dict[str, list[float]] = {p: [] for p in PLANS}
+        ttft: dict[Strategy, list[float]] = {p: [] for p in PLANS}
         match = True
         decision = None
         for r in range(config.repeats + 1):
@@ -163,23 +220,23 @@ def _run_rate(
                 match &= got.tokens[0] == cold_token
                 if r:
                     ttft[plan].append(got.ttft_s)
-                if plan == "auto":
+                if plan is Strategy.AUTO:
                     decision = got.decision
     med = {p: statistics.median(v) for p, v in ttft.items()}
-    ratio = med["auto"] / min(med["load"], med["recompute"])
-    return {
-        "gbps": gbps,
-        "probe": {"gbps": probe.gbps, "latency_s": probe.latency_s, "spread": probe.spread, "cpu_gbps": cpu.gbps},
-        "ttft_s": med,
-        "ttft_range_s": {p: [min(v), max(v)] for p, v in ttft.items()},
-        "plan": decision.kind.value,
-        "k": decision.compute_tokens,
-        "predicted_s": {"auto": decision.predicted_s, "load": decision.load_only_s,
-                        "recompute": decision.recompute_s},
-        "ratio": ratio,
-        "passed": ratio <= config.goal_ratio,
-        "tokens_match": match,
-    }
+    ratio = med[Strategy.AUTO] / min(med[Strategy.LOAD], med[Strategy.RECOMPUTE])
+    return RateRow(
+        gbps=gbps,
+        probe=Probe(probe.gbps, probe.latency_s, probe.spread, cpu.gbps),
+        ttft_s=med,
+        ttft_range_s={p: (min(v), max(v)) for p, v in ttft.items()},
+        plan=decision.kind,
+        k=decision.compute_tokens,
+        predicted_s={Strategy.AUTO: decision.predicted_s, Strategy.LOAD: decision.load_only_s,
+                     Strategy.RECOMPUTE: decision.recompute_s},
+        ratio=ratio,
+        passed=ratio <= config.goal_ratio,
+        tokens_match=match,
+    )
 
 
 def _probe_disk(cache: TieredCache, keys: list[bytes]) -> tuple[PathFit, PathFit]:
@@ -193,7 +250,7 @@ def _probe_disk(cache: TieredCache, keys: list[bytes]) -> tuple[PathFit, PathFit
     def read(n: int) -> tuple[float, float]:
         start, cpu = time.perf_counter(), time.thread_time()
         for key in keys[:n]:
-            tier.read_into(tier.table.slot(key), key, dst)
+            tier.read_into(0, key, dst)  # the file is named by the key: no slot
         return time.perf_counter() - start, time.thread_time() - cpu
 
     read(1)  # warm-up
@@ -209,10 +266,16 @@ def _probe_disk(cache: TieredCache, keys: list[bytes]) -> tuple[PathFit, PathFit
     return fit_path(sizes, seconds, spread), fit_path(sizes, cpu_seconds)
 
 
-def _wait_on_disk(cache: TieredCache, keys: list[bytes], timeout_s: float = 60.0) -> None:
-    """Wait for the write-through to the disk tier (it runs behind the store)."""
+def _wait_on_disk(cache: TieredCache, tokens: list[int], blocks: int, timeout_s: float = 60.0) -> None:
+    """Wait for the write-through of ``tokens``' ``blocks`` blocks to the disk tier (it runs
+    behind the store). A device copy stays pinned until it is written down, so emptying the
+    device tier drops only the copies already on disk: once it can drop them all, the lookup
+    finds every block on disk (and the device tier is empty, as every run below wants it)."""
     deadline = time.monotonic() + timeout_s
-    while not all(Medium.DISK in cache.index.media(k) for k in keys):
+    while True:
+        cache.evict(Medium.DEVICE, blocks)
+        if cache.lookup(tokens).count(Medium.DISK) == blocks:
+            return
         if time.monotonic() > deadline:
             raise RuntimeError(f"the prefix did not reach the disk tier in {timeout_s} s")
         time.sleep(0.01)

@@ -15,11 +15,11 @@ Before the first mode, most of the pool's segment is faulted in (``RawPool.prefa
 daemon maps it lazily and places each round's objects at new offsets). Per mode (``tcp``,
 ``shm``), one warm-up round (untimed: it faults in the shared memory the daemon maps and every
 buffer's first use), then ``repeats`` rounds of three phases, the competing steps of each in
-an order that rotates from round to round (``kvstrata.bench.timing``):
+an order that rotates from round to round (``kvstrata.bench.rounds``):
 
-==============  ===============================================  ================================
-phase           ours                                             raw (``kvstrata.bench.rawpool``)
-==============  ===============================================  ================================
+==============  ===============================================  ===============================
+phase           ours                                             raw (``kvstrata.pool.raw``)
+==============  ===============================================  ===============================
 store           ``RemoteTier.write`` of every block, on the      one ``batch_put_from`` of every
                 transfer engine's workers, from host memory      object, from registered memory
                 of ``RemoteTier.allocate``
@@ -30,7 +30,7 @@ restore         ``RemoteTier.read_into`` of every block, the     one ``batch_get
 first byte      a one-block restore through the tier;            ``batch_get_into`` of one
                 ``TieredCache.lookup`` that must ask the pool    object; ``batch_is_exist``
                 ``exists`` (``latency_samples`` of each)         of every object
-==============  ===============================================  ================================
+==============  ===============================================  ===============================
 
 GB/s count the blocks' bytes (both sides also move a 64-byte value header per object).
 During the warm-up round the bytes received on the loopback interface are counted per step
@@ -41,31 +41,33 @@ store or restore over TCP, ours and raw alike; 0.0 MiB over SHM).
 
 from __future__ import annotations
 
-import os
-import platform
-import shutil
-import tempfile
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from kvstrata.bench.goals import as_json, remote_goals
-from kvstrata.bench.kvdata import MIB, block_layout, block_of, random_kv
+from kvstrata.bench.kvdata import MIB, KVSetup, block_layout, block_of, random_kv
 from kvstrata.bench.ours_remote import OursRemote
-from kvstrata.bench.poolcache import ROUTES, PoolReader
-from kvstrata.bench.rawpool import RawPool
-from kvstrata.bench.timing import NoProgress, Progress, Rounds, rotated
+from kvstrata.bench.poolcache import PoolReader
+from kvstrata.bench.remote_report import (
+    ModeFigures,
+    ModeSkipped,
+    RemoteBenchReport,
+    RemoteRun,
+    mode_figures,
+    remote_report,
+)
+from kvstrata.bench.rounds import Environment, Rounds, check_rounds, rotated
 from kvstrata.cache import CacheConfig
 from kvstrata.index.keys import block_keys
-from kvstrata.media import route_text
 from kvstrata.kv.layout import KVLayout
-from kvstrata.pool import embedded
+from kvstrata.media import FetchPath
 from kvstrata.pool.config import PoolConfig, RemoteMode
+from kvstrata.pool.raw import RawPool
+from kvstrata.pool.scoped import scoped_pool
+from kvstrata.progress import NoProgress, Progress
 
 Step = tuple[str, Callable[[], float]]  # (figure name, timed step returning seconds)
 PHASES = ("store", "restore", "first byte")
@@ -94,11 +96,7 @@ class RemoteBenchConfig:
     latency_samples: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("size_bytes", "blocks", "workers", "latency_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"bench remote: {name} must be >= 1, got {getattr(self, name)}")
-        if self.repeats < 3:
-            raise ValueError(f"bench remote: repeats must be >= 3 (a median and a spread), got {self.repeats}")
+        check_rounds(self, "bench remote", ("size_bytes", "blocks", "workers", "latency_samples"))
         if not self.modes or any(not isinstance(m, RemoteMode) for m in self.modes):
             raise ValueError(f"bench remote: modes must be RemoteModes, got {self.modes!r}")
 
@@ -115,31 +113,9 @@ class RemoteBenchConfig:
         return int(0.85 * self.pool_segment_bytes())
 
 
-@contextmanager
-def bench_pool(pool: PoolConfig | None, segment_bytes: int) -> Iterator[tuple[PoolConfig, dict[str, Any]]]:
-    """``pool`` if given, else an embedded pool in a temporary run directory, stopped (and
-    the directory removed) on exit. Yields the pool and what to report about it."""
-    if pool is not None:
-        yield pool, {"source": "configured", **pool.to_json()}
-        return
-    run_dir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-pool-"))
-    try:
-        state = embedded.start(segment_bytes, run_dir)
-        try:
-            about = {
-                "source": "embedded", **state.config.to_json(), "segment_bytes": state.segment_bytes,
-                "master_pid": state.master_pid, "daemon_pid": state.daemon_pid,
-            }
-            yield state.config, about
-        finally:
-            embedded.stop(run_dir)
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def run_remote_bench(
     config: RemoteBenchConfig, pool: PoolConfig | None = None, progress: Progress | None = None
-) -> dict[str, Any]:
+) -> RemoteBenchReport:
     """Run the benchmark on ``pool`` (None: an embedded one); returns the report, goals judged.
 
     Raises:
@@ -154,13 +130,13 @@ def run_remote_bench(
     tokens, kv_bytes = random_kv(layout, config.blocks, device)  # [layers, kv, tokens, kv_heads, hd * item]
     blocks = torch.stack([block_of(kv_bytes, layout, i).cpu() for i in range(config.blocks)])
     run_id = uuid.uuid4().hex[:12]  # object names of this run only: a shared pool has others
-    modes: dict[str, Any] = {}
+    modes: dict[RemoteMode, ModeFigures | ModeSkipped] = {}
     prefault = config.prefault_bytes()  # once: every mode uses the same segment
-    with bench_pool(pool, config.pool_segment_bytes()) as (pool_config, about_pool):
+    with scoped_pool(pool, config.pool_segment_bytes()) as source:
         progress.step("pool ready")
         for mode in config.modes:
-            if mode is RemoteMode.SHM and not pool_config.daemon:
-                modes[mode.value] = {"skipped": "the pool has no daemon on this host (SHM mode needs one)"}
+            if mode is RemoteMode.SHM and not source.config.daemon:
+                modes[mode] = ModeSkipped("the pool has no daemon on this host (SHM mode needs one)")
                 progress.step(f"{mode.value}: skipped")
                 continue
             base = CacheConfig(
@@ -170,20 +146,17 @@ def run_remote_bench(
                 host_bytes=0,
                 workers=config.workers,
                 device=str(device),
-                pool=pool_config,
+                pool=source.config,
                 remote_bytes=config.size_bytes,
                 remote_mode=mode,
             )
             rounds, verified, faulted, loopback = _run_mode(
                 config, mode, base, tokens, kv_bytes, blocks, prefault, progress
             )
-            modes[mode.value] = _mode_report(rounds, verified, config, mode)
-            modes[mode.value]["prefaulted_bytes"] = faulted
-            modes[mode.value]["loopback_bytes"] = loopback
+            modes[mode] = mode_figures(rounds, verified, config, mode, faulted, loopback)
             prefault = 0
-    report = _report(config, layout, device, about_pool, modes)
-    report["goals"] = as_json(remote_goals(report))
-    return report
+    run = RemoteRun(config, KVSetup.of(layout, device), source, Environment.here())
+    return remote_report(run, modes)
 
 
 def _run_mode(
@@ -206,9 +179,9 @@ def _run_mode(
         raw = RawPool(base.pool, mode, raw_names, ours.values())
         sides.callback(raw.close)
         faulted = raw.prefault(prefault) if prefault else 0
-        direct = PoolReader(base, "direct", tokens, kv_bytes)
+        direct = PoolReader(base, FetchPath.DIRECT, tokens, kv_bytes)
         sides.callback(direct.close)
-        staged = PoolReader(base, "staged", tokens, kv_bytes)
+        staged = PoolReader(base, FetchPath.STAGED, tokens, kv_bytes)
         sides.callback(staged.close)
         progress.step(f"{mode.value}: set up")
         rounds = Rounds()
@@ -262,94 +235,3 @@ def _counted(step: Callable[[], float], into: dict[str, int], name: str) -> floa
     if before is not None and after is not None:
         into[name] = after - before
     return seconds
-
-
-# --- the report ---------------------------------------------------------------------------------
-
-
-def _mode_report(rounds: Rounds, verified: int, config: RemoteBenchConfig, mode: RemoteMode) -> dict[str, Any]:
-    size, block = config.size_bytes, config.size_bytes // config.blocks
-
-    def gbps(name: str) -> float:
-        return rounds.gbps(name, size)["gbps"]
-
-    def ms(name: str) -> float:
-        return rounds.ms(name)["ms"]
-
-    cache = {
-        path: {
-            "route": route_text(route),
-            "restore_gbps": gbps(f"cache.{path}"),
-            "raw_gbps": gbps("raw.restore"),
-            "ratio": rounds.ratio(f"cache.{path}", "raw.restore"),
-        }
-        for path, route in ROUTES.items()
-    }
-    timed = {name: rounds.gbps(name, size) for name in ("ours.store", "raw.store", "ours.restore", "raw.restore",
-                                                        "cache.direct", "cache.staged")}
-    return {
-        "restore_gbps": gbps("ours.restore"),
-        "raw_gbps": gbps("raw.restore"),
-        "ratio": rounds.ratio("ours.restore", "raw.restore"),
-        "store_gbps": gbps("ours.store"),
-        "raw_store_gbps": gbps("raw.store"),
-        "store_ratio": rounds.ratio("ours.store", "raw.store"),
-        "ttfb_ms": ms("ours.ttfb"),
-        "raw_ttfb_ms": ms("raw.ttfb"),
-        "ttfb_time_ratio": rounds.time_ratio("ours.ttfb", "raw.ttfb"),
-        "ttfb_block_bytes": block,
-        "lookup_ms": ms("cache.lookup"),
-        "raw_exists_ms": ms("raw.exists"),
-        "lookup_time_ratio": rounds.time_ratio("cache.lookup", "raw.exists"),
-        "cache": cache,
-        "gbps": timed,
-        "latency_ms": {name: rounds.ms(name) for name in ("ours.ttfb", "raw.ttfb", "cache.lookup", "raw.exists")},
-        "verified_bytes": verified,
-        "what": {
-            "restore": f"RemoteTier.read_into of each block on {config.workers} engine workers, pool -> registered "
-            "host memory; raw: one batch_get_into of every object",
-            "store": f"RemoteTier.write of each block on {config.workers} engine workers, registered host memory -> "
-            "pool, as new objects; raw: one batch_put_from of every object",
-            "ttfb": "one-block restore through the tier (engine, read_into) vs one-object batch_get_into",
-            "lookup": "TieredCache.lookup of blocks in the pool only that the cache does not know (asks the pool "
-            "exists, adopts) vs batch_is_exist of every object",
-            "cache": "TieredCache.load of blocks in the pool only, to the device tier, by each path; ratio vs the "
-            "raw batch_get_into of the same round",
-        },
-        "mode": "cross-process over the pool's transport (via the master)" if mode is RemoteMode.TCP
-        else "same host, shared memory (the pool daemon copies between its segment and our mapped memory)",
-    }
-
-
-def _report(
-    config: RemoteBenchConfig, layout: KVLayout, device: torch.device, pool: dict[str, Any], modes: dict[str, Any]
-) -> dict[str, Any]:
-    measured = [m for m in modes.values() if "skipped" not in m]
-    return {
-        "config": {
-            "size_bytes": config.size_bytes,
-            "blocks": config.blocks,
-            "model": config.model,
-            "repeats": config.repeats,
-            "workers": config.workers,
-            "latency_samples": config.latency_samples,
-            "modes": [m.value for m in config.modes],
-            "device": str(device),
-            "layout": layout.describe(),
-            "block_tokens": layout.block_tokens,
-            "block_bytes": layout.block_bytes,
-            "pool": pool,
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "machine": platform.machine(),
-            "units": "GB/s, 1 GB = 1e9 bytes; ratio = median over rounds of ours / raw in the same round "
-            "(rates; *_time_ratio: times, < 1 is faster)",
-        },
-        "modes": modes,
-        "verified": {
-            "bit_exact": True,  # a mismatch raises VerificationError: a report exists only if all matched
-            "bytes": sum(m["verified_bytes"] for m in measured),
-            "what": "every restore (ours, raw, the cache's, one-block ones too) compared byte for byte with the "
-            "bytes stored",
-        },
-    }

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.goals import SIM_WALL_S, Goal, as_json
-from kvstrata.bench.timing import NoProgress, Progress
+from kvstrata.bench.goals import SIM_WALL_S, Goal
 from kvstrata.hardware.profile import load_profile
 from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.architectures import Architecture
+from kvstrata.progress import NoProgress, Progress
 from kvstrata.sim.analyze import analyze
 from kvstrata.sim.engine import SimConfig, Simulation
 from kvstrata.sim.tiers import parse_arch
@@ -144,6 +144,72 @@ def tile_trace(requests: Sequence[Request], total: int) -> TiledTrace:
     return TiledTrace(out, copies, span_ms, id_stride)
 
 
+@dataclass(frozen=True)
+class SimRun:
+    """What ran, on what (``pinned_cpu`` None: not pinned)."""
+
+    trace: str
+    hardware: str
+    model: str
+    instances: int
+    gpus_per_instance: int
+    archs: tuple[str, ...]
+    requests_large: int
+    baseline_repeats: int
+    pinned_cpu: int | None
+    goal_wall_s: float = SIM_WALL_S
+
+
+@dataclass(frozen=True)
+class BaselineTiming:
+    """The plain replay of a trace: median wall seconds over rounds."""
+
+    wall_s: float
+    runs_s: tuple[float, ...]
+    requests_per_s: float
+    what: str = "kvstrata.sim.analyze.analyze, unlimited cache"
+
+
+@dataclass(frozen=True)
+class ArchTiming:
+    """One simulation of a trace by one architecture."""
+
+    arch: str
+    wall_s: float
+    cpu_s: float
+    requests_per_s: float
+    overhead_x: float  # wall seconds over the baseline's
+    within_goal: bool
+    records: int
+    simulated_makespan_s: float
+
+
+@dataclass(frozen=True)
+class Tiling:
+    copies: int
+    span_ms: int
+    id_stride: int
+
+
+@dataclass(frozen=True)
+class TraceTiming:
+    """One trace: the baseline and a row per architecture (``tiling``: how it was built, if tiled)."""
+
+    name: str  # "trace" (the source) or "tiled"
+    requests: int
+    span_ms: int
+    baseline: BaselineTiming
+    architectures: tuple[ArchTiming, ...]
+    tiling: Tiling | None = None
+
+
+@dataclass(frozen=True)
+class SimBenchReport:
+    config: SimRun
+    traces: tuple[TraceTiming, TraceTiming]  # the source, then its tiling
+    goals: tuple[Goal, ...]
+
+
 @contextmanager
 def _one_core(enabled: bool) -> Iterator[int | None]:
     """Pin this process to the lowest CPU it may run on; yields that CPU (``None``: not pinned)."""
@@ -167,11 +233,12 @@ def _timed(fn) -> tuple[float, float, Any]:
 
 
 def _bench_trace(
-    label: str, requests: list[Request], config: SimBenchConfig, sim_config: SimConfig, progress: Progress
-) -> tuple[dict[str, Any], list[Goal]]:
-    """One trace's report (baseline and a row per architecture) and its goals, a row each."""
+    label: str, requests: list[Request], config: SimBenchConfig, sim_config: SimConfig, progress: Progress,
+    tiling: Tiling | None = None,
+) -> tuple[TraceTiming, list[Goal]]:
+    """One trace's timings (baseline and a row per architecture) and its goals, a row each."""
     progress.step(f"{label}: baseline (analyze)")
-    base = [_timed(lambda: analyze(requests, [None]))[0] for _ in range(config.baseline_repeats)]
+    base = tuple(_timed(lambda: analyze(requests, [None]))[0] for _ in range(config.baseline_repeats))
     base_s = statistics.median(base)
     rows, judged = [], []
     for name in config.archs:
@@ -179,35 +246,17 @@ def _bench_trace(
         spec = parse_arch(name)
         wall_s, cpu_s, outcome = _timed(lambda spec=spec: Simulation(requests, sim_config, spec).run())
         goal = Goal(f"{label} {name}", f"<={SIM_WALL_S:g} s", wall_s, SIM_WALL_S, at_most=True)
-        rows.append({
-            "arch": name,
-            "wall_s": wall_s,
-            "cpu_s": cpu_s,
-            "requests_per_s": len(requests) / wall_s,
-            "overhead_x": wall_s / base_s,
-            "within_goal": goal.passed,
-            "records": len(outcome.records),
-            "simulated_makespan_s": outcome.makespan_s,
-        })
+        rows.append(ArchTiming(name, wall_s, cpu_s, len(requests) / wall_s, wall_s / base_s, goal.passed,
+                               len(outcome.records), outcome.makespan_s))
         judged.append(goal)
-    report = {
-        "name": label,
-        "requests": len(requests),
-        "span_ms": requests[-1].timestamp_ms - requests[0].timestamp_ms,
-        "baseline": {
-            "what": "kvstrata.sim.analyze.analyze, unlimited cache",
-            "wall_s": base_s,
-            "runs_s": base,
-            "requests_per_s": len(requests) / base_s,
-        },
-        "architectures": rows,
-    }
-    return report, judged
+    span_ms = requests[-1].timestamp_ms - requests[0].timestamp_ms
+    baseline = BaselineTiming(base_s, base, len(requests) / base_s)
+    return TraceTiming(label, len(requests), span_ms, baseline, tuple(rows), tiling), judged
 
 
 def run_sim_bench(
     requests: Sequence[Request], trace_path: str, config: SimBenchConfig, progress: Progress | None = None
-) -> dict[str, Any]:
+) -> SimBenchReport:
     """Time the simulator on ``requests`` and on their tiling to ``config.requests_large``.
 
     Args:
@@ -217,9 +266,8 @@ def run_sim_bench(
         progress: where to report each step (default: nowhere).
 
     Returns:
-        A JSON-ready report: ``config``, ``traces`` (per trace: ``requests``, ``baseline`` and
-        per architecture ``wall_s``, ``cpu_s``, ``requests_per_s``, ``overhead_x``,
-        ``within_goal``) and ``goals``.
+        The report: what ran, per trace the baseline and per architecture ``wall_s``,
+        ``cpu_s``, ``requests_per_s``, ``overhead_x``, ``within_goal``; and the goals.
     """
     progress = progress or NoProgress()
     source = sort_by_time(requests)
@@ -228,23 +276,10 @@ def run_sim_bench(
     tiled = tile_trace(source, config.requests_large)
     sim_config = SimConfig(load_geometry(config.model), load_profile(config.hardware))
     progress.start(2 * (len(config.archs) + 1))
+    tiling = Tiling(tiled.copies, tiled.span_ms, tiled.id_stride)
     with _one_core(config.pin_one_core) as cpu:
         real, real_goals = _bench_trace("trace", source, config, sim_config, progress)
-        large, large_goals = _bench_trace("tiled", tiled.requests, config, sim_config, progress)
-    large["tiling"] = {"copies": tiled.copies, "span_ms": tiled.span_ms, "id_stride": tiled.id_stride}
-    return {
-        "config": {
-            "trace": trace_path,
-            "hardware": config.hardware,
-            "model": config.model,
-            "instances": sim_config.instance_count,
-            "gpus_per_instance": sim_config.gpus_per_instance,
-            "archs": list(config.archs),
-            "requests_large": config.requests_large,
-            "baseline_repeats": config.baseline_repeats,
-            "pinned_cpu": cpu,
-            "goal_wall_s": SIM_WALL_S,
-        },
-        "traces": [real, large],
-        "goals": as_json(real_goals + large_goals),
-    }
+        large, large_goals = _bench_trace("tiled", tiled.requests, config, sim_config, progress, tiling)
+    run = SimRun(trace_path, config.hardware, config.model, sim_config.instance_count, sim_config.gpus_per_instance,
+                 config.archs, config.requests_large, config.baseline_repeats, cpu)
+    return SimBenchReport(run, (real, large), tuple(real_goals + large_goals))

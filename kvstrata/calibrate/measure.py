@@ -19,7 +19,7 @@ Each measurement does what the tier it stands for does, so the fits compose into
   memory; the tier hashes a piece just read, still in the CPU cache, which is somewhat faster).
 * host <-> device (CUDA only): a copy between host memory (pinned or pageable) and the GPU,
   synchronized.
-* pool get/put: one batched Mooncake call for all objects (``kvstrata.bench.rawpool.RawPool``),
+* pool get/put: one batched Mooncake call for all objects (``kvstrata.pool.raw.RawPool``),
   objects of ``object_bytes`` each.
 
 Timing is noisy on shared machines: the medians absorb stray runs, the spread reports them.
@@ -41,10 +41,11 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstrata.bench.timing import NoProgress, Progress, drop_page_cache, elapsed_s
 from kvstrata.plan import host as h
 from kvstrata.pool.config import PoolConfig
+from kvstrata.progress import NoProgress, Progress
 from kvstrata.tiers.disk import READ_CHUNK_BYTES
+from kvstrata.timing import drop_page_cache, elapsed_s
 
 MIB = 1 << 20
 DEFAULT_SIZES = (4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB)
@@ -423,7 +424,7 @@ def _threaded_checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
 
 def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measurement]:
     """Pool get and put of ``size`` bytes in objects of ``object_bytes``, one batched call each."""
-    from kvstrata.bench.rawpool import RawPool
+    from kvstrata.pool.raw import RawPool
     from kvstrata.pool.config import RemoteMode
     from kvstrata.tiers.poolvalue import HEADER_BYTES
 

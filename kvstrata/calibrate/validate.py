@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.bench.timing import NoProgress, Progress, VerificationError, drop_page_cache
+from kvstrata.progress import NoProgress, Progress
+from kvstrata.timing import VerificationError, drop_page_cache
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.layout import KVLayout
 from kvstrata.kv.presets import load_geometry

@@ -33,7 +33,7 @@ class CliError(Exception):
 
 
 class StepBar:
-    """A rich progress bar (one task) for ``kvstrata.bench.timing.Progress``: ``start(total)``
+    """A rich progress bar (one task) for ``kvstrata.progress.Progress``: ``start(total)``
     then ``step(label)`` per step; a second ``start`` begins again from zero."""
 
     def __init__(self, progress) -> None:
@@ -59,6 +59,11 @@ def add_pool_arg(parser: argparse.ArgumentParser, otherwise: str) -> None:
     """``--pool FILE``; ``otherwise`` says what a command does when neither it nor the env var is given."""
     parser.add_argument("--pool", metavar="FILE",
                         help=f"a pool config (TOML or pool.json); default: ${POOL_ENV}, else {otherwise}")
+
+
+def add_json_arg(parser: argparse.ArgumentParser, what: str = "the report") -> None:
+    """``--json``: print ``what`` as JSON on stdout instead of tables."""
+    parser.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 
 
 def pool_config(path: str | None) -> PoolConfig | None:

@@ -5,25 +5,39 @@ I/O and LMCache (when importable), and hash+lookup time. ``bench remote``: store
 GB/s through the remote tier (and the whole cache) against raw Mooncake calls, in TCP and
 shared-memory modes, and time to first byte. ``bench sim``: wall seconds of the trace-driven
 simulator per architecture on the Mooncake trace and on a 12,000-request tiling of it, beside a
-plain replay of the same trace (``analyze``). Progress goes to stderr; ``--json`` prints the
-report alone on stdout. Decimal GB/s (1 GB = 1e9 bytes).
+plain replay of the same trace (``analyze``). ``bench recompute``: load or recompute on the tiny
+model over capped disk rates. ``bench e2e``: the workload of ``kvstrata demo`` with LMCache
+beside it. Progress goes to stderr; ``--json`` prints the report alone on stdout
+(:func:`kvstrata.report.to_json`). Every table, and every label in it, is made here. Decimal
+GB/s (1 GB = 1e9 bytes).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.bench.timing import VerificationError
+from kvstrata.cli.workload import add_workload_args, ms, render_tiers, run_workload
+from kvstrata.report import dumps
+from kvstrata.timing import VerificationError
+
+if TYPE_CHECKING:
+    from kvstrata.bench.cache_report import CacheBenchReport
+    from kvstrata.bench.goals import Goal
+    from kvstrata.bench.recompute import RecomputeBenchReport
+    from kvstrata.bench.remote_report import RemoteBenchReport
+    from kvstrata.bench.sim import SimBenchReport
+    from kvstrata.workload import WorkloadReport
 
 MIB = 1 << 20
+R = TypeVar("R")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,47 +50,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     benches = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     benches.required = True
-    cache = benches.add_parser(
-        "cache",
-        help="store/restore GB/s of each cache tier vs copies, file I/O and LMCache",
-        description="Store and restore GB/s of the device, host and disk tiers of TieredCache on "
+
+    def bench(name: str, func: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
+        p = benches.add_parser(name, help=help, description=description)
+        p.set_defaults(func=func)
+        return p
+
+    cache = bench(
+        "cache", run_cache, "store/restore GB/s of each cache tier vs copies, file I/O and LMCache",
+        "Store and restore GB/s of the device, host and disk tiers of TieredCache on "
         "KV of a real model's geometry, beside a plain copy, plain file reads and writes "
         "(cold and warm) and LMCache when it is importable; plus hash+lookup time of 128K tokens. "
         "Every restore is verified bit-exact.",
     )
-    cache.add_argument("--size-mib", type=int, default=512, help="KV moved by every step, MiB (default: 512)")
-    cache.add_argument("--blocks", type=int, default=16, help="blocks the KV is cut into (default: 16)")
-    cache.add_argument("--model", default="llama-3-8b", help="model preset or config for the KV geometry")
-    cache.add_argument("--repeats", type=int, default=5, help="timed rounds after one warm-up, >= 3 (default: 5)")
-    cache.add_argument("--workers", type=int, default=2, help="the cache's transfer threads (default: 2)")
-    cache.add_argument("--dir", metavar="DIR", help="where scratch files go (default: the temp directory)")
+    _kv_args(cache, size_mib=512, blocks=16, what="blocks the KV is cut into")
+    _rounds_args(cache, repeats=5, per="", workers_help="the cache's transfer threads (default: 2)")
+    _dir_arg(cache)
     cache.add_argument("--no-lmcache", action="store_true", help="skip LMCache even if it imports")
-    cache.add_argument("--json", action="store_true", help="print the report as JSON")
-    cache.set_defaults(func=run_cache)
-    remote = benches.add_parser(
-        "remote",
-        help="store/restore GB/s through the remote tier vs raw Mooncake calls, TCP and SHM",
-        description="Store and restore GB/s through the remote tier (RemoteTier on the transfer engine) "
+    cli.add_json_arg(cache)
+
+    remote = bench(
+        "remote", run_remote, "store/restore GB/s through the remote tier vs raw Mooncake calls, TCP and SHM",
+        "Store and restore GB/s through the remote tier (RemoteTier on the transfer engine) "
         "beside raw Mooncake batch_put_from/batch_get_into of the same bytes, in cross-process TCP and "
         "same-host shared-memory modes; restores through the whole TieredCache of blocks that are only in "
         "the pool (pool -> device, pool -> host -> device); time to first byte (a one-block restore, a "
         "lookup that asks the pool). The pool is --pool FILE or $KVSTRATA_POOL, else an embedded one "
         "started for the run. Every restore is verified bit-exact.",
     )
-    remote.add_argument("--size-mib", type=int, default=256, help="KV moved by every step, MiB (default: 256)")
-    remote.add_argument("--blocks", type=int, default=8, help="blocks (pool objects) it is cut into (default: 8)")
-    remote.add_argument("--model", default="llama-3-8b", help="model preset or config for the KV geometry")
-    remote.add_argument("--repeats", type=int, default=5, help="timed rounds per mode after one warm-up, >= 3 (default: 5)")
-    remote.add_argument("--workers", type=int, default=2, help="transfer threads on our side (default: 2, the cache's)")
+    _kv_args(remote, size_mib=256, blocks=8, what="blocks (pool objects) it is cut into")
+    _rounds_args(remote, repeats=5, per=" per mode", workers_help="transfer threads on our side (default: 2, the cache's)")
     remote.add_argument("--mode", choices=("tcp", "shm"), action="append",
                         help="measure only this mode (repeatable; default: tcp and shm)")
     cli.add_pool_arg(remote, "an embedded pool for the run")
-    remote.add_argument("--json", action="store_true", help="print the report as JSON")
-    remote.set_defaults(func=run_remote)
-    sim = benches.add_parser(
-        "sim",
-        help="wall seconds of the simulator per architecture vs a plain replay of the trace",
-        description="Time kvstrata's trace-driven simulator, one run per architecture (the seven and "
+    cli.add_json_arg(remote)
+
+    sim = bench(
+        "sim", run_sim, "wall seconds of the simulator per architecture vs a plain replay of the trace",
+        "Time kvstrata's trace-driven simulator, one run per architecture (the seven and "
         "hbm+pool+nvme) on h200-cx7-gen5 with llama-3-70b, on the Mooncake trace and on a larger trace "
         "tiled from it (later copies shifted in time and given fresh block ids: new sessions); beside "
         "the time of a plain replay of the same trace (kvstrata.sim.analyze), as a ratio. Goal: each "
@@ -86,12 +97,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "<repo>/../shared/data/traces/mooncake_synthetic_trace.jsonl)")
     sim.add_argument("--requests-large", type=int, default=12_000,
                      help="requests of the tiled trace (default: 12000)")
-    sim.add_argument("--json", action="store_true", help="print the report as JSON")
-    sim.set_defaults(func=run_sim)
-    recompute = benches.add_parser(
-        "recompute",
-        help="load or recompute: the auto plan's TTFT vs load-only and recompute-only, disk tier throttled",
-        description="On the tiny model, one long prompt whose prefix is cached on the disk tier only; the "
+    cli.add_json_arg(sim)
+
+    recompute = bench(
+        "recompute", run_recompute,
+        "load or recompute: the auto plan's TTFT vs load-only and recompute-only, disk tier throttled",
+        "On the tiny model, one long prompt whose prefix is cached on the disk tier only; the "
         "disk tier's reads capped at several rates (emulated slower storage). Per rate: TTFT of load-only, "
         "recompute-only and the auto plan (load, recompute, or compute the beginning while loading the rest), "
         "medians of repeats; the plan chosen and the ratio auto / min(load, recompute), goal <= 1.1. The auto "
@@ -105,32 +116,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     recompute.add_argument("--tail-tokens", type=int, default=64, help="prompt tokens after it (default: 64)")
     recompute.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default: 64)")
     recompute.add_argument("--repeats", type=int, default=9, help="timed rounds per rate after one warm-up, >= 3 (default: 9)")
-    recompute.add_argument("--dir", metavar="DIR", help="where scratch files go (default: the temp directory)")
+    _dir_arg(recompute)
     recompute.add_argument("--plot", metavar="FILE", help="also plot TTFT against the read cap (matplotlib) to FILE")
-    recompute.add_argument("--json", action="store_true", help="print the report as JSON")
-    recompute.set_defaults(func=run_recompute)
-    from kvstrata.cli.demo import add_workload_args, run_bench_e2e
+    cli.add_json_arg(recompute)
 
-    e2e = benches.add_parser(
-        "e2e",
-        help="a real model on a multi-turn workload: TTFT cold vs warm per tier, tokens identical",
-        description="Run a multi-turn workload (growing conversations, shared system prompts) on a "
+    e2e = bench(
+        "e2e", run_bench_e2e, "a real model on a multi-turn workload: TTFT cold vs warm per tier, tokens identical",
+        "Run a multi-turn workload (growing conversations, shared system prompts) on a "
         "transformers model through each tier: TTFT cold vs warm, hit rate, bytes restored, restore GB/s, "
         "and whether tokens equal the cold run's; LMCache beside it on the same prompts where it runs.",
     )
     add_workload_args(e2e, conversations=6, turns=4)
     e2e.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     e2e.add_argument("--lmcache-python", metavar="EXE", help="python of a venv with lmcache (default: .venv-lmcache)")
-    e2e.set_defaults(func=run_bench_e2e)
+
+
+def _kv_args(p: argparse.ArgumentParser, size_mib: int, blocks: int, what: str) -> None:
+    """The bytes a benchmark moves: how many, in how many blocks, of which model's KV."""
+    p.add_argument("--size-mib", type=int, default=size_mib, help=f"KV moved by every step, MiB (default: {size_mib})")
+    p.add_argument("--blocks", type=int, default=blocks, help=f"{what} (default: {blocks})")
+    p.add_argument("--model", default="llama-3-8b", help="model preset or config for the KV geometry")
+
+
+def _rounds_args(p: argparse.ArgumentParser, repeats: int, per: str, workers_help: str) -> None:
+    p.add_argument("--repeats", type=int, default=repeats,
+                   help=f"timed rounds{per} after one warm-up, >= 3 (default: {repeats})")
+    p.add_argument("--workers", type=int, default=2, help=workers_help)
+
+
+def _dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", metavar="DIR", help="where scratch files go (default: the temp directory)")
 
 
 def _run_and_report(
     args: argparse.Namespace,
-    run: Callable[[cli.StepBar], dict[str, Any]],
-    render: Callable[[dict[str, Any]], None],
+    run: Callable[[cli.StepBar], R],
+    render: Callable[[R], None],
     failures: dict[type[BaseException], str] | None = None,
 ) -> int:
-    """Run a benchmark under a progress bar on stderr, then print JSON or its table.
+    """Run a benchmark under a progress bar on stderr, then print its JSON or its table.
 
     ``failures`` maps exception types to a one-line label; each becomes exit code 1.
     """
@@ -143,10 +167,38 @@ def _run_and_report(
         Console(stderr=True).print(f"[bold red]{label}:[/] {exc}", highlight=False)
         return 1
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(dumps(report))
     else:
         render(report)
     return 0
+
+
+def _gbps(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _ms2(value: float) -> str:
+    return f"{value:.2f} ms"
+
+
+def _verdicts(goals: list[Goal]) -> tuple[str, str]:
+    """A table cell of goals and one of their verdicts, a line each."""
+    return ("\n".join(g.goal for g in goals),
+            "\n".join("[green]pass[/]" if g.passed else "[bold red]FAIL[/]" for g in goals))
+
+
+def _figure_table(title: str, columns: tuple[tuple[str, str], ...]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=name != "figure (what is timed)")  # type: ignore[arg-type]
+    return table
+
+
+# --- bench cache --------------------------------------------------------------------------------
 
 
 def run_cache(args: argparse.Namespace) -> int:
@@ -164,92 +216,74 @@ def run_cache(args: argparse.Namespace) -> int:
     return _run_and_report(args, lambda bar: run_cache_bench(config, bar), _print_cache)
 
 
-# --- the table ------------------------------------------------------------------------------------
+def _print_cache(report: CacheBenchReport) -> None:
+    from kvstrata.bench.cache_report import LMCacheFigure, LMCacheMeasured
+    from kvstrata.bench.goals import CacheFigure, goals_for
 
+    c, tiers, lmc = report.config, report.tiers, report.lmcache
+    host, disk, dev = tiers.host, tiers.disk, tiers.device
+    cold, warm = disk.cold, disk.warm
 
-def _gbps(value: float) -> str:
-    return f"{value:.2f}"
-
-
-def _x(value: float) -> str:
-    return f"{value:.2f}x"
-
-
-def _print_cache(report: dict[str, Any]) -> None:
-    c = report["config"]
-    tiers, lmc = report["tiers"], report["lmcache"]
-    host, disk, dev = tiers["host"], tiers["disk"], tiers["device"]
-    cold, warm = disk["cold"], disk["warm"]
-    base = report["baselines"]
-    goals: dict[str, list[dict]] = {}
-    for goal in report["goals"]:
-        goals.setdefault(goal["figure"], []).append(goal)
-
-    def lm(group: str, name: str) -> tuple[str, str]:
-        if not lmc["available"]:
+    def lm(theirs: Callable[[LMCacheMeasured], LMCacheFigure]) -> tuple[str, str]:
+        if not isinstance(lmc, LMCacheMeasured):
             return "-", "-"
-        fig = lmc[group][name]
-        return _gbps(fig["gbps"]), _x(fig["ours_over_lmcache"])
+        fig = theirs(lmc)
+        return _gbps(fig.rate.gbps), _x(fig.ours_over_lmcache)
 
-    rows = [
-        ("device store", "store() into device tier", _gbps(dev["store_gbps"]),
-         f"copy d->d {_gbps(dev['baseline_gbps'])}", _x(dev["ratio"]), ("-", "-")),
-        ("device hit", f"load() of {c['blocks']} device blocks", f"{dev['hit_ms']:.3f} ms", "-", "-", ("-", "-")),
-        ("host store", "device tier -> host", _gbps(host["store_gbps"]),
-         f"copy d->h {_gbps(host['store_baseline_gbps'])}", _x(host["store_ratio"]), lm("host", "store")),
-        ("host restore", "load(): host -> device", _gbps(host["restore_gbps"]),
-         f"copy h->d {_gbps(host['baseline_gbps'])}", _x(host["restore_ratio"]), lm("host", "retrieve")),
-        ("disk store", "host -> disk (buffered)", _gbps(disk["store_gbps"]),
-         f"write {_gbps(disk['store_baseline_gbps'])}", _x(disk["store_ratio"]), lm("disk", "store")),
-        ("disk restore, cold", "load(): disk->host->device", _gbps(cold["restore_gbps"]),
-         f"cold read {_gbps(cold['baseline_gbps'])}", _x(cold["ratio"]), lm("disk", "retrieve_cold")),
-        ("disk restore, warm", "load(): disk->host->device", _gbps(warm["restore_gbps"]),
-         f"copy h->d {_gbps(warm['baseline_gbps'])}", _x(warm["ratio"]), lm("disk", "retrieve_warm")),
-        ("", "", "", f"warm read {_gbps(warm['raw_read_gbps'])}", _x(warm["raw_read_ratio"]), ("", "")),
-        ("disk tier read, cold", "DiskTier: disk -> host", _gbps(cold["tier_read_gbps"]),
-         f"cold read {_gbps(cold['baseline_gbps'])}", _x(cold["tier_read_ratio"]), ("-", "-")),
-        ("disk tier read, warm", "DiskTier: disk -> host", _gbps(warm["tier_read_gbps"]),
-         f"warm read {_gbps(warm['raw_read_gbps'])}", _x(warm["tier_read_ratio"]), ("-", "-")),
+    none = ("-", "-")
+    # (figure judged, label, what is timed, ours, baseline, ratio, LMCache and ours / LMCache)
+    rows: list[tuple[CacheFigure | None, str, str, str, str, str, tuple[str, str]]] = [
+        (None, "device store", "store() into device tier", _gbps(dev.store_gbps),
+         f"copy d->d {_gbps(dev.baseline_gbps)}", _x(dev.ratio), none),
+        (None, "device hit", f"load() of {c.config.blocks} device blocks", f"{dev.hit_ms:.3f} ms", "-", "-", none),
+        (CacheFigure.HOST_STORE, "host store", "device tier -> host", _gbps(host.store_gbps),
+         f"copy d->h {_gbps(host.store_baseline_gbps)}", _x(host.store_ratio), lm(lambda m: m.host.store)),
+        (CacheFigure.HOST_RESTORE, "host restore", "load(): host -> device", _gbps(host.restore_gbps),
+         f"copy h->d {_gbps(host.baseline_gbps)}", _x(host.restore_ratio), lm(lambda m: m.host.retrieve)),
+        (CacheFigure.DISK_STORE, "disk store", "host -> disk (buffered)", _gbps(disk.store_gbps),
+         f"write {_gbps(disk.store_baseline_gbps)}", _x(disk.store_ratio), lm(lambda m: m.disk.store)),
+        (CacheFigure.DISK_COLD, "disk restore, cold", "load(): disk->host->device", _gbps(cold.restore_gbps),
+         f"cold read {_gbps(cold.baseline_gbps)}", _x(cold.ratio), lm(lambda m: m.disk.retrieve_cold)),
+        (CacheFigure.DISK_WARM, "disk restore, warm", "load(): disk->host->device", _gbps(warm.restore_gbps),
+         f"copy h->d {_gbps(warm.baseline_gbps)}", _x(warm.ratio), lm(lambda m: m.disk.retrieve_warm)),
+        (None, "", "", "", f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.raw_read_ratio), ("", "")),
+        (None, "disk tier read, cold", "DiskTier: disk -> host", _gbps(cold.tier_read_gbps),
+         f"cold read {_gbps(cold.baseline_gbps)}", _x(cold.tier_read_ratio), none),
+        (None, "disk tier read, warm", "DiskTier: disk -> host", _gbps(warm.tier_read_gbps),
+         f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.tier_read_ratio), none),
     ]
-    for bs, detail in report["lookup_128k"].items():
+    for bs, times in report.lookup_128k.items():
         rows.append((
-            f"hash+lookup 128K, block {bs}", "keys + match; time ratio", f"{detail['ours_ms']:.3f} ms",
-            f"vLLM sha256 {detail['sha256_pickle_ms']:.2f} ms",
-            f"{detail['ours_ms'] / detail['sha256_pickle_ms']:.2f}x",
-            ("-", "-"),
+            CacheFigure.lookup(bs), f"hash+lookup 128K, block {bs}", "keys + match; time ratio", f"{times.ours_ms:.3f} ms",
+            f"vLLM sha256 {times.sha256_pickle_ms:.2f} ms", f"{times.ours_ms / times.sha256_pickle_ms:.2f}x", none,
         ))
 
     title = (
-        f"kvstrata bench cache: {c['size_bytes'] / MIB:g} MiB of {c['model']} KV as {c['blocks']} blocks of "
-        f"{c['block_tokens']} tokens ({c['block_bytes'] / MIB:g} MiB), device {c['device']}, "
-        f"median of {c['repeats']} rounds; GB/s unless marked"
+        f"kvstrata bench cache: {c.config.size_bytes / MIB:g} MiB of {c.config.model} KV as {c.config.blocks} blocks of "
+        f"{c.kv.block_tokens} tokens ({c.kv.block_bytes / MIB:g} MiB), device {c.kv.device}, "
+        f"median of {c.config.repeats} rounds; GB/s unless marked"
     )
-    table = Table(title=title, title_justify="left")
-    for name, justify in (("figure (what is timed)", "left"), ("ours", "right"), ("baseline", "right"),
-                          ("ratio", "right"), ("LMCache", "right"), ("ours/LMC", "right"),
-                          ("goal", "left"), ("pass", "left")):
-        table.add_column(name, justify=justify, no_wrap=name != "figure (what is timed)")
-    for figure, what, ours, baseline, ratio, (lm_value, lm_ratio) in rows:
-        mine = goals.get(figure, [])
-        table.add_row(
-            f"{figure}\n[dim]{what}[/]" if what else figure, ours, baseline, ratio, lm_value, lm_ratio,
-            "\n".join(g["goal"] for g in mine),
-            "\n".join("[green]pass[/]" if g["passed"] else "[bold red]FAIL[/]" for g in mine),
-        )
+    table = _figure_table(title, (("figure (what is timed)", "left"), ("ours", "right"), ("baseline", "right"),
+                                  ("ratio", "right"), ("LMCache", "right"), ("ours/LMC", "right"),
+                                  ("goal", "left"), ("pass", "left")))
+    for figure, label, what, ours, baseline, ratio, (lm_value, lm_ratio) in rows:
+        goals = goals_for(figure, report.goals) if figure is not None else []
+        table.add_row(f"{label}\n[dim]{what}[/]" if what else label, ours, baseline, ratio, lm_value, lm_ratio,
+                      *_verdicts(goals))
     out = cli.console()
     out.print(table)
-    met = sum(g["passed"] for g in report["goals"])
-    copies = ", ".join(f"{name.removeprefix('copy.')} {_gbps(fig['gbps'])}" for name, fig in base.items()
+    met = sum(g.passed for g in report.goals)
+    copies = ", ".join(f"{name.removeprefix('copy.')} {_gbps(fig.gbps)}" for name, fig in report.baselines.items()
                        if name.startswith("copy."))
-    out.print(f"goals met: {met} of {len(report['goals'])}. Plain copies, GB/s: {copies}.", highlight=False)
-    if not lmc["available"]:
-        out.print(f"LMCache: not measured ({lmc['reason']}).", highlight=False)
+    out.print(f"goals met: {met} of {len(report.goals)}. Plain copies, GB/s: {copies}.", highlight=False)
+    if isinstance(lmc, LMCacheMeasured):
+        out.print(f"LMCache {lmc.version}: {lmc.setup}.", highlight=False)
     else:
-        out.print(f"LMCache {lmc['version']}: {lmc['setup']}.", highlight=False)
-    verified = report["verified"]
+        out.print(f"LMCache: not measured ({lmc.reason}).", highlight=False)
+    verified = report.verified
     out.print(
-        f"verified bit-exact: {verified['ours_bytes'] / 1e9:.2f} GB restored by ours, "
-        f"{verified['lmcache_bytes'] / 1e9:.2f} GB by LMCache. GB = 1e9 bytes; ratio = median over rounds "
+        f"verified bit-exact: {verified.ours_bytes / 1e9:.2f} GB restored by ours, "
+        f"{verified.lmcache_bytes / 1e9:.2f} GB by LMCache. GB = 1e9 bytes; ratio = median over rounds "
         "of ours / baseline within a round.",
         highlight=False,
     )
@@ -283,73 +317,67 @@ def run_remote(args: argparse.Namespace) -> int:
     return _run_and_report(args, lambda bar: run_remote_bench(config, pool, bar), _print_remote, unavailable)
 
 
-def _ms(value: float) -> str:
-    return f"{value:.2f} ms"
+def _print_remote(report: RemoteBenchReport) -> None:
+    from kvstrata.bench.goals import RemoteFigure, goals_for
+    from kvstrata.bench.remote_report import ModeSkipped
+    from kvstrata.media import FetchPath
+    from kvstrata.pool.scoped import PoolOrigin
 
-
-def _print_remote(report: dict[str, Any]) -> None:
-    c = report["config"]
-    goals: dict[str, list[dict]] = {}
-    for goal in report["goals"]:
-        goals.setdefault(goal["figure"], []).append(goal)
-    block = f"{c['block_bytes'] / MIB:g} MiB"
-    rows: list[tuple[str, str, str, str, str]] = []  # figure, what, ours, raw, ratio
+    c = report.config
+    workers, blocks = c.config.workers, c.config.blocks
+    block = f"{c.kv.block_bytes / MIB:g} MiB"
+    rows: list[tuple[RemoteFigure | None, str, str, str, str, str]] = []  # judged, label, what, ours, raw, ratio
     skipped = []
-    for mode, m in report["modes"].items():
-        if "skipped" in m:
-            skipped.append(f"{mode}: not measured ({m['skipped']})")
+    for mode, m in report.modes.items():
+        if isinstance(m, ModeSkipped):
+            skipped.append(f"{mode.value}: not measured ({m.skipped})")
             continue
-        direct, staged = m["cache"]["direct"], m["cache"]["staged"]
+        direct, staged = m.cache[FetchPath.DIRECT], m.cache[FetchPath.STAGED]
+        name = mode.value
         rows += [
-            (f"{mode} restore", f"RemoteTier.read_into, {c['workers']} workers", _gbps(m["restore_gbps"]),
-             f"batch_get_into {_gbps(m['raw_gbps'])}", _x(m["ratio"])),
-            (f"{mode} store", f"RemoteTier.write, {c['workers']} workers", _gbps(m["store_gbps"]),
-             f"batch_put_from {_gbps(m['raw_store_gbps'])}", _x(m["store_ratio"])),
-            (f"{mode} cache restore, direct", "load(): pool -> device", _gbps(direct["restore_gbps"]),
-             f"batch_get_into {_gbps(direct['raw_gbps'])}", _x(direct["ratio"])),
-            (f"{mode} cache restore, staged", "load(): pool -> host -> device", _gbps(staged["restore_gbps"]),
-             f"batch_get_into {_gbps(staged['raw_gbps'])}", _x(staged["ratio"])),
-            (f"{mode} first byte", f"restore of one {block} block; time ratio", _ms(m["ttfb_ms"]),
-             f"batch_get_into {_ms(m['raw_ttfb_ms'])}", _x(m["ttfb_time_ratio"])),
-            (f"{mode} lookup asking the pool", f"lookup(): exists + adopt, {c['blocks']} blocks; time ratio",
-             _ms(m["lookup_ms"]), f"batch_is_exist {_ms(m['raw_exists_ms'])}", _x(m["lookup_time_ratio"])),
+            (RemoteFigure.of(mode, store=False), f"{name} restore", f"RemoteTier.read_into, {workers} workers",
+             _gbps(m.restore_gbps), f"batch_get_into {_gbps(m.raw_gbps)}", _x(m.ratio)),
+            (RemoteFigure.of(mode, store=True), f"{name} store", f"RemoteTier.write, {workers} workers",
+             _gbps(m.store_gbps), f"batch_put_from {_gbps(m.raw_store_gbps)}", _x(m.store_ratio)),
+            (None, f"{name} cache restore, direct", "load(): pool -> device", _gbps(direct.restore_gbps),
+             f"batch_get_into {_gbps(direct.raw_gbps)}", _x(direct.ratio)),
+            (None, f"{name} cache restore, staged", "load(): pool -> host -> device", _gbps(staged.restore_gbps),
+             f"batch_get_into {_gbps(staged.raw_gbps)}", _x(staged.ratio)),
+            (None, f"{name} first byte", f"restore of one {block} block; time ratio", _ms2(m.ttfb_ms),
+             f"batch_get_into {_ms2(m.raw_ttfb_ms)}", _x(m.ttfb_time_ratio)),
+            (None, f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
+             _ms2(m.lookup_ms), f"batch_is_exist {_ms2(m.raw_exists_ms)}", _x(m.lookup_time_ratio)),
         ]
-    pool = c["pool"]
+    pool = c.pool
     title = (
-        f"kvstrata bench remote: {c['size_bytes'] / MIB:g} MiB of {c['model']} KV as {c['blocks']} blocks of "
-        f"{c['block_tokens']} tokens ({block}), device {c['device']}, {pool['source']} pool, "
-        f"median of {c['repeats']} rounds; GB/s unless marked"
+        f"kvstrata bench remote: {c.config.size_bytes / MIB:g} MiB of {c.config.model} KV as {blocks} blocks of "
+        f"{c.kv.block_tokens} tokens ({block}), device {c.kv.device}, {pool.source.value} pool, "
+        f"median of {c.config.repeats} rounds; GB/s unless marked"
     )
-    table = Table(title=title, title_justify="left")
-    for name, justify in (("figure (what is timed)", "left"), ("ours", "right"), ("raw Mooncake", "right"),
-                          ("ratio", "right"), ("goal", "left"), ("pass", "left")):
-        table.add_column(name, justify=justify, no_wrap=name != "figure (what is timed)")
-    for figure, what, ours, raw, ratio in rows:
-        mine = goals.get(figure, [])
-        table.add_row(
-            f"{figure}\n[dim]{what}[/]", ours, raw, ratio,
-            "\n".join(g["goal"] for g in mine),
-            "\n".join("[green]pass[/]" if g["passed"] else "[bold red]FAIL[/]" for g in mine),
-        )
+    table = _figure_table(title, (("figure (what is timed)", "left"), ("ours", "right"), ("raw Mooncake", "right"),
+                                  ("ratio", "right"), ("goal", "left"), ("pass", "left")))
+    for figure, label, what, ours, raw, ratio in rows:
+        goals = goals_for(figure, report.goals) if figure is not None else []
+        table.add_row(f"{label}\n[dim]{what}[/]", ours, raw, ratio, *_verdicts(goals))
     out = cli.console()
     out.print(table)
-    met = sum(g["passed"] for g in report["goals"])
-    where = f"master {pool['master']}, daemon {pool.get('daemon') or 'none on this host'}"
-    if pool["source"] == "embedded":
-        where += f" (pid {pool['daemon_pid']}, {pool['segment_bytes'] / MIB:g} MiB segment)"
-    out.print(f"goals met: {met} of {len(report['goals'])}. Pool: {where}; this process joins with a 0-byte "
+    met = sum(g.passed for g in report.goals)
+    where = f"master {pool.config.master}, daemon {pool.config.daemon or 'none on this host'}"
+    if pool.source is PoolOrigin.EMBEDDED:
+        where += f" (pid {pool.daemon_pid}, {pool.segment_bytes / MIB:g} MiB segment)"
+    out.print(f"goals met: {met} of {len(report.goals)}. Pool: {where}; this process joins with a 0-byte "
               "segment, so every byte crosses into the daemon's process.", highlight=False)
     crossed = [
-        f"{mode} {m['loopback_bytes']['ours.restore'] / MIB:.1f} (ours) / {m['loopback_bytes']['raw.restore'] / MIB:.1f} (raw)"
-        for mode, m in report["modes"].items() if "ours.restore" in m.get("loopback_bytes", {})
+        f"{mode.value} {m.loopback_bytes['ours.restore'] / MIB:.1f} (ours) / {m.loopback_bytes['raw.restore'] / MIB:.1f} (raw)"
+        for mode, m in report.measured().items() if "ours.restore" in m.loopback_bytes
     ]
     if crossed:
-        out.print(f"MiB over loopback sockets during one {c['size_bytes'] / MIB:g} MiB restore (warm-up): "
+        out.print(f"MiB over loopback sockets during one {c.config.size_bytes / MIB:g} MiB restore (warm-up): "
                   f"{'; '.join(crossed)}.", highlight=False)
     for line in skipped:
         out.print(line, highlight=False)
     out.print(
-        f"verified bit-exact: {report['verified']['bytes'] / 1e9:.2f} GB restored (ours, raw and the cache's). "
+        f"verified bit-exact: {report.verified.bytes / 1e9:.2f} GB restored (ours, raw and the cache's). "
         "GB = 1e9 bytes; ratio = median over rounds of ours / raw within a round (rates; time ratios: ours' "
         "time / raw's, < 1 is faster).",
         highlight=False,
@@ -374,38 +402,37 @@ def run_sim(args: argparse.Namespace) -> int:
     return _run_and_report(args, lambda bar: run_sim_bench(requests, path, config, bar), _print_sim)
 
 
-def _print_sim(report: dict[str, Any]) -> None:
-    c = report["config"]
-    core = f"pinned to CPU {c['pinned_cpu']}" if c["pinned_cpu"] is not None else "not pinned"
+def _print_sim(report: SimBenchReport) -> None:
+    c = report.config
+    core = f"pinned to CPU {c.pinned_cpu}" if c.pinned_cpu is not None else "not pinned"
     title = (
-        f"kvstrata bench sim: {c['model']} on {c['hardware']}, {c['instances']} instances of "
-        f"{c['gpus_per_instance']} GPU; one run per architecture, {core}"
+        f"kvstrata bench sim: {c.model} on {c.hardware}, {c.instances} instances of "
+        f"{c.gpus_per_instance} GPU; one run per architecture, {core}"
     )
     table = Table(title=title, title_justify="left")
     for name, justify in (("trace", "left"), ("arch", "left"), ("wall s", "right"), ("CPU s", "right"),
                           ("requests/s", "right"), ("vs analyze", "right"), ("goal", "left"), ("pass", "left")):
-        table.add_column(name, justify=justify, no_wrap=True)
-    for trace in report["traces"]:
-        base = trace["baseline"]
-        label = f"{trace['name']} ({trace['requests']:,})"
-        table.add_row(label, "[dim]analyze (baseline)[/]", f"{base['wall_s']:.4f}", "-",
-                      f"{base['requests_per_s']:,.0f}", "1.00x", "", "")
-        for row in trace["architectures"]:
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for trace in report.traces:
+        base = trace.baseline
+        table.add_row(f"{trace.name} ({trace.requests:,})", "[dim]analyze (baseline)[/]", f"{base.wall_s:.4f}", "-",
+                      f"{base.requests_per_s:,.0f}", "1.00x", "", "")
+        for row in trace.architectures:
             table.add_row(
-                "", row["arch"], f"{row['wall_s']:.2f}", f"{row['cpu_s']:.2f}", f"{row['requests_per_s']:,.0f}",
-                f"{row['overhead_x']:,.0f}x", f"<={c['goal_wall_s']:g} s",
-                "[green]pass[/]" if row["within_goal"] else "[bold red]FAIL[/]",
+                "", row.arch, f"{row.wall_s:.2f}", f"{row.cpu_s:.2f}", f"{row.requests_per_s:,.0f}",
+                f"{row.overhead_x:,.0f}x", f"<={c.goal_wall_s:g} s",
+                "[green]pass[/]" if row.within_goal else "[bold red]FAIL[/]",
             )
         table.add_section()
     out = cli.console()
     out.print(table)
-    met = sum(g["passed"] for g in report["goals"])
-    tiling = report["traces"][1]["tiling"]
+    met = sum(g.passed for g in report.goals)
+    tiling = report.traces[1].tiling
     out.print(
-        f"goals met: {met} of {len(report['goals'])}. Trace: {c['trace']}. The tiled trace: {tiling['copies']} "
-        f"copies (the last may be partial), each {tiling['span_ms'] / 1e3:,.1f} s later than the one before and "
-        f"its block ids shifted by {tiling['id_stride']:,} (new sessions). Baseline: median of "
-        f"{c['baseline_repeats']} runs of kvstrata.sim.analyze (unlimited cache) on the same requests; "
+        f"goals met: {met} of {len(report.goals)}. Trace: {c.trace}. The tiled trace: {tiling.copies} "
+        f"copies (the last may be partial), each {tiling.span_ms / 1e3:,.1f} s later than the one before and "
+        f"its block ids shifted by {tiling.id_stride:,} (new sessions). Baseline: median of "
+        f"{c.baseline_repeats} runs of kvstrata.sim.analyze (unlimited cache) on the same requests; "
         "'vs analyze' = the simulation's wall time over it.",
         highlight=False,
     )
@@ -425,7 +452,7 @@ def run_recompute(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise cli.CliError(str(exc)) from None
 
-    def render(report: dict[str, Any]) -> None:
+    def render(report: RecomputeBenchReport) -> None:
         _print_recompute(report)
         if args.plot:
             _plot_recompute(report, args.plot)
@@ -433,41 +460,44 @@ def run_recompute(args: argparse.Namespace) -> int:
     return _run_and_report(args, lambda bar: run_recompute_bench(config, bar), render)
 
 
-def _print_recompute(report: dict[str, Any]) -> None:
-    c, p = report["config"], report["prefill"]
+def _print_recompute(report: RecomputeBenchReport) -> None:
+    from kvstrata.plan.recompute import Strategy
+
+    c, p = report.config, report.prefill
     title = (
-        f"kvstrata bench recompute: tiny model, {c['prompt_tokens']:,}-token prompt, {c['cached_tokens']:,} cached "
-        f"on disk only ({c['cached_bytes'] / 1e6:.1f} MB), blocks of {c['block_tokens']} tokens; "
-        f"TTFT medians of {c['repeats']}"
+        f"kvstrata bench recompute: tiny model, {c.prompt_tokens:,}-token prompt, {c.cached_tokens:,} cached "
+        f"on disk only ({c.cached_bytes / 1e6:.1f} MB), blocks of {c.block_tokens} tokens; "
+        f"TTFT medians of {c.repeats}"
     )
     table = Table(title=title, title_justify="left")
     for name in ("disk cap GB/s", "probe GB/s", "load ms", "recompute ms", "auto ms", "plan", "k",
                  "predicted ms", "auto / min", "tokens", "pass"):
         table.add_column(name, justify="left" if name in ("plan", "tokens", "pass") else "right", no_wrap=True)
-    for r in report["rates"]:
-        t = r["ttft_s"]
-        best = min(t["load"], t["recompute"])
+    for r in report.rates:
+        t = r.ttft_s
+        best = min(t[Strategy.LOAD], t[Strategy.RECOMPUTE])
         table.add_row(
-            f"{r['gbps']:g}", f"{r['probe']['gbps']:.3g}",
-            *(f"[bold]{t[k] * 1e3:.1f}[/]" if t[k] == best else f"{t[k] * 1e3:.1f}" for k in ("load", "recompute")),
-            f"{t['auto'] * 1e3:.1f}", r["plan"], str(r["k"]), f"{r['predicted_s']['auto'] * 1e3:.1f}",
-            f"{r['ratio']:.2f}x", "same" if r["tokens_match"] else "[bold red]DIFFER[/]",
-            "[green]pass[/]" if r["passed"] else "[bold red]FAIL[/]",
+            f"{r.gbps:g}", f"{r.probe.gbps:.3g}",
+            *(f"[bold]{t[k] * 1e3:.1f}[/]" if t[k] == best else f"{t[k] * 1e3:.1f}"
+              for k in (Strategy.LOAD, Strategy.RECOMPUTE)),
+            f"{t[Strategy.AUTO] * 1e3:.1f}", r.plan.value, str(r.k), f"{r.predicted_s[Strategy.AUTO] * 1e3:.1f}",
+            f"{r.ratio:.2f}x", "same" if r.tokens_match else "[bold red]DIFFER[/]",
+            "[green]pass[/]" if r.passed else "[bold red]FAIL[/]",
         )
     out = cli.console()
     out.print(table)
-    passed = sum(r["passed"] for r in report["rates"])
+    passed = sum(r.passed for r in report.rates)
     out.print(
-        f"goal auto <= {c['goal_ratio']:g} x min(load, recompute): met at {passed} of {len(report['rates'])} rates. "
-        f"Prefill fit (measured here, {p['measure_s']:.1f} s): {p['latency_s'] * 1e3:.2f} ms + "
-        f"{p['tokens_per_s']:,.0f} tokens/s + attention {p['attn_s']:.3g} s per token pair. "
-        f"Load model: {c['load_model']}. 'tokens': every run's first token vs the cold run's. "
-        f"Wall {report['wall_s']:.0f} s.",
+        f"goal auto <= {c.goal_ratio:g} x min(load, recompute): met at {passed} of {len(report.rates)} rates. "
+        f"Prefill fit (measured here, {p.measure_s:.1f} s): {p.latency_s * 1e3:.2f} ms + "
+        f"{p.tokens_per_s:,.0f} tokens/s + attention {p.attn_s:.3g} s per token pair. "
+        f"Load model: {c.load_model}. 'tokens': every run's first token vs the cold run's. "
+        f"Wall {report.wall_s:.0f} s.",
         highlight=False,
     )
 
 
-def _plot_recompute(report: dict[str, Any], path: str) -> None:
+def _plot_recompute(report: RecomputeBenchReport, path: str) -> None:
     try:
         import matplotlib
 
@@ -476,10 +506,12 @@ def _plot_recompute(report: dict[str, Any], path: str) -> None:
     except ImportError:
         cli.console().print("[yellow]no matplotlib: --plot skipped[/]")
         return
-    rates = [r["gbps"] for r in report["rates"]]
+    from kvstrata.plan.recompute import Strategy
+
+    rates = [r.gbps for r in report.rates]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for plan, style in (("load", "o--"), ("recompute", "s--"), ("auto", "D-")):
-        ax.plot(rates, [r["ttft_s"][plan] * 1e3 for r in report["rates"]], style, label=plan)
+    for plan, style in ((Strategy.LOAD, "o--"), (Strategy.RECOMPUTE, "s--"), (Strategy.AUTO, "D-")):
+        ax.plot(rates, [r.ttft_s[plan] * 1e3 for r in report.rates], style, label=plan.value)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("disk read cap, GB/s")
@@ -489,3 +521,52 @@ def _plot_recompute(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     cli.console().print(f"plot: {path}")
+
+
+# --- bench e2e ----------------------------------------------------------------------------------
+
+
+def run_bench_e2e(args: argparse.Namespace) -> int:
+    from kvstrata.bench.e2e import E2EBenchReport, LMCacheSkipped, lmcache_beside
+
+    run = run_workload(args)
+    lmcache = None
+    if not args.no_lmcache:
+        python = args.lmcache_python or str(Path(__file__).resolve().parents[2] / ".venv-lmcache" / "bin" / "python")
+        lmcache = lmcache_beside(run, python)
+    report = E2EBenchReport(run, lmcache)
+    if args.json:
+        print(dumps(report))
+        return 0 if run.tokens_identical else 1
+    out = cli.console()
+    workload = run.workload
+    render_tiers(out, run, f"kvstrata bench e2e: {run.model_dir.name}, {workload.conversations} x {workload.turns} turns")
+    if isinstance(lmcache, LMCacheSkipped):
+        out.print(f"LMCache: {lmcache.skipped}")
+    elif lmcache and lmcache.get("tiers"):
+        _print_lmcache_e2e(out, run, lmcache)
+    return 0 if run.tokens_identical else 1
+
+
+def _print_lmcache_e2e(out: Console, run: WorkloadReport, lmcache: dict[str, Any]) -> None:
+    """LMCache's side, as its venv's JSON document has it, beside our figure per tier."""
+    from kvstrata.media import Medium
+
+    t = Table(title=f"LMCache {lmcache.get('lmcache', '')} on the same prompts (its standalone engine, CPU adapter)",
+              title_justify="left")
+    for col in ("tier", "hit rate", "restore GB/s", "TTFT cold / warm ms", "same tokens", "ours GB/s", "ours / LMCache"):
+        t.add_column(col)
+    for tier, v in lmcache["tiers"].items():
+        ours = run.tiers.get(Medium[tier.upper()])
+        ours_gbps = ours.restore_gbps if ours else 0.0
+        theirs = v.get("restore_gbps") or 0.0
+        t.add_row(
+            tier,
+            f"{v.get('hit_rate', 0):.0%}",
+            f"{theirs:.2f}",
+            f"{ms(v.get('ttft_cold_s'))} / {ms(v.get('ttft_warm_s'))}",
+            "[green]yes[/]" if v.get("tokens_identical") else "[red]NO[/]",
+            f"{ours_gbps:.2f}",
+            f"{ours_gbps / theirs:.2f}x" if theirs else "-",
+        )
+    out.print(t)

@@ -31,16 +31,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "[calibration] table.",
     )
     cal.add_argument("--out", metavar="PROFILE.toml", help="write the calibrated profile here (default: print the table only)")
-    cal.add_argument("--quick", action="store_true", help="smaller and fewer sizes, fewer repeats")
-    cal.add_argument("--sizes-mib", type=float, nargs="+", help="sizes to measure, MiB (default 4 16 64 256; --quick 4 16 64)")
-    cal.add_argument("--repeats", type=int, help="timed runs per size after a warm-up (default 5; --quick 3)")
+    _size_args(cal, quick="smaller and fewer sizes, fewer repeats",
+               sizes="sizes to measure, MiB (default 4 16 64 256; --quick 4 16 64)", repeats="timed runs per size")
     cal.add_argument("--threads", type=int, default=2, help="the N of the N-thread paths: the cache's workers (default 2)")
     cli.add_pool_arg(cal, "pool paths skipped")
     cal.add_argument("--dir", metavar="DIR", help="scratch files here: the disk the disk tier uses (default: temp)")
     cal.add_argument("--base", default="workstation", help="the hardware profile to calibrate (name or .toml; default workstation)")
     cal.add_argument("--model-dir", metavar="DIR", action="append", default=[],
                      help="also fit this Hugging Face model's prefill rate (for load-or-recompute); repeatable")
-    cal.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    cli.add_json_arg(cal, "the measurements")
     cal.set_defaults(func=run_calibrate)
 
     val = subparsers.add_parser(
@@ -51,16 +50,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "HostCalibration.restore_s. Goal: within 10%% at 64 MiB and more; misses are marked, exit code 0.",
     )
     val.add_argument("--profile", metavar="FILE", help="a profile written by `kvstrata calibrate` (default: calibrate --quick first)")
-    val.add_argument("--quick", action="store_true", help="sizes 16 and 64 MiB, fewer repeats")
-    val.add_argument("--sizes-mib", type=float, nargs="+", help="KV per restore, MiB (default 16 64 256)")
-    val.add_argument("--repeats", type=int, help="timed loads per row after a warm-up (default 5; --quick 3)")
+    _size_args(val, quick="sizes 16 and 64 MiB, fewer repeats", sizes="KV per restore, MiB (default 16 64 256)",
+               repeats="timed loads per row")
     val.add_argument("--workers", type=int, default=2, help="the cache's transfer threads (default 2)")
     val.add_argument("--model", default="llama-3-8b", help="model preset for the KV layout (default llama-3-8b)")
     val.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
     cli.add_pool_arg(val, "no remote row")
     val.add_argument("--dir", metavar="DIR", help="where the disk tier's files go (default: temp)")
-    val.add_argument("--json", action="store_true", help="print the rows as JSON")
+    cli.add_json_arg(val, "the rows")
     val.set_defaults(func=run_validate)
+
+
+def _size_args(p: argparse.ArgumentParser, quick: str, sizes: str, repeats: str) -> None:
+    """``--quick``, ``--sizes-mib`` and ``--repeats`` (5 by default, 3 with ``--quick``)."""
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--sizes-mib", type=float, nargs="+", help=sizes)
+    p.add_argument("--repeats", type=int, help=f"{repeats} after a warm-up (default 5; --quick 3)")
 
 
 def _pool(arg: str | None) -> tuple[PoolConfig | None, str]:

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvstrata.bench.e2e import Workload, run_e2e  # noqa: E402
+from kvstrata.workload import Workload, run_e2e  # noqa: E402
 from kvstrata.cli import main  # noqa: E402
 from kvstrata.media import Medium  # noqa: E402
 
@@ -18,23 +18,24 @@ SMALL = Workload(conversations=2, turns=2, system_words=200, user_words=60, answ
 
 
 def test_every_tier_serves_the_workload_with_cold_tokens(tiny_model_dir, pool):
-    reports = {r.tier: r for r in run_e2e(tiny_model_dir, SMALL, pool=pool)}
-    assert set(reports) == {"device", "host", "disk", "remote"}
-    route = {"device": (D,), "host": (H, D), "disk": (K, D), "remote": (R, D)}
+    reports = run_e2e(tiny_model_dir, SMALL, pool=pool).tiers
+    assert set(reports) == {D, H, K, R}
+    assert all(r.tier is tier for tier, r in reports.items())
+    route = {D: (D,), H: (H, D), K: (K, D), R: (R, D)}
     hits = {r.hit_tokens for r in reports.values()}
     assert len(hits) == 1 and hits.pop() > 0  # the same prompts hit the same prefixes on every tier
     for tier, r in reports.items():
         assert r.skipped is None and r.turns == 4
         assert r.tokens_identical, tier
         assert set(r.paths) == {route[tier]}, tier
-        if tier == "device":
+        if tier is D:
             assert r.restored_bytes == 0
         else:
             assert r.restored_bytes == r.hit_tokens * 4 * 2 * 2 * 64 * 2  # layers x K,V x heads x dim x bf16
             assert r.predicted_restore_s and r.predicted_restore_s > 0
     # Later turns reuse the conversation so far; the second conversation's first turn the system prompt.
-    assert 0 < reports["host"].hit_rate < 1
-    host = reports["host"]
+    assert 0 < reports[H].hit_rate < 1
+    host = reports[H]
     assert host.stream_tokens_identical is True
     assert host.stream_bytes_per_step >= len(host.prompts[-1]) * 4 * 2 * 2 * 64 * 2
 

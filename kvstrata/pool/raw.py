@@ -1,6 +1,7 @@
 """The plainest way to move the same bytes to and from the pool: bare Mooncake store calls.
 
-The remote tier is measured against this. ``RawPool`` joins the pool as its own client (a
+The remote tier is measured against this (``kvstrata bench remote``), and ``kvstrata calibrate``
+times the pool's get and put paths with it. ``RawPool`` joins the pool as its own client (a
 ``MooncakeDistributedStore`` set up here, with no kvstrata code in the data path: no worker
 thread, no timeout, no header handling) with a segment of 0 bytes, so, like the tier, it keeps
 no object in this process: every byte crosses into the pool daemon's process and back.
@@ -18,10 +19,10 @@ import time
 
 import torch
 
-from kvstrata.bench.timing import VerificationError
 from kvstrata.pool.client import LOCAL_BUFFER_BYTES
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tiers.remote import OBJECT_NOT_FOUND
+from kvstrata.timing import VerificationError
 
 
 class RawPool:

@@ -1,0 +1,283 @@
+"""What ``kvstrata bench cache`` reports: per tier ours beside its baseline and the ratio,
+LMCache's figures when it ran, hash+lookup times, what was verified, and the goals judged.
+
+Built from the rounds of :func:`kvstrata.bench.cache.run_cache_bench`; serialized by
+:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.cli.bench``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstrata.bench.goals import (
+    DISK_COLD_OF_RAW_READ,
+    DISK_WARM_OF_COPY,
+    HOST_RESTORE_OF_COPY,
+    HOST_STORE_OF_COPY,
+    LOOKUP_MS,
+    CacheFigure,
+    Goal,
+)
+from kvstrata.bench.lookup import LookupTimes
+from kvstrata.bench.kvdata import KVSetup
+from kvstrata.bench.rounds import Environment, Rate, Rounds
+from kvstrata.report import FLATTEN
+
+if TYPE_CHECKING:
+    from kvstrata.bench.cache import CacheBenchConfig
+
+UNITS = "GB/s, 1 GB = 1e9 bytes; ratio = median over rounds of ours / baseline in the same round"
+
+
+@dataclass(frozen=True)
+class CacheRun:
+    """The run's configuration (``CacheBenchConfig``'s fields first) and where it ran."""
+
+    config: CacheBenchConfig = field(metadata=FLATTEN)
+    kv: KVSetup = field(metadata=FLATTEN)
+    environment: Environment = field(metadata=FLATTEN)
+    units: str = UNITS
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    store_gbps: float
+    restore_gbps: float
+    baseline_gbps: float
+    store_baseline_gbps: float
+    store_ratio: float
+    restore_ratio: float
+    runs_gbps: dict[str, tuple[float, ...]]
+    baseline: str = "plain torch copy device<->host into a pre-faulted buffer"
+    ratio: float = field(init=False)  # the restore ratio
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ratio", self.restore_ratio)
+
+
+@dataclass(frozen=True)
+class DiskCold:
+    restore_gbps: float
+    baseline_gbps: float
+    ratio: float
+    tier_read_gbps: float
+    tier_read_ratio: float
+    baseline: str = "plain readinto of one file, page cache dropped"
+
+
+@dataclass(frozen=True)
+class DiskWarm:
+    restore_gbps: float
+    baseline_gbps: float
+    ratio: float
+    raw_read_gbps: float
+    raw_read_ratio: float
+    tier_read_gbps: float
+    tier_read_ratio: float
+    baseline: str = "plain torch copy host -> device (raw_read: plain readinto from the page cache)"
+
+
+@dataclass(frozen=True)
+class DiskFigures:
+    """The top-level restore figures are the cold ones."""
+
+    store_gbps: float
+    store_baseline_gbps: float
+    store_ratio: float
+    cold: DiskCold
+    warm: DiskWarm
+    runs_gbps: dict[str, tuple[float, ...]]
+    note: str = ("restore = load() of blocks on disk only (disk -> host -> device); tier_read = "
+                 "DiskTier.read_into alone (disk -> host); top-level restore figures are the cold ones")
+    restore_gbps: float = field(init=False)
+    baseline_gbps: float = field(init=False)
+    ratio: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("restore_gbps", "baseline_gbps", "ratio"):
+            object.__setattr__(self, name, getattr(self.cold, name))
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    store_gbps: float
+    baseline_gbps: float
+    ratio: float
+    hit_ms: float
+    runs_gbps: dict[str, tuple[float, ...]]
+    note: str = "store = store() into the device tier; hit = load() of blocks already there (pins, no copy)"
+
+
+@dataclass(frozen=True)
+class CacheTiers:
+    host: HostFigures
+    disk: DiskFigures
+    device: DeviceFigures
+
+
+@dataclass(frozen=True)
+class LMCacheFigure:
+    """One LMCache step: its rate, over the same round's baseline, and ours over it."""
+
+    rate: Rate = field(metadata=FLATTEN)
+    baseline_ratio: float
+    ours_over_lmcache: float
+
+
+@dataclass(frozen=True)
+class LMCacheHost:
+    store: LMCacheFigure
+    retrieve: LMCacheFigure
+
+
+@dataclass(frozen=True)
+class LMCacheDisk:
+    store: LMCacheFigure
+    retrieve_cold: LMCacheFigure
+    retrieve_warm: LMCacheFigure
+
+
+@dataclass(frozen=True)
+class LMCacheMeasured:
+    version: str
+    host: LMCacheHost
+    disk: LMCacheDisk
+    setup: str = "standalone LMCacheEngine on CPU, chunk = one block, a CPU-tensor GPUConnectorInterface adapter"
+    available: bool = field(default=True, init=False)
+
+
+@dataclass(frozen=True)
+class LMCacheAbsent:
+    reason: str
+    available: bool = field(default=False, init=False)
+
+
+@dataclass(frozen=True)
+class CacheVerified:
+    ours_bytes: int
+    lmcache_bytes: int
+    bit_exact: bool = True  # a mismatch raises VerificationError: a report exists only if all matched
+    what: str = "every restore (ours and LMCache's) and plain read compared byte for byte with the KV stored"
+
+
+@dataclass(frozen=True)
+class CacheBenchReport:
+    config: CacheRun
+    tiers: CacheTiers
+    baselines: dict[str, Rate]
+    lmcache: LMCacheMeasured | LMCacheAbsent
+    lookup_128k_ms: dict[int, float]  # ours, per block size
+    lookup_128k: dict[int, LookupTimes]
+    verified: CacheVerified
+    goals: tuple[Goal, ...]
+
+
+def cache_report(
+    run: CacheRun, rounds: Rounds, lookups: dict[int, LookupTimes], verified: CacheVerified, lmcache_version: str | None,
+    lmcache_note: str,
+) -> CacheBenchReport:
+    """The report of the rounds (``lmcache_version`` None: LMCache did not run, ``lmcache_note`` says why)."""
+    size = run.config.size_bytes
+
+    def gbps(name: str) -> float:
+        return rounds.gbps(name, size)
+
+    def runs(*names: str) -> dict[str, tuple[float, ...]]:
+        return {name: rounds.rate(name, size).runs_gbps for name in names}
+
+    tiers = CacheTiers(
+        host=HostFigures(
+            store_gbps=gbps("ours.host.store"),
+            restore_gbps=gbps("ours.host.restore"),
+            baseline_gbps=gbps("copy.host_to_device"),
+            store_baseline_gbps=gbps("copy.device_to_host"),
+            store_ratio=rounds.ratio("ours.host.store", "copy.device_to_host"),
+            restore_ratio=rounds.ratio("ours.host.restore", "copy.host_to_device"),
+            runs_gbps=runs("ours.host.store", "ours.host.restore", "copy.device_to_host", "copy.host_to_device"),
+        ),
+        disk=DiskFigures(
+            store_gbps=gbps("ours.disk.store"),
+            store_baseline_gbps=gbps("raw.write"),
+            store_ratio=rounds.ratio("ours.disk.store", "raw.write"),
+            cold=DiskCold(
+                restore_gbps=gbps("ours.disk.restore_cold"),
+                baseline_gbps=gbps("raw.read_cold"),
+                ratio=rounds.ratio("ours.disk.restore_cold", "raw.read_cold"),
+                tier_read_gbps=gbps("ours.disk.tier_read_cold"),
+                tier_read_ratio=rounds.ratio("ours.disk.tier_read_cold", "raw.read_cold"),
+            ),
+            warm=DiskWarm(
+                restore_gbps=gbps("ours.disk.restore_warm"),
+                baseline_gbps=gbps("copy.host_to_device.disk_warm"),
+                ratio=rounds.ratio("ours.disk.restore_warm", "copy.host_to_device.disk_warm"),
+                raw_read_gbps=gbps("raw.read_warm"),
+                raw_read_ratio=rounds.ratio("ours.disk.restore_warm", "raw.read_warm"),
+                tier_read_gbps=gbps("ours.disk.tier_read_warm"),
+                tier_read_ratio=rounds.ratio("ours.disk.tier_read_warm", "raw.read_warm"),
+            ),
+            runs_gbps=runs(*(n for n in rounds.seconds if n.startswith(("ours.disk.", "raw.")))),
+        ),
+        device=DeviceFigures(
+            store_gbps=gbps("ours.device.store"),
+            baseline_gbps=gbps("copy.device_to_device"),
+            ratio=rounds.ratio("ours.device.store", "copy.device_to_device"),
+            hit_ms=rounds.latency("ours.device.hit").ms,
+            runs_gbps=runs("ours.device.store", "copy.device_to_device"),
+        ),
+    )
+    lmcache = _lmcache(rounds, size, lmcache_version) if lmcache_version is not None else LMCacheAbsent(lmcache_note)
+    lookup_ms = {bs: t.ours_ms for bs, t in lookups.items()}
+    return CacheBenchReport(
+        config=run,
+        tiers=tiers,
+        baselines={name: rounds.rate(name, size) for name in rounds.seconds if name.startswith(("copy.", "raw."))},
+        lmcache=lmcache,
+        lookup_128k_ms=lookup_ms,
+        lookup_128k=dict(lookups),
+        verified=verified,
+        goals=cache_goals(tiers, lmcache, lookup_ms),
+    )
+
+
+def _lmcache(rounds: Rounds, size: int, version: str) -> LMCacheMeasured:
+    def figure(name: str, baseline: str, ours: str) -> LMCacheFigure:
+        return LMCacheFigure(rounds.rate(name, size), rounds.ratio(name, baseline), rounds.ratio(ours, name))
+
+    return LMCacheMeasured(
+        version=version,
+        host=LMCacheHost(
+            store=figure("lmcache.host.store", "copy.device_to_host", "ours.host.store"),
+            retrieve=figure("lmcache.host.retrieve", "copy.host_to_device", "ours.host.restore"),
+        ),
+        disk=LMCacheDisk(
+            store=figure("lmcache.disk.store", "raw.write", "ours.disk.store"),
+            retrieve_cold=figure("lmcache.disk.retrieve_cold", "raw.read_cold", "ours.disk.restore_cold"),
+            retrieve_warm=figure("lmcache.disk.retrieve_warm", "copy.host_to_device.disk_warm", "ours.disk.restore_warm"),
+        ),
+    )
+
+
+def cache_goals(
+    tiers: CacheTiers, lmcache: LMCacheMeasured | LMCacheAbsent, lookup_ms: dict[int, float]
+) -> tuple[Goal, ...]:
+    """Each tier against its baseline, LMCache when it ran, lookup time."""
+    host, disk = tiers.host, tiers.disk
+    out = [
+        Goal(CacheFigure.HOST_STORE, f">={HOST_STORE_OF_COPY}x copy", host.store_ratio, HOST_STORE_OF_COPY),
+        Goal(CacheFigure.HOST_RESTORE, f">={HOST_RESTORE_OF_COPY}x copy", host.restore_ratio, HOST_RESTORE_OF_COPY),
+        Goal(CacheFigure.DISK_COLD, f">={DISK_COLD_OF_RAW_READ}x cold read", disk.cold.ratio, DISK_COLD_OF_RAW_READ),
+        Goal(CacheFigure.DISK_WARM, f">={DISK_WARM_OF_COPY}x copy", disk.warm.ratio, DISK_WARM_OF_COPY),
+    ]
+    if isinstance(lmcache, LMCacheMeasured):
+        for figure, theirs in (
+            (CacheFigure.HOST_STORE, lmcache.host.store),
+            (CacheFigure.HOST_RESTORE, lmcache.host.retrieve),
+            (CacheFigure.DISK_STORE, lmcache.disk.store),
+            (CacheFigure.DISK_COLD, lmcache.disk.retrieve_cold),
+            (CacheFigure.DISK_WARM, lmcache.disk.retrieve_warm),
+        ):
+            out.append(Goal(figure, ">=LMCache", theirs.ours_over_lmcache, 1.0))
+    for block_size, limit_ms in LOOKUP_MS.items():
+        out.append(Goal(CacheFigure.lookup(block_size), f"<={limit_ms} ms", lookup_ms[block_size], limit_ms, at_most=True))
+    return tuple(out)

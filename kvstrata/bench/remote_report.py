@@ -1,0 +1,181 @@
+"""What ``kvstrata bench remote`` reports: per way into the pool, ours beside raw Mooncake
+calls (restore, store, first byte, lookup) and the ratios, the whole cache's restores by each
+path, what was verified, where the pool was, and the goals judged.
+
+Built from the rounds of :func:`kvstrata.bench.remote.run_remote_bench`; serialized by
+:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.cli.bench``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstrata.bench.goals import REMOTE_OF_RAW, Goal, RemoteFigure
+from kvstrata.bench.poolcache import ROUTES
+from kvstrata.bench.kvdata import KVSetup
+from kvstrata.bench.rounds import Environment, Latency, Rate, Rounds
+from kvstrata.media import FetchPath, Route
+from kvstrata.pool.config import RemoteMode
+from kvstrata.pool.scoped import PoolSource
+from kvstrata.report import FLATTEN
+
+if TYPE_CHECKING:
+    from kvstrata.bench.remote import RemoteBenchConfig
+
+UNITS = ("GB/s, 1 GB = 1e9 bytes; ratio = median over rounds of ours / raw in the same round "
+         "(rates; *_time_ratio: times, < 1 is faster)")
+MODE_TEXT = {
+    RemoteMode.TCP: "cross-process over the pool's transport (via the master)",
+    RemoteMode.SHM: "same host, shared memory (the pool daemon copies between its segment and our mapped memory)",
+}
+
+
+@dataclass(frozen=True)
+class RemoteRun:
+    """The run's configuration (``RemoteBenchConfig``'s fields first), the pool, where it ran."""
+
+    config: RemoteBenchConfig = field(metadata=FLATTEN)
+    kv: KVSetup = field(metadata=FLATTEN)
+    pool: PoolSource
+    environment: Environment = field(metadata=FLATTEN)
+    units: str = UNITS
+
+
+@dataclass(frozen=True)
+class PathRestore:
+    """``TieredCache.load`` of blocks in the pool only, by one path, against the raw get."""
+
+    route: Route
+    restore_gbps: float
+    raw_gbps: float
+    ratio: float
+
+
+@dataclass(frozen=True)
+class ModeMethod:
+    """What each figure of a mode times, in words."""
+
+    restore: str
+    store: str
+    ttfb: str = "one-block restore through the tier (engine, read_into) vs one-object batch_get_into"
+    lookup: str = ("TieredCache.lookup of blocks in the pool only that the cache does not know (asks the pool "
+                   "exists, adopts) vs batch_is_exist of every object")
+    cache: str = ("TieredCache.load of blocks in the pool only, to the device tier, by each path; ratio vs the "
+                  "raw batch_get_into of the same round")
+
+    @staticmethod
+    def of(workers: int) -> ModeMethod:
+        return ModeMethod(
+            restore=f"RemoteTier.read_into of each block on {workers} engine workers, pool -> registered "
+            "host memory; raw: one batch_get_into of every object",
+            store=f"RemoteTier.write of each block on {workers} engine workers, registered host memory -> "
+            "pool, as new objects; raw: one batch_put_from of every object",
+        )
+
+
+@dataclass(frozen=True)
+class ModeFigures:
+    """One way into the pool, measured."""
+
+    restore_gbps: float
+    raw_gbps: float
+    ratio: float
+    store_gbps: float
+    raw_store_gbps: float
+    store_ratio: float
+    ttfb_ms: float
+    raw_ttfb_ms: float
+    ttfb_time_ratio: float
+    ttfb_block_bytes: int
+    lookup_ms: float
+    raw_exists_ms: float
+    lookup_time_ratio: float
+    cache: dict[FetchPath, PathRestore]
+    gbps: dict[str, Rate]  # every timed transfer step
+    latency_ms: dict[str, Latency]  # every timed latency step
+    verified_bytes: int
+    what: ModeMethod
+    mode: str  # how the mode reaches the pool, in words
+    prefaulted_bytes: int  # of the pool's segment, before this mode's warm-up
+    loopback_bytes: dict[str, int]  # received on the loopback interface per warm-up step
+
+
+@dataclass(frozen=True)
+class ModeSkipped:
+    skipped: str
+
+
+@dataclass(frozen=True)
+class RemoteVerified:
+    bytes: int
+    bit_exact: bool = True  # a mismatch raises VerificationError: a report exists only if all matched
+    what: str = ("every restore (ours, raw, the cache's, one-block ones too) compared byte for byte with the "
+                 "bytes stored")
+
+
+@dataclass(frozen=True)
+class RemoteBenchReport:
+    config: RemoteRun
+    modes: dict[RemoteMode, ModeFigures | ModeSkipped]
+    verified: RemoteVerified
+    goals: tuple[Goal, ...]
+
+    def measured(self) -> dict[RemoteMode, ModeFigures]:
+        return {mode: m for mode, m in self.modes.items() if isinstance(m, ModeFigures)}
+
+
+def mode_figures(
+    rounds: Rounds, verified: int, config: RemoteBenchConfig, mode: RemoteMode, prefaulted: int, loopback: dict[str, int]
+) -> ModeFigures:
+    size = config.size_bytes
+
+    def gbps(name: str) -> float:
+        return rounds.gbps(name, size)
+
+    def ms(name: str) -> float:
+        return rounds.latency(name).ms
+
+    cache = {
+        path: PathRestore(route, gbps(f"cache.{path.value}"), gbps("raw.restore"), rounds.ratio(f"cache.{path.value}", "raw.restore"))
+        for path, route in ROUTES.items()
+    }
+    return ModeFigures(
+        restore_gbps=gbps("ours.restore"),
+        raw_gbps=gbps("raw.restore"),
+        ratio=rounds.ratio("ours.restore", "raw.restore"),
+        store_gbps=gbps("ours.store"),
+        raw_store_gbps=gbps("raw.store"),
+        store_ratio=rounds.ratio("ours.store", "raw.store"),
+        ttfb_ms=ms("ours.ttfb"),
+        raw_ttfb_ms=ms("raw.ttfb"),
+        ttfb_time_ratio=rounds.time_ratio("ours.ttfb", "raw.ttfb"),
+        ttfb_block_bytes=size // config.blocks,
+        lookup_ms=ms("cache.lookup"),
+        raw_exists_ms=ms("raw.exists"),
+        lookup_time_ratio=rounds.time_ratio("cache.lookup", "raw.exists"),
+        cache=cache,
+        gbps={name: rounds.rate(name, size) for name in ("ours.store", "raw.store", "ours.restore", "raw.restore",
+                                                          "cache.direct", "cache.staged")},
+        latency_ms={name: rounds.latency(name) for name in ("ours.ttfb", "raw.ttfb", "cache.lookup", "raw.exists")},
+        verified_bytes=verified,
+        what=ModeMethod.of(config.workers),
+        mode=MODE_TEXT[mode],
+        prefaulted_bytes=prefaulted,
+        loopback_bytes=loopback,
+    )
+
+
+def remote_report(run: RemoteRun, modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> RemoteBenchReport:
+    measured = [m for m in modes.values() if isinstance(m, ModeFigures)]
+    return RemoteBenchReport(run, modes, RemoteVerified(sum(m.verified_bytes for m in measured)), remote_goals(modes))
+
+
+def remote_goals(modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> tuple[Goal, ...]:
+    """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls."""
+    out = []
+    for mode, figures in modes.items():
+        if isinstance(figures, ModeFigures):
+            out.append(Goal(RemoteFigure.of(mode, store=False), f">={REMOTE_OF_RAW}x raw", figures.ratio, REMOTE_OF_RAW))
+            out.append(Goal(RemoteFigure.of(mode, store=True), f">={REMOTE_OF_RAW}x raw", figures.store_ratio, REMOTE_OF_RAW))
+    return tuple(out)

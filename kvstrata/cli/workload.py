@@ -1,0 +1,141 @@
+"""The workload's command-line edge, shared by ``kvstrata demo`` and ``kvstrata bench e2e``:
+its options, parsing them (tiers by name), running it under a progress bar with a pool when
+the remote tier is asked for, and its table."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvstrata import cli
+from kvstrata.media import Medium, route_text
+from kvstrata.pool.config import PoolConfig
+from kvstrata.workload import TIERS, Workload, WorkloadReport, run_e2e
+
+POOL_SEGMENT_BYTES = 512 << 20  # an embedded pool's, for the workload's few MiB of KV
+
+
+def default_model_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvstrata" / "tiny-llama"
+
+
+def add_workload_args(p: argparse.ArgumentParser, conversations: int, turns: int) -> None:
+    p.add_argument("--model-dir", help=f"a local Hugging Face model directory (default: the tiny model in {default_model_dir()})")
+    p.add_argument("--conversations", type=int, default=conversations, help=f"conversations (default: {conversations})")
+    p.add_argument("--turns", type=int, default=turns, help=f"turns per conversation (default: {turns})")
+    p.add_argument("--block-tokens", type=int, default=256, help="tokens per cached block (default: 256)")
+    p.add_argument("--tiers", default=",".join(t.label for t in TIERS), help="tiers, comma separated (default: all four)")
+    cli.add_pool_arg(p, "an embedded pool")
+    p.add_argument("--no-pool", action="store_true", help="skip the remote tier")
+    p.add_argument("--profile", metavar="FILE", help="predict restores with this `kvstrata calibrate` profile "
+                   "(default: a quick calibration first)")
+    cli.add_json_arg(p)
+
+
+def parse_tiers(text: str) -> tuple[Medium, ...]:
+    """``"host,disk"`` -> ``(HOST, DISK)``."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    by_label = {t.label: t for t in TIERS}
+    unknown = [n for n in names if n not in by_label]
+    if unknown or not names:
+        raise cli.CliError(f"--tiers: unknown tier(s) {', '.join(unknown) or '(none given)'}; "
+                           f"expected {', '.join(by_label)}")
+    return tuple(by_label[n] for n in names)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model_dir:
+        return cli.model_dir(args.model_dir)
+    from kvstrata.integrations.tiny import make_tiny
+
+    return make_tiny(default_model_dir())
+
+
+@contextmanager
+def _pool_context(args: argparse.Namespace, tiers: tuple[Medium, ...]) -> Iterator[tuple[PoolConfig | None, str | None]]:
+    """Yields (the pool, None), or (None, why there is none); an embedded pool stops on exit."""
+    if Medium.REMOTE not in tiers or args.no_pool:
+        yield None, "--no-pool"
+        return
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before Mooncake's library loads
+    configured = cli.pool_config(args.pool)
+    if configured is None and importlib.util.find_spec("mooncake") is None:
+        yield None, "pool engine not installed (pip install 'kvstrata[remote]')"
+        return
+    from kvstrata.pool.embedded import PoolError
+    from kvstrata.pool.scoped import scoped_pool
+
+    with ExitStack() as stack:
+        try:
+            pool, why = stack.enter_context(scoped_pool(configured, POOL_SEGMENT_BYTES)).config, None
+        except (PoolError, OSError, ImportError, RuntimeError) as exc:  # e.g. Debian's libibverbs1 missing
+            pool, why = None, f"pool did not start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        yield pool, why
+
+
+def run_workload(args: argparse.Namespace) -> WorkloadReport:
+    """The workload of ``args`` through its tiers, under a progress bar on stderr."""
+    tiers = parse_tiers(args.tiers)
+    workload = Workload(conversations=args.conversations, turns=args.turns, block_tokens=args.block_tokens)
+    model_dir = _model_dir(args)
+    calibration = None
+    if args.profile:
+        from kvstrata.calibrate import load_calibration
+
+        calibration = load_calibration(args.profile)
+    with _pool_context(args, tiers) as (pool, why), cli.progress(24) as bar:
+        tasks = {t: bar.add_task(f"tier {t.label}", total=workload.turns_total) for t in tiers}
+        report = run_e2e(model_dir, workload, tiers, pool, lambda t: bar.advance(tasks[t]), calibration)
+    remote = report.tiers.get(Medium.REMOTE)
+    if remote is not None and remote.skipped and why:  # say why there was no pool
+        report = dataclasses.replace(report, tiers={**report.tiers, Medium.REMOTE: dataclasses.replace(remote, skipped=why)})
+    return report
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
+    t = Table(title=title, title_justify="left")
+    columns = ["tier", "hit rate", "restored MB", "restore ms: in prefill / alone", "predicted ms", "error (alone)"]
+    for col in columns + ["GB/s", "TTFT cold / warm ms", "same tokens", "route"]:
+        t.add_column(col)
+    for tier, r in report.tiers.items():
+        if r.skipped:
+            t.add_row(tier.label, f"[yellow]skipped: {r.skipped}[/]", *[""] * (len(columns) + 2))
+            continue
+        measured = r.restore_alone_s if r.restored_bytes else 0.0
+
+        def error(predicted: float | None) -> str:
+            return f"{(predicted - measured) / measured:+.0%}" if predicted and measured > 0 else "-"
+
+        t.add_row(
+            tier.label,
+            f"{r.hit_rate:.0%}",
+            f"{r.restored_bytes / 1e6:.1f}",
+            f"{ms(r.restore_s)} / {ms(measured)}",
+            ms(r.predicted_restore_s),
+            error(r.predicted_restore_s),
+            f"{r.restore_gbps:.2f}" if r.restored_bytes else "-",
+            f"{ms(r.ttft_cold_s)} / {ms(r.ttft_warm_s)}",
+            "[green]yes[/]" if r.tokens_identical else "[red]NO[/]",
+            ", ".join(f"{route_text(k)} x{v}" for k, v in r.paths.items()) or "-",
+        )
+    console.print(t)
+    for r in report.tiers.values():
+        if r.stream_bytes_per_step is not None:
+            same = "[green]the same tokens[/]" if r.stream_tokens_identical else "[red]OTHER tokens[/]"
+            console.print(
+                f"per-step DRAM streaming (KV on the host, each layer fetched just before it runs): "
+                f"{r.stream_bytes_per_step / 1e6:.2f} MB crossed host -> device per decode step, {same} as resident"
+            )

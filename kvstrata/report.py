@@ -1,0 +1,89 @@
+"""Reports as JSON, in one place: every typed result the command line prints with ``--json``
+(benchmark reports, the workload runner's) goes through :func:`to_json`.
+
+Results are trees of frozen dataclasses keyed by the project's types; the words a reader
+sees are made here (JSON) or at the CLI (tables), never used as keys in between:
+
+* a dataclass: an object of its fields in order (``init=False`` fields too); a field whose
+  metadata is :data:`FLATTEN` (a dataclass) has its fields merged into the parent's, one
+  whose metadata is :data:`OMIT` is left out (bulk data kept for the caller, e.g. prompts);
+* a :class:`~kvstrata.media.Medium`: its label (``"host"``), as a value or as a key;
+* a route (a non-empty tuple of media): its text (``"remote -> host -> device"``), as a value
+  or as a key;
+* any other enum: its value (``RemoteMode.TCP`` -> ``"tcp"``);
+* a path: its text; tuples and lists: lists; dict keys: strings (ints as their digits);
+* floats: as they are, except that JSON has no infinity or NaN: those become ``null``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Mapping
+from pathlib import PurePath
+from typing import Any
+
+from kvstrata.media import Medium, route_text
+
+FLATTEN = {"json": "flatten"}
+OMIT = {"json": "omit"}
+
+
+def to_json(obj: Any) -> Any:
+    """``obj`` as JSON-ready Python: dicts, lists, strings, numbers, booleans and None."""
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Medium):
+        return obj.label
+    if isinstance(obj, enum.Enum):
+        return to_json(obj.value)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _fields(obj)
+    if isinstance(obj, Mapping):
+        return {_key(k): to_json(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and _is_route(obj):
+        return route_text(obj)
+    if isinstance(obj, (tuple, list)):
+        return [to_json(v) for v in obj]
+    if isinstance(obj, PurePath):
+        return str(obj)
+    raise TypeError(f"no JSON form for {type(obj).__name__}: {obj!r}")
+
+
+def dumps(obj: Any) -> str:
+    """:func:`to_json` of ``obj`` as indented JSON text."""
+    return json.dumps(to_json(obj), indent=2, allow_nan=False)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        how = f.metadata.get("json")
+        if how == "omit":
+            continue
+        value = getattr(obj, f.name)
+        if how == "flatten":
+            if not dataclasses.is_dataclass(value):
+                raise TypeError(f"{type(obj).__name__}.{f.name}: only a dataclass can be flattened")
+            out.update(_fields(value))
+        else:
+            out[f.name] = to_json(value)
+    return out
+
+
+def _is_route(value: tuple) -> bool:
+    return bool(value) and all(isinstance(m, Medium) for m in value)
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, tuple) and _is_route(key):
+        return route_text(key)
+    if isinstance(key, (Medium, enum.Enum, int, PurePath)) and not isinstance(key, bool):
+        return str(to_json(key))
+    raise TypeError(f"no JSON key for {type(key).__name__}: {key!r}")

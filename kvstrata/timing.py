@@ -1,0 +1,38 @@
+"""What every measurement of this host shares (calibration, validation, the benchmarks): the
+wall clock, page-cache control so a read comes from the disk, and the error that voids a run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+
+
+class VerificationError(RuntimeError):
+    """Bytes read back differ from the bytes written: the run's figures are worthless."""
+
+
+def elapsed_s(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes on the wall clock."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def drop_page_cache(paths: Iterable[str | os.PathLike[str]]) -> int:
+    """Write back and evict ``paths`` from the page cache, so the next read comes from the disk.
+
+    ``POSIX_FADV_DONTNEED`` evicts clean pages only, hence the ``fsync`` first. Returns the
+    number of files dropped.
+    """
+    count = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        count += 1
+    return count

@@ -1,0 +1,186 @@
+"""The workload (:mod:`kvstrata.workload.spec`) through each tier of a real model's cache, cold vs warm.
+
+Per tier, each turn runs twice on a transformers model (:class:`~kvstrata.integrations.hf.KVStrataLM`):
+
+* cold: the whole prompt computed, nothing reused;
+* warm: the longest cached prefix restored from kvstrata, the rest computed; then prompt and
+  answer stored for later turns. After each store every tier above the one under test is
+  emptied, so each warm restore comes from that tier (``device``: stays on the device).
+
+Reported per tier (:class:`~kvstrata.workload.report.TierReport`): TTFT cold and warm (medians
+over turns), hit rate (reused / prompt tokens), bytes restored, restore seconds and GB/s (the
+loads' own timing, while the model computes beside them; and the same restores again alone,
+which is what the prediction describes), whether every warm run's tokens equal the cold run's,
+and the routes the blocks took. Beside the measured restore time, the prediction for this host
+of :meth:`kvstrata.plan.host.HostCalibration.restore_s` for every load (its bytes and blocks),
+from a ``kvstrata calibrate`` profile or, by default, a quick calibration at the workload's
+sizes run first - the seed's rule: estimate latency from measured effective bandwidth (and, at
+these small sizes, measured fixed costs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvstrata.cache import CacheConfig, TieredCache
+from kvstrata.errors import TierUnavailable
+from kvstrata.index.prefix import Match
+from kvstrata.media import Medium
+from kvstrata.plan.host import HostCalibration
+from kvstrata.pool.config import PoolConfig
+from kvstrata.workload.report import Tally, TierReport, WorkloadReport
+from kvstrata.workload.spec import Texts, Workload
+
+TIERS: tuple[Medium, ...] = tuple(Medium)
+NO_POOL = "no pool (start one with `kvstrata pool start`, or install mooncake)"
+
+
+def _above(tier: Medium) -> tuple[Medium, ...]:
+    """The tiers emptied after every store, so that a warm restore comes from ``tier``."""
+    return tuple(m for m in Medium if m.value < tier.value)
+
+
+def _cache_config(tier: Medium, workload: Workload, layout: Any, work_dir: Path, pool: PoolConfig | None) -> CacheConfig:
+    """A cache with every tier down to ``tier``, each sized for the whole workload."""
+    size = workload.capacity_blocks() * layout.block_bytes
+    on_disk = tier.value >= Medium.DISK.value
+    return CacheConfig(
+        layout,
+        f"e2e-{uuid.uuid4().hex[:8]}",  # a fresh namespace: a shared pool may hold older runs
+        device_bytes=size,
+        host_bytes=size if tier is not Medium.DEVICE else 0,
+        disk_bytes=size if on_disk else 0,
+        disk_dir=work_dir / f"disk-{tier.label}" if on_disk else None,
+        pool=pool if tier is Medium.REMOTE else None,
+        remote_bytes=size if tier is Medium.REMOTE else 0,
+    )
+
+
+def run_tier(
+    model: Any,
+    tokenizer: Any,
+    tier: Medium,
+    workload: Workload,
+    work_dir: Path,
+    pool: PoolConfig | None = None,
+    on_turn: Callable[[], None] | None = None,
+) -> TierReport:
+    """The workload through one tier (see the module text); not yet predicted."""
+    from kvstrata.integrations.hf import KVStrataLM, model_layout
+
+    if not isinstance(tier, Medium):
+        raise ValueError(f"tier must be a Medium, got {tier!r}")
+    if tier is Medium.REMOTE and pool is None:
+        return TierReport(tier, skipped=NO_POOL)
+    layout = model_layout(model.config, workload.block_tokens, next(model.parameters()).dtype)
+    tally = Tally(tier)
+    texts = Texts(workload)
+    with TieredCache(_cache_config(tier, workload, layout, work_dir, pool)) as cache:
+        lm = KVStrataLM(model, cache)
+        for c in range(workload.conversations):
+            history = tokenizer(texts.system(c)).input_ids
+            for _ in range(workload.turns):
+                prompt = history + tokenizer(texts.user_turn()).input_ids
+                warm = lm.generate(prompt, workload.answer_tokens)
+                cold = lm.generate(prompt, workload.answer_tokens, reuse=False, store=False)
+                for medium in _above(tier):
+                    cache.evict(medium, 1 << 30)
+                tally.prompts.append(prompt)
+                tally.prompt_tokens += len(prompt)
+                tally.hit_tokens += warm.hit_tokens
+                tally.ttft_cold.append(cold.ttft_s)
+                tally.ttft_warm.append(warm.ttft_s)
+                tally.tokens_identical &= warm.tokens == cold.tokens
+                if warm.load is not None:
+                    tally.restored_bytes += warm.load.restored_bytes
+                    tally.restore_s += warm.load.seconds
+                    tally.restore_alone_s += _restore_alone(cache, prompt, warm.load.blocks, tier)
+                    tally.load_sizes.append((warm.load.restored_bytes, sum(warm.load.paths.values())))
+                    tally.paths.update(warm.load.paths)
+                history = prompt + warm.tokens
+                if on_turn is not None:
+                    on_turn()
+        if tier is Medium.HOST and tally.prompts:
+            # KV on the host, each layer fetched to the device just before it runs, every step.
+            streamed = lm.generate(tally.prompts[-1], workload.answer_tokens, store=False, streaming=True)
+            tally.stream_bytes_per_step = streamed.stream_bytes_per_step
+            tally.stream_tokens_identical = streamed.tokens == warm.tokens
+    return tally.report()
+
+
+def _restore_alone(cache: TieredCache, prompt: list[int], blocks: int, tier: Medium) -> float:
+    """Seconds of the turn's restore repeated with no model computing beside it (during a
+    prefill, on a CPU-only host, the model's threads and the copies share the cores)."""
+    match = cache.lookup(prompt[:-1])
+    if match.blocks < blocks:
+        return 0.0
+    handle = cache.load(Match(match.keys[:blocks], match.media[:blocks], match.block_size, match.total_blocks))
+    try:
+        seconds = handle.wait().seconds
+    finally:
+        handle.release()
+    for medium in _above(tier):
+        cache.evict(medium, 1 << 30)
+    return seconds
+
+
+def run_e2e(
+    model_dir: str | Path,
+    workload: Workload = Workload(),
+    tiers: tuple[Medium, ...] = TIERS,
+    pool: PoolConfig | None = None,
+    on_turn: Callable[[Medium], None] | None = None,
+    calibration: HostCalibration | None = None,
+) -> WorkloadReport:
+    """Every tier's report, each with the prediction of ``calibration`` (a profile from
+    ``kvstrata calibrate``; None: a quick calibration of this host, run first)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reports: dict[Medium, TierReport] = {}
+    with tempfile.TemporaryDirectory(prefix="kvstrata-e2e-") as tmp:
+        work = Path(tmp)
+        if calibration is None:
+            calibration = quick_calibration(_block_bytes(model, workload), work, pool)
+        for tier in tiers:
+            try:
+                report = run_tier(model, tokenizer, tier, workload, work, pool, (lambda t=tier: on_turn(t)) if on_turn else None)
+            except TierUnavailable as exc:  # the pool went away: say so, the other tiers still run
+                report = TierReport(tier, skipped=f"unavailable: {exc}")
+            if report.skipped is None:
+                report = dataclasses.replace(report, predicted_restore_s=_calibrated(calibration, tier, report.load_sizes))
+            reports[tier] = report
+    return WorkloadReport(Path(model_dir), workload, reports)
+
+
+def quick_calibration(block_bytes: int, work_dir: Path, pool: PoolConfig | None) -> HostCalibration:
+    """This host's paths at the workload's sizes (a few blocks per restore): a few seconds."""
+    from kvstrata.calibrate.measure import CalibrateConfig, calibrate
+
+    sizes = tuple(block_bytes * n for n in (1, 2, 4, 8, 16))
+    config = CalibrateConfig(sizes=sizes, repeats=3, threads=CacheConfig.workers, directory=str(work_dir),
+                             pool=pool, object_bytes=block_bytes)
+    return calibrate(config).calibration
+
+
+def _calibrated(calibration: HostCalibration, tier: Medium, loads: tuple[tuple[int, int], ...]) -> float | None:
+    """Sum of the calibrated restore predictions of every load (None: a path not calibrated)."""
+    if tier is Medium.DEVICE:
+        return 0.0
+    try:
+        return sum(calibration.restore_s(tier.label, nbytes, blocks, workers=CacheConfig.workers) for nbytes, blocks in loads)
+    except KeyError:
+        return None
+
+
+def _block_bytes(model: Any, workload: Workload) -> int:
+    from kvstrata.integrations.hf import model_layout
+
+    return model_layout(model.config, workload.block_tokens, next(model.parameters()).dtype).block_bytes
