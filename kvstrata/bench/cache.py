@@ -63,7 +63,7 @@ class CacheBenchConfig:
         blocks: how many blocks they are cut into (tokens per block follow from the model).
         model: a model preset or config (see ``kvstrata kv-size``).
         repeats: timed rounds (a warm-up round runs first, untimed); at least 3.
-        workers: the cache's transfer engine threads.
+        workers: the cache's transfer worker threads.
         directory: where scratch files go (a temporary directory inside it, removed after);
             None: the system's temporary directory.
         lmcache: measure LMCache too, when it imports.

@@ -40,7 +40,7 @@ class OursCache:
             (a byte view of the model-dtype KV), on the device.
         tokens: the token ids, one full block per ``layout.block_tokens``.
         directory: where the disk tier keeps its files.
-        workers: transfer engine threads.
+        workers: the transfer worker's byte movers.
         device: the device tier's torch device.
     """
 

@@ -1,12 +1,13 @@
-"""Our side of the remote benchmark, at the tier: ``RemoteTier`` driven by the transfer engine.
+"""Our side of the remote benchmark, at the tier: ``RemoteTier`` driven by the transfer worker.
 
-This is the first hop of every pool transfer the cache makes: the engine's workers (two by
-default, as in the cache) call ``RemoteTier.write`` and ``RemoteTier.read_into`` once per block,
-between the pool and host memory from ``RemoteTier.allocate`` (a host tier built on it, as the
-cache builds its own), so the blocks move zero-copy; each call puts or gets one object (the
-64-byte value header and the block) and verifies the header it reads. The tier is driven
-directly, with no block table: its ``write`` and ``read_into`` name the object by the key and
-ignore the slot (the cache's block manager keeps the table, outside this first hop).
+This is the first hop of every pool transfer the cache makes: the worker's byte movers (two by
+default, as in the cache) run the cache's own handlers between the pool and host memory from
+``RemoteTier.allocate`` (a host tier built on it, as the cache builds its own), so the blocks move
+zero-copy: stores call ``RemoteTier.write`` once per block (one object: the 64-byte value header
+and the block), restores ``RemoteTier.read_many_into`` (one pool call per 64 blocks per mover),
+verifying every header read. The tier is driven with no block table: it names objects by key and
+ignores slots (the cache's block manager keeps the table, outside this first hop). The host tier
+holds the stored blocks in its first half of slots and the restored ones in its second.
 
 Verification: before each restore the destination is zeroed (untimed); afterwards every block
 is compared byte for byte with the block stored, so a restore that moved nothing or the wrong
@@ -16,24 +17,24 @@ bytes fails the run instead of looking fast.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-
 import torch
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
+from kvstrata.manager.plans import Leg, Slot
+from kvstrata.media import Medium
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.memory import HostTier
 from kvstrata.tiers.remote import RemoteTier
 from kvstrata.timing import VerificationError
-from kvstrata.transfer.engine import TransferEngine, TransferResult
+from kvstrata.transfer.worker import Moved, TransferWorker
 
 OP_TIMEOUT_S = 60.0  # a benchmark may move large blocks over a slow link: bound calls loosely
 
 
 class OursRemote:
-    """The benchmark's blocks as objects of a RemoteTier, stored and restored through the engine.
+    """The benchmark's blocks as objects of a RemoteTier, stored and restored through the worker.
 
     Args:
         layout: the block layout.
@@ -43,7 +44,7 @@ class OursRemote:
         blocks: the blocks, uint8 ``[blocks, layers, layer_bytes]`` (CPU).
         namespace_tag: the objects' name prefix (the cache's namespace tag, so a cache of
             that namespace finds them: see ``kvstrata.bench.poolcache``).
-        workers: transfer engine threads.
+        workers: the worker's byte movers.
 
     Raises:
         PoolUnavailable: the pool could not be reached.
@@ -63,12 +64,12 @@ class OursRemote:
         self.keys = keys
         self.size_bytes = len(keys) * layout.block_bytes
         self.tier = RemoteTier(layout, self.size_bytes, pool, mode, namespace_tag=namespace_tag, op_timeout_s=OP_TIMEOUT_S)
-        self._engine: TransferEngine | None = None
+        self._worker: TransferWorker | None = None
+        self.host: HostTier | None = None
         try:
-            self.src = HostTier(layout, self.size_bytes, buffer=self.tier.allocate(self.size_bytes))
-            self.src.buffer.copy_(blocks)
-            self.dst = HostTier(layout, self.size_bytes, buffer=self.tier.allocate(self.size_bytes))
-            self._engine = TransferEngine(workers)
+            self.host = HostTier(layout, 2 * self.size_bytes, buffer=self.tier.allocate(2 * self.size_bytes))
+            self.host.buffer[: len(keys)].copy_(blocks)  # [blocks, layers, layer_bytes]: slots 0..n-1
+            self._worker = TransferWorker({Medium.HOST: self.host, Medium.REMOTE: self.tier}, workers)
         except BaseException:
             self.close()
             raise
@@ -86,7 +87,7 @@ class OursRemote:
         for i, key in enumerate(self.keys):
             header = poolvalue.encode_header(key, digest, self.layout.block_bytes, None)
             out[i, : poolvalue.HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-            out[i, poolvalue.HEADER_BYTES :] = self.src.view(i).view(-1)
+            out[i, poolvalue.HEADER_BYTES :] = self.host.view(i).view(-1)
         return out
 
     # --- steps: each returns the seconds its timed part took -----------------------------------
@@ -95,21 +96,22 @@ class OursRemote:
         """Every block, host -> pool, as new objects (removed first, untimed: a put of a name
         that exists is a no-op and would time nothing)."""
         self.remove()
-        start = time.perf_counter()
         # The remote tier names the object by the key: slot 0, no table.
-        futures = [self._live().submit(self.src, i, self.tier, 0, key) for i, key in enumerate(self.keys)]
-        return _settled_s(futures, start)
+        legs = [Leg(key, Slot(Medium.HOST, i), Slot(Medium.REMOTE, 0)) for i, key in enumerate(self.keys)]
+        start = time.perf_counter()
+        return _settled_s(self._live().move(legs), start)
 
     def restore_s(self, count: int | None = None) -> float:
         """The first ``count`` blocks (all by default), pool -> host; then verified."""
         keys = self.keys[: len(self.keys) if count is None else count]
-        dst = self.dst.buffer[: len(keys)]  # [blocks, layers, layer_bytes]
+        n = len(self.keys)
+        dst = self.host.buffer[n : n + len(keys)]  # [blocks, layers, layer_bytes]
         dst.zero_()  # a restore that moved nothing must not verify
+        legs = [Leg(key, Slot(Medium.REMOTE, 0), Slot(Medium.HOST, n + i)) for i, key in enumerate(keys)]
         start = time.perf_counter()
-        futures = [self._live().submit(self.tier, 0, self.dst, i, key) for i, key in enumerate(keys)]
-        seconds = _settled_s(futures, start)
+        seconds = _settled_s(self._live().move(legs), start)
         for i in range(len(keys)):
-            if not torch.equal(dst[i], self.src.view(i)):
+            if not torch.equal(dst[i], self.host.view(i)):
                 raise VerificationError(f"remote tier: restored block {i} differs from the block stored")
         self.verified_bytes += dst.numel()
         return seconds
@@ -119,27 +121,28 @@ class OursRemote:
         self.tier.remove_from_pool(self.keys, force=True)
 
     def close(self) -> None:
-        """Remove the objects, stop the engine, leave the pool. Idempotent."""
+        """Remove the objects, stop the worker, leave the pool. Idempotent."""
         try:
             if self.tier.up:
                 self.remove()
         finally:
-            if self._engine is not None:
-                self._engine.close()
-                self._engine = None
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
+            if self.host is not None:
+                self.host.close()
             self.tier.close()
 
-    def _live(self) -> TransferEngine:
-        if self._engine is None:
+    def _live(self) -> TransferWorker:
+        if self._worker is None:
             raise RuntimeError("closed")
-        return self._engine
+        return self._worker
 
 
-def _settled_s(futures: list[Future[TransferResult]], start: float) -> float:
-    """Seconds from ``start`` until every transfer has finished; then the first failure, if any, raises."""
-    errors = [f.exception() for f in futures]  # a list, not any(): wait for every one
+def _settled_s(moved: Moved, start: float) -> float:
+    """Seconds from ``start`` to now (every leg has settled); then the first failure, if any, raises."""
     seconds = time.perf_counter() - start
-    for error in errors:
-        if error is not None:
-            raise error
+    error = next((e for e in moved.errors if e is not None), None)
+    if error is not None:
+        raise error
     return seconds

@@ -21,10 +21,10 @@ an order that rotates from round to round (``kvstrata.bench.rounds``):
 phase           ours                                             raw (``kvstrata.pool.raw``)
 ==============  ===============================================  ===============================
 store           ``RemoteTier.write`` of every block, on the      one ``batch_put_from`` of every
-                transfer engine's workers, from host memory      object, from registered memory
+                transfer worker's movers, from host memory       object, from registered memory
                 of ``RemoteTier.allocate``
-restore         ``RemoteTier.read_into`` of every block, the     one ``batch_get_into`` of every
-                same way; and ``TieredCache.load`` of blocks     object into registered memory
+restore         ``RemoteTier.read_many_into`` (batched gets),    one ``batch_get_into`` of every
+                the same way; and ``TieredCache.load`` of blocks object into registered memory
                 in the pool only: direct (pool -> device) and
                 staged (pool -> host -> device)
 first byte      a one-block restore through the tier;            ``batch_get_into`` of one
@@ -82,7 +82,7 @@ class RemoteBenchConfig:
         blocks: how many blocks (pool objects) they are cut into.
         model: a model preset or config (see ``kvstrata kv-size``).
         repeats: timed rounds per mode (a warm-up round runs first, untimed); at least 3.
-        workers: transfer engine threads, ours (the cache's default is 2).
+        workers: the transfer worker's byte movers, ours (the cache's default is 2).
         modes: the ways into the pool to measure.
         latency_samples: one-block restores and lookups timed per round and side.
     """

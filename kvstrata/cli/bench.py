@@ -71,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     remote = bench(
         "remote", run_remote, "store/restore GB/s through the remote tier vs raw Mooncake calls, TCP and SHM",
-        "Store and restore GB/s through the remote tier (RemoteTier on the transfer engine) "
+        "Store and restore GB/s through the remote tier (RemoteTier on the transfer worker) "
         "beside raw Mooncake batch_put_from/batch_get_into of the same bytes, in cross-process TCP and "
         "same-host shared-memory modes; restores through the whole TieredCache of blocks that are only in "
         "the pool (pool -> device, pool -> host -> device); time to first byte (a one-block restore, a "
