@@ -289,6 +289,10 @@ _RECURRENT_MODEL_TYPES = frozenset({
 # Per-layer attention kinds that keep KV for every past token; anything else (sliding, chunked,
 # linear attention) caps or replaces the cache in a way this model does not capture.
 _FULL_ATTENTION_KINDS = frozenset({"full_attention", "full", "global"})
+# Per-layer kinds that keep a window of per-token KV, each token of the full layers' shape: the
+# shape can be read (only sizing refuses them). Any other kind caches something else (linear
+# attention and Mamba a fixed-size state, DeepSeek's sparse kinds a compressed or indexed cache).
+_WINDOWED_ATTENTION_KINDS = frozenset({"sliding_attention", "local", "chunked_attention"})
 
 
 @dataclass(frozen=True)
@@ -323,18 +327,20 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
     that function it sizes nothing, so it accepts what only sizing refuses: windowed or chunked
     attention (fewer tokens are kept, each of this shape) and MoE layouts (they shape weights,
     not KV). Recurrent and hybrid architectures, which have no uniform per-token KV, are
-    refused. Reads the top level, or ``text_config`` when the top level has no layer count.
+    refused, as are layers of other kinds (linear attention, Mamba). Reads the top level, or
+    ``text_config`` when the top level has no layer count.
 
     Args:
         config: A parsed ``config.json``.
 
     Raises:
         GeometryError: A required field is missing or not a positive integer, the head counts
-            are inconsistent, or the architecture is recurrent or hybrid. The message names
-            the config field.
+            are inconsistent, or the architecture is recurrent or hybrid (by model type or by
+            its layers' kinds). The message names the config field.
     """
     section = _decoder_section(_checked_mapping(config))
     _reject_recurrent(section)
+    _reject_stateful_layers(section)
     return _shape(section)
 
 
@@ -432,6 +438,17 @@ def _reject_recurrent(section: Mapping[str, Any]) -> None:
             f"config field 'model_type' is {model_type!r}, a recurrent or hybrid architecture "
             "without a uniform per-token KV cache; it cannot be sized"
         )
+
+
+def _reject_stateful_layers(section: Mapping[str, Any]) -> None:
+    for key in ("layer_types", "attention_types", "attention_type"):
+        kinds = set(_strings_in(section.get(key))) - _FULL_ATTENTION_KINDS - _WINDOWED_ATTENTION_KINDS
+        if kinds:
+            raise GeometryError(
+                f"config field {key!r} declares {sorted(kinds)} layers, whose cache is not per-token "
+                "K and V of one shape (a fixed-size state, a compressed or indexed cache); the model "
+                "has no one KV shape"
+            )
 
 
 def _reject_unsizable(section: Mapping[str, Any]) -> None:

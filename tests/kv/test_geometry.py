@@ -324,7 +324,13 @@ def test_the_shape_is_the_geometrys(preset):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"sliding_window": 4096}, {"attention_chunk_size": 8192}, {"num_experts": 60, "num_experts_per_tok": 4}],
+    [
+        {"sliding_window": 4096},
+        {"layer_types": ["sliding_attention", "full_attention"] * 3},
+        {"attention_types": [[["global", "local"], 3]]},
+        {"attention_chunk_size": 8192},
+        {"num_experts": 60, "num_experts_per_tok": 4},
+    ],
 )
 def test_the_shape_is_read_where_only_sizing_is_refused(overrides):
     shape = kv_shape_from_config(llama_config(**overrides))
@@ -334,6 +340,8 @@ def test_the_shape_is_read_where_only_sizing_is_refused(overrides):
 def test_the_shape_of_a_recurrent_model_or_a_bad_field_is_refused():
     with pytest.raises(GeometryError, match="'model_type'"):
         kv_shape_from_config(llama_config(model_type="jamba"))
+    with pytest.raises(GeometryError, match="'layer_types'.*linear_attention"):
+        kv_shape_from_config(llama_config(layer_types=["linear_attention", "full_attention"] * 3))
     with pytest.raises(GeometryError, match="'num_key_value_heads'"):
         kv_shape_from_config(llama_config(num_key_value_heads=3))
     with pytest.raises(GeometryError, match="JSON object"):
