@@ -5,7 +5,9 @@ from kvstrata.kv.geometry import (
     DType,
     GeometryError,
     KVGeometry,
+    KVShape,
     geometry_from_config,
+    kv_shape_from_config,
 )
 from kvstrata.kv.params import ParamCount
 from kvstrata.kv.presets import list_presets, load_config, load_geometry
@@ -15,8 +17,10 @@ __all__ = [
     "DType",
     "GeometryError",
     "KVGeometry",
+    "KVShape",
     "ParamCount",
     "geometry_from_config",
+    "kv_shape_from_config",
     "list_presets",
     "load_config",
     "load_geometry",

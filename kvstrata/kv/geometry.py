@@ -289,6 +289,59 @@ _RECURRENT_MODEL_TYPES = frozenset({
 # Per-layer attention kinds that keep KV for every past token; anything else (sliding, chunked,
 # linear attention) caps or replaces the cache in a way this model does not capture.
 _FULL_ATTENTION_KINDS = frozenset({"full_attention", "full", "global"})
+# Per-layer kinds that keep a window of per-token KV, each token of the full layers' shape: the
+# shape can be read (only sizing refuses them). Any other kind caches something else (linear
+# attention and Mamba a fixed-size state, DeepSeek's sparse kinds a compressed or indexed cache).
+_WINDOWED_ATTENTION_KINDS = frozenset({"sliding_attention", "local", "chunked_attention"})
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The shape of a decoder's KV per token, as its config states it (nothing sized).
+
+    Attributes:
+        attention: Attention kind, from the head counts (or MLA's latent fields).
+        num_layers: Decoder layers that keep KV.
+        num_attention_heads: Query heads.
+        num_kv_heads: KV heads per layer; 1 for MLA (one latent per token per layer).
+        head_dim: Elements per KV head; ``kv_lora_rank + qk_rope_head_dim`` for MLA.
+        hidden_size: The model's width.
+        kv_lora_rank: MLA latent width; None otherwise.
+        qk_rope_head_dim: MLA decoupled-RoPE key width; None otherwise.
+    """
+
+    attention: Attention
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+
+
+def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
+    """Read a Hugging Face decoder config's per-token KV shape: layers, heads, head width.
+
+    This is the one reading of those fields; :func:`geometry_from_config` builds on it. Unlike
+    that function it sizes nothing, so it accepts what only sizing refuses: windowed or chunked
+    attention (fewer tokens are kept, each of this shape) and MoE layouts (they shape weights,
+    not KV). Recurrent and hybrid architectures, which have no uniform per-token KV, are
+    refused, as are layers of other kinds (linear attention, Mamba). Reads the top level, or
+    ``text_config`` when the top level has no layer count.
+
+    Args:
+        config: A parsed ``config.json``.
+
+    Raises:
+        GeometryError: A required field is missing or not a positive integer, the head counts
+            are inconsistent, or the architecture is recurrent or hybrid (by model type or by
+            its layers' kinds). The message names the config field.
+    """
+    section = _decoder_section(_checked_mapping(config))
+    _reject_recurrent(section)
+    _reject_stateful_layers(section)
+    return _shape(section)
 
 
 def geometry_from_config(
@@ -313,46 +366,53 @@ def geometry_from_config(
             unsupported MoE layout) cannot be sized without guessing. The message names the
             config field.
     """
+    section = _decoder_section(_checked_mapping(config))
+    _reject_unsizable(section)
+    shape = _shape(section)
+    params = count_params(
+        section,
+        layers=shape.num_layers,
+        hidden=shape.hidden_size,
+        heads=shape.num_attention_heads,
+        kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+    )
+    return KVGeometry(
+        name=name,
+        attention=shape.attention,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=_resolve_dtype(dtype, section, config),
+        total_params=params.total,
+        active_params=params.active,
+        num_attention_heads=shape.num_attention_heads,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+        weight_dtype=_weight_dtype(section, config),
+    )
+
+
+def _checked_mapping(config: Any) -> Mapping[str, Any]:
     if not isinstance(config, Mapping):
         raise GeometryError(f"config must be a JSON object, got {type(config).__name__}")
-    section = _decoder_section(config)
-    _reject_unsizable(section)
+    return config
+
+
+def _shape(section: Mapping[str, Any]) -> KVShape:
     layers = require_int(section, *_LAYER_KEYS)
     heads = require_int(section, "num_attention_heads")
     hidden = require_int(section, "hidden_size")
     kv_lora_rank = get_int(section, "kv_lora_rank")
     if kv_lora_rank is None:
-        rope_dim = None
         kv_heads = get_int(section, "num_key_value_heads") or heads
         attention = attention_for_heads(heads, kv_heads, "config field 'num_key_value_heads'")
         head_dim = get_int(section, "head_dim") or _head_dim_from_hidden(hidden, heads)
-    else:
-        rope_dim = require_int(section, "qk_rope_head_dim")
-        attention, kv_heads, head_dim = Attention.MLA, 1, kv_lora_rank + rope_dim
-    params = count_params(
-        section,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=rope_dim,
-    )
-    return KVGeometry(
-        name=name,
-        attention=attention,
-        num_layers=layers,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=_resolve_dtype(dtype, section, config),
-        total_params=params.total,
-        active_params=params.active,
-        num_attention_heads=heads,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=rope_dim,
-        weight_dtype=_weight_dtype(section, config),
-    )
+        return KVShape(attention, layers, heads, kv_heads, head_dim, hidden)
+    rope_dim = require_int(section, "qk_rope_head_dim")
+    return KVShape(Attention.MLA, layers, heads, 1, kv_lora_rank + rope_dim, hidden, kv_lora_rank, rope_dim)
 
 
 def _weight_dtype(section: Mapping[str, Any], config: Mapping[str, Any]) -> DType:
@@ -371,13 +431,28 @@ def _decoder_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return text_config
 
 
-def _reject_unsizable(section: Mapping[str, Any]) -> None:
+def _reject_recurrent(section: Mapping[str, Any]) -> None:
     model_type = section.get("model_type")
     if model_type in _RECURRENT_MODEL_TYPES:
         raise GeometryError(
             f"config field 'model_type' is {model_type!r}, a recurrent or hybrid architecture "
             "without a uniform per-token KV cache; it cannot be sized"
         )
+
+
+def _reject_stateful_layers(section: Mapping[str, Any]) -> None:
+    for key in ("layer_types", "attention_types", "attention_type"):
+        kinds = set(_strings_in(section.get(key))) - _FULL_ATTENTION_KINDS - _WINDOWED_ATTENTION_KINDS
+        if kinds:
+            raise GeometryError(
+                f"config field {key!r} declares {sorted(kinds)} layers, whose cache is not per-token "
+                "K and V of one shape (a fixed-size state, a compressed or indexed cache); the model "
+                "has no one KV shape"
+            )
+
+
+def _reject_unsizable(section: Mapping[str, Any]) -> None:
+    _reject_recurrent(section)
     for key in ("layer_types", "attention_types", "attention_type"):
         kinds = set(_strings_in(section.get(key))) - _FULL_ATTENTION_KINDS
         if kinds:

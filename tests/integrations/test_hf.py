@@ -158,3 +158,19 @@ def test_bad_arguments_are_named(model):
         lm.generate([], 3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         lm.generate([1, 2], 0)
+
+
+def test_model_layout_reads_the_config_through_the_kv_geometry(model):
+    from kvstrata.kv.fields import GeometryError
+    from kvstrata.kv.geometry import DType
+
+    layout = model_layout(model.config, BLOCK, model.dtype)  # the tiny model: 4 layers, 2 KV heads of 64
+    assert (layout.num_layers, layout.kv_heads, layout.head_dim, layout.dtype) == (4, 2, 64, DType.BF16)
+    # A model's own field names are transformers' standard ones (GPT-2's n_head, n_layer, n_embd).
+    gpt2 = model_layout(transformers.GPT2Config(n_layer=2, n_head=4, n_embd=128), BLOCK, torch.float32)
+    assert (gpt2.num_layers, gpt2.kv_heads, gpt2.head_dim, gpt2.dtype) == (2, 4, 32, DType.FP32)
+    mla = transformers.DeepseekV3Config(num_hidden_layers=2, hidden_size=256, num_attention_heads=4)
+    with pytest.raises(GeometryError, match="MLA"):
+        model_layout(mla, BLOCK, torch.bfloat16)
+    with pytest.raises(ValueError, match="not supported"):
+        model_layout(model.config, BLOCK, torch.float8_e4m3fn)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstrata.kv import Attention, DType, GeometryError, KVGeometry, geometry_from_config
+from kvstrata.kv import Attention, DType, GeometryError, KVGeometry, geometry_from_config, kv_shape_from_config
 from kvstrata.kv.geometry import attention_for_heads
 from kvstrata.kv.presets import load_config, load_geometry
 
@@ -305,6 +305,47 @@ def test_more_experts_per_token_than_experts_is_rejected():
     _, config = load_config("mixtral-8x7b")
     with pytest.raises(GeometryError, match="'num_experts_per_tok'"):
         geometry_from_config({**config, "num_experts_per_tok": 9})
+
+
+# --- the shape alone -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "preset", ["llama-3-8b", "qwen2.5-7b", "mixtral-8x7b", "deepseek-v3", "deepseek-v2-lite", "tiny-llama"]
+)
+def test_the_shape_is_the_geometrys(preset):
+    _, config = load_config(preset)
+    shape, geometry = kv_shape_from_config(config), geometry_from_config(config)
+    assert (shape.attention, shape.num_layers, shape.num_kv_heads, shape.head_dim) == (
+        geometry.attention, geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
+    )
+    assert (shape.kv_lora_rank, shape.qk_rope_head_dim) == (geometry.kv_lora_rank, geometry.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"sliding_window": 4096},
+        {"layer_types": ["sliding_attention", "full_attention"] * 3},
+        {"attention_types": [[["global", "local"], 3]]},
+        {"attention_chunk_size": 8192},
+        {"num_experts": 60, "num_experts_per_tok": 4},
+    ],
+)
+def test_the_shape_is_read_where_only_sizing_is_refused(overrides):
+    shape = kv_shape_from_config(llama_config(**overrides))
+    assert (shape.attention, shape.num_layers, shape.num_kv_heads, shape.head_dim) == (Attention.GQA, 6, 2, 64)
+
+
+def test_the_shape_of_a_recurrent_model_or_a_bad_field_is_refused():
+    with pytest.raises(GeometryError, match="'model_type'"):
+        kv_shape_from_config(llama_config(model_type="jamba"))
+    with pytest.raises(GeometryError, match="'layer_types'.*linear_attention"):
+        kv_shape_from_config(llama_config(layer_types=["linear_attention", "full_attention"] * 3))
+    with pytest.raises(GeometryError, match="'num_key_value_heads'"):
+        kv_shape_from_config(llama_config(num_key_value_heads=3))
+    with pytest.raises(GeometryError, match="JSON object"):
+        kv_shape_from_config(["not", "a", "config"])
 
 
 def test_geometry_validates_its_own_fields():

@@ -1,0 +1,32 @@
+"""A transformers model on kvstrata: prefix reuse from any tier, layer by layer, and DRAM streaming.
+
+By role:
+
+* :mod:`~kvstrata.integrations.hf.cache`: the transformers ``Cache`` adapter
+  (:class:`KVStrataCache`, whose :class:`RestoringLayer` s append a :class:`RestoredPrefix`
+  layer by layer as it arrives) and :func:`model_layout`, a model's kvstrata block layout.
+* :mod:`~kvstrata.integrations.hf.streaming`: per-step DRAM streaming decode
+  (:class:`StreamedKV`, :class:`StreamingLayer`): the KV lives in host memory and each layer's
+  crosses to the device just before the layer runs.
+* :mod:`~kvstrata.integrations.hf.generate`: :class:`KVStrataLM`, greedy generation that looks
+  up, loads, recomputes or splits the cached prefix and stores what it computed, and
+  :class:`Generation`, what one generation did.
+
+The load-time predictions behind ``strategy="auto"`` are pure and live in
+:mod:`kvstrata.plan.loadtime`.
+"""
+
+from kvstrata.integrations.hf.cache import KVStrataCache, RestoredPrefix, RestoringLayer, model_layout
+from kvstrata.integrations.hf.generate import Generation, KVStrataLM
+from kvstrata.integrations.hf.streaming import StreamedKV, StreamingLayer
+
+__all__ = [
+    "Generation",
+    "KVStrataCache",
+    "KVStrataLM",
+    "RestoredPrefix",
+    "RestoringLayer",
+    "StreamedKV",
+    "StreamingLayer",
+    "model_layout",
+]

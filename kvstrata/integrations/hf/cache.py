@@ -1,0 +1,139 @@
+"""The transformers ``Cache`` adapter: a model's KV, restored from kvstrata layer by layer.
+
+The model's cache is a :class:`KVStrataCache`, a transformers ``Cache`` of
+:class:`RestoringLayer` s: layer *i*'s first ``update`` waits for layer *i* of the restored
+blocks only, so layer *i* computes while later layers are still arriving. In a split (see
+:mod:`kvstrata.integrations.hf.generate`), the restored span is appended after the KV the model
+computed for the prompt's beginning. :meth:`KVStrataCache.kv` gives everything cached back as
+the ``[layers, 2, tokens, kv_heads, head_dim]`` tensor ``TieredCache.store`` takes.
+
+:func:`model_layout` is the block layout of a transformers model: its config read by
+:func:`kvstrata.kv.geometry.kv_shape_from_config` (the one reading of a config's heads and
+widths), its dtype mapped by :mod:`kvstrata.tensors`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvstrata.kv.fields import GeometryError
+from kvstrata.kv.geometry import Attention, DType, kv_shape_from_config
+from kvstrata.kv.layout import KVLayout
+from kvstrata.tensors import kv_dtype
+
+if TYPE_CHECKING:
+    from kvstrata.cache import LoadHandle
+    from kvstrata.integrations.hf.streaming import StreamedKV
+
+# The model's dtype is the cache's KV dtype (FP8 KV is an engine's choice, not a model's).
+_MODEL_DTYPES = (DType.BF16, DType.FP16, DType.FP32)
+_SHAPE_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim",
+                 "kv_lora_rank", "qk_rope_head_dim")
+
+
+def model_layout(config: Any, block_tokens: int, dtype: torch.dtype) -> KVLayout:
+    """The kvstrata block layout of a Hugging Face decoder (MHA/GQA/MQA; batch 1, no TP).
+
+    Args:
+        config: the model's transformers config (``model.config``).
+        block_tokens: tokens per block.
+        dtype: the model's dtype, which is its KV's: bf16, fp16 or fp32.
+
+    Raises:
+        GeometryError: the config has no uniform per-token KV (a recurrent or hybrid model), a
+            field is missing or inconsistent (named), or the model uses MLA.
+        ValueError: an unsupported dtype.
+    """
+    shape = kv_shape_from_config(_config_dict(config))
+    if shape.attention is Attention.MLA:
+        # transformers' DeepSeek modules cache K and V expanded per head (of different widths),
+        # not the latent kvstrata's MLA layout holds: the two do not fit.
+        raise GeometryError("config fields 'kv_lora_rank'/'qk_rope_head_dim' make it an MLA model: the "
+                            "transformers integration caches K and V per KV head and does not support MLA")
+    return KVLayout(shape.num_layers, block_tokens, shape.num_kv_heads, shape.head_dim, kv_dtype(dtype, _MODEL_DTYPES))
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """``config`` as its ``config.json`` reads, with the fields the shape is read from as the
+    config object reports them: transformers resolves a model's own names there (GPT-2's
+    ``n_head`` is ``num_attention_heads``) and raises for a field that varies per layer (a
+    heterogeneous model has no one KV shape)."""
+    data = config.to_dict()
+    for name in _SHAPE_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None:
+            data[name] = value
+    return data
+
+
+class RestoredPrefix:
+    """``tokens`` tokens' KV (the prompt's first, or in a split those after the computed
+    beginning), arriving layer by layer from a :class:`LoadHandle`."""
+
+    def __init__(self, handle: LoadHandle, tokens: int, timeout_s: float = 120.0) -> None:
+        self.handle = handle
+        self.tokens = tokens
+        self.timeout_s = timeout_s
+
+    def layer(self, i: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s K and V as ``[1, kv_heads, tokens, head_dim]`` on ``device`` (waits for it)."""
+        self.handle.wait_layer(i, self.timeout_s)
+        kv = torch.cat([self.handle.block(b)[i] for b in range(self.handle.blocks)], dim=1)  # [2, tokens, H, D]
+        kv = kv.to(device, non_blocking=True).permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, H, tokens, D]
+        return kv[0], kv[1]
+
+
+class RestoringLayer(DynamicLayer):
+    """A DynamicLayer whose next update first appends this layer of a restored span: the
+    prompt's cached prefix (before anything was computed), or, in a split, the loaded blocks
+    after the computed beginning. ``prefix`` is the span still to append (None once appended)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.prefix: RestoredPrefix | None = None
+
+    def get_seq_length(self) -> int:
+        return super().get_seq_length() + (self.prefix.tokens if self.prefix is not None else 0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prefix is not None:
+            keys, values = self.prefix.layer(self.index, key_states.device)  # [1, H, tokens, D]
+            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+            if self.is_initialized:
+                self.keys = torch.cat([self.keys, keys], dim=-2)
+                self.values = torch.cat([self.values, values], dim=-2)
+            else:
+                self.lazy_initialization(key_states, value_states)
+                self.keys, self.values = keys, values
+            self.prefix = None
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class KVStrataCache(Cache):
+    """A transformers Cache of :class:`RestoringLayer` per layer, or with ``stream`` the
+    stream's :class:`~kvstrata.integrations.hf.streaming.StreamingLayer` s (KV in host memory)."""
+
+    def __init__(self, num_layers: int, stream: StreamedKV | None = None):
+        if stream is None:
+            layers = [RestoringLayer(i) for i in range(num_layers)]
+        else:
+            layers = [stream.layer(i) for i in range(num_layers)]
+        super().__init__(layers=layers)
+        self.stream = stream
+
+    def append_restored(self, prefix: RestoredPrefix) -> None:
+        """Append ``prefix`` after what each layer holds, at that layer's next update."""
+        for layer in self.layers:
+            layer.prefix = prefix
+
+    def kv(self) -> torch.Tensor:
+        """All cached KV as ``[layers, 2, tokens, kv_heads, head_dim]`` (batch 1), for storing."""
+        if self.stream is not None:
+            per_layer = self.stream.host_kv()  # [2, H, n, D] each
+        else:
+            per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in self.layers]
+        return torch.stack(per_layer).permute(0, 1, 3, 2, 4).contiguous()

@@ -1,0 +1,281 @@
+"""Greedy generation with a transformers model whose prompt's prefix KV comes from kvstrata.
+
+:class:`KVStrataLM` wraps a causal LM (``transformers`` 5.x) and a :class:`~kvstrata.cache.TieredCache`.
+For a prompt it looks up the longest cached prefix (never the last token: one token must be
+computed to give the next token's logits), starts an asynchronous load of it, and runs the
+model on the rest only, through a :class:`~kvstrata.integrations.hf.cache.KVStrataCache` (layer
+*i* computes while later layers are still arriving). When generation ends, the full blocks of
+everything computed (prompt and answer) are stored, so the next turn of a conversation finds
+its history.
+
+Load or recompute: ``generate(strategy=...)`` brings the cached prefix in by loading it (the
+default), recomputing it, or splitting it: the model computes the prompt's beginning ``[0, k)``
+from scratch while the cache loads blocks ``[k, hit)``, the loaded KV is appended after the
+computed KV in each layer, then the rest of the prompt is computed (Cake's split; the decision,
+``"auto"``, is :func:`kvstrata.plan.recompute.choose` on this host's calibration, its load times
+from :mod:`kvstrata.plan.loadtime`).
+
+One sequence at a time (batch 1): this integration proves bytes and timing, a serving engine
+batches (see :mod:`kvstrata.integrations.vllm`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstrata.cache import LoadHandle, LoadResult, TieredCache
+from kvstrata.index.prefix import Match
+from kvstrata.integrations.hf.cache import KVStrataCache, RestoredPrefix, model_layout
+from kvstrata.integrations.hf.streaming import StreamedKV
+from kvstrata.plan.host import HostCalibration, PrefillFit
+from kvstrata.plan.loadtime import calibrated_contention, calibrated_load_time
+from kvstrata.plan.recompute import PlanKind, RecomputePlan, Strategy, choose
+
+_RESTORE_WAIT_S = 120.0  # how long the first layer of a restore may take before it is recomputed
+
+
+@dataclass
+class Generation:
+    """One greedy generation and what the cache did for it.
+
+    Attributes:
+        tokens: the generated token ids.
+        first_logits: logits of the first generated token (float32, on the CPU).
+        ttft_s: lookup + restore + prefill to the first token.
+        seconds: the whole generation.
+        hit_tokens: prompt tokens whose KV came from kvstrata (not recomputed).
+        load: the restore's result (bytes, seconds, route per block), or None without a hit.
+        stored_blocks: blocks the store wrote (0 when not storing).
+        stream_bytes_per_step: with streaming, host -> device bytes per decode step (mean).
+        plan: how the cached prefix came in (LOAD also when nothing was cached).
+        compute_tokens: k of the plan: tokens of the cached prefix computed rather than loaded
+            (0 for LOAD; the whole hit for RECOMPUTE).
+        decision: with strategy "auto", the decision and its predictions.
+    """
+
+    tokens: list[int]
+    first_logits: torch.Tensor
+    ttft_s: float
+    seconds: float
+    hit_tokens: int = 0
+    load: LoadResult | None = None
+    stored_blocks: int = 0
+    stream_bytes_per_step: float = 0.0
+    plan: PlanKind = PlanKind.LOAD
+    compute_tokens: int = 0
+    decision: RecomputePlan | None = None
+
+
+class KVStrataLM:
+    """Greedy generation with a transformers causal LM whose prefix KV comes from kvstrata.
+
+    The TieredCache's layout must be :func:`model_layout` of the model (checked), so blocks
+    stored by one model never load into another (the namespace carries model id and layout).
+
+    ``calibration`` and ``prefill`` feed ``strategy="auto"``: load times come from the
+    calibration's paths (:meth:`HostCalibration.restore_s` per source tier), prefill time from
+    ``prefill``, else the calibration's fit for the cache's model id. ``calibration`` defaults to
+    the cache's ``config.calibration``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: TieredCache | None,
+        tenant: str = "",
+        *,
+        calibration: HostCalibration | None = None,
+        prefill: PrefillFit | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.tenant = tenant
+        self.calibration = calibration
+        self.prefill = prefill
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = model.config.num_hidden_layers
+        if cache is not None:
+            want = model_layout(model.config, cache.layout.block_tokens, self.dtype)
+            if cache.layout != want:
+                raise ValueError(f"cache layout {cache.layout.describe()} does not fit the model's {want.describe()}")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        reuse: bool = True,
+        store: bool = True,
+        streaming: bool = False,
+        strategy: Strategy | str = Strategy.LOAD,
+        split_tokens: int | None = None,
+    ) -> Generation:
+        """Greedy generation of ``max_new_tokens`` after ``prompt``.
+
+        Args:
+            reuse: look up and use the cached prefix (False: a cold run).
+            store: store the full blocks of everything computed when done.
+            streaming: per-step DRAM streaming (strategies load and recompute only).
+            strategy: "load" the cached prefix (the default), "recompute" it, "split" it at
+                ``split_tokens``, or "auto" (:func:`kvstrata.plan.recompute.choose`; needs a
+                calibration and a prefill fit).
+            split_tokens: with "split", k: the tokens ``[0, k)`` computed while ``[k, hit)``
+                loads; a multiple of the block size, at most the cached prefix. 0 is the load
+                plan, the whole prefix the recompute plan.
+
+        Raises:
+            ValueError: bad arguments, named; with "auto", no calibration or prefill fit.
+        """
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        strategy = _strategy(strategy)
+        if (strategy is Strategy.SPLIT) != (split_tokens is not None):
+            raise ValueError(f"split_tokens goes with strategy 'split' and only with it (strategy {strategy.value!r}, "
+                             f"split_tokens {split_tokens})")
+        if streaming and strategy in (Strategy.SPLIT, Strategy.AUTO):
+            raise ValueError(f"streaming supports strategies 'load' and 'recompute', not {strategy.value!r}")
+        if strategy is Strategy.SPLIT and self.cache is not None and split_tokens % self.cache.layout.block_tokens:
+            raise ValueError(f"split_tokens {split_tokens} is not a multiple of the block size "
+                             f"{self.cache.layout.block_tokens}")
+        if strategy is Strategy.AUTO:
+            self._auto_inputs()  # fail before any work
+        return self._generate_planned(prompt, max_new_tokens, reuse, store, streaming, strategy, split_tokens)
+
+    def _decode_and_store(
+        self, prompt: list[int], token: int, max_new_tokens: int, kv_cache: KVStrataCache,
+        stream: StreamedKV | None, store: bool,
+    ) -> tuple[list[int], float, int]:
+        """Greedy decode after the first token, then store; (tokens, stream bytes per step, stored blocks)."""
+        tokens = [token]
+        moved_before = stream.bytes_moved if stream is not None else 0
+        for _ in range(max_new_tokens - 1):
+            ids = torch.tensor([[token]], device=self.device)
+            logits = self.model(input_ids=ids, past_key_values=kv_cache, use_cache=True).logits[0, -1]
+            token = int(logits.argmax())
+            tokens.append(token)
+        steps = max_new_tokens - 1
+        per_step = (stream.bytes_moved - moved_before) / steps if stream is not None and steps else 0.0
+        stored = 0
+        if store and self.cache is not None:
+            computed = list(prompt) + tokens[:-1]  # the last token's KV is never computed
+            stored = self.cache.store(computed, kv_cache.kv(), self.tenant).result().new_blocks
+        return tokens, per_step, stored
+
+    def _generate_planned(
+        self, prompt: list[int], max_new_tokens: int, reuse: bool, store: bool, streaming: bool,
+        strategy: Strategy, split_tokens: int | None,
+    ) -> Generation:
+        """Every strategy (see :meth:`generate`); load is the split at k = 0."""
+        start = time.perf_counter()
+        match = self.cache.lookup(prompt[:-1], self.tenant) if reuse and self.cache is not None else None
+        hit = match.tokens if match is not None else 0
+        k, decision = self._compute_tokens(match, len(prompt), strategy, split_tokens)
+        kind = PlanKind.LOAD if k == 0 else PlanKind.RECOMPUTE if k == hit else PlanKind.SPLIT
+        stream = StreamedKV(self.num_layers, torch.device("cpu"), self.device.type == "cuda") if streaming else None
+        kv_cache = KVStrataCache(self.num_layers, stream)
+        prefix, handle, load = None, None, None
+        try:
+            done = 0  # tokens whose KV is in kv_cache
+            if kind is not PlanKind.RECOMPUTE and hit:
+                # Start loading [k, hit), then compute [0, k) while it loads (nothing when k = 0).
+                block = self.cache.layout.block_tokens
+                handle = self.cache.load(Match(match.keys[k // block:], match.media[k // block:], block,
+                                               match.total_blocks))
+                if k:
+                    self._forward(prompt[:k], kv_cache)
+                handle, prefix = self._first_layer(handle)
+                if prefix is not None:
+                    kv_cache.append_restored(prefix)  # after [0, k)
+                done = k + (prefix.tokens if prefix is not None else 0)
+            logits = self._forward(prompt[done:], kv_cache)
+            token = int(logits.argmax())
+            ttft = time.perf_counter() - start
+            if handle is not None:
+                load = handle.wait()
+                handle.release()
+            first_logits = logits.float().cpu()
+            tokens, per_step, stored = self._decode_and_store(prompt, token, max_new_tokens, kv_cache, stream, store)
+        finally:
+            if handle is not None:
+                handle.release()
+            if stream is not None:
+                stream.close()
+        return Generation(tokens, first_logits, ttft, time.perf_counter() - start,
+                          hit_tokens=prefix.tokens if prefix is not None else 0, load=load, stored_blocks=stored,
+                          stream_bytes_per_step=per_step, plan=kind, compute_tokens=k, decision=decision)
+
+    def _compute_tokens(
+        self, match: Match | None, prompt_tokens: int, strategy: Strategy, split_tokens: int | None
+    ) -> tuple[int, RecomputePlan | None]:
+        """k, the cached prefix's tokens to compute rather than load, and with "auto" the decision."""
+        hit = match.tokens if match is not None else 0
+        if strategy is Strategy.LOAD:
+            return 0, None
+        if strategy is Strategy.RECOMPUTE:
+            return hit, None
+        if strategy is Strategy.SPLIT:
+            if split_tokens < 0 or split_tokens > hit:
+                raise ValueError(f"split_tokens {split_tokens} is beyond the cached prefix of {hit} tokens "
+                                 f"(0 <= split_tokens <= {hit})")
+            return split_tokens, None
+        decision = self._decide(match, prompt_tokens - hit)
+        return decision.compute_tokens, decision
+
+    def _forward(self, ids: list[int], kv_cache: KVStrataCache) -> torch.Tensor:
+        """One forward over ``ids`` after what ``kv_cache`` holds; the last position's logits."""
+        # Only the last position's logits are needed: the LM head over the whole prompt is
+        # wasted work (several ms on a CPU for a few thousand tokens).
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=kv_cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def _first_layer(self, handle: LoadHandle) -> tuple[LoadHandle | None, RestoredPrefix | None]:
+        """Wait for the restore's first layer: (the handle, the restored span), the span None when
+        nothing was loaded; on a failed restore (None, None), the handle released."""
+        try:
+            handle.wait_layer(0, _RESTORE_WAIT_S)
+            loaded = handle.blocks * self.cache.layout.block_tokens
+        except Exception:  # noqa: BLE001 - a failed restore is recomputed, never served
+            handle.release()
+            return None, None
+        return handle, (RestoredPrefix(handle, loaded) if loaded else None)
+
+    def _auto_inputs(self) -> tuple[HostCalibration, PrefillFit]:
+        if self.cache is None:
+            raise ValueError("strategy 'auto' needs a cache: there is nothing to load or recompute without one")
+        calibration = self.calibration or self.cache.config.calibration
+        if calibration is None:
+            raise ValueError("strategy 'auto' needs a HostCalibration: pass calibration= to KVStrataLM or set the "
+                             "cache's config.calibration (kvstrata calibrate)")
+        prefill = self.prefill or calibration.prefill.get(self.cache.config.model_id)
+        if prefill is None:
+            raise ValueError(f"strategy 'auto' needs the model's prefill fit: pass prefill= to KVStrataLM "
+                             f"(kvstrata.integrations.recompute.measure_prefill) or calibrate model "
+                             f"{self.cache.config.model_id!r}")
+        return calibration, prefill
+
+    def _decide(self, match: Match | None, tail_tokens: int) -> RecomputePlan:
+        calibration, prefill = self._auto_inputs()
+        layout = self.cache.layout
+        hit = match.tokens if match is not None else 0
+        media = match.media if match is not None else ()
+        load = calibrated_load_time(calibration, media, layout.block_bytes, self.cache.config.workers)
+        contention = calibrated_contention(calibration, media, layout.block_bytes, load, self.device.type == "cpu")
+        return choose(hit, tail_tokens, layout.block_tokens, layout.block_bytes // layout.block_tokens, load, prefill,
+                      contention)
+
+
+def _strategy(value: Strategy | str) -> Strategy:
+    try:
+        return Strategy(value)
+    except ValueError:
+        names = ", ".join(repr(s.value) for s in Strategy)
+        raise ValueError(f"unknown strategy {value!r}: expected one of {names}") from None

@@ -1,0 +1,45 @@
+"""A vLLM V1 KV connector backed by kvstrata's TieredCache.
+
+Load it with::
+
+    kv_transfer_config={
+        "kv_connector": "KVStrataConnector",
+        "kv_connector_module_path": "kvstrata.integrations.vllm",
+        "kv_role": "kv_both",  # or kv_producer (prefill) / kv_consumer (decode)
+        "kv_load_failure_policy": "recompute",  # a block that fails to load is recomputed
+        "kv_connector_extra_config": {"host_bytes": 1 << 30, "disk_dir": "...", "disk_bytes": 8 << 30},
+    }
+
+Roles and processes. vLLM builds a scheduler-side connector (in the engine core) and a
+worker-side one (in each worker). The worker owns the one TieredCache of its process: it moves
+every byte. The scheduler asks it how long a prompt's cached prefix is: directly when both live
+in one process, else over a Unix socket the worker serves.
+
+By role:
+
+* :mod:`~kvstrata.integrations.vllm.connector`: :class:`KVStrataConnector`, the class vLLM
+  loads; it builds its role's half and delegates every hook to it.
+* :mod:`~kvstrata.integrations.vllm.scheduler`: lookups, grants, and each step's load and save
+  plans (:mod:`~kvstrata.integrations.vllm.metadata`).
+* :mod:`~kvstrata.integrations.vllm.worker`: the TieredCache, vLLM's paged KV, the per-layer
+  loads and saves, and load failures (what is cached, byte by byte, is told there).
+* :mod:`~kvstrata.integrations.vllm.rpc`: the scheduler's lookup, in-process or over the socket.
+* :mod:`~kvstrata.integrations.vllm.settings`: ``kv_connector_extra_config``, parsed.
+* :mod:`~kvstrata.integrations.vllm.stats`: the worker's counters, written as JSON.
+"""
+
+from kvstrata.integrations.vllm.connector import KVStrataConnector
+from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
+from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
+from kvstrata.integrations.vllm.settings import ConnectorSettings
+from kvstrata.integrations.vllm.worker import KVStrataConnectorWorker
+
+__all__ = [
+    "ConnectorSettings",
+    "KVStrataConnector",
+    "KVStrataConnectorScheduler",
+    "KVStrataConnectorWorker",
+    "KVStrataMetadata",
+    "LoadSpec",
+    "SaveSpec",
+]

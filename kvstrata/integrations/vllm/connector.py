@@ -1,0 +1,118 @@
+"""The connector vLLM loads: one class for both roles, delegating each hook to its role's half.
+
+vLLM builds one connector per role: a scheduler-side one in the engine core, a worker-side one
+in each worker (see :mod:`kvstrata.integrations.vllm.rpc` for where they run). Like vLLM's own
+connectors (``OffloadingConnector``, ``NixlConnector``), :class:`KVStrataConnector` builds
+either a :class:`KVStrataConnectorScheduler` or a :class:`KVStrataConnectorWorker` and hands
+each hook to it; the settings are parsed in both, so a bad extra config fails the start early.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstrata.integrations.vllm.metadata import KVStrataMetadata
+from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
+from kvstrata.integrations.vllm.settings import ConnectorSettings
+from kvstrata.integrations.vllm.worker import KVStrataConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class KVStrataConnector(KVConnectorBase_V1):
+    """A vLLM V1 KV connector backed by kvstrata's TieredCache (see :mod:`kvstrata.integrations.vllm`).
+
+    Attributes:
+        settings: the parsed ``kv_connector_extra_config``.
+        connector_scheduler: the scheduler-side half (role SCHEDULER), else None.
+        connector_worker: the worker-side half (role WORKER), else None.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+        self.connector_scheduler: KVStrataConnectorScheduler | None = None
+        self.connector_worker: KVStrataConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVStrataConnectorScheduler(
+                vllm_config.cache_config.block_size, transfer.engine_id,
+                loads_enabled=transfer.is_kv_consumer, saves_enabled=transfer.is_kv_producer,
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KVStrataConnectorWorker(
+                vllm_config, self.settings, transfer.engine_id, saves_enabled=transfer.is_kv_producer
+            )
+
+    @property
+    def _worker(self) -> KVStrataConnectorWorker:
+        assert self.connector_worker is not None, "a worker-side hook called on the scheduler's connector"
+        return self.connector_worker
+
+    @property
+    def _scheduler(self) -> KVStrataConnectorScheduler:
+        assert self.connector_scheduler is not None, "a scheduler-side hook called on a worker's connector"
+        return self.connector_scheduler
+
+    def _metadata(self) -> KVStrataMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStrataMetadata)
+        return meta
+
+    # --- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        self._worker.save_kv_layer(layer_name, kv_layer, self._metadata())
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    # --- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output, self._kv_cache_manager)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    # --- both -------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

@@ -1,0 +1,111 @@
+"""The scheduler side: how much of each prompt kvstrata holds, and each step's load and save plans.
+
+It holds no KV and moves no bytes. vLLM asks it how many tokens beyond its own prefix-cache hit
+kvstrata can supply (``get_num_new_matched_tokens``: a lookup in the worker's cache through
+:class:`~kvstrata.integrations.vllm.rpc.WorkerLookup`); once vLLM has allocated blocks for the
+grant (``update_state_after_alloc``), ``build_connector_meta`` turns the grants and each
+request's newly computed full prompt blocks into the step's :class:`LoadSpec` s and
+:class:`SaveSpec` s for the worker.
+
+A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
+token's logits. Only full blocks of prompt tokens are looked up and saved.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
+from kvstrata.integrations.vllm.rpc import WorkerLookup
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class KVStrataConnectorScheduler:
+    """The scheduler-side half of :class:`~kvstrata.integrations.vllm.KVStrataConnector`.
+
+    Args:
+        block_size: vLLM's block size in tokens (kvstrata's blocks are the same).
+        engine_id: vLLM's engine id (whose worker's cache to ask).
+        loads_enabled: the role loads KV (``kv_both``, ``kv_consumer``).
+        saves_enabled: the role stores KV (``kv_both``, ``kv_producer``).
+    """
+
+    def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool) -> None:
+        self._block_size = block_size
+        self._lookup = WorkerLookup(engine_id)
+        self._loads_enabled = loads_enabled
+        self._saves_enabled = saves_enabled
+        self._requests: dict[str, Request] = {}
+        self._to_load: dict[str, int] = {}  # req_id -> external tokens granted this step
+        self._saved_blocks: dict[str, int] = {}  # req_id -> prompt blocks already sent to save
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvstrata holds beyond vLLM's ``num_computed_tokens``; never loaded asynchronously."""
+        if not self._loads_enabled:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        # vLLM computes at least the last prompt token itself: look up full blocks before it.
+        usable = (len(prompt) - 1) // self._block_size * self._block_size
+        if usable <= num_computed_tokens:
+            return 0, False
+        hit = self._lookup.hit_tokens(prompt[:usable])
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        """Remember the request, and its grant when vLLM allocated blocks for one."""
+        self._requests[request.request_id] = request
+        if num_external_tokens > 0:
+            self._to_load[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
+        """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
+        meta = KVStrataMetadata()
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            block_ids = kv_cache_manager.get_block_ids(req_id)[0]
+            prompt = list(request.prompt_token_ids or [])
+            external = self._to_load.pop(req_id, 0)
+            if external:
+                meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external))
+            if self._saves_enabled:
+                save = self._save_spec(req_id, prompt, block_ids, computed[req_id] + scheduled)
+                if save is not None:
+                    meta.saves.append(save)
+        self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
+        return meta
+
+    def _load_spec(self, req_id: str, prompt: list[int], block_ids: list[int], end: int, external: int) -> LoadSpec:
+        # num_computed_tokens already counts the hit: local blocks, then external ones
+        bs = self._block_size
+        first = (end - external) // bs
+        return LoadSpec(req_id, prompt[:end], first, block_ids[first : end // bs])
+
+    def _save_spec(self, req_id: str, prompt: list[int], block_ids: list[int], end: int) -> SaveSpec | None:
+        """The request's full prompt blocks up to ``end`` tokens, if more than already sent to save."""
+        bs = self._block_size
+        full = min(end, len(prompt)) // bs
+        if full <= self._saved_blocks.get(req_id, 0):
+            return None
+        self._saved_blocks[req_id] = full
+        return SaveSpec(req_id, prompt[: full * bs], block_ids[:full])
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; vLLM may free its blocks now (nothing here holds them)."""
+        # Saves are copied out of vLLM's blocks within the step that computed them: nothing
+        # here holds the blocks, so vLLM may free them now.
+        self._requests.pop(request.request_id, None)
+        self._saved_blocks.pop(request.request_id, None)
+        self._to_load.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self._lookup.close()

@@ -1,0 +1,157 @@
+"""``kv_connector_extra_config``: the connector's settings, parsed and validated at this edge.
+
+vLLM hands the connector its extra config as decoded JSON (strings, numbers, booleans). Here it
+becomes frozen, typed :class:`ConnectorSettings` (directories as :class:`pathlib.Path`, the pool
+mode as :class:`~kvstrata.pool.config.RemoteMode`), and :meth:`ConnectorSettings.cache_config`
+the :class:`~kvstrata.cache.CacheConfig` of the worker's cache. A bad key or value stops the
+engine's start with one line that names it, in the scheduler and the worker alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvstrata.cache import CacheConfig
+from kvstrata.kv.layout import KVLayout
+from kvstrata.pool.config import PoolConfig, RemoteMode, load_pool_config, pool_from_env
+
+MiB = 1024**2
+_PREFIX = "KVStrataConnector:"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config``: which tiers the cache has. Capacities in bytes.
+
+    Attributes:
+        device_bytes: kvstrata's device tier (where loads land before the copy into vLLM's
+            paged blocks).
+        host_bytes: host DRAM tier, per process.
+        disk_dir, disk_bytes: a disk tier (one process per directory; it is locked).
+        pool: a pool config file (TOML, or an embedded pool's pool.json), or "env" for
+            ``$KVSTRATA_POOL``; None: no remote tier.
+        remote_bytes: how much of the pool this instance tracks.
+        remote_mode: how the pool is reached ("tcp" or "shm" in the extra config).
+        model_id: namespace of the blocks; None: vLLM's model name or path.
+        stats_path: a JSON file the worker rewrites with its load/store counters.
+        sync_save: wait in ``wait_for_save`` until a step's blocks are stored (and written
+            down the tiers), so a finished request's KV is in kvstrata when its output is out.
+    """
+
+    device_bytes: int = 64 * MiB
+    host_bytes: int = 512 * MiB
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+    pool: str | None = None
+    remote_bytes: int = 256 * MiB
+    remote_mode: RemoteMode = RemoteMode.TCP
+    model_id: str | None = None
+    stats_path: Path | None = None
+    sync_save: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """Parse vLLM's ``kv_connector_extra_config`` (None: every default).
+
+        Raises:
+            ValueError: an unknown key, or a value of the wrong kind, in one line naming it.
+        """
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"{_PREFIX} unknown extra config {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**{name: _PARSERS.get(name, _as_is)(name, value) for name, value in extra.items()})
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{_PREFIX} {name} must be a number of bytes >= 0, got {value!r}")
+        for name in ("disk_dir", "stats_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Path):
+                raise ValueError(f"{_PREFIX} {name} must be a pathlib.Path or None, got {getattr(self, name)!r}")
+        for name in ("pool", "model_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{_PREFIX} {name} must be a non-empty string or None, got {value!r}")
+        if not isinstance(self.remote_mode, RemoteMode):
+            raise ValueError(f"{_PREFIX} remote_mode must be a RemoteMode, got {self.remote_mode!r}")
+        if not isinstance(self.sync_save, bool):
+            raise ValueError(f"{_PREFIX} sync_save must be true or false, got {self.sync_save!r}")
+
+    def pool_config(self) -> PoolConfig | None:
+        """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""
+        if self.pool is None:
+            return None
+        if self.pool == "env":
+            config = pool_from_env()
+            if config is None:
+                raise ValueError(f"{_PREFIX} pool='env' but $KVSTRATA_POOL is not set")
+            return config
+        return load_pool_config(self.pool)
+
+    def cache_config(self, layout: KVLayout, model: str, device: str, tp_rank: int, tp_size: int) -> CacheConfig:
+        """The worker's cache: these tiers, ``layout`` on ``device``, the namespace ``model_id``
+        (else vLLM's ``model``) and the TP rank."""
+        return CacheConfig(
+            layout=layout,
+            model_id=self.model_id or model,
+            device_bytes=self.device_bytes,
+            host_bytes=self.host_bytes,
+            disk_bytes=self.disk_bytes,
+            disk_dir=self.disk_dir,
+            device=device,
+            pool=self.pool_config(),
+            remote_bytes=self.remote_bytes,
+            remote_mode=self.remote_mode,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+
+def _as_is(name: str, value: Any) -> Any:
+    return value
+
+
+def _bytes(name: str, value: Any) -> Any:
+    # JSON writes 1e9 as a float: a whole number of bytes is taken as one.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _path(name: str, value: Any) -> Path | None:
+    if value is None or value == "":  # an empty string is no path: no disk tier, no stats file
+        return None
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"{_PREFIX} {name} must be a path, got {value!r}")
+    return Path(value)
+
+
+def _model_id(name: str, value: Any) -> Any:
+    return None if value == "" else value  # empty: vLLM's model name, as when it is not given
+
+
+def _remote_mode(name: str, value: Any) -> RemoteMode:
+    if isinstance(value, RemoteMode):
+        return value
+    modes = [m.value for m in RemoteMode]
+    if value not in modes:
+        raise ValueError(f"{_PREFIX} remote_mode must be one of {modes}, got {value!r}")
+    return RemoteMode(value)
+
+
+_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "device_bytes": _bytes,
+    "host_bytes": _bytes,
+    "disk_bytes": _bytes,
+    "remote_bytes": _bytes,
+    "disk_dir": _path,
+    "stats_path": _path,
+    "remote_mode": _remote_mode,
+    "model_id": _model_id,
+}

@@ -1,0 +1,75 @@
+"""The vLLM connector's extra config: parsed into typed settings at the edge, each bad key or
+value refused in one line that names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstrata.integrations.vllm import ConnectorSettings  # noqa: E402
+from kvstrata.kv.geometry import DType  # noqa: E402
+from kvstrata.kv.layout import KVLayout  # noqa: E402
+from kvstrata.pool.config import RemoteMode  # noqa: E402
+
+MiB = 1024**2
+
+
+def test_no_extra_config_is_every_default():
+    assert ConnectorSettings.from_extra(None) == ConnectorSettings.from_extra({}) == ConnectorSettings()
+
+
+def test_json_values_become_typed_settings():
+    s = ConnectorSettings.from_extra({
+        "disk_dir": "/var/kv", "disk_bytes": 8e9, "remote_mode": "shm", "stats_path": "/tmp/s.json",
+        "model_id": "m", "sync_save": False,
+    })
+    assert s.disk_dir == Path("/var/kv") and s.stats_path == Path("/tmp/s.json")
+    assert s.disk_bytes == 8_000_000_000 and isinstance(s.disk_bytes, int)
+    assert s.remote_mode is RemoteMode.SHM
+    assert (s.model_id, s.sync_save) == ("m", False)
+
+
+def test_empty_strings_mean_not_given():
+    s = ConnectorSettings.from_extra({"disk_dir": "", "stats_path": "", "model_id": ""})
+    assert (s.disk_dir, s.stats_path, s.model_id) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"hostbytes": 1}, "unknown extra config \\['hostbytes'\\]"),
+        ({"remote_mode": "rdma"}, "remote_mode must be one of \\['tcp', 'shm'\\], got 'rdma'"),
+        ({"host_bytes": "1GB"}, "host_bytes must be a number of bytes >= 0, got '1GB'"),
+        ({"device_bytes": -1}, "device_bytes must be a number of bytes >= 0"),
+        ({"remote_bytes": 1.5}, "remote_bytes must be a number of bytes"),
+        ({"disk_bytes": True}, "disk_bytes must be a number of bytes"),
+        ({"disk_dir": 5}, "disk_dir must be a path, got 5"),
+        ({"pool": ""}, "pool must be a non-empty string"),
+        ({"sync_save": "yes"}, "sync_save must be true or false"),
+    ],
+)
+def test_a_bad_key_or_value_is_one_line_naming_it(extra, named):
+    with pytest.raises(ValueError, match=f"^KVStrataConnector: {named}") as info:
+        ConnectorSettings.from_extra(extra)
+    assert "\n" not in str(info.value)
+
+
+def test_the_cache_config_carries_the_settings(tmp_path):
+    layout = KVLayout(4, 32, 2, 64, DType.BF16, name="vllm-cpu opaque")
+    s = ConnectorSettings.from_extra({"host_bytes": 16 * MiB, "disk_dir": str(tmp_path), "disk_bytes": 64 * MiB})
+    config = s.cache_config(layout, "vllm-model", "cpu", tp_rank=1, tp_size=2)
+    assert (config.model_id, config.host_bytes, config.disk_bytes) == ("vllm-model", 16 * MiB, 64 * MiB)
+    assert config.disk_dir == tmp_path and config.pool is None
+    assert (config.layout, config.device, config.tp_rank, config.tp_size) == (layout, "cpu", 1, 2)
+    assert config.remote_mode is RemoteMode.TCP
+    named = ConnectorSettings(model_id="mine").cache_config(layout, "vllm-model", "cpu", 0, 1)
+    assert named.model_id == "mine"
+
+
+def test_a_pool_from_an_unset_environment_is_refused(monkeypatch):
+    monkeypatch.delenv("KVSTRATA_POOL", raising=False)
+    with pytest.raises(ValueError, match="pool='env' but \\$KVSTRATA_POOL is not set"):
+        ConnectorSettings.from_extra({"pool": "env"}).pool_config()
