@@ -1,10 +1,11 @@
-"""The one map between kvstrata's KV dtypes and torch's (the edge where bytes become tensors)."""
+"""Where bytes become tensors: the one map between kvstrata's KV dtypes and torch's, and KV of a layout."""
 
 from __future__ import annotations
 
 import torch
 
 from kvstrata.kv.geometry import DType
+from kvstrata.kv.layout import KVLayout
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.FP32: torch.float32,
@@ -31,3 +32,23 @@ def kv_dtype(dtype: torch.dtype, supported: tuple[DType, ...] = tuple(TORCH_DTYP
         names = ", ".join(str(TORCH_DTYPES[d]).removeprefix("torch.") for d in supported)
         raise ValueError(f"KV dtype {dtype} is not supported: use {names}")
     return kv
+
+
+def block_tensor(raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """A block's bytes (uint8 ``[layers, layer_bytes]``) as KV, ``layout.block_shape``, in place."""
+    return raw.view(torch_dtype(layout.dtype)).view(layout.block_shape)
+
+
+def check_kv(kv: object, layout: KVLayout) -> None:
+    """Refuse KV that is not ``[layers, kv, tokens, kv_heads, head_dim]`` of ``layout``'s dtype.
+
+    Raises:
+        ValueError: naming what differs.
+    """
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != torch_dtype(layout.dtype):
+        raise ValueError(f"kv dtype {kv.dtype} does not match the cache layout's {torch_dtype(layout.dtype)}")
+    expected = (layout.num_layers, layout.kv_tensors, "tokens", layout.kv_heads, layout.head_dim)
+    if kv.dim() != 5 or tuple(kv.shape[i] for i in (0, 1, 3, 4)) != tuple(expected[i] for i in (0, 1, 3, 4)):
+        raise ValueError(f"kv shape {tuple(kv.shape)} does not match [layers, kv, tokens, kv_heads, head_dim] = {expected}")

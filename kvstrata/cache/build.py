@@ -58,6 +58,21 @@ def _connect_remote(config: CacheConfig) -> tuple[Tier | None, str | None]:
     return tier, None
 
 
+def check_tiers(tiers: Sequence[Tier], config: CacheConfig) -> dict[Medium, Tier]:
+    """The tiers by medium, fastest first, refused (one line) unless each has the cache's layout,
+    no medium comes twice, and a device tier is there."""
+    by_medium: dict[Medium, Tier] = {}
+    for tier in tiers:
+        if tier.layout != config.layout:
+            raise ValueError(f"{tier.medium.label} tier layout {tier.layout} differs from the cache's {config.layout}")
+        if tier.medium in by_medium:
+            raise ValueError(f"two {tier.medium.label} tiers given")
+        by_medium[tier.medium] = tier
+    if Medium.DEVICE not in by_medium:
+        raise ValueError("the cache needs a device tier")
+    return dict(sorted(by_medium.items(), key=lambda item: item[0].value))
+
+
 def direct_media(tiers: Sequence[Tier], config: CacheConfig) -> frozenset[Medium]:
     """The media without a view whose blocks are read straight into device slots, registering
     the device tier's memory with the pool where that path needs it.

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.cache.build import build_tiers, direct_media
+from kvstrata.cache.build import build_tiers, check_tiers, direct_media
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, StoreResult
 from kvstrata.index.keys import BlockKey, Namespace, block_keys
@@ -34,8 +34,9 @@ from kvstrata.manager.manager import BlockManager, ManagerConfig
 from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
 from kvstrata.media import Medium
 from kvstrata.metrics import CacheMetrics
-from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule, PrefetchTiming, schedule
-from kvstrata.tensors import torch_dtype
+from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
+from kvstrata.plan.loadtime import promotion_s
+from kvstrata.tensors import block_tensor, check_kv
 from kvstrata.tiers.base import Tier
 from kvstrata.transfer.worker import Moved, TransferResult, TransferWorker
 
@@ -51,7 +52,7 @@ class TieredCache:
         self.remote_error: str | None = None  # why a configured pool is not in use
         if tiers is None:
             tiers, self.remote_error = build_tiers(config)
-        self._tiers = _by_medium(tiers, config)
+        self._tiers = check_tiers(tiers, config)
         try:
             capacities = {m: t.capacity_blocks for m, t in self._tiers.items()}
             self.manager = BlockManager(ManagerConfig(config.layout, capacities, config.eviction, config.write,
@@ -106,8 +107,8 @@ class TieredCache:
         return known
 
     def device_block(self, slot: int) -> torch.Tensor:
-        view = self.tier(Medium.DEVICE).view(slot)
-        return view.view(torch_dtype(self.layout.dtype)).view(self.layout.block_shape)
+        """Device slot ``slot`` as KV, ``layout.block_shape``."""
+        return block_tensor(self._tiers[Medium.DEVICE].view(slot), self.layout)
 
     def load(self, match: Match) -> LoadHandle:
         """Bring the matched blocks into the device tier; returns at once with a handle."""
@@ -158,21 +159,11 @@ class TieredCache:
         """Save the full blocks of ``kv`` (``[layers, kv, tokens, kv_heads, head_dim]``, the
         layout's dtype, any device) keyed by ``tokens``. Returns a Future of StoreResult."""
         self._check_open()
-        self._check_kv(kv)
+        check_kv(kv, self.layout)
         count = min(kv.shape[2], len(tokens)) // self.layout.block_tokens
         keys = self.keys(list(tokens)[: count * self.layout.block_tokens], tenant)  # [] validates the tenant too
         ready = torch.cuda.current_stream(kv.device).record_event() if kv.is_cuda else None
         return self._worker.submit(self._run_store, keys, kv, ready)
-
-    def _check_kv(self, kv: torch.Tensor) -> None:
-        layout = self.layout
-        if not isinstance(kv, torch.Tensor):
-            raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.dtype != torch_dtype(layout.dtype):
-            raise ValueError(f"kv dtype {kv.dtype} does not match the cache layout's {torch_dtype(layout.dtype)}")
-        expected = (layout.num_layers, layout.kv_tensors, "tokens", layout.kv_heads, layout.head_dim)
-        if kv.dim() != 5 or tuple(kv.shape[i] for i in (0, 1, 3, 4)) != tuple(expected[i] for i in (0, 1, 3, 4)):
-            raise ValueError(f"kv shape {tuple(kv.shape)} does not match [layers, kv, tokens, kv_heads, head_dim] = {expected}")
 
     def _run_store(self, keys: list[BlockKey], kv: torch.Tensor, ready: Any) -> StoreResult:
         """Store in rounds: each reserves what the device has room for. Write-through pins each
@@ -267,7 +258,9 @@ class TieredCache:
         self._check_open()
         rule = rule or PrefetchRule()
         match = self.lookup(tokens, tenant)
-        future = PrefetchFuture(self._timing(match, rule, deadline_s))
+        deadline = rule.policy is PrefetchPolicy.DEADLINE and self.config.calibration is not None
+        predicted = self.predict_promotion_s(match) if deadline else None  # None: nothing says how late
+        future = PrefetchFuture(rule.timing(time.monotonic(), deadline_s, predicted))
         future.set_running_or_notify_cancel()
 
         def begin() -> None:
@@ -289,27 +282,11 @@ class TieredCache:
             wait([future], timeout=wait_s)
         return future
 
-    def _timing(self, match: Match, rule: PrefetchRule, deadline_s: float | None) -> PrefetchTiming | None:
-        if rule.policy is not PrefetchPolicy.DEADLINE:
-            return None
-        if deadline_s is None:
-            raise ValueError("the deadline prefetch policy needs deadline_s (time.monotonic() of the request's start)")
-        if self.config.calibration is None:  # without one, nothing says how late to start
-            return None
-        return schedule(time.monotonic(), deadline_s, self.predict_promotion_s(match), rule.margin)
-
     def predict_promotion_s(self, match: Match) -> float:
         """Predicted seconds to promote the match's disk and remote blocks to the host, from the
         configured calibration (0 without one, or with nothing to promote)."""
         cal = self.config.calibration
-        if cal is None:
-            return 0.0
-        seconds = 0.0
-        for medium in (Medium.DISK, Medium.REMOTE):
-            blocks = match.count(medium)
-            if blocks:
-                seconds += cal.restore_s(medium.label, blocks * self.layout.block_bytes, blocks, self.config.workers)
-        return seconds
+        return 0.0 if cal is None else promotion_s(cal, match.media, self.layout.block_bytes, self.config.workers)
 
     def _run_prefetch(self, match: Match) -> int:
         if Medium.HOST not in self._tiers:
@@ -341,19 +318,6 @@ class TieredCache:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _by_medium(tiers: Sequence[Tier], config: CacheConfig) -> dict[Medium, Tier]:
-    by_medium: dict[Medium, Tier] = {}
-    for tier in tiers:
-        if tier.layout != config.layout:
-            raise ValueError(f"{tier.medium.label} tier layout {tier.layout} differs from the cache's {config.layout}")
-        if tier.medium in by_medium:
-            raise ValueError(f"two {tier.medium.label} tiers given")
-        by_medium[tier.medium] = tier
-    if Medium.DEVICE not in by_medium:
-        raise ValueError("the cache needs a device tier")
-    return dict(sorted(by_medium.items(), key=lambda item: item[0].value))
 
 
 def _chain(src: Future, dst: Future) -> None:

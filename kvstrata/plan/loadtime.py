@@ -82,6 +82,17 @@ def calibrated_contention(
     return cpu_s
 
 
+def promotion_s(calibration: HostCalibration, media: tuple[Medium, ...], block_bytes: int, workers: int) -> float:
+    """Predicted seconds to promote the disk and pool blocks among ``media`` to the host tier
+    (a prefetch for a queued request), per source tier by :meth:`HostCalibration.restore_s`."""
+    counts = Counter(media)
+    return sum(
+        calibration.restore_s(medium.label, counts[medium] * block_bytes, counts[medium], workers)
+        for medium in (Medium.DISK, Medium.REMOTE)
+        if counts[medium]
+    )
+
+
 def _to_restore(media: tuple[Medium, ...], blocks: int) -> Counter[Medium]:
     """Blocks per source tier among the last ``blocks`` of ``media``; those on the device move nothing."""
     counts = Counter(media[len(media) - blocks:] if blocks else ())

@@ -33,6 +33,19 @@ class PrefetchRule:
         if not self.margin >= 0:
             raise ValueError(f"prefetch margin must be >= 0, got {self.margin}")
 
+    def timing(self, now_s: float, deadline_s: float | None, predicted_s: float | None) -> PrefetchTiming | None:
+        """When a prefetch under this rule starts: a schedule for DEADLINE with a prediction
+        (``predicted_s``, None without a calibration), else None (it starts at once).
+
+        Raises:
+            ValueError: DEADLINE without ``deadline_s``.
+        """
+        if self.policy is not PrefetchPolicy.DEADLINE:
+            return None
+        if deadline_s is None:
+            raise ValueError("the deadline prefetch policy needs deadline_s (time.monotonic() of the request's start)")
+        return None if predicted_s is None else schedule(now_s, deadline_s, predicted_s, self.margin)
+
     def wait_s(self) -> float | None:
         """How long to wait: 0 (don't), None (until done), or seconds."""
         waits = {PrefetchPolicy.BEST_EFFORT: 0.0, PrefetchPolicy.WAIT: None, PrefetchPolicy.DEADLINE: 0.0}
