@@ -22,8 +22,8 @@ step environment
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-step "tests on CUDA (tiers, transfer engine, cache, transformers integration)"
-timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/tiers tests/transfer tests/test_cache.py \
+step "tests on CUDA (tiers, transfer worker, manager, cache, transformers integration)"
+timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/tiers tests/transfer tests/manager tests/test_cache.py \
   tests/integrations/test_hf.py tests/integrations/test_recompute.py > "$OUT/tests.txt" 2>&1
 echo "tests rc=$?" | tee -a "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
 

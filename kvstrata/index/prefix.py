@@ -1,6 +1,6 @@
 """The prefix index: which tiers hold each block, and the longest cached prefix of a sequence.
 
-One dict maps a block key to a bitmask of the media holding it READY. The tiered cache keeps
+One dict maps a block key to a bitmask of the media holding it READY. The block manager keeps
 it in step with every tier's block table (it adds a medium when a block becomes READY there,
 removes it when the block leaves). A lookup is one dict probe per block, in C (``map``).
 """
