@@ -7,12 +7,13 @@ registered too (or, in SHM mode, allocated in the pool's memory), so pool -> dev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.errors import TierUnavailable
+from kvstrata.manager.manager import ManagerConfig
 from kvstrata.media import FetchPath, Medium
 from kvstrata.pool.config import RemoteMode
 from kvstrata.tiers.base import Tier
@@ -71,6 +72,14 @@ def check_tiers(tiers: Sequence[Tier], config: CacheConfig) -> dict[Medium, Tier
     if Medium.DEVICE not in by_medium:
         raise ValueError("the cache needs a device tier")
     return dict(sorted(by_medium.items(), key=lambda item: item[0].value))
+
+
+def manager_config(tiers: Mapping[Medium, Tier], config: CacheConfig) -> ManagerConfig:
+    """What the block manager plans for: these tiers' capacities, the config's policies, and
+    the direct paths (registering memory with the pool where they need it)."""
+    capacities = {medium: tier.capacity_blocks for medium, tier in tiers.items()}
+    return ManagerConfig(config.layout, capacities, config.eviction, config.write,
+                         direct_media(list(tiers.values()), config), config.workers, config.small_load_bytes)
 
 
 def direct_media(tiers: Sequence[Tier], config: CacheConfig) -> frozenset[Medium]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -12,9 +13,11 @@ import torch
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.index.prefix import Match
-from kvstrata.manager.plans import StopReason
+from kvstrata.kv.layout import KVLayout
+from kvstrata.manager.plans import LoadPlan, StopReason
 from kvstrata.media import Medium, Route
 from kvstrata.policies.prefetch import PrefetchTiming
+from kvstrata.transfer.worker import TransferResult
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class LoadResult:
     blocks: int
     tokens: int
     bytes_from: dict[Medium, int]  # per source medium of every leg (disk -> host -> device: both)
-    seconds: float
+    seconds: float  # the load's own time: planning and moving (waiting for a worker thread excluded)
     stopped: StopReason | None  # why fewer blocks than matched were loaded, if so
     restored_bytes: int = 0  # bytes that arrived on the device (blocks not already there)
     paths: dict[Route, int] = field(default_factory=dict)  # blocks per route, e.g. (REMOTE, HOST, DEVICE)
@@ -32,6 +35,17 @@ class LoadResult:
     def gbps(self) -> float:
         """Restored bytes per second, end to end."""
         return self.restored_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @classmethod
+    def of(cls, plan: LoadPlan, moves: Sequence[TransferResult], seconds: float, layout: KVLayout) -> LoadResult:
+        """A completed plan's result: ``moves`` are its own legs' transfers (not its room's)."""
+        bytes_from: dict[Medium, int] = {}
+        for result in moves:
+            bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
+        restored = sum(1 for _ in plan.moving()) * layout.block_bytes
+        paths = dict(Counter(b.route for b in plan.blocks))
+        return cls(len(plan.blocks), len(plan.blocks) * layout.block_tokens, bytes_from, seconds, plan.stopped,
+                   restored, paths, plan.stopped_at)
 
 
 @dataclass(frozen=True)

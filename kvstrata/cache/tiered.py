@@ -18,19 +18,19 @@ dropped from its tier and ends the match there, so wrong KV is never served.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
 
-from kvstrata.cache.build import build_tiers, check_tiers, direct_media
+from kvstrata.cache.build import build_tiers, check_tiers, manager_config
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, StoreResult
 from kvstrata.index.keys import BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import Match
-from kvstrata.manager.manager import BlockManager, ManagerConfig
+from kvstrata.manager.manager import BlockManager
 from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
 from kvstrata.media import Medium
 from kvstrata.metrics import CacheMetrics
@@ -54,10 +54,7 @@ class TieredCache:
             tiers, self.remote_error = build_tiers(config)
         self._tiers = check_tiers(tiers, config)
         try:
-            capacities = {m: t.capacity_blocks for m, t in self._tiers.items()}
-            self.manager = BlockManager(ManagerConfig(config.layout, capacities, config.eviction, config.write,
-                                                      direct_media(tiers, config), config.workers,
-                                                      config.small_load_bytes))
+            self.manager = BlockManager(manager_config(self._tiers, config))
             for tier in self._tiers.values():
                 self.manager.adopt(tier.medium, tier.recover())
         except BaseException:
@@ -68,7 +65,6 @@ class TieredCache:
         self._namespaces: dict[str, Namespace] = {}
         self._closed = False
 
-    # --- reading ---------------------------------------------------------------------------
 
     def tier(self, medium: Medium) -> Tier:
         try:
@@ -113,14 +109,20 @@ class TieredCache:
     def load(self, match: Match) -> LoadHandle:
         """Bring the matched blocks into the device tier; returns at once with a handle."""
         self._check_open()
+        start = time.perf_counter()
         handle = LoadHandle(match, self.layout.num_layers, self.device_block,
                             lambda keys: self.manager.unpin(Medium.DEVICE, keys))
-        self._worker.submit(self._run_load, match, handle)
+        plan = self.manager.prepare_load(match)
+        if plan.room or any(b.step is not Step.RESIDENT for b in plan.blocks):
+            self._worker.submit(self._run_load, plan, handle, time.perf_counter() - start)
+        else:  # every block is on the device already: nothing to wait for, no thread to wake
+            handle._plan(plan.keys, plan.device_slots)
+            handle._layers_done(range(self.layout.num_layers))
+            self._complete_load(plan, handle, [], start, aside=True)
         return handle
 
-    def _run_load(self, match: Match, handle: LoadHandle) -> None:
-        start = time.perf_counter()
-        plan = self.manager.prepare_load(match)
+    def _run_load(self, plan: LoadPlan, handle: LoadHandle, planned_s: float) -> None:
+        start = time.perf_counter() - planned_s  # the load's own time: waiting for this thread excluded
         moves: list[TransferResult] = []  # the load's own legs (not its room's demotions)
         try:
             self._carry_out(plan.room)
@@ -140,20 +142,22 @@ class TieredCache:
             self.manager.abandon_load(plan)
             handle._finish(None, exc)
             return
-        for key in self.manager.complete_load(plan):  # hot blocks the write policy sends down now
+        self._complete_load(plan, handle, moves, start, aside=False)
+
+    def _complete_load(self, plan: LoadPlan, handle: LoadHandle, moves: list, start: float, aside: bool) -> None:
+        """The blocks are in: READY for the handle; hot blocks the write policy sends down now
+        (``aside``: on a worker thread, when the caller's thread got here), then the result."""
+        hot = self.manager.complete_load(plan)
+        if hot and aside:
+            self._worker.submit(self._finish_load, plan, handle, moves, start, hot)
+        else:
+            self._finish_load(plan, handle, moves, start, hot)
+
+    def _finish_load(self, plan: LoadPlan, handle: LoadHandle, moves: list, start: float, hot: tuple) -> None:
+        for key in hot:
             self._write_down(key)
-        handle._finish(self._load_result(plan, moves, time.perf_counter() - start))
+        handle._finish(LoadResult.of(plan, moves, time.perf_counter() - start, self.layout))
 
-    def _load_result(self, plan: LoadPlan, moves: list[TransferResult], seconds: float) -> LoadResult:
-        bytes_from: dict[Medium, int] = {}
-        for result in moves:
-            bytes_from[result.src] = bytes_from.get(result.src, 0) + result.bytes
-        restored = sum(1 for _ in plan.moving()) * self.layout.block_bytes
-        paths = dict(Counter(b.route for b in plan.blocks))
-        tokens = len(plan.blocks) * self.layout.block_tokens
-        return LoadResult(len(plan.blocks), tokens, bytes_from, seconds, plan.stopped, restored, paths, plan.stopped_at)
-
-    # --- writing ---------------------------------------------------------------------------
 
     def store(self, tokens: Any, kv: torch.Tensor, tenant: str = "") -> Future:
         """Save the full blocks of ``kv`` (``[layers, kv, tokens, kv_heads, head_dim]``, the
@@ -219,7 +223,6 @@ class TieredCache:
         self._carry_out(drops)
         return landed
 
-    # --- capacity ----------------------------------------------------------------------------
 
     def evict(self, medium: Medium, blocks: int) -> int:
         """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy)."""
@@ -240,7 +243,6 @@ class TieredCache:
             into.extend(moved.transfers)
         return moved
 
-    # --- prefetch ----------------------------------------------------------------------------
 
     def prefetch(
         self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "", deadline_s: float | None = None
@@ -248,12 +250,10 @@ class TieredCache:
         """Promote the prefix's disk/remote blocks to the host for a queued request. Waits as
         ``rule`` says; the Future gives the number of blocks promoted.
 
-        ``deadline_s`` (``time.monotonic()`` clock) is when the request is expected to start.
-        With the DEADLINE policy and a calibration, the promotion starts as late as its predicted
-        time allows (see :func:`kvstrata.policies.prefetch.schedule`); the call returns at once
-        (the request's load, at its start, uses what has arrived) and the returned
-        :class:`PrefetchFuture`'s ``timing`` holds the schedule. Without a calibration the
-        promotion starts at once.
+        ``deadline_s`` (``time.monotonic()``) is when the request is expected to start. With the
+        DEADLINE policy and a calibration the promotion starts as late as its predicted time
+        allows (:func:`kvstrata.policies.prefetch.schedule`, in ``PrefetchFuture.timing``) and
+        the call returns at once; without a calibration it starts at once.
         """
         self._check_open()
         rule = rule or PrefetchRule()
@@ -294,7 +294,6 @@ class TieredCache:
         below = [key for key, medium in zip(match.keys, match.media) if medium.value > Medium.HOST.value]
         return self._copy(self.manager.prepare_copies(below, (Medium.HOST,)))
 
-    # --- plumbing ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:

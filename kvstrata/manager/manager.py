@@ -93,6 +93,8 @@ class BlockManager:
         self._tables = {m: BlockTable(config.capacities[m], config.eviction.make(), m.label) for m in self.media}
         self._index = PrefixIndex()
         self._lock = threading.Lock()
+        self._below = {m: tuple(x for x in self.media if x.value > m.value) for m in self.media}  # slower media
+        self._copy_ranges: dict[int, tuple[range, ...]] = {}  # blocks -> layer ranges (a pure function of it)
 
     # --- looking ---------------------------------------------------------------------------------
 
@@ -191,6 +193,8 @@ class BlockManager:
         blocks become READY (and pinned) in the host and go on to COPY from there, blocks read
         straight into the device are LANDED. The plan is cut before the first block that failed
         (the rest abandoned). Returns the cut plan and the blocks to drop (failed verification)."""
+        if not failures:
+            return plan, Room()  # nothing was fetched: the plan stands as prepared
         drops: list[Victim] = []
         outcomes = iter(failures)
         blocks = list(plan.blocks)
@@ -257,8 +261,13 @@ class BlockManager:
             device.complete_store(block.key, ok=False)
 
     def _ranges(self, blocks: int) -> tuple[range, ...]:
-        c, layout = self.config, self.config.layout
-        return copy_ranges(layout.num_layers, blocks, layout.layer_bytes, c.workers, c.small_load_bytes, COPY_TASK_BYTES)
+        ranges = self._copy_ranges.get(blocks)
+        if ranges is None:
+            c, layout = self.config, self.config.layout
+            ranges = copy_ranges(layout.num_layers, blocks, layout.layer_bytes, c.workers, c.small_load_bytes,
+                                 COPY_TASK_BYTES)
+            self._copy_ranges[blocks] = ranges
+        return ranges
 
     # --- stores and copies -----------------------------------------------------------------------
 
@@ -357,9 +366,7 @@ class BlockManager:
 
     def _pin_source(self, key: BlockKey, below: Medium | None = None, hit: bool = False) -> Slot | None:
         """Pin ``key`` in the fastest tier holding it READY (below ``below``, if given)."""
-        for medium in self.media:
-            if below is not None and medium.value <= below.value:
-                continue
+        for medium in self.media if below is None else self._below[below]:
             slot = self._tables[medium].pin(key, hit=hit)
             if slot is not None:
                 return Slot(medium, slot)
@@ -397,7 +404,7 @@ class BlockManager:
     def _demotion(self, medium: Medium, key: BlockKey, slot: int, victims: list[Victim]) -> Leg | None:
         """The leg that copies an evicted block to the next tier down, if the write policy wants
         it there and it is not there yet; its reservation may make room in turn."""
-        lower = next((m for m in self.media if m.value > medium.value), None)
+        lower = next(iter(self._below[medium]), None)
         if lower is None or not self.config.write.on_evict(self._tables[medium].hits(key)):
             return None
         try:

@@ -21,6 +21,7 @@ from kvstrata.media import Medium
 class Tier(abc.ABC):
     medium: Medium
     shared: bool = False  # other processes put blocks here too (``find`` sees them)
+    batched_reads: bool = False  # ``read_many_into`` is one call for many blocks (memory, the pool)
 
     def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

@@ -60,6 +60,8 @@ class MemoryTier(Tier):
     RuntimeError. Views handed out earlier keep their memory alive but are no longer pinned.
     """
 
+    batched_reads = True
+
     def __init__(
         self,
         layout: KVLayout,

@@ -111,6 +111,7 @@ class RemoteTier(Tier):
 
     medium = Medium.REMOTE
     shared = True
+    batched_reads = True
 
     def __init__(
         self,

@@ -132,12 +132,23 @@ class TransferWorker:
     # --- moving bytes --------------------------------------------------------------------------
 
     def move(self, legs: Sequence[Leg], layers: slice = slice(None)) -> Moved:
-        """Move ``legs`` (``layers`` of each), groups of one medium pair split across the
-        workers (memory-to-memory groups stay one batched copy). Returns when all are settled."""
+        """Move ``legs`` (``layers`` of each), in parallel on the byte movers: a memory-to-memory
+        group is one batched copy; a group whose source reads many blocks in one call (the pool)
+        is split in one batch per mover; any other leg (a file read or write, a put) is a task
+        of its own, so a slow one holds up one mover, not a fixed share. Returns when all are
+        settled."""
         _check_layers(layers)
+        if not legs:
+            return Moved()
         chunks: list[list[int]] = []
         for group in _groups(legs).values():
-            split = 1 if group and _memory_pair(legs[group[0]]) else min(self.workers, len(group))
+            first = legs[group[0]]
+            if _memory_pair(first):
+                split = 1
+            elif self.tiers[first.src.medium].batched_reads and self.tiers[first.dst.medium].view(first.dst.index) is not None:
+                split = min(self.workers, len(group))
+            else:
+                split = len(group)
             chunks += [group[w::split] for w in range(split)]
         ready = self._ready_event(legs)
         results = self._run_all([lambda c=c: self._run_handler([legs[i] for i in c], layers, ready) for c in chunks])

@@ -236,19 +236,23 @@ def test_a_move_reports_each_leg_and_what_moved(make_tier):
         assert torch.equal(device.view(10 + i).cpu(), random_block(5 + i))
 
 
-def test_one_batch_runs_on_the_calling_thread_several_on_the_workers(make_tier):
+@pytest.mark.parametrize(("batched", "calls"), [(False, 4), (True, 2)])
+def test_one_task_runs_on_the_calling_thread_several_on_the_workers(make_tier, batched, calls):
     threads = []
 
     def record(src, dst, legs, layers):
-        threads.append(threading.current_thread())
+        threads.append((threading.current_thread(), len(legs)))
         return [None] * len(legs)
 
     remote, host = make_tier("remote"), make_tier("host")
+    remote.batched_reads = batched  # a source that reads many blocks in one call: a batch per mover
     with worker_of(remote, host, handlers={(Medium.REMOTE, Medium.HOST): record}) as worker:
         worker.move([leg(key(1), remote, 0, host, 1)])
-        worker.move([leg(key(i), remote, i, host, i) for i in range(4)])  # two chunks, one per worker
-    assert threads[0] is threading.current_thread()
-    assert len(threads) == 3 and all(t is not threading.current_thread() for t in threads[1:])
+        worker.move([leg(key(i), remote, i, host, i) for i in range(4)])
+    assert threads[0] == (threading.current_thread(), 1)
+    later = threads[1:]
+    assert len(later) == calls and sum(n for _, n in later) == 4  # else a task per leg
+    assert all(t is not threading.current_thread() for t, _ in later)
 
 
 @pytest.mark.parametrize(("error", "failure"), [
