@@ -56,6 +56,11 @@ class Workers:
                     future.set_result(fn(*args))
                 except BaseException as error:  # noqa: BLE001 - handed to the waiter
                     future.set_exception(error)
+            # Hold nothing while idle: a daemon thread that drops the last reference to a tensor
+            # (a future's callbacks reach the pool client and its registered memory) as the
+            # interpreter finalizes is killed inside torch's deallocator, which aborts the
+            # process ("terminate called without an active exception"; seen in ~40% of exits).
+            del job, future, fn, args
             with self._lock:
                 if self._closed:
                     return
