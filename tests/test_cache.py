@@ -684,6 +684,44 @@ def test_a_bad_tenant_is_refused(tmp_path, caches, tenant):
             call()
 
 
+@pytest.mark.parametrize("bad", [b"\x01\x02" * 32, "abc" * 20, {1: 2}, {1, 2, 3}, None, (t for t in range(64)),
+                                 [[1] * 32, [2] * 32], 7], ids=["bytes", "str", "dict", "set", "None", "generator",
+                                                               "2-d", "scalar"])
+def test_store_refuses_the_tokens_lookup_refuses(tmp_path, caches, bad):
+    cache = caches(make_config(tmp_path))
+    kv = kv_for(cache, tokens(1, 2))
+    for call in (lambda: cache.store(bad, kv), lambda: cache.lookup(bad), lambda: cache.prefetch(bad)):
+        with pytest.raises(ValueError, match="tokens"):
+            call()
+    assert cache.manager.indexed_blocks() == 0
+
+
+def test_load_takes_a_match_and_a_closed_cache_answers_nothing(tmp_path, caches):
+    cache = caches(make_config(tmp_path))
+    with pytest.raises(ValueError, match="Match of a lookup"):
+        cache.load(None)
+    toks = tokens(1, 2)
+    store(cache, toks)
+    cache.close()
+    for call in (lambda: cache.lookup(toks), lambda: cache.store(toks, kv_for(cache, toks)), lambda: cache.evict(D, 1)):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("host_bytes", 1.5, "host_bytes must be an integer"),
+    ("device_bytes", "1GB", "device_bytes must be an integer"),
+    ("device_bytes", True, "device_bytes must be an integer"),
+    ("device_bytes", 0, "device_bytes must hold at least one block"),
+    ("device_bytes", B - 1, "device_bytes must hold at least one block"),
+    ("host_bytes", B // 2, "host_bytes must be 0 .* or hold at least one block"),
+    ("workers", 0, "workers must be >= 1"),
+])
+def test_a_config_that_cannot_work_is_refused_in_one_line(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(LAYOUT, **{"model_id": "m", "device_bytes": 4 * B, "host_bytes": 0, field: value})
+
+
 @pytest.mark.parametrize("field, value", [("model_id", ""), ("tp_rank", 2)])
 def test_a_bad_namespace_is_refused_by_the_config(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):

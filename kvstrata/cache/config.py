@@ -47,9 +47,20 @@ class CacheConfig:
     small_load_bytes: int = SMALL_LOAD_BYTES  # loads up to this size: one copy dispatch, layers ready together
 
     def __post_init__(self) -> None:
-        for name in ("device_bytes", "host_bytes", "disk_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"cache {name} must be >= 0, got {getattr(self, name)}")
+        block = self.layout.block_bytes if isinstance(self.layout, KVLayout) else None
+        if block is None:
+            raise ValueError(f"cache layout must be a KVLayout, got {self.layout!r}")
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes", "small_load_bytes", "workers",
+                     "tp_rank", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"cache {name} must be an integer, got {value!r}")
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes"):
+            value = getattr(self, name)
+            if value < 0 or (value and value < block) or (name == "device_bytes" and value < block):
+                raise ValueError(f"cache {name} must be 0 (no tier) or hold at least one block of {block} bytes, "
+                                 f"got {value}" if name != "device_bytes" else
+                                 f"cache device_bytes must hold at least one block of {block} bytes, got {value}")
         if self.disk_bytes and not self.disk_dir:
             raise ValueError("cache disk_bytes > 0 needs a disk_dir")
         if self.workers < 1:

@@ -155,3 +155,10 @@ class PrefetchFuture(Future):
     def __init__(self, timing: PrefetchTiming | None) -> None:
         super().__init__()
         self.timing = timing
+
+    def follow(self, inner: Future) -> None:
+        """Resolve as ``inner`` did (the promotion's own future, once it ran)."""
+        if inner.exception() is not None:
+            self.set_exception(inner.exception())
+        else:
+            self.set_result(inner.result())

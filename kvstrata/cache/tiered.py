@@ -28,7 +28,7 @@ import torch
 from kvstrata.cache.build import build_tiers, check_tiers, manager_config
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, StoreResult
-from kvstrata.index.keys import BlockKey, Namespace, block_keys
+from kvstrata.index.keys import BlockKey, Namespace, block_keys, token_array
 from kvstrata.index.prefix import Match
 from kvstrata.manager.manager import BlockManager
 from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
@@ -84,6 +84,7 @@ class TieredCache:
 
     def lookup(self, tokens: Any, tenant: str = "") -> Match:
         """The longest cached prefix of ``tokens`` (full blocks) and where each block is."""
+        self._check_open()
         keys = self.keys(tokens, tenant)
         match = self.manager.match(keys)
         if match.blocks < len(keys) and Medium.REMOTE in self._tiers and self._discover(keys[match.blocks :]):
@@ -109,6 +110,8 @@ class TieredCache:
     def load(self, match: Match) -> LoadHandle:
         """Bring the matched blocks into the device tier; returns at once with a handle."""
         self._check_open()
+        if not isinstance(match, Match):
+            raise ValueError(f"load takes the Match of a lookup(), got {type(match).__name__}")
         start = time.perf_counter()
         handle = LoadHandle(match, self.layout.num_layers, self.device_block,
                             lambda keys: self.manager.unpin(Medium.DEVICE, keys))
@@ -164,8 +167,9 @@ class TieredCache:
         layout's dtype, any device) keyed by ``tokens``. Returns a Future of StoreResult."""
         self._check_open()
         check_kv(kv, self.layout)
-        count = min(kv.shape[2], len(tokens)) // self.layout.block_tokens
-        keys = self.keys(list(tokens)[: count * self.layout.block_tokens], tenant)  # [] validates the tenant too
+        ids = token_array(tokens)
+        count = min(kv.shape[2], len(ids)) // self.layout.block_tokens
+        keys = self.keys(ids[: count * self.layout.block_tokens], tenant)  # [] validates the tenant too
         ready = torch.cuda.current_stream(kv.device).record_event() if kv.is_cuda else None
         return self._worker.submit(self._run_store, keys, kv, ready)
 
@@ -226,6 +230,7 @@ class TieredCache:
 
     def evict(self, medium: Medium, blocks: int) -> int:
         """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy)."""
+        self._check_open()
         self.tier(medium)
         room = self.manager.prepare_evict(medium, blocks)
         self._carry_out(room)
@@ -269,7 +274,7 @@ class TieredCache:
             except RuntimeError as exc:  # the cache closed meanwhile
                 future.set_exception(exc)
                 return
-            inner.add_done_callback(lambda f: _chain(f, future))
+            inner.add_done_callback(future.follow)
 
         timing = future.timing
         if timing is not None and timing.start_s > time.monotonic():
@@ -317,10 +322,3 @@ class TieredCache:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _chain(src: Future, dst: Future) -> None:
-    if src.exception() is not None:
-        dst.set_exception(src.exception())
-    else:
-        dst.set_result(src.result())

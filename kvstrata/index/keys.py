@@ -12,6 +12,7 @@ is never cached, and is recomputed by the model (vLLM and SGLang do the same).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
@@ -62,9 +63,19 @@ class Namespace:
         return self.digest.hex()[:16]
 
 
-def token_bytes(tokens: Any) -> bytes:
-    """Token ids as little-endian uint32 bytes. Takes a list, a numpy array, or anything
-    numpy accepts; engines should pass an int32/uint32 array to skip the conversion."""
+def token_array(tokens: Any) -> np.ndarray:
+    """Token ids as a one-dimensional uint32 array: a sequence of ints (list, tuple, range), a
+    numpy array or a CPU tensor; engines should pass an int32/uint32 array to skip the copy.
+
+    Raises:
+        ValueError: anything else (bytes, text, a dict or set, an iterator, None, 2-D ids,
+            negative or too large ids), named in one line.
+    """
+    if tokens is None or isinstance(tokens, (str, bytes, bytearray, memoryview, Mapping)) or not (
+        isinstance(tokens, np.ndarray) or (hasattr(tokens, "__len__") and hasattr(tokens, "__getitem__"))
+    ):
+        raise ValueError(f"tokens must be a one-dimensional sequence of token ids (a list, tuple or integer array), "
+                         f"got {type(tokens).__name__}")
     array = np.asarray(tokens)
     if array.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
@@ -72,7 +83,12 @@ def token_bytes(tokens: Any) -> bytes:
         raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
     if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
         raise ValueError("token ids must be in [0, 2**32)")
-    return np.ascontiguousarray(array, dtype="<u4").tobytes()
+    return np.ascontiguousarray(array, dtype="<u4")
+
+
+def token_bytes(tokens: Any) -> bytes:
+    """Token ids as little-endian uint32 bytes (see :func:`token_array` for what is taken)."""
+    return token_array(tokens).tobytes()
 
 
 def block_keys(tokens: Any, namespace: Namespace) -> list[BlockKey]:
