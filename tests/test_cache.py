@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import threading
 import time
 from concurrent.futures import Future
@@ -634,16 +635,39 @@ def test_prefetch_drops_a_damaged_disk_block(tmp_path, caches):
     assert load_released(cache, toks).blocks == 1
 
 
-def test_an_unreadable_disk_block_fails_the_load_and_leaves_nothing_reserved(tmp_path, caches):
-    cache, toks, keys = on_disk_only(tmp_path, caches, 3)
-    path = file_of(cache, keys[0])
+def directory_in_place(path, other):
     path.unlink()
-    path.mkdir()  # reading it now fails with EISDIR: an I/O error, not a checksum miss
-    handle = cache.load(cache.lookup(toks))
-    with pytest.raises(OSError):
-        handle.wait(timeout=10)
-    handle.release()
+    path.mkdir()  # reading it fails with EISDIR: an I/O error, not a checksum miss
+
+
+def fifo_in_place(path, other):
+    path.unlink()
+    os.mkfifo(path)  # opening it for reading would block until a writer came
+
+
+def link_in_place(path, other):
+    path.unlink()
+    path.symlink_to(other)  # another block's file: never followed
+
+
+@pytest.mark.parametrize("unreadable", [directory_in_place, fifo_in_place, link_in_place])
+def test_an_unreadable_disk_block_is_a_miss_and_leaves_its_tier(tmp_path, caches, unreadable):
+    cache, toks, keys = on_disk_only(tmp_path, caches, 3)
+    unreadable(file_of(cache, keys[1]), file_of(cache, keys[2]))
+    result = load_released(cache, toks)  # in bounded time: the FIFO is never waited on
+    assert (result.blocks, result.stopped, result.stopped_at) == (1, StopReason.CORRUPT, K)
+    assert cache.manager.where(keys[1]) == () and cache.manager.table(K).state(keys[1]) is None
+    again = load_released(cache, toks)  # the entry is gone: the prefix ends before it
+    assert (again.blocks, again.stopped) == (1, None)
     assert_quiescent(cache)
+
+
+@pytest.mark.parametrize("mode_of", ["directory", "file"])
+def test_disk_blocks_are_private_to_their_owner(tmp_path, caches, mode_of):
+    cache, toks, keys = on_disk_only(tmp_path, caches, 2)
+    disk = cache.tier(K)
+    path = disk.directory if mode_of == "directory" else file_of(cache, keys[0])
+    assert stat.S_IMODE(path.stat().st_mode) == (0o700 if mode_of == "directory" else 0o600)
 
 
 # --- bad input -------------------------------------------------------------------------------------

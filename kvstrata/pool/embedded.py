@@ -124,6 +124,13 @@ def status(run_dir: Path | None = None) -> dict:
     }
 
 
+# How long the master keeps a pool daemon (and every object in its segment) after its last
+# heartbeat. Mooncake's default, 10 s, dropped every object of a daemon stopped for 5 s
+# (a stall, a SIGSTOP, a debugger); a dead daemon is still noticed at once by clients, whose
+# calls to it fail (kvstrata.pool.client probes its socket).
+CLIENT_TTL_S = 60
+
+
 def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> PoolState:
     """Start a master and a pool daemon on loopback (or return the running one)."""
     run_dir = Path(run_dir or default_run_dir())
@@ -131,10 +138,11 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     if current["running"]:
         return read_state(run_dir)
     stop(run_dir)  # clear a half-dead previous pool
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)  # its logs and state: the owner's only
     master_port, daemon_port, metrics_port = free_port(), free_port(), free_port()
     master, daemon = f"127.0.0.1:{master_port}", f"127.0.0.1:{daemon_port}"
-    logs = {name: open(run_dir / f"{name}.log", "wb") for name in ("master", "daemon")}
+    logs = {name: _private(run_dir / f"{name}.log", "wb") for name in ("master", "daemon")}
     master_proc = subprocess.Popen(
         [
             _binary("mooncake_master"),
@@ -143,6 +151,7 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
             "--metrics_host=127.0.0.1",
             f"--metrics_port={metrics_port}",
             "--enable_http_metadata_server=false",
+            f"--client_ttl={CLIENT_TTL_S}",
         ],
         stdout=logs["master"], stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -169,8 +178,16 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
         raise
     state = PoolState(PoolConfig(master=master, daemon=daemon), master_proc.pid, daemon_proc.pid, metrics_port,
                       segment_bytes, str(run_dir))
-    (run_dir / STATE).write_text(json.dumps(state.to_json(), indent=2))
+    with _private(run_dir / STATE, "w") as out:
+        out.write(json.dumps(state.to_json(), indent=2))
     return state
+
+
+def _private(path: Path, mode: str):
+    """``open(path, mode)`` for writing, the file readable by its owner only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # a file that was there keeps its old mode otherwise
+    return os.fdopen(fd, mode)
 
 
 def _wait_for(address: str, proc: subprocess.Popen, log: Path) -> None:

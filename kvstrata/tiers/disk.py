@@ -45,6 +45,7 @@ import fcntl
 import itertools
 import os
 import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -60,6 +61,8 @@ from kvstrata.tiers import blockfile
 from kvstrata.tiers.base import Tier
 
 SUFFIX = ".kvb"
+DIR_MODE = 0o700  # the tier's directory and its files: the owner's only (KV is users' prompts)
+FILE_MODE = 0o600
 LOCK_NAME = ".lock"
 _BLOCK_NAME = re.compile(r"([0-9a-f]{32})\.kvb")
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{32}\.\d+\.tmp")
@@ -110,7 +113,7 @@ class DiskTier(Tier):
         self._layout_text = layout.describe()
         self._lock = threading.Lock()  # orders renames (write) against deletes (discard)
         self._temp_ids = itertools.count()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _private_directory(self.directory)
         self._lock_fd = _lock_directory(self.directory)
         self._dir_fd: int | None = None
         try:
@@ -136,7 +139,7 @@ class DiskTier(Tier):
         final = self._path(key)
         temp = self.directory / f".{key.hex()}.{next(self._temp_ids)}.tmp"
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
             try:
                 _write_all(fd, [memoryview(header), memoryview(payload.reshape(-1))])
                 if self.fsync:
@@ -173,10 +176,7 @@ class DiskTier(Tier):
             raise ValueError(f"disk tier: dst must be uint8 {list(shape)}, got {dst.dtype} {list(dst.shape)}")
         direct = dst.device.type == "cpu" and dst.is_contiguous()
         buffer = dst.numpy() if direct else np.empty(shape, dtype=np.uint8)
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise CorruptBlock(f"disk tier: block {key.hex()[:12]} has no file") from None
+        fd = self._open_block(key)
         try:
             header = self._verified_header(fd, key)
             if self._pacer is not None:
@@ -189,6 +189,8 @@ class DiskTier(Tier):
                 if not _read_exact(fd, memoryview(rows.reshape(-1)), offset):
                     raise CorruptBlock(f"disk tier: block {key.hex()[:12]} truncated while reading")
                 blockfile.verify_layers(header, rows, start + first)
+        except OSError as error:  # an I/O error mid-read: the block cannot be had, a miss
+            raise CorruptBlock(f"disk tier: block {key.hex()[:12]} unreadable: {error}") from None
         finally:
             os.close(fd)
         if self._pacer is not None:
@@ -234,6 +236,25 @@ class DiskTier(Tier):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise ValueError(f"disk tier: a block key is {KEY_BYTES} bytes, got {key!r}")
         return self.directory / f"{key.hex()}{SUFFIX}"
+
+    def _open_block(self, key: BlockKey) -> int:
+        """The open file of ``key``: a regular file, never followed through a link, never a
+        FIFO or device that could block the reader.
+
+        Raises:
+            CorruptBlock: no such file, or not one that can hold a block (a miss: dropped).
+        """
+        name = key.hex()[:12]
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CorruptBlock(f"disk tier: block {name} has no file") from None
+        except OSError as error:  # a directory or a link in its place, no permission, ...
+            raise CorruptBlock(f"disk tier: block {name} cannot be opened: {error}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptBlock(f"disk tier: block {name} is not a regular file")
+        return fd
 
     def _verified_header(self, fd: int, key: BlockKey) -> blockfile.BlockHeader:
         """The header of the open block file ``fd``, checked against ``key`` and this tier.
@@ -325,8 +346,16 @@ class _ReadPacer:
             time.sleep(left)
 
 
+def _private_directory(directory: Path) -> None:
+    """Create ``directory`` (and missing parents) for this user only; tighten it if it is wider:
+    block files hold users' prompts as KV."""
+    directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    if stat.S_IMODE(directory.stat().st_mode) & ~DIR_MODE:
+        os.chmod(directory, DIR_MODE)
+
+
 def _lock_directory(directory: Path) -> int:
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
