@@ -18,4 +18,12 @@ class TierUnavailable(RuntimeError):
 
 class TransferAbandoned(TierUnavailable):
     """A transfer timed out; its bytes may still land in the destination later, so the
-    caller must never reuse that destination (quarantine the slot) nor trust it."""
+    caller must never reuse that destination (quarantine the slot) nor trust it.
+
+    ``settled``: a future that completes once the stray transfer has ended one way or the other
+    (the destination is then safe to reuse); None when that cannot be known (retire it for good).
+    """
+
+    def __init__(self, *args: object, settled=None) -> None:
+        super().__init__(*args)
+        self.settled = settled

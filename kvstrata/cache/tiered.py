@@ -31,7 +31,7 @@ from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, Store
 from kvstrata.index.keys import BlockKey, Namespace, block_keys, token_array
 from kvstrata.index.prefix import Match
 from kvstrata.manager.manager import BlockManager
-from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
+from kvstrata.manager.plans import CopyPlan, Leg, LoadPlan, Room, Step, StorePlan
 from kvstrata.media import Medium
 from kvstrata.metrics import CacheMetrics
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
@@ -110,8 +110,6 @@ class TieredCache:
     def load(self, match: Match) -> LoadHandle:
         """Bring the matched blocks into the device tier; returns at once with a handle."""
         self._check_open()
-        if not isinstance(match, Match):
-            raise ValueError(f"load takes the Match of a lookup(), got {type(match).__name__}")
         start = time.perf_counter()
         handle = LoadHandle(match, self.layout.num_layers, self.device_block,
                             lambda keys: self.manager.unpin(Medium.DEVICE, keys))
@@ -129,8 +127,10 @@ class TieredCache:
         moves: list[TransferResult] = []  # the load's own legs (not its room's demotions)
         try:
             self._carry_out(plan.room)
-            fetched = self._moved(self._worker.move(plan.legs(Step.FETCH)), moves)
+            fetches = plan.legs(Step.FETCH)
+            fetched = self._moved(self._worker.move(fetches), moves)
             plan, drops = self.manager.complete_fetch(plan, fetched.failures)
+            self._release_when_settled(fetches, fetched)
             self._carry_out(drops)
             if fetched.error is not None:
                 raise fetched.error
@@ -224,6 +224,7 @@ class TieredCache:
         self._carry_out(plan.room)
         moved = self._moved(self._worker.move(plan.legs))
         landed, drops = self.manager.complete_copies(plan, moved.failures)
+        self._release_when_settled(plan.legs, moved)
         self._carry_out(drops)
         return landed
 
@@ -240,6 +241,11 @@ class TieredCache:
         if room:
             moved = self._moved(self._worker.carry_out(room))
             self.manager.complete_room(room, moved.failures)
+
+    def _release_when_settled(self, legs: Sequence[Leg], moved: Moved) -> None:
+        """A destination retired by an abandoned transfer is free again once that transfer ends."""
+        for leg, settled in moved.abandoned(legs):
+            settled.add_done_callback(lambda _, slot=leg.dst: self.manager.release_retired(slot))
 
     def _moved(self, moved: Moved, into: list[TransferResult] | None = None) -> Moved:
         for result in moved.transfers:

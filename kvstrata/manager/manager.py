@@ -123,6 +123,11 @@ class BlockManager:
             for key in keys:
                 self._tables[medium].unpin(key)
 
+    def release_retired(self, slot: Slot) -> None:
+        """A slot retired by an abandoned transfer is free again: that transfer has ended."""
+        with self._lock:
+            self._tables[slot.medium].unretire(slot.index)
+
     def adopt(self, medium: Medium, keys: Sequence[BlockKey]) -> int:
         """Record blocks found READY in a tier without a plan (recovered from disk, written to
         a shared pool by others): those not known yet, in order, until the table is full.
@@ -146,6 +151,8 @@ class BlockManager:
         """Pin each matched block where it is and reserve a device slot (and a host slot to
         stage in, where the source has no view and no direct path) for those not on the device,
         in order, until the first block that cannot be had."""
+        if not isinstance(match, Match):
+            raise ValueError(f"a load takes the Match of a lookup(), got {type(match).__name__}")
         blocks: list[LoadBlock] = []
         victims: list[Victim] = []
         stop: tuple[StopReason, Medium] | None = None

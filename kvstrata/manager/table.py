@@ -260,6 +260,13 @@ class BlockTable:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def unretire(self, slot: int) -> None:
+        """A retired slot is safe again (the transfer that could still land in it has ended)."""
+        if slot not in self._quarantined:
+            raise InvalidTransition(f"{self.name}: slot {slot} is not retired")
+        self._quarantined.remove(slot)
+        self._free.append(slot)
+
     @property
     def quarantined_slots(self) -> int:
         return len(self._quarantined)

@@ -64,7 +64,12 @@ class PoolUnavailable(TierUnavailable):
 
 
 class CallTimedOut(PoolUnavailable):
-    """A store call ran past ``op_timeout_s``. It may still be running, and touching its memory."""
+    """A store call ran past ``op_timeout_s``. It may still be running, and touching its memory,
+    until ``settled`` (the call's own future) completes."""
+
+    def __init__(self, *args: object, settled: Future | None = None) -> None:
+        super().__init__(*args)
+        self.settled = settled
 
 
 class PoolClient:
@@ -188,7 +193,8 @@ class PoolClient:
                     self._submit(_after, future, on_late, store)
                 except RuntimeError:
                     pass  # closed meanwhile
-            raise CallTimedOut(f"pool at {self.address}: {what} did not return within {self.op_timeout_s:g} s") from None
+            raise CallTimedOut(f"pool at {self.address}: {what} did not return within {self.op_timeout_s:g} s",
+                               settled=future) from None
 
     def mark_down(self, reason: str) -> None:
         """Fail calls fast from now until a probe passes, ``cooloff_s`` on."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -249,7 +250,7 @@ class RemoteTier(Tier):
         try:
             (got,) = client.call(f"get of {name}", "batch_get_into_multi_buffers", [name], [ptrs], [sizes])
         except CallTimedOut as error:
-            raise self._abandon(lane, direct, name, str(error)) from None
+            raise self._abandon(lane, direct, name, str(error), error.settled) from None
         if got < 0:
             self._get_failed(client, lane, direct, name, got)
         if got != sum(sizes):
@@ -295,7 +296,7 @@ class RemoteTier(Tier):
         try:
             got = client.call(f"batch get of {len(keys)} blocks", "batch_get_into_multi_buffers", names, ptrs, sizes)
         except CallTimedOut as error:
-            return [self._abandon(lane, True, names[0], str(error))] * len(keys)
+            return [self._abandon(lane, True, names[0], str(error), error.settled)] * len(keys)
         except PoolUnavailable as error:
             return [error] * len(keys)
         out: list[BaseException | None] = []
@@ -386,10 +387,13 @@ class RemoteTier(Tier):
         if getattr(self._lanes, "lane", None) is lane:
             self._lanes.lane = None
 
-    def _abandon(self, lane: _Lane, direct: bool, name: str, why: str) -> PoolUnavailable:
+    def _abandon(self, lane: _Lane, direct: bool, name: str, why: str, settled: Future | None) -> PoolUnavailable:
+        """The error for a get that did not end cleanly; ``settled`` completes once the stray
+        call has (the destination is then safe again; a finished call: already complete)."""
         self._retire(lane)
         if direct:
-            return TransferAbandoned(f"remote tier: {why}; the destination may still be written: quarantine it")
+            return TransferAbandoned(f"remote tier: {why}; the destination may still be written: quarantine it",
+                                     settled=settled)
         return PoolUnavailable(f"remote tier: {why}")
 
     def _get_failed(self, client: PoolClient, lane: _Lane, direct: bool, name: str, code: int) -> None:
@@ -404,8 +408,8 @@ class RemoteTier(Tier):
             # the transport failed: the object's size tells which.
             try:
                 size = client.call(f"size of {name}", "get_size", name)
-            except CallTimedOut as error:
-                raise self._abandon(lane, direct, name, str(error)) from None
+            except CallTimedOut as error:  # the get itself has returned: nothing more lands
+                raise self._abandon(lane, direct, name, str(error), _DONE) from None
             except PoolUnavailable:
                 size = None
             if size == OBJECT_NOT_FOUND:
@@ -413,7 +417,7 @@ class RemoteTier(Tier):
             if size is not None and size >= 0 and size != expected:
                 raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
         client.mark_down(f"get failed with Mooncake code {code}")
-        raise self._abandon(lane, direct, name, f"get of {name} failed (Mooncake code {code})")
+        raise self._abandon(lane, direct, name, f"get of {name} failed (Mooncake code {code})", _DONE)
 
     def _verified_header(self, key: BlockKey, head: bytes) -> poolvalue.ValueHeader:
         header = poolvalue.decode_header(head)
@@ -431,6 +435,10 @@ def _undo_late_put(store, name: str, codes: list[int]) -> None:
     # A put that completed after its caller gave up: its source may have changed meanwhile.
     if codes and codes[0] == 0:
         store.remove(name, True)
+
+
+_DONE: Future = Future()  # a call that returned (with an error): nothing of it is still running
+_DONE.set_result(None)
 
 
 def fresh_tag() -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -70,6 +70,14 @@ class Moved:
     def error(self) -> BaseException | None:
         """The first unexpected error (Failure.ERROR), to surface to the caller."""
         return next((e for f, e in zip(self.failures, self.errors) if f is Failure.ERROR), None)
+
+    def abandoned(self, legs: Sequence[Leg]) -> Iterator[tuple[Leg, Future]]:
+        """The legs (of those moved, in order) whose transfer was abandoned, each with the future
+        that completes once its stray transfer has ended (their destinations are safe then)."""
+        for leg, failure, error in zip(legs, self.failures, self.errors, strict=True):
+            settled = getattr(error, "settled", None)
+            if failure is Failure.ABANDONED and settled is not None:
+                yield leg, settled
 
     def __add__(self, other: Moved) -> Moved:
         return Moved(self.failures + other.failures, self.errors + other.errors, self.transfers + other.transfers)
