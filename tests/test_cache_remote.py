@@ -301,6 +301,39 @@ def test_pool_killed_mid_run_loads_end_in_bounded_time_and_local_tiers_keep_work
     assert seconds < bound_s
 
 
+def test_device_slots_a_hung_pool_read_retired_come_back_once_the_read_ends(private_pool, tmp_path):
+    """A direct pool -> device read that times out retires its device slots (bytes may still
+    land there); once the stray read has ended, they serve again: no slot is lost for good."""
+    from kvstrata.tiers.memory import DeviceTier
+
+    timeout_s = 1.0
+    config = make_config(private_pool.config, model_id(), "tcp", "direct", device=4, host=0)
+    remote = RemoteTier(LAYOUT, config.remote_bytes, private_pool.config, RemoteMode.TCP,
+                        namespace_tag=config.namespace().tag, op_timeout_s=timeout_s, cooloff_s=0.2)
+    cache = TieredCache(config, [DeviceTier(LAYOUT, config.device_bytes, "cpu"), remote])
+    try:
+        toks = tokens(40, 3, LAYOUT)
+        assert store(cache, toks).new_blocks == 3
+        cache.evict(D, 4)
+        assert cache.lookup(toks).media == (R,) * 3
+        os.kill(private_pool.daemon_pid, signal.SIGSTOP)  # it holds the bytes: the read hangs
+        try:
+            (result, handle), seconds = timed(lambda: load(cache, toks))
+            handle.release()
+        finally:
+            os.kill(private_pool.daemon_pid, signal.SIGCONT)
+        assert (result.blocks, result.stopped) == (0, StopReason.ABANDONED) and seconds < timeout_s + SLACK_S
+        device = cache.manager.table(D)
+        deadline = time.monotonic() + 10
+        while device.quarantined_slots and time.monotonic() < deadline:  # the stray read returns
+            time.sleep(0.05)
+        assert (device.quarantined_slots, device.free_blocks) == (0, 4)
+        time.sleep(0.3)  # past the cool-off: the pool is probed and serves again
+        assert store(cache, tokens(41, 4, LAYOUT)).new_blocks == 4  # every device slot usable
+    finally:
+        cache.close()
+
+
 # --- a block gone under a reader ---------------------------------------------------------------
 
 
