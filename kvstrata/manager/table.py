@@ -54,7 +54,7 @@ class InvalidTransition(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     key: BlockKey
     slot: int
@@ -62,6 +62,7 @@ class Entry:
     pins: int = 0
     hits: int = 0
     handed_from: BlockKey | None = None  # WRITING in the slot of this victim, still EVICTING
+    handed_to: BlockKey | None = None  # EVICTING, its slot handed over to this block
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,15 @@ class BlockTable:
         if capacity_blocks < 0:
             raise ValueError(f"{name}: capacity_blocks must be >= 0, got {capacity_blocks}")
         self.name = name
-        self.capacity_blocks = capacity_blocks
+        self.capacity_blocks = capacity_blocks  # may shrink below the slots there are (shrink_to_used)
         self._policy = policy
         self._entries: dict[BlockKey, Entry] = {}
-        self._owner: dict[int, BlockKey] = {}  # slot -> the key whose slot it is
-        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._owned = 0  # slots owned by an entry (one that has not handed its slot over)
+        # Free slots: those released (reused first), then the never-used ones from _fresh up:
+        # memory in use grows with the blocks held, not with the capacity (a 100 GB disk tier of
+        # 4 KiB blocks would otherwise list 24 million free slots, ~0.9 GB, before holding any).
+        self._free: list[int] = []
+        self._fresh = 0
         self._quarantined: set[int] = set()  # slots retired by abandoned transfers
 
     # --- state changes ---------------------------------------------------------------------
@@ -99,23 +104,26 @@ class BlockTable:
         """
         if key in self._entries:
             return None
-        if not self._free:
+        if not self.free_blocks:
             raise TierFull(f"{self.name}: all {self.capacity_blocks} slots in use")
         self._move(None, key, BlockState.WRITING)
-        slot = self._free.pop()
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot, self._fresh = self._fresh, self._fresh + 1
         self._entries[key] = Entry(key, slot, BlockState.WRITING)
-        self._owner[slot] = key
+        self._owned += 1
         return Reservation(key, slot)
 
     def hand_over(self, victim: Reservation, key: BlockKey) -> Reservation:
         """Reserve ``key`` (WRITING) in the slot of ``victim``, a block still EVICTING here."""
         entry = self._entries.get(victim.key)
-        if entry is None or entry.state is not BlockState.EVICTING or self._owner.get(entry.slot) != victim.key:
+        if entry is None or entry.state is not BlockState.EVICTING or entry.handed_to is not None:
             raise InvalidTransition(f"{self.name}: hand_over from a block that is not evicting in its own slot")
         if key in self._entries:
             raise InvalidTransition(f"{self.name}: hand_over to block {key.hex()[:12]}, which is here already")
         self._entries[key] = Entry(key, entry.slot, BlockState.WRITING, handed_from=victim.key)
-        self._owner[entry.slot] = key
+        entry.handed_to = key
         return Reservation(key, entry.slot)
 
     def complete_store(self, key: BlockKey, ok: bool, pin: bool = False) -> None:
@@ -170,7 +178,7 @@ class BlockTable:
     def restore(self, key: BlockKey) -> None:
         """An EVICTING block stays after all (its slot was not handed over)."""
         entry = self._entries.get(key)
-        if entry is None or entry.state is not BlockState.EVICTING or self._owner.get(entry.slot) != key:
+        if entry is None or entry.state is not BlockState.EVICTING or entry.handed_to is not None:
             raise InvalidTransition(f"{self.name}: restore of a block that is not being evicted from its own slot")
         self._move(entry, key, BlockState.READY)
         entry.state = BlockState.READY
@@ -182,25 +190,24 @@ class BlockTable:
         if entry is None or entry.state is not BlockState.WRITING:
             raise InvalidTransition(f"{self.name}: quarantine of a block that is not being written")
         del self._entries[key]
-        del self._owner[entry.slot]
+        self._owned -= 1
         self._quarantined.add(entry.slot)
 
     def _drop(self, entry: Entry) -> None:
         del self._entries[entry.key]
         self._policy.removed(entry.key)
-        slot = entry.slot
-        if self._owner.get(slot) != entry.key:
+        if entry.handed_to is not None:
             # Released after handing its slot over: the slot is the new block's now.
-            successor = self._entries.get(self._owner.get(slot))
+            successor = self._entries.get(entry.handed_to)
             if successor is not None and successor.handed_from == entry.key:
                 successor.handed_from = None
             return
         victim = self._entries.get(entry.handed_from) if entry.handed_from else None
-        if victim is not None and victim.state is BlockState.EVICTING and victim.slot == slot:
-            self._owner[slot] = victim.key  # the victim's bytes are still in use: give it back
-        else:
-            del self._owner[slot]
-            self._free.append(slot)
+        if victim is not None and victim.state is BlockState.EVICTING and victim.handed_to == entry.key:
+            victim.handed_to = None  # the victim's bytes are still in use: its slot goes back to it
+            return
+        self._owned -= 1
+        self._free.append(entry.slot)
 
     # --- readers ----------------------------------------------------------------------------
 
@@ -258,7 +265,12 @@ class BlockTable:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return max(0, self.capacity_blocks - self._owned - len(self._quarantined))
+
+    def shrink_to_used(self) -> None:
+        """Hold no more blocks than now (the medium ran out of space below its configured
+        capacity): a later reservation must make room first."""
+        self.capacity_blocks = min(self.capacity_blocks, self._owned + len(self._quarantined))
 
     def unretire(self, slot: int) -> None:
         """A retired slot is safe again (the transfer that could still land in it has ended)."""
@@ -272,5 +284,5 @@ class BlockTable:
         return len(self._quarantined)
 
     def owners(self) -> dict[int, BlockKey]:
-        """Slot -> the key that owns it (for invariant checks)."""
-        return dict(self._owner)
+        """Slot -> the key that owns it (for invariant checks; walks every entry)."""
+        return {e.slot: e.key for e in self._entries.values() if e.handed_to is None}

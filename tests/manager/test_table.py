@@ -594,3 +594,25 @@ def test_hand_over_needs_an_evicting_owner_and_an_absent_key():
         t.hand_over(victim, D)  # the slot is C's now
     with pytest.raises(InvalidTransition):
         t.restore(victim.key)  # nor can the victim come back to it
+
+
+def test_memory_grows_with_the_blocks_held_not_with_the_capacity():
+    """A disk tier of 100 GB in 4 KiB blocks is 24 million slots: listing them free up front
+    cost ~0.9 GB before holding a block. Held blocks cost their entry alone, bounded."""
+    import tracemalloc
+
+    keys = [i.to_bytes(16, "little") for i in range(20_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        t = BlockTable(25_000_000, Eviction.LRU.make(), name="disk")
+        empty = tracemalloc.get_traced_memory()[0] - before
+        for key in keys:
+            t.prepare_store(key)
+            t.complete_store(key, ok=True)
+        per_block = (tracemalloc.get_traced_memory()[0] - before - empty) / len(keys)
+    finally:
+        tracemalloc.stop()
+    assert empty < 64 * 1024, f"an empty table of 25M slots takes {empty} bytes"
+    assert per_block < 320, f"{per_block:.0f} bytes per block held (keys excluded)"
+    assert t.free_blocks == 25_000_000 - len(keys)
