@@ -228,27 +228,27 @@ def _print_cache(report: CacheBenchReport) -> None:
         if not isinstance(lmc, LMCacheMeasured):
             return "-", "-"
         fig = theirs(lmc)
-        return _gbps(fig.rate.gbps), _x(fig.ours_over_lmcache)
+        return _gbps(fig.rate.median), _x(fig.ours_over_lmcache)
 
     none = ("-", "-")
     # (figure judged, label, what is timed, ours, baseline, ratio, LMCache and ours / LMCache)
     rows: list[tuple[CacheFigure | None, str, str, str, str, str, tuple[str, str]]] = [
-        (None, "device store", "store() into device tier", _gbps(dev.store_gbps),
-         f"copy d->d {_gbps(dev.baseline_gbps)}", _x(dev.ratio), none),
+        (None, "device store", "store() into device tier", _gbps(dev.store.ours),
+         f"copy d->d {_gbps(dev.store.baseline)}", _x(dev.store.ratio), none),
         (None, "device hit", f"load() of {c.config.blocks} device blocks", f"{dev.hit_ms:.3f} ms", "-", "-", none),
-        (CacheFigure.HOST_STORE, "host store", "device tier -> host", _gbps(host.store_gbps),
-         f"copy d->h {_gbps(host.store_baseline_gbps)}", _x(host.store_ratio), lm(lambda m: m.host.store)),
-        (CacheFigure.HOST_RESTORE, "host restore", "load(): host -> device", _gbps(host.restore_gbps),
-         f"copy h->d {_gbps(host.baseline_gbps)}", _x(host.restore_ratio), lm(lambda m: m.host.retrieve)),
-        (CacheFigure.DISK_STORE, "disk store", "host -> disk (buffered)", _gbps(disk.store_gbps),
-         f"write {_gbps(disk.store_baseline_gbps)}", _x(disk.store_ratio), lm(lambda m: m.disk.store)),
-        (CacheFigure.DISK_COLD, "disk restore, cold", "load(): disk->host->device", _gbps(cold.restore_gbps),
-         f"cold read {_gbps(cold.baseline_gbps)}", _x(cold.ratio), lm(lambda m: m.disk.retrieve_cold)),
-        (CacheFigure.DISK_WARM, "disk restore, warm", "load(): disk->host->device", _gbps(warm.restore_gbps),
-         f"copy h->d {_gbps(warm.baseline_gbps)}", _x(warm.ratio), lm(lambda m: m.disk.retrieve_warm)),
+        (CacheFigure.HOST_STORE, "host store", "device tier -> host", _gbps(host.store.ours),
+         f"copy d->h {_gbps(host.store.baseline)}", _x(host.store.ratio), lm(lambda m: m.host.store)),
+        (CacheFigure.HOST_RESTORE, "host restore", "load(): host -> device", _gbps(host.restore.ours),
+         f"copy h->d {_gbps(host.restore.baseline)}", _x(host.restore.ratio), lm(lambda m: m.host.retrieve)),
+        (CacheFigure.DISK_STORE, "disk store", "host -> disk (buffered)", _gbps(disk.store.ours),
+         f"write {_gbps(disk.store.baseline)}", _x(disk.store.ratio), lm(lambda m: m.disk.store)),
+        (CacheFigure.DISK_COLD, "disk restore, cold", "load(): disk->host->device", _gbps(cold.restore.ours),
+         f"cold read {_gbps(cold.restore.baseline)}", _x(cold.restore.ratio), lm(lambda m: m.disk.retrieve_cold)),
+        (CacheFigure.DISK_WARM, "disk restore, warm", "load(): disk->host->device", _gbps(warm.restore.ours),
+         f"copy h->d {_gbps(warm.restore.baseline)}", _x(warm.restore.ratio), lm(lambda m: m.disk.retrieve_warm)),
         (None, "", "", "", f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.raw_read_ratio), ("", "")),
         (None, "disk tier read, cold", "DiskTier: disk -> host", _gbps(cold.tier_read_gbps),
-         f"cold read {_gbps(cold.baseline_gbps)}", _x(cold.tier_read_ratio), none),
+         f"cold read {_gbps(cold.restore.baseline)}", _x(cold.tier_read_ratio), none),
         (None, "disk tier read, warm", "DiskTier: disk -> host", _gbps(warm.tier_read_gbps),
          f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.tier_read_ratio), none),
     ]
@@ -273,7 +273,7 @@ def _print_cache(report: CacheBenchReport) -> None:
     out = cli.console()
     out.print(table)
     met = sum(g.passed for g in report.goals)
-    copies = ", ".join(f"{name.removeprefix('copy.')} {_gbps(fig.gbps)}" for name, fig in report.baselines.items()
+    copies = ", ".join(f"{name.removeprefix('copy.')} {_gbps(fig.median)}" for name, fig in report.baselines.items()
                        if name.startswith("copy."))
     out.print(f"goals met: {met} of {len(report.goals)}. Plain copies, GB/s: {copies}.", highlight=False)
     if isinstance(lmc, LMCacheMeasured):
@@ -336,17 +336,17 @@ def _print_remote(report: RemoteBenchReport) -> None:
         name = mode.value
         rows += [
             (RemoteFigure.of(mode, store=False), f"{name} restore", f"RemoteTier.read_into, {workers} workers",
-             _gbps(m.restore_gbps), f"batch_get_into {_gbps(m.raw_gbps)}", _x(m.ratio)),
+             _gbps(m.restore.ours), f"batch_get_into {_gbps(m.restore.baseline)}", _x(m.restore.ratio)),
             (RemoteFigure.of(mode, store=True), f"{name} store", f"RemoteTier.write, {workers} workers",
-             _gbps(m.store_gbps), f"batch_put_from {_gbps(m.raw_store_gbps)}", _x(m.store_ratio)),
+             _gbps(m.store.ours), f"batch_put_from {_gbps(m.store.baseline)}", _x(m.store.ratio)),
             (None, f"{name} cache restore, direct", "load(): pool -> device", _gbps(direct.restore_gbps),
              f"batch_get_into {_gbps(direct.raw_gbps)}", _x(direct.ratio)),
             (None, f"{name} cache restore, staged", "load(): pool -> host -> device", _gbps(staged.restore_gbps),
              f"batch_get_into {_gbps(staged.raw_gbps)}", _x(staged.ratio)),
-            (None, f"{name} first byte", f"restore of one {block} block; time ratio", _ms2(m.ttfb_ms),
-             f"batch_get_into {_ms2(m.raw_ttfb_ms)}", _x(m.ttfb_time_ratio)),
+            (None, f"{name} first byte", f"restore of one {block} block; time ratio", _ms2(m.ttfb.ours),
+             f"batch_get_into {_ms2(m.ttfb.baseline)}", _x(m.ttfb.ratio)),
             (None, f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
-             _ms2(m.lookup_ms), f"batch_is_exist {_ms2(m.raw_exists_ms)}", _x(m.lookup_time_ratio)),
+             _ms2(m.lookup.ours), f"batch_is_exist {_ms2(m.lookup.baseline)}", _x(m.lookup.ratio)),
         ]
     pool = c.pool
     title = (
