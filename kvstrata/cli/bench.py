@@ -463,7 +463,7 @@ def run_recompute(args: argparse.Namespace) -> int:
 def _print_recompute(report: RecomputeBenchReport) -> None:
     from kvstrata.plan.recompute import Strategy
 
-    c, p = report.config, report.prefill
+    c, p = report.config, report.prefill.fit
     title = (
         f"kvstrata bench recompute: tiny model, {c.prompt_tokens:,}-token prompt, {c.cached_tokens:,} cached "
         f"on disk only ({c.cached_bytes / 1e6:.1f} MB), blocks of {c.block_tokens} tokens; "
@@ -489,7 +489,7 @@ def _print_recompute(report: RecomputeBenchReport) -> None:
     passed = sum(r.passed for r in report.rates)
     out.print(
         f"goal auto <= {c.goal_ratio:g} x min(load, recompute): met at {passed} of {len(report.rates)} rates. "
-        f"Prefill fit (measured here, {p.measure_s:.1f} s): {p.latency_s * 1e3:.2f} ms + "
+        f"Prefill fit (measured here, {report.prefill.measure_s:.1f} s): {p.latency_s * 1e3:.2f} ms + "
         f"{p.tokens_per_s:,.0f} tokens/s + attention {p.attn_s:.3g} s per token pair. "
         f"Load model: {c.load_model}. 'tokens': every run's first token vs the cold run's. "
         f"Wall {report.wall_s:.0f} s.",
