@@ -115,7 +115,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     recompute.add_argument("--cached-tokens", type=int, default=4096, help="the cached prefix, tokens (default: 4096)")
     recompute.add_argument("--tail-tokens", type=int, default=64, help="prompt tokens after it (default: 64)")
     recompute.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default: 64)")
-    recompute.add_argument("--repeats", type=int, default=9, help="timed rounds per rate after one warm-up, >= 3 (default: 9)")
+    _rounds_args(recompute, repeats=9, per=" per rate")
     _dir_arg(recompute)
     recompute.add_argument("--plot", metavar="FILE", help="also plot TTFT against the read cap (matplotlib) to FILE")
     cli.add_json_arg(recompute)
@@ -138,10 +138,12 @@ def _kv_args(p: argparse.ArgumentParser, size_mib: int, blocks: int, what: str) 
     p.add_argument("--model", default="llama-3-8b", help="model preset or config for the KV geometry")
 
 
-def _rounds_args(p: argparse.ArgumentParser, repeats: int, per: str, workers_help: str) -> None:
+def _rounds_args(p: argparse.ArgumentParser, repeats: int, per: str, workers_help: str | None = None) -> None:
+    """``--repeats`` (see :mod:`kvstrata.bench.rounds`), and ``--workers`` when it has a help text."""
     p.add_argument("--repeats", type=int, default=repeats,
                    help=f"timed rounds{per} after one warm-up, >= 3 (default: {repeats})")
-    p.add_argument("--workers", type=int, default=2, help=workers_help)
+    if workers_help is not None:
+        p.add_argument("--workers", type=int, default=2, help=workers_help)
 
 
 def _dir_arg(p: argparse.ArgumentParser) -> None:
