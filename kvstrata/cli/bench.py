@@ -48,8 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Measure kvstrata against plain copies, plain file I/O and other systems, "
         "in one run on the same bytes, and print the ratios.",
     )
-    benches = parser.add_subparsers(dest="bench_command", metavar="BENCH")
-    benches.required = True
+    benches = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     def bench(name: str, func: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
         p = benches.add_parser(name, help=help, description=description)
