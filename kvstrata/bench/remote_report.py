@@ -154,6 +154,6 @@ def remote_goals(modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> tuple[Go
     out = []
     for mode, figures in modes.items():
         if isinstance(figures, ModeFigures):
-            out.append(Goal(RemoteFigure.of(mode, store=False), f">={REMOTE_OF_RAW}x raw", figures.restore.ratio, REMOTE_OF_RAW))
-            out.append(Goal(RemoteFigure.of(mode, store=True), f">={REMOTE_OF_RAW}x raw", figures.store.ratio, REMOTE_OF_RAW))
+            for store, figure in ((False, figures.restore), (True, figures.store)):
+                out.append(Goal(RemoteFigure.of(mode, store=store), f">={REMOTE_OF_RAW}x raw", figure.ratio, REMOTE_OF_RAW))
     return tuple(out)
