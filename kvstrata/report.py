@@ -4,9 +4,11 @@
 Results are trees of frozen dataclasses keyed by the project's types; the words a reader
 sees are made here (JSON) or at the CLI (tables), never used as keys in between:
 
-* a dataclass: an object of its fields in order (``init=False`` fields too); a field whose
-  metadata is :data:`FLATTEN` (a dataclass) has its fields merged into the parent's, one
-  whose metadata is :data:`OMIT` is left out (bulk data kept for the caller, e.g. prompts);
+* a dataclass: an object of its fields in order (``init=False`` fields too), each under its
+  name or the key :func:`key` gives it; a field whose metadata is :data:`FLATTEN` or
+  :func:`flatten` (a dataclass) has its keys merged into the parent's (prefixed or renamed
+  there, so one figure type serves reports whose keys were named apart), one whose metadata is
+  :data:`OMIT` is left out (bulk data kept for the caller, e.g. prompts);
 * a :class:`~kvstrata.media.Medium`: its label (``"host"``), as a value or as a key;
 * a route (a non-empty tuple of media): its text (``"remote -> host -> device"``), as a value
   or as a key;
@@ -27,8 +29,26 @@ from typing import Any
 
 from kvstrata.media import Medium, route_text
 
-FLATTEN = {"json": "flatten"}
 OMIT = {"json": "omit"}
+
+
+def flatten(prefix: str = "", **keys: str) -> dict[str, Any]:
+    """Field metadata: merge the field's dataclass into the parent object, each of its keys
+    prefixed by ``prefix`` except those ``keys`` renames (its key -> the key in the parent).
+
+    ``flatten("store_", baseline_gbps="raw_store_gbps")`` puts ``{"gbps", "baseline_gbps",
+    "ratio"}`` in the parent as ``store_gbps``, ``raw_store_gbps`` and ``store_ratio``.
+    """
+    return {"json": "flatten", "prefix": prefix, "keys": keys}
+
+
+FLATTEN = flatten()
+
+
+def key(template: str) -> dict[str, str]:
+    """Field metadata: the field's JSON key, ``template`` filled in from the object's fields
+    (``key("min_{unit}")`` on an object whose ``unit`` is ``"ms"``: ``min_ms``)."""
+    return {"key": template}
 
 
 def to_json(obj: Any) -> Any:
@@ -69,10 +89,18 @@ def _fields(obj: Any) -> dict[str, Any]:
         if how == "flatten":
             if not dataclasses.is_dataclass(value):
                 raise TypeError(f"{type(obj).__name__}.{f.name}: only a dataclass can be flattened")
-            out.update(_fields(value))
+            renamed, prefix = f.metadata["keys"], f.metadata["prefix"]
+            out.update((renamed.get(k, prefix + k), v) for k, v in _fields(value).items())
         else:
-            out[f.name] = to_json(value)
+            out[_field_key(obj, f)] = to_json(value)
     return out
+
+
+def _field_key(obj: Any, f: dataclasses.Field) -> str:
+    template = f.metadata.get("key")
+    if template is None:
+        return f.name
+    return template.format_map({g.name: getattr(obj, g.name) for g in dataclasses.fields(obj)})
 
 
 def _is_route(value: tuple) -> bool:

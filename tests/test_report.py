@@ -16,7 +16,7 @@ from kvstrata.bench.rounds import Rounds
 from kvstrata.media import FetchPath, Medium
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.pool.scoped import PoolOrigin, PoolSource
-from kvstrata.report import FLATTEN, OMIT, dumps, to_json
+from kvstrata.report import FLATTEN, OMIT, dumps, flatten, key, to_json
 from kvstrata.workload import TierReport, Workload, WorkloadReport
 
 D, H, K, R = Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE
@@ -109,3 +109,23 @@ def test_a_workload_report_is_keyed_by_tier_label_and_keeps_prompts_out():
     assert "prompts" not in doc["tiers"]["host"] and "load_sizes" not in doc["tiers"]["host"]
     assert doc["tiers"]["remote"]["skipped"] == "--no-pool"
     assert report.prompts == ((1, 2, 3),)
+
+
+def test_a_flattened_field_may_prefix_or_rename_its_keys_and_a_key_may_name_a_unit():
+    @dataclass(frozen=True)
+    class Figure:
+        value: float = field(metadata=key("{unit}"))
+        baseline: float = field(metadata=key("baseline_{unit}"))
+        ratio: float = 1.0
+        unit: str = field(default="gbps", metadata=OMIT)
+
+    @dataclass(frozen=True)
+    class Parent:
+        store: Figure = field(metadata=flatten("store_"))
+        restore: Figure = field(metadata=flatten("restore_", baseline_gbps="raw_gbps", ratio="ratio"))
+        ttfb: Figure = field(metadata=flatten("ttfb_", baseline_ms="raw_ttfb_ms"))
+
+    doc = to_json(Parent(Figure(1.0, 2.0), Figure(3.0, 4.0, 0.75), Figure(5.0, 6.0, unit="ms")))
+    assert doc == {"store_gbps": 1.0, "store_baseline_gbps": 2.0, "store_ratio": 1.0,
+                   "restore_gbps": 3.0, "raw_gbps": 4.0, "ratio": 0.75,
+                   "ttfb_ms": 5.0, "raw_ttfb_ms": 6.0, "ttfb_ratio": 1.0}

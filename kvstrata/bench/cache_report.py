@@ -8,7 +8,7 @@ Built from the rounds of :func:`kvstrata.bench.cache.run_cache_bench`; serialize
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.bench.goals import (
     DISK_COLD_OF_RAW_READ,
@@ -21,8 +21,8 @@ from kvstrata.bench.goals import (
 )
 from kvstrata.bench.lookup import LookupTimes
 from kvstrata.bench.kvdata import KVSetup
-from kvstrata.bench.rounds import Environment, Rate, Rounds
-from kvstrata.report import FLATTEN
+from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
+from kvstrata.report import FLATTEN, flatten
 
 if TYPE_CHECKING:
     from kvstrata.bench.cache import CacheBenchConfig
@@ -40,40 +40,38 @@ class CacheRun:
     units: str = UNITS
 
 
+def _headline(step: str) -> dict[str, Any]:
+    """A tier's headline figure: the step's rate under its name, the baseline and the ratio bare
+    (``restore_gbps``, ``baseline_gbps``, ``ratio``: the keys the report always had)."""
+    return flatten(f"{step}_", baseline_gbps="baseline_gbps", ratio="ratio")
+
+
 @dataclass(frozen=True)
 class HostFigures:
-    store_gbps: float
-    restore_gbps: float
-    baseline_gbps: float
-    store_baseline_gbps: float
-    store_ratio: float
-    restore_ratio: float
+    store: Compared = field(metadata=flatten("store_"))
+    restore: Compared = field(metadata=flatten("restore_", baseline_gbps="baseline_gbps"))
     runs_gbps: dict[str, tuple[float, ...]]
     baseline: str = "plain torch copy device<->host into a pre-faulted buffer"
     ratio: float = field(init=False)  # the restore ratio
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ratio", self.restore_ratio)
+        object.__setattr__(self, "ratio", self.restore.ratio)
 
 
 @dataclass(frozen=True)
 class DiskCold:
-    restore_gbps: float
-    baseline_gbps: float
-    ratio: float
-    tier_read_gbps: float
+    restore: Compared = field(metadata=_headline("restore"))
+    tier_read_gbps: float  # DiskTier.read_into alone, against the restore's baseline
     tier_read_ratio: float
     baseline: str = "plain readinto of one file, page cache dropped"
 
 
 @dataclass(frozen=True)
 class DiskWarm:
-    restore_gbps: float
-    baseline_gbps: float
-    ratio: float
-    raw_read_gbps: float
+    restore: Compared = field(metadata=_headline("restore"))
+    raw_read_gbps: float  # plain readinto from the page cache: the restore against it too
     raw_read_ratio: float
-    tier_read_gbps: float
+    tier_read_gbps: float  # DiskTier.read_into alone, against the raw read
     tier_read_ratio: float
     baseline: str = "plain torch copy host -> device (raw_read: plain readinto from the page cache)"
 
@@ -82,28 +80,21 @@ class DiskWarm:
 class DiskFigures:
     """The top-level restore figures are the cold ones."""
 
-    store_gbps: float
-    store_baseline_gbps: float
-    store_ratio: float
+    store: Compared = field(metadata=flatten("store_"))
     cold: DiskCold
     warm: DiskWarm
     runs_gbps: dict[str, tuple[float, ...]]
     note: str = ("restore = load() of blocks on disk only (disk -> host -> device); tier_read = "
                  "DiskTier.read_into alone (disk -> host); top-level restore figures are the cold ones")
-    restore_gbps: float = field(init=False)
-    baseline_gbps: float = field(init=False)
-    ratio: float = field(init=False)
+    restore: Compared = field(init=False, metadata=_headline("restore"))
 
     def __post_init__(self) -> None:
-        for name in ("restore_gbps", "baseline_gbps", "ratio"):
-            object.__setattr__(self, name, getattr(self.cold, name))
+        object.__setattr__(self, "restore", self.cold.restore)
 
 
 @dataclass(frozen=True)
 class DeviceFigures:
-    store_gbps: float
-    baseline_gbps: float
-    ratio: float
+    store: Compared = field(metadata=_headline("store"))
     hit_ms: float
     runs_gbps: dict[str, tuple[float, ...]]
     note: str = "store = store() into the device tier; hit = load() of blocks already there (pins, no copy)"
@@ -120,7 +111,7 @@ class CacheTiers:
 class LMCacheFigure:
     """One LMCache step: its rate, over the same round's baseline, and ours over it."""
 
-    rate: Rate = field(metadata=FLATTEN)
+    rate: Summary = field(metadata=FLATTEN)
     baseline_ratio: float
     ours_over_lmcache: float
 
@@ -165,7 +156,7 @@ class CacheVerified:
 class CacheBenchReport:
     config: CacheRun
     tiers: CacheTiers
-    baselines: dict[str, Rate]
+    baselines: dict[str, Summary]
     lmcache: LMCacheMeasured | LMCacheAbsent
     lookup_128k_ms: dict[int, float]  # ours, per block size
     lookup_128k: dict[int, LookupTimes]
@@ -183,34 +174,27 @@ def cache_report(
     def gbps(name: str) -> float:
         return rounds.gbps(name, size)
 
+    def vs(ours: str, base: str) -> Compared:
+        return rounds.rate_vs(ours, base, size)
+
     def runs(*names: str) -> dict[str, tuple[float, ...]]:
-        return {name: rounds.rate(name, size).runs_gbps for name in names}
+        return {name: rounds.rate(name, size).runs for name in names}
 
     tiers = CacheTiers(
         host=HostFigures(
-            store_gbps=gbps("ours.host.store"),
-            restore_gbps=gbps("ours.host.restore"),
-            baseline_gbps=gbps("copy.host_to_device"),
-            store_baseline_gbps=gbps("copy.device_to_host"),
-            store_ratio=rounds.ratio("ours.host.store", "copy.device_to_host"),
-            restore_ratio=rounds.ratio("ours.host.restore", "copy.host_to_device"),
+            store=vs("ours.host.store", "copy.device_to_host"),
+            restore=vs("ours.host.restore", "copy.host_to_device"),
             runs_gbps=runs("ours.host.store", "ours.host.restore", "copy.device_to_host", "copy.host_to_device"),
         ),
         disk=DiskFigures(
-            store_gbps=gbps("ours.disk.store"),
-            store_baseline_gbps=gbps("raw.write"),
-            store_ratio=rounds.ratio("ours.disk.store", "raw.write"),
+            store=vs("ours.disk.store", "raw.write"),
             cold=DiskCold(
-                restore_gbps=gbps("ours.disk.restore_cold"),
-                baseline_gbps=gbps("raw.read_cold"),
-                ratio=rounds.ratio("ours.disk.restore_cold", "raw.read_cold"),
+                restore=vs("ours.disk.restore_cold", "raw.read_cold"),
                 tier_read_gbps=gbps("ours.disk.tier_read_cold"),
                 tier_read_ratio=rounds.ratio("ours.disk.tier_read_cold", "raw.read_cold"),
             ),
             warm=DiskWarm(
-                restore_gbps=gbps("ours.disk.restore_warm"),
-                baseline_gbps=gbps("copy.host_to_device.disk_warm"),
-                ratio=rounds.ratio("ours.disk.restore_warm", "copy.host_to_device.disk_warm"),
+                restore=vs("ours.disk.restore_warm", "copy.host_to_device.disk_warm"),
                 raw_read_gbps=gbps("raw.read_warm"),
                 raw_read_ratio=rounds.ratio("ours.disk.restore_warm", "raw.read_warm"),
                 tier_read_gbps=gbps("ours.disk.tier_read_warm"),
@@ -219,10 +203,8 @@ def cache_report(
             runs_gbps=runs(*(n for n in rounds.seconds if n.startswith(("ours.disk.", "raw.")))),
         ),
         device=DeviceFigures(
-            store_gbps=gbps("ours.device.store"),
-            baseline_gbps=gbps("copy.device_to_device"),
-            ratio=rounds.ratio("ours.device.store", "copy.device_to_device"),
-            hit_ms=rounds.latency("ours.device.hit").ms,
+            store=vs("ours.device.store", "copy.device_to_device"),
+            hit_ms=rounds.latency("ours.device.hit").median,
             runs_gbps=runs("ours.device.store", "copy.device_to_device"),
         ),
     )
@@ -264,10 +246,11 @@ def cache_goals(
     """Each tier against its baseline, LMCache when it ran, lookup time."""
     host, disk = tiers.host, tiers.disk
     out = [
-        Goal(CacheFigure.HOST_STORE, f">={HOST_STORE_OF_COPY}x copy", host.store_ratio, HOST_STORE_OF_COPY),
-        Goal(CacheFigure.HOST_RESTORE, f">={HOST_RESTORE_OF_COPY}x copy", host.restore_ratio, HOST_RESTORE_OF_COPY),
-        Goal(CacheFigure.DISK_COLD, f">={DISK_COLD_OF_RAW_READ}x cold read", disk.cold.ratio, DISK_COLD_OF_RAW_READ),
-        Goal(CacheFigure.DISK_WARM, f">={DISK_WARM_OF_COPY}x copy", disk.warm.ratio, DISK_WARM_OF_COPY),
+        Goal(CacheFigure.HOST_STORE, f">={HOST_STORE_OF_COPY}x copy", host.store.ratio, HOST_STORE_OF_COPY),
+        Goal(CacheFigure.HOST_RESTORE, f">={HOST_RESTORE_OF_COPY}x copy", host.restore.ratio, HOST_RESTORE_OF_COPY),
+        Goal(CacheFigure.DISK_COLD, f">={DISK_COLD_OF_RAW_READ}x cold read", disk.cold.restore.ratio,
+             DISK_COLD_OF_RAW_READ),
+        Goal(CacheFigure.DISK_WARM, f">={DISK_WARM_OF_COPY}x copy", disk.warm.restore.ratio, DISK_WARM_OF_COPY),
     ]
     if isinstance(lmcache, LMCacheMeasured):
         for figure, theirs in (

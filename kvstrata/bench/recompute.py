@@ -28,18 +28,19 @@ import statistics
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvstrata.bench.rounds import rotated
+from kvstrata.bench.rounds import check_rounds, rotated
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.media import Medium
-from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, fit_path
+from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, PrefillFit, fit_path
 from kvstrata.plan.recompute import PlanKind, Strategy
 from kvstrata.progress import NoProgress, Progress
+from kvstrata.report import FLATTEN
 
 PLANS = (Strategy.LOAD, Strategy.RECOMPUTE, Strategy.AUTO)
 PROBE_BLOCKS = (1, 2, 8)
@@ -72,14 +73,11 @@ class RecomputeBenchConfig:
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.cached_tokens < self.block_tokens or self.cached_tokens % self.block_tokens:
-            raise ValueError(f"cached_tokens {self.cached_tokens} must be a positive multiple of block_tokens "
-                             f"{self.block_tokens}")
-        if self.tail_tokens < 1:
-            raise ValueError(f"tail_tokens must be >= 1, got {self.tail_tokens}")
+            raise ValueError(f"bench recompute: cached_tokens {self.cached_tokens} must be a positive multiple of "
+                             f"block_tokens {self.block_tokens}")
         if not self.rates_gbps or any(not r > 0 for r in self.rates_gbps):
-            raise ValueError(f"rates_gbps must be positive, got {list(self.rates_gbps)}")
-        if self.repeats < 3:
-            raise ValueError(f"repeats must be >= 3, got {self.repeats}")
+            raise ValueError(f"bench recompute: rates_gbps must be positive, got {list(self.rates_gbps)}")
+        check_rounds(self, "bench recompute", ("tail_tokens",))
 
 
 @dataclass(frozen=True)
@@ -101,9 +99,7 @@ class RecomputeRun:
 class PrefillTiming:
     """The prefill fit measured on this host, and how long measuring it took."""
 
-    latency_s: float
-    tokens_per_s: float
-    attn_s: float
+    fit: PrefillFit = field(metadata=FLATTEN)
     measure_s: float
 
 
@@ -135,12 +131,18 @@ class RateRow:
 
 @dataclass(frozen=True)
 class RecomputeBenchReport:
+    """Every rate's row; ``passed`` and ``tokens_match`` when every row's are."""
+
     config: RecomputeRun
     prefill: PrefillTiming
     rates: tuple[RateRow, ...]
-    passed: bool
-    tokens_match: bool
+    passed: bool = field(init=False)
+    tokens_match: bool = field(init=False)
     wall_s: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "passed", all(r.passed for r in self.rates))
+        object.__setattr__(self, "tokens_match", all(r.tokens_match for r in self.rates))
 
 
 def run_recompute_bench(config: RecomputeBenchConfig, progress: Progress | None = None) -> RecomputeBenchReport:
@@ -189,9 +191,7 @@ def run_recompute_bench(config: RecomputeBenchConfig, progress: Progress | None 
         block_tokens=config.block_tokens, block_bytes=layout.block_bytes, cached_bytes=hit_blocks * layout.block_bytes,
         repeats=config.repeats, goal_ratio=config.goal_ratio, torch_threads=torch.get_num_threads(),
     )
-    timing = PrefillTiming(prefill.latency_s, prefill.tokens_per_s, prefill.attn_s, prefill_s)
-    return RecomputeBenchReport(run, timing, tuple(rows), all(r.passed for r in rows), all(r.tokens_match for r in rows),
-                                time.perf_counter() - started)
+    return RecomputeBenchReport(run, PrefillTiming(prefill, prefill_s), tuple(rows), time.perf_counter() - started)
 
 
 def _run_rate(

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 from kvstrata.bench.goals import REMOTE_OF_RAW, Goal, RemoteFigure
 from kvstrata.bench.poolcache import ROUTES
 from kvstrata.bench.kvdata import KVSetup
-from kvstrata.bench.rounds import Environment, Latency, Rate, Rounds
+from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
 from kvstrata.media import FetchPath, Route
 from kvstrata.pool.config import RemoteMode
 from kvstrata.pool.scoped import PoolSource
-from kvstrata.report import FLATTEN
+from kvstrata.report import FLATTEN, flatten
 
 if TYPE_CHECKING:
     from kvstrata.bench.remote import RemoteBenchConfig
@@ -78,22 +78,14 @@ class ModeMethod:
 class ModeFigures:
     """One way into the pool, measured."""
 
-    restore_gbps: float
-    raw_gbps: float
-    ratio: float
-    store_gbps: float
-    raw_store_gbps: float
-    store_ratio: float
-    ttfb_ms: float
-    raw_ttfb_ms: float
-    ttfb_time_ratio: float
+    restore: Compared = field(metadata=flatten("restore_", baseline_gbps="raw_gbps", ratio="ratio"))
+    store: Compared = field(metadata=flatten("store_", baseline_gbps="raw_store_gbps"))
+    ttfb: Compared = field(metadata=flatten("ttfb_", baseline_ms="raw_ttfb_ms", ratio="ttfb_time_ratio"))
     ttfb_block_bytes: int
-    lookup_ms: float
-    raw_exists_ms: float
-    lookup_time_ratio: float
+    lookup: Compared = field(metadata=flatten("lookup_", baseline_ms="raw_exists_ms", ratio="lookup_time_ratio"))
     cache: dict[FetchPath, PathRestore]
-    gbps: dict[str, Rate]  # every timed transfer step
-    latency_ms: dict[str, Latency]  # every timed latency step
+    gbps: dict[str, Summary]  # every timed transfer step
+    latency_ms: dict[str, Summary]  # every timed latency step
     verified_bytes: int
     what: ModeMethod
     mode: str  # how the mode reaches the pool, in words
@@ -130,31 +122,17 @@ def mode_figures(
 ) -> ModeFigures:
     size = config.size_bytes
 
-    def gbps(name: str) -> float:
-        return rounds.gbps(name, size)
+    def path_restore(path: FetchPath, route: Route) -> PathRestore:
+        figure = rounds.rate_vs(f"cache.{path.value}", "raw.restore", size)
+        return PathRestore(route, figure.ours, figure.baseline, figure.ratio)
 
-    def ms(name: str) -> float:
-        return rounds.latency(name).ms
-
-    cache = {
-        path: PathRestore(route, gbps(f"cache.{path.value}"), gbps("raw.restore"), rounds.ratio(f"cache.{path.value}", "raw.restore"))
-        for path, route in ROUTES.items()
-    }
     return ModeFigures(
-        restore_gbps=gbps("ours.restore"),
-        raw_gbps=gbps("raw.restore"),
-        ratio=rounds.ratio("ours.restore", "raw.restore"),
-        store_gbps=gbps("ours.store"),
-        raw_store_gbps=gbps("raw.store"),
-        store_ratio=rounds.ratio("ours.store", "raw.store"),
-        ttfb_ms=ms("ours.ttfb"),
-        raw_ttfb_ms=ms("raw.ttfb"),
-        ttfb_time_ratio=rounds.time_ratio("ours.ttfb", "raw.ttfb"),
+        restore=rounds.rate_vs("ours.restore", "raw.restore", size),
+        store=rounds.rate_vs("ours.store", "raw.store", size),
+        ttfb=rounds.time_vs("ours.ttfb", "raw.ttfb"),
         ttfb_block_bytes=size // config.blocks,
-        lookup_ms=ms("cache.lookup"),
-        raw_exists_ms=ms("raw.exists"),
-        lookup_time_ratio=rounds.time_ratio("cache.lookup", "raw.exists"),
-        cache=cache,
+        lookup=rounds.time_vs("cache.lookup", "raw.exists"),
+        cache={path: path_restore(path, route) for path, route in ROUTES.items()},
         gbps={name: rounds.rate(name, size) for name in ("ours.store", "raw.store", "ours.restore", "raw.restore",
                                                           "cache.direct", "cache.staged")},
         latency_ms={name: rounds.latency(name) for name in ("ours.ttfb", "raw.ttfb", "cache.lookup", "raw.exists")},
@@ -176,6 +154,6 @@ def remote_goals(modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> tuple[Go
     out = []
     for mode, figures in modes.items():
         if isinstance(figures, ModeFigures):
-            out.append(Goal(RemoteFigure.of(mode, store=False), f">={REMOTE_OF_RAW}x raw", figures.ratio, REMOTE_OF_RAW))
-            out.append(Goal(RemoteFigure.of(mode, store=True), f">={REMOTE_OF_RAW}x raw", figures.store_ratio, REMOTE_OF_RAW))
+            for store, figure in ((False, figures.restore), (True, figures.store)):
+                out.append(Goal(RemoteFigure.of(mode, store=store), f">={REMOTE_OF_RAW}x raw", figure.ratio, REMOTE_OF_RAW))
     return tuple(out)

@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import torch
 
+from kvstrata.report import OMIT, key
+
 T = TypeVar("T")
 
 GB = 1e9  # decimal, as everywhere in kvstrata
@@ -48,23 +50,37 @@ def check_rounds(config: object, what: str, positive: Sequence[str]) -> None:
 
 
 @dataclass(frozen=True)
-class Rate:
-    """A step's rate over the timed rounds, decimal GB/s: the median, the extremes, every round."""
+class Summary:
+    """A step's figure over the timed rounds, in ``unit``: the median, the extremes, every round.
 
-    gbps: float
-    min_gbps: float
-    max_gbps: float
-    runs_gbps: tuple[float, ...]
+    ``unit`` is ``"gbps"`` (a rate, decimal GB/s) or ``"ms"`` (a time); the JSON keys carry it
+    (``gbps``, ``min_gbps``, ``max_gbps``, ``runs_gbps``).
+    """
+
+    median: float = field(metadata=key("{unit}"))
+    min: float = field(metadata=key("min_{unit}"))
+    max: float = field(metadata=key("max_{unit}"))
+    runs: tuple[float, ...] = field(metadata=key("runs_{unit}"))
+    unit: str = field(metadata=OMIT)
+
+    @staticmethod
+    def of(values: tuple[float, ...], unit: str) -> Summary:
+        return Summary(statistics.median(values), min(values), max(values), values, unit)
 
 
 @dataclass(frozen=True)
-class Latency:
-    """A step's time over the timed rounds, milliseconds: the median, the extremes, every round."""
+class Compared:
+    """Ours beside a baseline timed in the same rounds, in ``unit``: both medians and the
+    paired ratio (median over rounds of ours / baseline in that unit; for times < 1 is faster).
 
-    ms: float
-    min_ms: float
-    max_ms: float
-    runs_ms: tuple[float, ...]
+    JSON keys ``gbps``, ``baseline_gbps``, ``ratio`` (``ms``, ``baseline_ms`` for times), which
+    a report flattens under its own names (:func:`kvstrata.report.flatten`).
+    """
+
+    ours: float = field(metadata=key("{unit}"))
+    baseline: float = field(metadata=key("baseline_{unit}"))
+    ratio: float
+    unit: str = field(metadata=OMIT)
 
 
 @dataclass(frozen=True)
@@ -93,18 +109,16 @@ class Rounds:
     def __contains__(self, name: str) -> bool:
         return name in self.seconds
 
-    def rate(self, name: str, size_bytes: int) -> Rate:
+    def rate(self, name: str, size_bytes: int) -> Summary:
         """One step's rate, ``size_bytes`` moved per round."""
-        rates = tuple(size_bytes / s / GB for s in self.seconds[name])
-        return Rate(statistics.median(rates), min(rates), max(rates), rates)
+        return Summary.of(tuple(size_bytes / s / GB for s in self.seconds[name]), "gbps")
 
     def gbps(self, name: str, size_bytes: int) -> float:
         """The median of :meth:`rate`."""
-        return self.rate(name, size_bytes).gbps
+        return self.rate(name, size_bytes).median
 
-    def latency(self, name: str) -> Latency:
-        values = tuple(s * 1e3 for s in self.seconds[name])
-        return Latency(statistics.median(values), min(values), max(values), values)
+    def latency(self, name: str) -> Summary:
+        return Summary.of(tuple(s * 1e3 for s in self.seconds[name]), "ms")
 
     def ratio(self, ours: str, base: str) -> float:
         """Median over rounds of ours' rate / base's rate (same bytes: base seconds / ours)."""
@@ -115,3 +129,11 @@ class Rounds:
         """Median over rounds of ours' time / base's time (for latencies: < 1 is faster)."""
         pairs = zip(self.seconds[ours], self.seconds[base], strict=True)
         return statistics.median(o / b for o, b in pairs)
+
+    def rate_vs(self, ours: str, base: str, size_bytes: int) -> Compared:
+        """Ours' rate beside base's, ``size_bytes`` moved per round by each."""
+        return Compared(self.gbps(ours, size_bytes), self.gbps(base, size_bytes), self.ratio(ours, base), "gbps")
+
+    def time_vs(self, ours: str, base: str) -> Compared:
+        """Ours' time beside base's, milliseconds."""
+        return Compared(self.latency(ours).median, self.latency(base).median, self.time_ratio(ours, base), "ms")

@@ -37,6 +37,7 @@ from kvstrata.hardware.profile import load_profile
 from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.architectures import Architecture
 from kvstrata.progress import NoProgress, Progress
+from kvstrata.report import OMIT
 from kvstrata.sim.analyze import analyze
 from kvstrata.sim.engine import SimConfig, Simulation
 from kvstrata.sim.tiers import parse_arch
@@ -82,16 +83,16 @@ class SimBenchConfig:
 
 @dataclass(frozen=True)
 class TiledTrace:
-    """A trace built by :func:`tile_trace`.
+    """A trace built by :func:`tile_trace`; in a report, how the tiled trace was built.
 
     Attributes:
-        requests: in arrival order.
+        requests: in arrival order (kept out of the report).
         copies: copies of the source begun (the last may be partial).
         span_ms: the source's span, last arrival minus first; copy ``k`` is shifted by ``k`` spans.
         id_stride: copy ``k``'s ids are the source's plus ``k * id_stride``.
     """
 
-    requests: list[Request] = field(repr=False)
+    requests: list[Request] = field(repr=False, metadata=OMIT)
     copies: int
     span_ms: int
     id_stride: int
@@ -185,13 +186,6 @@ class ArchTiming:
 
 
 @dataclass(frozen=True)
-class Tiling:
-    copies: int
-    span_ms: int
-    id_stride: int
-
-
-@dataclass(frozen=True)
 class TraceTiming:
     """One trace: the baseline and a row per architecture (``tiling``: how it was built, if tiled)."""
 
@@ -200,7 +194,7 @@ class TraceTiming:
     span_ms: int
     baseline: BaselineTiming
     architectures: tuple[ArchTiming, ...]
-    tiling: Tiling | None = None
+    tiling: TiledTrace | None = None
 
 
 @dataclass(frozen=True)
@@ -234,7 +228,7 @@ def _timed(fn) -> tuple[float, float, Any]:
 
 def _bench_trace(
     label: str, requests: list[Request], config: SimBenchConfig, sim_config: SimConfig, progress: Progress,
-    tiling: Tiling | None = None,
+    tiling: TiledTrace | None = None,
 ) -> tuple[TraceTiming, list[Goal]]:
     """One trace's timings (baseline and a row per architecture) and its goals, a row each."""
     progress.step(f"{label}: baseline (analyze)")
@@ -276,10 +270,9 @@ def run_sim_bench(
     tiled = tile_trace(source, config.requests_large)
     sim_config = SimConfig(load_geometry(config.model), load_profile(config.hardware))
     progress.start(2 * (len(config.archs) + 1))
-    tiling = Tiling(tiled.copies, tiled.span_ms, tiled.id_stride)
     with _one_core(config.pin_one_core) as cpu:
         real, real_goals = _bench_trace("trace", source, config, sim_config, progress)
-        large, large_goals = _bench_trace("tiled", tiled.requests, config, sim_config, progress, tiling)
+        large, large_goals = _bench_trace("tiled", tiled.requests, config, sim_config, progress, tiled)
     run = SimRun(trace_path, config.hardware, config.model, sim_config.instance_count, sim_config.gpus_per_instance,
                  config.archs, config.requests_large, config.baseline_repeats, cpu)
     return SimBenchReport(run, (real, large), tuple(real_goals + large_goals))

@@ -83,8 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvstrata",
         description="Hardware-aware tiered KV cache: plan, inspect hardware, size KV.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
         importlib.import_module(f"kvstrata.cli.{name}").register(sub)
     return parser

@@ -48,8 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Measure kvstrata against plain copies, plain file I/O and other systems, "
         "in one run on the same bytes, and print the ratios.",
     )
-    benches = parser.add_subparsers(dest="bench_command", metavar="BENCH")
-    benches.required = True
+    benches = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     def bench(name: str, func: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
         p = benches.add_parser(name, help=help, description=description)
@@ -115,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     recompute.add_argument("--cached-tokens", type=int, default=4096, help="the cached prefix, tokens (default: 4096)")
     recompute.add_argument("--tail-tokens", type=int, default=64, help="prompt tokens after it (default: 64)")
     recompute.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default: 64)")
-    recompute.add_argument("--repeats", type=int, default=9, help="timed rounds per rate after one warm-up, >= 3 (default: 9)")
+    _rounds_args(recompute, repeats=9, per=" per rate")
     _dir_arg(recompute)
     recompute.add_argument("--plot", metavar="FILE", help="also plot TTFT against the read cap (matplotlib) to FILE")
     cli.add_json_arg(recompute)
@@ -138,10 +137,12 @@ def _kv_args(p: argparse.ArgumentParser, size_mib: int, blocks: int, what: str) 
     p.add_argument("--model", default="llama-3-8b", help="model preset or config for the KV geometry")
 
 
-def _rounds_args(p: argparse.ArgumentParser, repeats: int, per: str, workers_help: str) -> None:
+def _rounds_args(p: argparse.ArgumentParser, repeats: int, per: str, workers_help: str | None = None) -> None:
+    """``--repeats`` (see :mod:`kvstrata.bench.rounds`), and ``--workers`` when it has a help text."""
     p.add_argument("--repeats", type=int, default=repeats,
                    help=f"timed rounds{per} after one warm-up, >= 3 (default: {repeats})")
-    p.add_argument("--workers", type=int, default=2, help=workers_help)
+    if workers_help is not None:
+        p.add_argument("--workers", type=int, default=2, help=workers_help)
 
 
 def _dir_arg(p: argparse.ArgumentParser) -> None:
@@ -228,27 +229,27 @@ def _print_cache(report: CacheBenchReport) -> None:
         if not isinstance(lmc, LMCacheMeasured):
             return "-", "-"
         fig = theirs(lmc)
-        return _gbps(fig.rate.gbps), _x(fig.ours_over_lmcache)
+        return _gbps(fig.rate.median), _x(fig.ours_over_lmcache)
 
     none = ("-", "-")
     # (figure judged, label, what is timed, ours, baseline, ratio, LMCache and ours / LMCache)
     rows: list[tuple[CacheFigure | None, str, str, str, str, str, tuple[str, str]]] = [
-        (None, "device store", "store() into device tier", _gbps(dev.store_gbps),
-         f"copy d->d {_gbps(dev.baseline_gbps)}", _x(dev.ratio), none),
+        (None, "device store", "store() into device tier", _gbps(dev.store.ours),
+         f"copy d->d {_gbps(dev.store.baseline)}", _x(dev.store.ratio), none),
         (None, "device hit", f"load() of {c.config.blocks} device blocks", f"{dev.hit_ms:.3f} ms", "-", "-", none),
-        (CacheFigure.HOST_STORE, "host store", "device tier -> host", _gbps(host.store_gbps),
-         f"copy d->h {_gbps(host.store_baseline_gbps)}", _x(host.store_ratio), lm(lambda m: m.host.store)),
-        (CacheFigure.HOST_RESTORE, "host restore", "load(): host -> device", _gbps(host.restore_gbps),
-         f"copy h->d {_gbps(host.baseline_gbps)}", _x(host.restore_ratio), lm(lambda m: m.host.retrieve)),
-        (CacheFigure.DISK_STORE, "disk store", "host -> disk (buffered)", _gbps(disk.store_gbps),
-         f"write {_gbps(disk.store_baseline_gbps)}", _x(disk.store_ratio), lm(lambda m: m.disk.store)),
-        (CacheFigure.DISK_COLD, "disk restore, cold", "load(): disk->host->device", _gbps(cold.restore_gbps),
-         f"cold read {_gbps(cold.baseline_gbps)}", _x(cold.ratio), lm(lambda m: m.disk.retrieve_cold)),
-        (CacheFigure.DISK_WARM, "disk restore, warm", "load(): disk->host->device", _gbps(warm.restore_gbps),
-         f"copy h->d {_gbps(warm.baseline_gbps)}", _x(warm.ratio), lm(lambda m: m.disk.retrieve_warm)),
+        (CacheFigure.HOST_STORE, "host store", "device tier -> host", _gbps(host.store.ours),
+         f"copy d->h {_gbps(host.store.baseline)}", _x(host.store.ratio), lm(lambda m: m.host.store)),
+        (CacheFigure.HOST_RESTORE, "host restore", "load(): host -> device", _gbps(host.restore.ours),
+         f"copy h->d {_gbps(host.restore.baseline)}", _x(host.restore.ratio), lm(lambda m: m.host.retrieve)),
+        (CacheFigure.DISK_STORE, "disk store", "host -> disk (buffered)", _gbps(disk.store.ours),
+         f"write {_gbps(disk.store.baseline)}", _x(disk.store.ratio), lm(lambda m: m.disk.store)),
+        (CacheFigure.DISK_COLD, "disk restore, cold", "load(): disk->host->device", _gbps(cold.restore.ours),
+         f"cold read {_gbps(cold.restore.baseline)}", _x(cold.restore.ratio), lm(lambda m: m.disk.retrieve_cold)),
+        (CacheFigure.DISK_WARM, "disk restore, warm", "load(): disk->host->device", _gbps(warm.restore.ours),
+         f"copy h->d {_gbps(warm.restore.baseline)}", _x(warm.restore.ratio), lm(lambda m: m.disk.retrieve_warm)),
         (None, "", "", "", f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.raw_read_ratio), ("", "")),
         (None, "disk tier read, cold", "DiskTier: disk -> host", _gbps(cold.tier_read_gbps),
-         f"cold read {_gbps(cold.baseline_gbps)}", _x(cold.tier_read_ratio), none),
+         f"cold read {_gbps(cold.restore.baseline)}", _x(cold.tier_read_ratio), none),
         (None, "disk tier read, warm", "DiskTier: disk -> host", _gbps(warm.tier_read_gbps),
          f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.tier_read_ratio), none),
     ]
@@ -273,7 +274,7 @@ def _print_cache(report: CacheBenchReport) -> None:
     out = cli.console()
     out.print(table)
     met = sum(g.passed for g in report.goals)
-    copies = ", ".join(f"{name.removeprefix('copy.')} {_gbps(fig.gbps)}" for name, fig in report.baselines.items()
+    copies = ", ".join(f"{name.removeprefix('copy.')} {_gbps(fig.median)}" for name, fig in report.baselines.items()
                        if name.startswith("copy."))
     out.print(f"goals met: {met} of {len(report.goals)}. Plain copies, GB/s: {copies}.", highlight=False)
     if isinstance(lmc, LMCacheMeasured):
@@ -336,17 +337,17 @@ def _print_remote(report: RemoteBenchReport) -> None:
         name = mode.value
         rows += [
             (RemoteFigure.of(mode, store=False), f"{name} restore", f"RemoteTier.read_into, {workers} workers",
-             _gbps(m.restore_gbps), f"batch_get_into {_gbps(m.raw_gbps)}", _x(m.ratio)),
+             _gbps(m.restore.ours), f"batch_get_into {_gbps(m.restore.baseline)}", _x(m.restore.ratio)),
             (RemoteFigure.of(mode, store=True), f"{name} store", f"RemoteTier.write, {workers} workers",
-             _gbps(m.store_gbps), f"batch_put_from {_gbps(m.raw_store_gbps)}", _x(m.store_ratio)),
+             _gbps(m.store.ours), f"batch_put_from {_gbps(m.store.baseline)}", _x(m.store.ratio)),
             (None, f"{name} cache restore, direct", "load(): pool -> device", _gbps(direct.restore_gbps),
              f"batch_get_into {_gbps(direct.raw_gbps)}", _x(direct.ratio)),
             (None, f"{name} cache restore, staged", "load(): pool -> host -> device", _gbps(staged.restore_gbps),
              f"batch_get_into {_gbps(staged.raw_gbps)}", _x(staged.ratio)),
-            (None, f"{name} first byte", f"restore of one {block} block; time ratio", _ms2(m.ttfb_ms),
-             f"batch_get_into {_ms2(m.raw_ttfb_ms)}", _x(m.ttfb_time_ratio)),
+            (None, f"{name} first byte", f"restore of one {block} block; time ratio", _ms2(m.ttfb.ours),
+             f"batch_get_into {_ms2(m.ttfb.baseline)}", _x(m.ttfb.ratio)),
             (None, f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
-             _ms2(m.lookup_ms), f"batch_is_exist {_ms2(m.raw_exists_ms)}", _x(m.lookup_time_ratio)),
+             _ms2(m.lookup.ours), f"batch_is_exist {_ms2(m.lookup.baseline)}", _x(m.lookup.ratio)),
         ]
     pool = c.pool
     title = (
@@ -463,7 +464,7 @@ def run_recompute(args: argparse.Namespace) -> int:
 def _print_recompute(report: RecomputeBenchReport) -> None:
     from kvstrata.plan.recompute import Strategy
 
-    c, p = report.config, report.prefill
+    c, p = report.config, report.prefill.fit
     title = (
         f"kvstrata bench recompute: tiny model, {c.prompt_tokens:,}-token prompt, {c.cached_tokens:,} cached "
         f"on disk only ({c.cached_bytes / 1e6:.1f} MB), blocks of {c.block_tokens} tokens; "
@@ -489,7 +490,7 @@ def _print_recompute(report: RecomputeBenchReport) -> None:
     passed = sum(r.passed for r in report.rates)
     out.print(
         f"goal auto <= {c.goal_ratio:g} x min(load, recompute): met at {passed} of {len(report.rates)} rates. "
-        f"Prefill fit (measured here, {p.measure_s:.1f} s): {p.latency_s * 1e3:.2f} ms + "
+        f"Prefill fit (measured here, {report.prefill.measure_s:.1f} s): {p.latency_s * 1e3:.2f} ms + "
         f"{p.tokens_per_s:,.0f} tokens/s + attention {p.attn_s:.3g} s per token pair. "
         f"Load model: {c.load_model}. 'tokens': every run's first token vs the cold run's. "
         f"Wall {report.wall_s:.0f} s.",

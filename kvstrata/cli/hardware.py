@@ -37,8 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Inspect the hardware model: the catalog's bandwidths with their bases "
         "and sources, the built-in server profiles, and the graph a profile builds.",
     )
-    actions = parser.add_subparsers(dest="hardware_command", metavar="ACTION")
-    actions.required = True
+    actions = parser.add_subparsers(dest="hardware_command", metavar="ACTION", required=True)
     links = actions.add_parser("links", help="every catalog bandwidth, one way and both ways")
     links.set_defaults(func=run_links)
     listing = actions.add_parser("list", help="the built-in hardware profiles")

@@ -8,8 +8,7 @@ from kvstrata import cli
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="models for the engine integrations")
-    msub = p.add_subparsers(dest="model_command", metavar="ACTION")
-    msub.required = True
+    msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     m = msub.add_parser("make-tiny", help="write a tiny random-weight Llama model + tokenizer (no download)")
     m.add_argument("dir", help="output directory (created; reused if it holds the same tiny model)")
     defaults = _Defaults()

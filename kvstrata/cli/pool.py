@@ -27,8 +27,7 @@ def _size(text: str) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pool", help="start, stop or inspect the shared remote DRAM pool (Mooncake Store)")
-    actions = p.add_subparsers(dest="action", metavar="ACTION")
-    actions.required = True
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     start = actions.add_parser("start", help="start a master and a pool daemon on loopback")
     start.add_argument("--segment-size", type=_size, default=2 * GIB, help="DRAM the daemon serves (default 2GB)")
     for q in (start, actions.add_parser("stop", help="stop the embedded pool"),

@@ -22,8 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "trace", help="analyze or generate Mooncake-format request traces"
     )
-    tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
-    tsub.required = True
+    tsub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
 
     a = tsub.add_parser(
         "analyze", help="prefix-cache hit ratio of a trace at several LRU cache sizes"

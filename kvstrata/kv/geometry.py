@@ -369,16 +369,7 @@ def geometry_from_config(
     section = _decoder_section(_checked_mapping(config))
     _reject_unsizable(section)
     shape = _shape(section)
-    params = count_params(
-        section,
-        layers=shape.num_layers,
-        hidden=shape.hidden_size,
-        heads=shape.num_attention_heads,
-        kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        kv_lora_rank=shape.kv_lora_rank,
-        qk_rope_head_dim=shape.qk_rope_head_dim,
-    )
+    params = count_params(section, shape)
     return KVGeometry(
         name=name,
         attention=shape.attention,

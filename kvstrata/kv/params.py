@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.kv.fields import GeometryError, get_int, require_int
+
+if TYPE_CHECKING:  # geometry imports this module; the shape is only read here
+    from kvstrata.kv.geometry import KVShape
 
 # A gated-SiLU MLP holds three hidden x intermediate matrices: gate, up and down.
 _MLP_MATRICES = 3
@@ -51,40 +54,25 @@ class _MoE:
     moe_layers: int
 
 
-def count_params(
-    section: Mapping[str, Any],
-    *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    kv_lora_rank: int | None,
-    qk_rope_head_dim: int | None,
-) -> ParamCount:
-    """Count a decoder's parameters from its config and already-validated shape.
+def count_params(section: Mapping[str, Any], shape: KVShape) -> ParamCount:
+    """Count a decoder's parameters from its config and its already-read KV shape.
 
     Args:
         section: The decoder's config fields.
-        layers: Decoder layers.
-        hidden: Hidden size.
-        heads: Query heads.
-        kv_heads: KV heads (ignored for MLA).
-        head_dim: Per-head width (ignored for MLA).
-        kv_lora_rank: MLA latent width, or None for standard attention.
-        qk_rope_head_dim: MLA decoupled-RoPE width, or None for standard attention.
+        shape: Its layers, hidden size, query heads and KV heads and width (MLA: the latent's).
 
     Raises:
         GeometryError: a field the count needs is missing or invalid, or the MoE layout is
             one this module does not know.
     """
+    layers, hidden, heads = shape.num_layers, shape.hidden_size, shape.num_attention_heads
     vocab = require_int(section, "vocab_size")
     embeddings = vocab * hidden * (1 if section.get("tie_word_embeddings") else 2)
-    if kv_lora_rank is None:
+    if shape.kv_lora_rank is None:
         # q and o: hidden x (heads * head_dim); k and v: hidden x (kv_heads * head_dim).
-        attention = 2 * hidden * head_dim * (heads + kv_heads)
+        attention = 2 * hidden * shape.head_dim * (heads + shape.num_kv_heads)
     else:
-        attention = _mla_attention_params(section, hidden, heads, kv_lora_rank, qk_rope_head_dim)
+        attention = _mla_attention_params(section, hidden, heads, shape.kv_lora_rank, shape.qk_rope_head_dim)
     moe = _moe_layout(section, layers)
     moe_layers = moe.moe_layers if moe else 0
     dense_layers = layers - moe_layers

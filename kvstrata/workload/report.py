@@ -49,12 +49,12 @@ class TierReport:
     turns: int = 0
     ttft_cold_s: float | None = None
     ttft_warm_s: float | None = None
-    hit_rate: float = 0.0
+    hit_rate: float = field(init=False)  # of hit_tokens and prompt_tokens
     hit_tokens: int = 0
     restored_bytes: int = 0
     restore_s: float = 0.0
     restore_alone_s: float = 0.0
-    restore_gbps: float = 0.0
+    restore_gbps: float = field(init=False)  # of restored_bytes and restore_s
     predicted_restore_s: float | None = None
     tokens_identical: bool = True
     paths: dict[Route, int] = field(default_factory=dict)
@@ -64,6 +64,12 @@ class TierReport:
     loads: int = 0
     load_sizes: tuple[tuple[int, int], ...] = field(default=(), metadata=OMIT)
     prompts: tuple[tuple[int, ...], ...] = field(default=(), metadata=OMIT, repr=False)
+
+    def __post_init__(self) -> None:
+        hit_rate = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        object.__setattr__(self, "hit_rate", hit_rate)
+        gbps = self.restored_bytes / self.restore_s / 1e9 if self.restore_s > 0 else 0.0
+        object.__setattr__(self, "restore_gbps", gbps)
 
 
 @dataclass(frozen=True)
@@ -110,12 +116,10 @@ class Tally:
             turns=len(self.prompts),
             ttft_cold_s=med(self.ttft_cold),
             ttft_warm_s=med(self.ttft_warm),
-            hit_rate=self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             hit_tokens=self.hit_tokens,
             restored_bytes=self.restored_bytes,
             restore_s=self.restore_s,
             restore_alone_s=self.restore_alone_s,
-            restore_gbps=self.restored_bytes / self.restore_s / 1e9 if self.restore_s > 0 else 0.0,
             tokens_identical=self.tokens_identical,
             paths=dict(self.paths),
             stream_bytes_per_step=self.stream_bytes_per_step,
