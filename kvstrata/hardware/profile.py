@@ -67,25 +67,27 @@ class SwitchSpec:
 
 
 @dataclass(frozen=True)
-class GpuSpec:
+class DeviceSpec:
+    """A device of the catalog in this server: its name here and its catalog model."""
+
     name: str
     model: str
+
+
+@dataclass(frozen=True)
+class GpuSpec(DeviceSpec):
     attach: str
     slot: Slot
 
 
 @dataclass(frozen=True)
-class NicSpec:
-    name: str
-    model: str
+class NicSpec(DeviceSpec):
     attach: tuple[str, ...]  # two entries = Socket Direct (a second x16 link via an aux card)
     slot: Slot
 
 
 @dataclass(frozen=True)
-class NvmeSpec:
-    name: str
-    model: str
+class NvmeSpec(DeviceSpec):
     attach: str
 
 

@@ -297,18 +297,9 @@ _WINDOWED_ATTENTION_KINDS = frozenset({"sliding_attention", "local", "chunked_at
 
 @dataclass(frozen=True)
 class KVShape:
-    """The shape of a decoder's KV per token, as its config states it (nothing sized).
-
-    Attributes:
-        attention: Attention kind, from the head counts (or MLA's latent fields).
-        num_layers: Decoder layers that keep KV.
-        num_attention_heads: Query heads.
-        num_kv_heads: KV heads per layer; 1 for MLA (one latent per token per layer).
-        head_dim: Elements per KV head; ``kv_lora_rank + qk_rope_head_dim`` for MLA.
-        hidden_size: The model's width.
-        kv_lora_rank: MLA latent width; None otherwise.
-        qk_rope_head_dim: MLA decoupled-RoPE key width; None otherwise.
-    """
+    """The shape of a decoder's KV per token, as its config states it (nothing sized): the
+    fields of :class:`KVGeometry` of the same names (attention from the head counts, or MLA's
+    latent fields), and ``hidden_size``, the model's width."""
 
     attention: Attention
     num_layers: int
