@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from kvstrata.manager.plans import Failure
 from kvstrata.media import Medium
 
 if TYPE_CHECKING:
@@ -29,6 +30,10 @@ class CacheMetrics:
         self._bytes = Counter(
             "kvstrata_moved_bytes", "Bytes moved between tiers", ["src", "dst"], registry=self.registry
         )
+        self._failures = Counter(
+            "kvstrata_failed_legs", "Block transfers that failed, by destination tier and kind", ["dst", "failure"],
+            registry=self.registry,
+        )
         self._gbps = Histogram(
             "kvstrata_transfer_gbps", "Achieved GB/s per transfer", ["src", "dst"], buckets=GBPS_BUCKETS,
             registry=self.registry,
@@ -38,6 +43,7 @@ class CacheMetrics:
         self.hit_blocks = {m: 0 for m in Medium}
         self.miss_blocks = 0
         self.moved_bytes: dict[tuple[Medium, Medium], int] = {}
+        self.failed_legs: collections.Counter[tuple[Medium, Failure]] = collections.Counter()
 
     def lookup(self, media: tuple[Medium, ...], missed: int) -> None:
         found = collections.Counter(media)  # blocks per fastest tier
@@ -58,6 +64,12 @@ class CacheMetrics:
         self._bytes.labels(record.src.label, record.dst.label).inc(record.bytes)
         if record.seconds > 0:
             self._gbps.labels(record.src.label, record.dst.label).observe(record.gbps)
+
+    def failed(self, dst: Medium, failure: Failure) -> None:
+        """A block transfer into ``dst`` failed as ``failure``."""
+        with self._lock:
+            self.failed_legs[(dst, failure)] += 1
+        self._failures.labels(dst.label, failure.value).inc()
 
     def recent(self) -> list[TransferResult]:
         with self._lock:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -30,3 +32,18 @@ def pool(tmp_path_factory) -> PoolConfig:
         yield state.config
     finally:
         embedded.stop(run_dir)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs: a file system that really runs out of space (needs root)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]
+    run = subprocess.run(command, capture_output=True, check=False)
+    if run.returncode != 0:
+        pytest.skip(f"mount not permitted here: {run.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: even if a failed test left a file open

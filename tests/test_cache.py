@@ -37,7 +37,9 @@ from cache_support import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.cache import CacheConfig, LoadHandle, LoadResult, StoreResult, TieredCache
-from kvstrata.manager.plans import StopReason
+from kvstrata.kv.geometry import DType
+from kvstrata.kv.layout import KVLayout
+from kvstrata.manager.plans import Failure, StopReason
 from kvstrata.media import FetchPath, Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
@@ -668,6 +670,28 @@ def test_disk_blocks_are_private_to_their_owner(tmp_path, caches, mode_of):
     disk = cache.tier(K)
     path = disk.directory if mode_of == "directory" else file_of(cache, keys[0])
     assert stat.S_IMODE(path.stat().st_mode) == (0o700 if mode_of == "directory" else 0o600)
+
+
+def test_a_disk_tier_on_a_full_file_system_holds_what_fits_and_keeps_taking_new_blocks(tiny_tmpfs, caches, caplog):
+    layout = KVLayout(num_layers=4, block_tokens=16, kv_heads=4, head_dim=128, dtype=DType.BF16)  # 128 KiB blocks
+    b = layout.block_bytes
+    config = CacheConfig(layout, "full", device_bytes=4 * b, host_bytes=4 * b, disk_bytes=64 * b,  # 8 MiB, on 1 MiB
+                         disk_dir=tiny_tmpfs, write=WriteRule(WritePolicy.WRITE_THROUGH))
+    cache = caches(config)
+    seqs = [tokens(100 + i, 2, layout) for i in range(8)]
+    with caplog.at_level("WARNING", logger="kvstrata.cache"):
+        for toks in seqs:
+            store(cache, toks)
+    disk = cache.manager.table(K)
+    assert disk.capacity_blocks < 8 <= 64  # what the file system really holds (about 7 blocks)
+    assert any("disk tier ran out of space" in r.getMessage() for r in caplog.records)
+    assert cache.metrics.failed_legs[(K, Failure.NO_SPACE)] >= 1
+    # The newest blocks made it to disk (older ones made room), not "0 of 2" from the first ENOSPC on.
+    for toks in seqs[-2:]:
+        assert all(K in cache.manager.where(key) for key in cache.keys(toks))
+    cache.evict(D, 4)
+    cache.evict(H, 4)
+    assert load_released(cache, seqs[-1]).bytes_from == {K: 2 * b}
 
 
 # --- bad input -------------------------------------------------------------------------------------

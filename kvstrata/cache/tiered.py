@@ -27,18 +27,19 @@ import torch
 
 from kvstrata.cache.build import build_tiers, check_tiers, manager_config
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.outcomes import Outcomes
 from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, StoreResult
 from kvstrata.index.keys import BlockKey, Namespace, block_keys, token_array
 from kvstrata.index.prefix import Match
 from kvstrata.manager.manager import BlockManager
-from kvstrata.manager.plans import CopyPlan, Leg, LoadPlan, Room, Step, StorePlan
+from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
 from kvstrata.media import Medium
 from kvstrata.metrics import CacheMetrics
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.plan.loadtime import promotion_s
 from kvstrata.tensors import block_tensor, check_kv
 from kvstrata.tiers.base import Tier
-from kvstrata.transfer.worker import Moved, TransferResult, TransferWorker
+from kvstrata.transfer.worker import TransferResult, TransferWorker
 
 
 class TieredCache:
@@ -62,6 +63,7 @@ class TieredCache:
                 tier.close()
             raise
         self._worker = TransferWorker(self._tiers, config.workers)
+        self._outcomes = Outcomes(self.manager, self.metrics)
         self._namespaces: dict[str, Namespace] = {}
         self._closed = False
 
@@ -128,15 +130,15 @@ class TieredCache:
         try:
             self._carry_out(plan.room)
             fetches = plan.legs(Step.FETCH)
-            fetched = self._moved(self._worker.move(fetches), moves)
+            fetched = self._outcomes.moved(self._worker.move(fetches), moves)
             plan, drops = self.manager.complete_fetch(plan, fetched.failures)
-            self._release_when_settled(fetches, fetched)
+            self._outcomes.settled(fetches, fetched)
             self._carry_out(drops)
             if fetched.error is not None:
                 raise fetched.error
             handle._plan(plan.keys, plan.device_slots)
             copies = plan.legs(Step.COPY)
-            copied = self._moved(self._worker.copy_layers(copies, plan.ranges, handle._layers_done), moves)
+            copied = self._outcomes.moved(self._worker.copy_layers(copies, plan.ranges, handle._layers_done), moves)
             if copied.error is not None:
                 raise copied.error
             if not copies:
@@ -199,7 +201,8 @@ class TieredCache:
         self._carry_out(plan.room)
         bs = self.layout.block_tokens
         sources = [kv[:, :, (offset + b.position) * bs : (offset + b.position + 1) * bs] for b in plan.blocks]
-        moved = self._moved(self._worker.ingest([self.device_block(b.slot) for b in plan.blocks], sources, ready))
+        moved = self._outcomes.moved(self._worker.ingest([self.device_block(b.slot) for b in plan.blocks], sources,
+                                                         ready))
         stored = self.manager.complete_store(plan, moved.failures, pin=writing is not None)
         if moved.error is not None:
             raise moved.error
@@ -222,9 +225,9 @@ class TieredCache:
 
     def _copy(self, plan: CopyPlan) -> int:
         self._carry_out(plan.room)
-        moved = self._moved(self._worker.move(plan.legs))
+        moved = self._outcomes.moved(self._worker.move(plan.legs))
         landed, drops = self.manager.complete_copies(plan, moved.failures)
-        self._release_when_settled(plan.legs, moved)
+        self._outcomes.settled(plan.legs, moved)
         self._carry_out(drops)
         return landed
 
@@ -239,21 +242,9 @@ class TieredCache:
 
     def _carry_out(self, room: Room) -> None:
         if room:
-            moved = self._moved(self._worker.carry_out(room))
+            moved = self._outcomes.moved(self._worker.carry_out(room))
             self.manager.complete_room(room, moved.failures)
-
-    def _release_when_settled(self, legs: Sequence[Leg], moved: Moved) -> None:
-        """A destination retired by an abandoned transfer is free again once that transfer ends."""
-        for leg, settled in moved.abandoned(legs):
-            settled.add_done_callback(lambda _, slot=leg.dst: self.manager.release_retired(slot))
-
-    def _moved(self, moved: Moved, into: list[TransferResult] | None = None) -> Moved:
-        for result in moved.transfers:
-            self.metrics.transfer(result)
-        if into is not None:
-            into.extend(moved.transfers)
-        return moved
-
+            self._outcomes.settled([v.demotion for v in room.victims], moved)
 
     def prefetch(
         self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "", deadline_s: float | None = None

@@ -10,7 +10,9 @@ or a ``Failure``) and settle every slot the same way:
 * moved: the destination becomes READY (and indexed), the source is unpinned;
 * CORRUPT or MISSING: the destination is freed, and the source copy leaves its tier (if no other
   reader holds it: then the last one to fail drops it), as a victim to carry out;
-* ABANDONED: the destination slot is retired for good (bytes may still land in it);
+* ABANDONED: the destination slot is retired until the stray transfer has ended;
+* NO_SPACE: the destination is freed and its tier holds no more blocks than now (a full
+  file system below the configured capacity): later reservations there make room first;
 * UNAVAILABLE or ERROR: the destination is freed.
 
 Invariants (tested without threads, ``tests/manager``): the index lists a medium for a key iff
@@ -444,3 +446,5 @@ class BlockManager:
             table.quarantine(leg.key)  # bytes may still land there: never reuse the slot
         else:
             table.complete_store(leg.key, ok=False)
+        if failure is Failure.NO_SPACE:
+            table.shrink_to_used()

@@ -43,6 +43,7 @@ class Failure(enum.Enum):
     MISSING = "missing"  # the source is gone (a shared pool evicted it): drop it from our view
     UNAVAILABLE = "unavailable"  # the tier is down; nothing was exposed: the destination is reusable
     ABANDONED = "abandoned"  # timed out with the destination exposed: it may still be written, retire it
+    NO_SPACE = "no-space"  # the destination's medium is full below its capacity: hold no more there
     ERROR = "error"  # anything else: the destination is discarded, the error surfaces
 
     @property
@@ -59,6 +60,7 @@ _STOPS = {
     Failure.MISSING: StopReason.MISSING,
     Failure.UNAVAILABLE: StopReason.UNAVAILABLE,
     Failure.ABANDONED: StopReason.ABANDONED,
+    Failure.NO_SPACE: StopReason.FAILED,
     Failure.ERROR: StopReason.FAILED,
 }
 

@@ -18,6 +18,7 @@ handler's results are reported, so reported bytes are in place.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -95,6 +96,8 @@ def classify(error: BaseException | None) -> Failure | None:
         return Failure.CORRUPT
     if isinstance(error, TierUnavailable):
         return Failure.UNAVAILABLE
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return Failure.NO_SPACE
     return Failure.ERROR
 
 

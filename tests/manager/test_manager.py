@@ -527,3 +527,19 @@ class ManagerMachine(RuleBasedStateMachine):
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestManagerMachine = ManagerMachine.TestCase
+
+
+def test_a_medium_out_of_space_holds_what_it_has_and_makes_room_for_the_next_copies():
+    m, tiers = manager({D: 8, K: 8}, write=WritePolicy.WRITE_THROUGH), Bytes()
+    keys = keys_of(16, 4)
+    stored(m, tiers, keys)
+    first = m.prepare_copies(keys[:3], (K,))
+    m.complete_copies(first, tiers.move(first.legs, [None, None, Failure.NO_SPACE]))
+    disk = m.table(K)
+    assert (disk.capacity_blocks, disk.free_blocks, m.where(keys[2])) == (2, 0, (D,))  # the file system is full
+    more = m.prepare_copies(keys[3:], (K,))  # makes room: the least recent disk block leaves
+    assert [v.key for v in more.room.victims] == [keys[0]] and len(more.legs) == 1
+    m.complete_room(more.room, tiers.carry_out(more.room, [None]))
+    m.complete_copies(more, tiers.move(more.legs, [None]))
+    assert (m.where(keys[0]), m.where(keys[3])) == ((D,), (D, K))
+    check(m, tiers)

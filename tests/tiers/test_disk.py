@@ -461,21 +461,6 @@ def _writer(directory: str, first: int) -> None:
 # --- a full disk -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs: a file system that really runs out of space (needs root)."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if shutil.which("mount") is None or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]
-    run = subprocess.run(command, capture_output=True, check=False)
-    if run.returncode != 0:
-        pytest.skip(f"mount not permitted here: {run.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: even if a failed test left a file open
-
-
 def test_a_full_disk_fails_the_write_cleanly(tiny_tmpfs):
     layout = KVLayout(4, 16, 4, 128, DType.BF16)  # 128 KiB blocks: seven fit in 1 MiB
     tier = DiskTier(layout, 64 * layout.block_bytes, tiny_tmpfs)
