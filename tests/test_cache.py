@@ -694,6 +694,23 @@ def test_a_disk_tier_on_a_full_file_system_holds_what_fits_and_keeps_taking_new_
     assert load_released(cache, seqs[-1]).bytes_from == {K: 2 * b}
 
 
+def test_a_disk_directory_removed_under_an_open_cache_is_reported_not_acknowledged_as_written(tmp_path, caches,
+                                                                                              caplog):
+    import shutil
+
+    cache, toks, keys = on_disk_only(tmp_path, caches, 2)
+    shutil.rmtree(cache.tier(K).directory)
+    fresh = tokens(7, 2)
+    with caplog.at_level("ERROR", logger="kvstrata.tiers"):
+        assert store(cache, fresh).new_blocks == 2  # on the device and the host, not on the gone disk
+    assert any("was removed while open" in r.getMessage() for r in caplog.records)
+    assert cache.metrics.failed_legs[(K, Failure.UNAVAILABLE)] == 2
+    assert all(K not in cache.manager.where(key) for key in cache.keys(fresh))
+    result = load_released(cache, toks)  # the blocks it had there are misses now
+    assert (result.blocks, result.stopped) == (0, StopReason.CORRUPT)
+    assert_quiescent(cache)
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 

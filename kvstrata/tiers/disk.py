@@ -43,6 +43,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import itertools
+import logging
 import os
 import re
 import stat
@@ -53,13 +54,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstrata.errors import CorruptBlock
+from kvstrata.errors import CorruptBlock, TierUnavailable
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.tiers import blockfile
 from kvstrata.tiers.base import Tier
 
+_log = logging.getLogger("kvstrata.tiers")
 SUFFIX = ".kvb"
 DIR_MODE = 0o700  # the tier's directory and its files: the owner's only (KV is users' prompts)
 FILE_MODE = 0o600
@@ -113,6 +115,7 @@ class DiskTier(Tier):
         self._layout_text = layout.describe()
         self._lock = threading.Lock()  # orders renames (write) against deletes (discard)
         self._temp_ids = itertools.count()
+        self._removed: str | None = None  # why the tier takes no more blocks (its directory is gone)
         _private_directory(self.directory)
         self._lock_fd = _lock_directory(self.directory)
         self._dir_fd: int | None = None
@@ -132,8 +135,11 @@ class DiskTier(Tier):
 
         Raises:
             OSError: the file system refused (e.g. ENOSPC); no file is left behind.
+            TierUnavailable: the tier's directory was removed under it (it takes no more blocks).
         """
         self._check_open()
+        if self._removed is not None:
+            raise TierUnavailable(self._removed)
         payload = self._host_array(src)  # [layers, layer_bytes], shares src's memory when it can
         header = blockfile.encode_header(key, self._layout_text, self.namespace_tag, payload)
         final = self._path(key)
@@ -155,6 +161,12 @@ class DiskTier(Tier):
                     except BaseException:
                         _unlink_quietly(final)  # write raises, so the caller frees the slot
                         raise
+        except FileNotFoundError:
+            if os.fstat(self._dir_fd).st_nlink == 0:  # the directory itself was removed
+                self._removed = f"disk tier: its directory {self.directory} was removed while open; it takes no more blocks"
+                _log.error("%s", self._removed)
+                raise TierUnavailable(self._removed) from None
+            raise
         except BaseException:
             _unlink_quietly(temp)
             raise
@@ -310,6 +322,10 @@ class DiskTier(Tier):
                 found.append((mtime_ns, entry.name, key))
         found.sort()
         excess = max(0, len(found) - self.capacity_blocks)
+        if excess:
+            _log.warning("disk tier %s: %d blocks found, %d fit its capacity (%d bytes): deleting the %d oldest "
+                         "(%d bytes)", self.directory, len(found), self.capacity_blocks, self.capacity_bytes, excess,
+                         excess * self.layout.block_bytes)
         for _, name, _ in found[:excess]:
             _unlink_quietly(self.directory / name)
         return [key for _, _, key in found[excess:]]

@@ -309,7 +309,7 @@ def test_restart_recovers_exactly_the_blocks_whose_headers_verify(tmp_path):
     tier.close()
 
 
-def test_restart_with_less_capacity_keeps_the_newest_blocks_in_write_order(tmp_path):
+def test_restart_with_less_capacity_keeps_the_newest_blocks_in_write_order(tmp_path, caplog):
     tier = DiskTier(SMALL, 6 * SMALL.block_bytes, tmp_path)
     keys = [make_key(i) for i in range(6)]
     for age, key in enumerate(keys):
@@ -317,7 +317,10 @@ def test_restart_with_less_capacity_keeps_the_newest_blocks_in_write_order(tmp_p
         os.utime(file_of(tier, key), ns=(10**18 + age * 10**9, 10**18 + age * 10**9))
     tier.close()
 
-    tier = DiskTier(SMALL, 4 * SMALL.block_bytes, tmp_path)
+    with caplog.at_level("WARNING", logger="kvstrata.tiers"):
+        tier = DiskTier(SMALL, 4 * SMALL.block_bytes, tmp_path)
+    assert any("6 blocks found, 4 fit" in r.getMessage() and "deleting the 2 oldest" in r.getMessage()
+               for r in caplog.records)  # said, not silent
     # Oldest write first: the order the block manager adopts them in, so LRU after a restart
     # evicts the least recently written first.
     assert tier.recover() == keys[2:]
