@@ -45,6 +45,7 @@ class OursRemote:
         namespace_tag: the objects' name prefix (the cache's namespace tag, so a cache of
             that namespace finds them: see ``kvstrata.bench.poolcache``).
         workers: the worker's byte movers.
+        secret, encrypt: seal (and encrypt) the values, as a cache with the pool's secret does.
 
     Raises:
         PoolUnavailable: the pool could not be reached.
@@ -59,11 +60,14 @@ class OursRemote:
         blocks: torch.Tensor,
         namespace_tag: str,
         workers: int,
+        secret: bytes | None = None,
+        encrypt: bool = False,
     ) -> None:
         self.layout = layout
         self.keys = keys
         self.size_bytes = len(keys) * layout.block_bytes
-        self.tier = RemoteTier(layout, self.size_bytes, pool, mode, namespace_tag=namespace_tag, op_timeout_s=OP_TIMEOUT_S)
+        self.tier = RemoteTier(layout, self.size_bytes, pool, mode, namespace_tag=namespace_tag, op_timeout_s=OP_TIMEOUT_S,
+                               secret=secret, encrypt=encrypt)
         self._worker: TransferWorker | None = None
         self.host: HostTier | None = None
         try:

@@ -41,6 +41,7 @@ store or restore over TCP, ours and raw alike; 0.0 MiB over SHM).
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -64,7 +65,7 @@ from kvstrata.cache import CacheConfig
 from kvstrata.index.keys import block_keys
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import FetchPath
-from kvstrata.pool.config import PoolConfig, RemoteMode
+from kvstrata.pool.config import PoolConfig, RemoteMode, read_secret
 from kvstrata.pool.raw import RawPool
 from kvstrata.pool.scoped import scoped_pool
 from kvstrata.progress import NoProgress, Progress
@@ -104,8 +105,9 @@ class RemoteBenchConfig:
         return block_layout(self.model, self.size_bytes, self.blocks, "bench remote")
 
     def pool_segment_bytes(self) -> int:
-        """An embedded pool's segment: ours' and raw's objects at once, with room to spare."""
-        return 3 * self.size_bytes + 64 * MIB
+        """An embedded pool's segment: the objects of ours (sealed, unsealed, encrypted) and raw's
+        at once, with room to spare."""
+        return 5 * self.size_bytes + 64 * MIB
 
     def prefault_bytes(self) -> int:
         """How much of the pool's segment to fault in before the first mode's warm-up: most
@@ -153,7 +155,8 @@ def run_remote_bench(
             rounds, verified, faulted, loopback = _run_mode(
                 config, mode, base, tokens, kv_bytes, blocks, prefault, progress
             )
-            modes[mode] = mode_figures(rounds, verified, config, mode, faulted, loopback)
+            modes[mode] = mode_figures(rounds, verified, config, mode, faulted, loopback,
+                                       sealed=read_secret(source.config) is not None)
             prefault = 0
     run = RemoteRun(config, KVSetup.of(layout, device), source, Environment.here())
     return remote_report(run, modes)
@@ -173,8 +176,16 @@ def _run_mode(
     loopback bytes of each warm-up step."""
     namespace = base.namespace()
     with ExitStack() as sides:  # every side closed (objects removed, clients gone), however the run ends
-        ours = OursRemote(base.layout, base.pool, mode, block_keys(tokens, namespace), blocks, namespace.tag, config.workers)
+        keys, secret = block_keys(tokens, namespace), read_secret(base.pool)
+        # Ours seals with the pool's secret, as the cache does (the cache reads ours' objects);
+        # the same tier unsealed and encrypted, under names of their own, price the seal.
+        ours = OursRemote(base.layout, base.pool, mode, keys, blocks, namespace.tag, config.workers, secret)
         sides.callback(ours.close)
+        plain = OursRemote(base.layout, base.pool, mode, keys, blocks, f"{namespace.tag}-plain", config.workers)
+        sides.callback(plain.close)
+        encrypted = OursRemote(base.layout, base.pool, mode, keys, blocks, f"{namespace.tag}-aead", config.workers,
+                               secret or os.urandom(32), encrypt=True)
+        sides.callback(encrypted.close)
         raw_names = [f"kvstrata-bench/raw/{namespace.tag}/{i}" for i in range(config.blocks)]
         raw = RawPool(base.pool, mode, raw_names, ours.values())
         sides.callback(raw.close)
@@ -189,12 +200,16 @@ def _run_mode(
         for r in range(config.repeats + 1):
             kept = Rounds() if r == 0 else rounds  # round 0 warms up: its samples are dropped
             label = f"{mode.value} round {r}/{config.repeats}" if r else f"{mode.value} warm-up"
-            for name, step in rotated([("ours.store", ours.store_s), ("raw.store", raw.put_s)], r):
+            stores = [("ours.store", ours.store_s), ("raw.store", raw.put_s), ("plain.store", plain.store_s),
+                      ("encrypted.store", encrypted.store_s)]
+            for name, step in rotated(stores, r):
                 kept.add(name, _counted(step, loopback, name) if r == 0 else step())
             progress.step(f"{label}: store")
             restores: list[Step] = [
                 ("ours.restore", ours.restore_s),
                 ("raw.restore", raw.get_s),
+                ("plain.restore", plain.restore_s),
+                ("encrypted.restore", encrypted.restore_s),
                 ("cache.direct", direct.restore_s),
                 ("cache.staged", staged.restore_s),
             ]
@@ -207,7 +222,7 @@ def _run_mode(
                 for name, step in [*rotated(one_block, r + i), *rotated(lookups, r + i)]:
                     kept.add(name, step())
             progress.step(f"{label}: first byte")
-        verified = ours.verified_bytes + raw.verified_bytes + direct.verified_bytes + staged.verified_bytes
+        verified = sum(side.verified_bytes for side in (ours, raw, direct, staged, plain, encrypted))
     progress.step(f"{mode.value}: closed")
     return rounds, verified, faulted, loopback
 

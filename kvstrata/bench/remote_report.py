@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.goals import REMOTE_OF_RAW, Goal, RemoteFigure
+from kvstrata.bench.goals import REMOTE_OF_RAW, SEALED_OF_UNSEALED, Goal, RemoteFigure
 from kvstrata.bench.poolcache import ROUTES
 from kvstrata.bench.kvdata import KVSetup
 from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
@@ -75,6 +75,19 @@ class ModeMethod:
 
 
 @dataclass(frozen=True)
+class SealCost:
+    """What authenticating the pool's values costs: ours (sealed with the pool's secret, as the
+    cache is) and the tier encrypted, each over the same tier unsealed, in the same rounds."""
+
+    sealed: bool  # the pool has a secret, so ours is sealed (else restore and store compare alike)
+    restore: Compared
+    store: Compared
+    encrypted_restore: Compared
+    encrypted_store: Compared
+    what: str = "RemoteTier sealed (Poly1305 MAC) or encrypted (AES-GCM) over the same tier without a secret"
+
+
+@dataclass(frozen=True)
 class ModeFigures:
     """One way into the pool, measured."""
 
@@ -83,6 +96,7 @@ class ModeFigures:
     ttfb: Compared = field(metadata=flatten("ttfb_", baseline_ms="raw_ttfb_ms", ratio="ttfb_time_ratio"))
     ttfb_block_bytes: int
     lookup: Compared = field(metadata=flatten("lookup_", baseline_ms="raw_exists_ms", ratio="lookup_time_ratio"))
+    seal: SealCost
     cache: dict[FetchPath, PathRestore]
     gbps: dict[str, Summary]  # every timed transfer step
     latency_ms: dict[str, Summary]  # every timed latency step
@@ -118,7 +132,8 @@ class RemoteBenchReport:
 
 
 def mode_figures(
-    rounds: Rounds, verified: int, config: RemoteBenchConfig, mode: RemoteMode, prefaulted: int, loopback: dict[str, int]
+    rounds: Rounds, verified: int, config: RemoteBenchConfig, mode: RemoteMode, prefaulted: int, loopback: dict[str, int],
+    sealed: bool,
 ) -> ModeFigures:
     size = config.size_bytes
 
@@ -132,9 +147,13 @@ def mode_figures(
         ttfb=rounds.time_vs("ours.ttfb", "raw.ttfb"),
         ttfb_block_bytes=size // config.blocks,
         lookup=rounds.time_vs("cache.lookup", "raw.exists"),
+        seal=SealCost(sealed, *(rounds.rate_vs(f"{side}.{step}", f"plain.{step}", size)
+                                for side, step in (("ours", "restore"), ("ours", "store"), ("encrypted", "restore"),
+                                                   ("encrypted", "store")))),
         cache={path: path_restore(path, route) for path, route in ROUTES.items()},
         gbps={name: rounds.rate(name, size) for name in ("ours.store", "raw.store", "ours.restore", "raw.restore",
-                                                          "cache.direct", "cache.staged")},
+                                                          "plain.store", "plain.restore", "encrypted.store",
+                                                          "encrypted.restore", "cache.direct", "cache.staged")},
         latency_ms={name: rounds.latency(name) for name in ("ours.ttfb", "raw.ttfb", "cache.lookup", "raw.exists")},
         verified_bytes=verified,
         what=ModeMethod.of(config.workers),
@@ -150,10 +169,13 @@ def remote_report(run: RemoteRun, modes: dict[RemoteMode, ModeFigures | ModeSkip
 
 
 def remote_goals(modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> tuple[Goal, ...]:
-    """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls."""
+    """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls, and
+    sealed restores at >= 0.9x unsealed ones (authentication costs at most 10%)."""
     out = []
     for mode, figures in modes.items():
         if isinstance(figures, ModeFigures):
             for store, figure in ((False, figures.restore), (True, figures.store)):
                 out.append(Goal(RemoteFigure.of(mode, store=store), f">={REMOTE_OF_RAW}x raw", figure.ratio, REMOTE_OF_RAW))
+            sealed = RemoteFigure(f"{mode.value} sealed restore")
+            out.append(Goal(sealed, f">={SEALED_OF_UNSEALED}x unsealed", figures.seal.restore.ratio, SEALED_OF_UNSEALED))
     return tuple(out)

@@ -15,7 +15,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.errors import TierUnavailable
 from kvstrata.manager.manager import ManagerConfig
 from kvstrata.media import FetchPath, Medium
-from kvstrata.pool.config import RemoteMode
+from kvstrata.pool.config import RemoteMode, read_secret
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier, default_device
 
@@ -53,7 +53,8 @@ def _connect_remote(config: CacheConfig) -> tuple[Tier | None, str | None]:
 
     try:
         tier = RemoteTier(config.layout, config.remote_bytes, config.pool, config.remote_mode,
-                          namespace_tag=config.namespace().tag)
+                          namespace_tag=config.namespace().tag, secret=read_secret(config.pool),
+                          encrypt=config.pool_encrypt)
     except TierUnavailable as exc:
         return None, str(exc)
     return tier, None

@@ -38,6 +38,7 @@ class CacheConfig:
     pool: PoolConfig | None = None  # the shared remote DRAM pool; None: no remote tier
     remote_bytes: int = 0  # this instance's view of the pool (how many blocks it tracks)
     remote_mode: RemoteMode = RemoteMode.TCP  # TCP (any host) or SHM (a pool daemon on this host)
+    pool_encrypt: bool = False  # encrypt payloads in the pool too (needs the pool's secret_file)
     remote_path: FetchPath = FetchPath.AUTO  # how pool blocks reach the device
     disk_path: FetchPath = FetchPath.AUTO  # how disk blocks reach the device
     # This host's measured paths (kvstrata.plan.host.HostCalibration): predicted transfer times
@@ -67,6 +68,8 @@ class CacheConfig:
             raise ValueError(f"cache workers must be >= 1, got {self.workers}")
         if self.pool is not None and self.remote_bytes <= 0:
             raise ValueError("cache with a pool needs remote_bytes > 0 (how much of the pool it tracks)")
+        if self.pool_encrypt and (self.pool is None or self.pool.secret_file is None):
+            raise ValueError("cache pool_encrypt needs a pool with a secret_file (its values are sealed with it)")
         for name, kind in (("remote_mode", RemoteMode), ("remote_path", FetchPath), ("disk_path", FetchPath),
                            ("write", WriteRule), ("eviction", Eviction)):
             if not isinstance(getattr(self, name), kind):

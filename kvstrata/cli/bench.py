@@ -348,6 +348,13 @@ def _print_remote(report: RemoteBenchReport) -> None:
              f"batch_get_into {_ms2(m.ttfb.baseline)}", _x(m.ttfb.ratio)),
             (None, f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
              _ms2(m.lookup.ours), f"batch_is_exist {_ms2(m.lookup.baseline)}", _x(m.lookup.ratio)),
+            (RemoteFigure(f"{name} sealed restore"), f"{name} restore, sealed" if m.seal.sealed else
+             f"{name} restore (pool has no secret: unsealed)", "MAC checked; raw column: unsealed",
+             _gbps(m.seal.restore.ours), f"unsealed {_gbps(m.seal.restore.baseline)}", _x(m.seal.restore.ratio)),
+            (None, f"{name} store, sealed", "MAC made; raw column: unsealed", _gbps(m.seal.store.ours),
+             f"unsealed {_gbps(m.seal.store.baseline)}", _x(m.seal.store.ratio)),
+            (None, f"{name} restore, encrypted", "AES-GCM; raw column: unsealed", _gbps(m.seal.encrypted_restore.ours),
+             f"unsealed {_gbps(m.seal.encrypted_restore.baseline)}", _x(m.seal.encrypted_restore.ratio)),
         ]
     pool = c.pool
     title = (

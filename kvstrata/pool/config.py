@@ -40,6 +40,10 @@ class PoolConfig:
         metadata_server: Mooncake metadata mode ("P2PHANDSHAKE": no separate server).
         local_hostname: this client's address as the pool sees it.
         rdma_devices: RDMA NICs to use ("" for TCP).
+        secret_file: a file holding the deployment's secret (64 hex digits, readable by its
+            owner only): pool values are sealed with it and object names keyed (see
+            ``kvstrata.tiers.poolvalue``); None: values are not authenticated (a pool only
+            trusted processes can reach). An embedded pool makes one.
     """
 
     master: str
@@ -48,6 +52,7 @@ class PoolConfig:
     metadata_server: str = "P2PHANDSHAKE"
     local_hostname: str = "127.0.0.1"
     rdma_devices: str = ""
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("master",) + (("daemon",) if self.daemon else ()):
@@ -81,6 +86,42 @@ def load_pool_config(path: str | Path) -> PoolConfig:
     if "master" not in table:
         raise ValueError(f"{path}: pool.master (host:port of the Mooncake master) is missing")
     return PoolConfig(**table)
+
+
+SECRET_BYTES = 32
+
+
+def make_secret(path: Path) -> None:
+    """Write a new random deployment secret to ``path`` (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(os.urandom(SECRET_BYTES).hex() + "\n")
+
+
+def read_secret(config: PoolConfig) -> bytes | None:
+    """The deployment secret of ``config.secret_file`` (None without one).
+
+    Raises:
+        ValueError: the file is missing, readable by others, or not 64 hex digits.
+    """
+    if config.secret_file is None:
+        return None
+    path = Path(config.secret_file)
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text().strip()
+    except OSError as error:
+        raise ValueError(f"pool secret_file {path}: {error.strerror or error}") from None
+    if mode & 0o077:
+        raise ValueError(f"pool secret_file {path} is readable by others (mode {mode & 0o777:o}): chmod 600 it")
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) < SECRET_BYTES:
+        raise ValueError(f"pool secret_file {path} must hold {2 * SECRET_BYTES} hex digits")
+    return secret
 
 
 def pool_from_env() -> PoolConfig | None:

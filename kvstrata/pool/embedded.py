@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstrata.pool.config import PoolConfig
+from kvstrata.pool.config import PoolConfig, make_secret
 
 STATE = "pool.json"
+SECRET = "pool.key"
 START_TIMEOUT_S = 30.0
 
 
@@ -176,8 +177,10 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     except PoolError:
         _terminate(master_proc.pid)
         raise
-    state = PoolState(PoolConfig(master=master, daemon=daemon), master_proc.pid, daemon_proc.pid, metrics_port,
-                      segment_bytes, str(run_dir))
+    secret = run_dir / SECRET
+    make_secret(secret)  # the pool's own: values sealed with it, object names keyed (tiers/poolvalue.py)
+    config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret))
+    state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir))
     with _private(run_dir / STATE, "w") as out:
         out.write(json.dumps(state.to_json(), indent=2))
     return state

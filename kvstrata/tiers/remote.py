@@ -1,7 +1,8 @@
 """The remote tier: blocks in a shared DRAM pool (Mooncake Store) that many processes use.
 
 Where blocks live. Block ``key`` is the pool object ``kvstrata/<namespace_tag>/<key hex>`` in
-the format of ``kvstrata.tiers.poolvalue`` (a 64-byte checksummed header, then the payload).
+the format of ``kvstrata.tiers.poolvalue`` (a 128-byte header, then the payload), sealed with the
+deployment's secret: every value read back is authenticated before it is served.
 Keys are chained from the namespace digest already; the tag keeps the objects of different
 models or tenants apart and greppable. Objects live in the pool daemons, never in this process
 (it joins with a segment of 0 bytes), so they outlive it and every instance sees them.
@@ -41,11 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from kvstrata import errors
 from kvstrata.errors import BlockMissing, CorruptBlock
-from kvstrata.index.keys import KEY_BYTES, BlockKey
+from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable
@@ -102,9 +102,13 @@ class RemoteTier(Tier):
         namespace_tag: the object name's middle part (e.g. ``Namespace.tag``).
         op_timeout_s: the longest one store call is waited for.
         connect_timeout_s: the longest connecting may take.
-        verify_payload: write an xxh3_64 of each payload, and check it on every read of a value
-            that has one (a pass over the bytes on each side).
+        verify_payload: without a secret, write an xxh3_64 of each payload and check it on
+            every read of a value that has one (with a secret the MAC checks every byte).
         cooloff_s: after a fault, how long calls fail at once before the pool is probed again.
+        secret: the deployment secret (``kvstrata.pool.config.read_secret``): values are sealed
+            and object names keyed with it, and a value without this deployment's seal is a
+            miss; None: neither (a pool only trusted processes reach).
+        encrypt: encrypt payloads too (AES-GCM; needs ``secret``).
 
     Raises:
         PoolUnavailable: the pool could not be reached within ``connect_timeout_s``.
@@ -125,6 +129,8 @@ class RemoteTier(Tier):
         connect_timeout_s: float = 5.0,
         verify_payload: bool = False,
         cooloff_s: float = 1.0,
+        secret: bytes | None = None,
+        encrypt: bool = False,
     ) -> None:
         super().__init__(layout, capacity_bytes)
         if not isinstance(namespace_tag, str) or not _TAG.fullmatch(namespace_tag):
@@ -132,7 +138,8 @@ class RemoteTier(Tier):
         self.pool = pool
         self.namespace_tag = namespace_tag
         self.verify_payload = verify_payload
-        self._layout_digest = poolvalue.layout_digest(layout.describe())
+        self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt,
+                                         checksum=verify_payload)
         self._lanes = threading.local()
         self._lock = threading.Lock()
         self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
@@ -141,9 +148,8 @@ class RemoteTier(Tier):
     # --- names and memory ---------------------------------------------------------------------
 
     def object_name(self, key: BlockKey) -> str:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(f"remote tier: a block key is {KEY_BYTES} bytes, got {key!r}")
-        return f"kvstrata/{self.namespace_tag}/{key.hex()}"
+        """The pool object of ``key`` (keyed with the secret, when there is one)."""
+        return self._seal.object_name(key)
 
     @property
     def mode(self) -> RemoteMode:
@@ -191,8 +197,11 @@ class RemoteTier(Tier):
         else:
             payload = self._staging(client, lane).view(shape)
             payload.copy_(src)
-        checksum = xxhash.xxh3_64_intdigest(payload.numpy()) if self.verify_payload else None
-        header = poolvalue.encode_header(key, self._layout_digest, payload.numel(), checksum)
+        plain = payload.numpy()
+        header, stored = self._seal.seal(key, plain)
+        if stored is not plain:  # encrypted: the ciphertext goes, from staging (registered memory)
+            payload = self._staging(client, lane).view(shape)
+            payload.numpy()[:] = stored
         lane.header[: poolvalue.HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
         ptrs = [lane.header.data_ptr(), payload.data_ptr()]
         sizes = [poolvalue.HEADER_BYTES, payload.numel()]
@@ -245,6 +254,7 @@ class RemoteTier(Tier):
                     parts.append(staging[before : before + after])
         else:
             parts = [self._staging(client, lane)]
+        lane.header[: poolvalue.HEADER_BYTES].zero_()  # never a stale header of an earlier read
         ptrs = [lane.header.data_ptr()] + [p.data_ptr() for p in parts]
         sizes = [poolvalue.HEADER_BYTES] + [p.numel() for p in parts]
         try:
@@ -255,13 +265,7 @@ class RemoteTier(Tier):
             self._get_failed(client, lane, direct, name, got)
         if got != sum(sizes):
             raise CorruptBlock(f"remote tier: {name} read {got} bytes, expected {sum(sizes)}: a value of the wrong size")
-        header = self._verified_header(key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes())
-        if self.verify_payload and header.payload_checksum is not None:
-            hasher = xxhash.xxh3_64()
-            for part in parts:
-                hasher.update(part.numpy())
-            if hasher.intdigest() != header.payload_checksum:
-                raise CorruptBlock(f"remote tier: {name} payload checksum mismatch")
+        self._seal.open(key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes(), [p.numpy() for p in parts])
         if not direct:
             dst.copy_(parts[0].view(self.layout.num_layers, layer_bytes)[start:stop])
 
@@ -290,6 +294,7 @@ class RemoteTier(Tier):
         lane = self._lane(client)
         head = poolvalue.HEADER_BYTES
         headers = lane.header[: len(keys) * head].view(len(keys), head)
+        headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
         names = [self.object_name(k) for k in keys]
         ptrs = [[headers[i].data_ptr(), dsts[i].data_ptr()] for i in range(len(keys))]
         sizes = [[head, self.layout.block_bytes]] * len(keys)
@@ -306,10 +311,7 @@ class RemoteTier(Tier):
                     self._get_failed(client, lane, True, names[i], got[i])
                 if got[i] != head + self.layout.block_bytes:
                     raise CorruptBlock(f"remote tier: {names[i]} read {got[i]} bytes: a value of the wrong size")
-                header = self._verified_header(key, headers[i].numpy().tobytes())
-                if self.verify_payload and header.payload_checksum is not None:
-                    if xxhash.xxh3_64_intdigest(dsts[i].numpy()) != header.payload_checksum:
-                        raise CorruptBlock(f"remote tier: {names[i]} payload checksum mismatch")
+                self._seal.open(key, headers[i].numpy().tobytes(), [dsts[i].numpy()])
                 out.append(None)
             except (CorruptBlock, PoolUnavailable) as error:
                 out.append(error)
@@ -418,18 +420,6 @@ class RemoteTier(Tier):
                 raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
         client.mark_down(f"get failed with Mooncake code {code}")
         raise self._abandon(lane, direct, name, f"get of {name} failed (Mooncake code {code})", _DONE)
-
-    def _verified_header(self, key: BlockKey, head: bytes) -> poolvalue.ValueHeader:
-        header = poolvalue.decode_header(head)
-        name = key.hex()[:12]
-        if header.key != key:
-            raise CorruptBlock(f"remote tier: object of {name} holds block {header.key.hex()[:12]}")
-        if header.layout_digest != self._layout_digest:
-            raise CorruptBlock(f"remote tier: block {name} was written under another layout")
-        if header.payload_bytes != self.layout.block_bytes:
-            raise CorruptBlock(f"remote tier: block {name} has {header.payload_bytes} payload bytes")
-        return header
-
 
 def _undo_late_put(store, name: str, codes: list[int]) -> None:
     # A put that completed after its caller gave up: its source may have changed meanwhile.
