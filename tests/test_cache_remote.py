@@ -51,7 +51,7 @@ ROUTE = {"direct": (R, D), "staged": (R, H, D)}
 _DEFAULTS = inspect.signature(RemoteTier).parameters
 CONNECT_TIMEOUT_S = _DEFAULTS["connect_timeout_s"].default
 OP_TIMEOUT_S = _DEFAULTS["op_timeout_s"].default
-COOLOFF_S = _DEFAULTS["cooloff_s"].default
+BACKOFF_S = _DEFAULTS["backoff_s"].default
 SLACK_S = 3.0  # scheduling slack on a loaded 2-core CI box, on top of a configured bound
 CHILD_TIMEOUT_S = 60
 
@@ -286,7 +286,7 @@ def test_pool_killed_mid_run_loads_end_in_bounded_time_and_local_tiers_keep_work
 
     for victim, fresh in (("daemon", tokens(20, 3, LAYOUT)), ("master", tokens(21, 3, LAYOUT))):
         kill_and_reap(getattr(private_pool, f"{victim}_pid"))
-        time.sleep(COOLOFF_S + 0.1)  # past any cool-off: the calls below reach the dead pool
+        time.sleep(BACKOFF_S + 0.1)  # past the first probe: it finds the pool dead too
         for toks in (seqs[victim], seqs["before"], tokens(22, 2, LAYOUT)):
             (result, handle), seconds = timed(lambda toks=toks: load(cache, toks))  # bytes checked
             handle.release()
