@@ -186,6 +186,7 @@ class PoolClient:
         self._probe_error: str | None = None  # what the last probe of a DOWN client found
         self._down_at = 0.0
         self._down_pool = pool
+        self._read = pool  # what the config file said last
         self._next_probe = 0.0
         self._probing = False
         self._closed = False
@@ -287,8 +288,9 @@ class PoolClient:
         except (OSError, ValueError) as error:
             log.debug("pool config %s unreadable (%s); trying %s", current.config_file, error, where(current))
             return current
-        if fresh != current:
+        if fresh != current and fresh != self._read:  # said once per new content, not per probe
             log.info("pool config %s now says %s (was %s)", current.config_file, where(fresh), where(current))
+        self._read = fresh
         return fresh
 
     def _reach(self, pool: PoolConfig) -> tuple[Any, bool]:
