@@ -781,6 +781,10 @@ def test_load_takes_a_match_and_a_closed_cache_answers_nothing(tmp_path, caches)
     ("device_bytes", B - 1, "device_bytes must hold at least one block"),
     ("host_bytes", B // 2, "host_bytes must be 0 .* or hold at least one block"),
     ("workers", 0, "workers must be >= 1"),
+    ("pool_timeout_s", 0, "pool_timeout_s must be a number of seconds > 0, got 0"),
+    ("pool_connect_timeout_s", "5", "pool_connect_timeout_s must be a number of seconds > 0, got '5'"),
+    ("pool_backoff_s", float("nan"), "pool_backoff_s must be a number of seconds > 0"),
+    ("pool_backoff_max_s", 0.1, "pool_backoff_max_s must be >= pool_backoff_s, got 0.1 < 0.5"),
 ])
 def test_a_config_that_cannot_work_is_refused_in_one_line(field, value, message):
     with pytest.raises(ValueError, match=message):

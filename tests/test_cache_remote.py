@@ -1,7 +1,8 @@
 """The tiered cache on a shared remote pool, with real processes: sharing, namespaces, faults.
 
 Every pool here is real: the session's pool (``$KVSTRATA_POOL`` or an embedded one), or a
-private embedded pool a test starts and kills with SIGKILL. The other instance of a sharing test
+private embedded pool a test starts and kills with SIGKILL, stops with SIGSTOP, or restarts
+(at new ports). The other instance of a sharing test
 is another Python process running this file as a script (``python test_cache_remote.py
 writer|random ARGS``), with its own TieredCache on the same pool; it exits (or runs alongside)
 before this process reads. Each test uses a model_id of its own, so no test sees another's
@@ -25,6 +26,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from cache_support import assert_loaded_bytes, assert_quiescent, content, kv_for, raw, tokens
@@ -37,7 +39,7 @@ from kvstrata.media import FetchPath, Medium, route_text
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool import embedded
-from kvstrata.pool.config import PoolConfig, RemoteMode
+from kvstrata.pool.config import PoolConfig, RemoteMode, load_pool_config
 from kvstrata.tiers.remote import RemoteTier
 
 # 2 layers x K,V x 16 tokens x 2 heads x 32 dims x bf16: 4 KiB a layer, 8 KiB a block.
@@ -47,12 +49,15 @@ D, H, R = Medium.DEVICE, Medium.HOST, Medium.REMOTE
 MODES = ["tcp", "shm"]
 PATHS = ["direct", "staged"]
 ROUTE = {"direct": (R, D), "staged": (R, H, D)}
-# The bounds the cache's remote tier is built with (CacheConfig does not set them).
+# The bounds the cache's remote tier is built with by default (CacheConfig's pool_* budgets).
 _DEFAULTS = inspect.signature(RemoteTier).parameters
 CONNECT_TIMEOUT_S = _DEFAULTS["connect_timeout_s"].default
 OP_TIMEOUT_S = _DEFAULTS["op_timeout_s"].default
-COOLOFF_S = _DEFAULTS["cooloff_s"].default
+BACKOFF_S = _DEFAULTS["backoff_s"].default
 SLACK_S = 3.0  # scheduling slack on a loaded 2-core CI box, on top of a configured bound
+FAST_S = 0.3  # a call to a pool known to be down: no pool call at all (measured: ~1 ms)
+# Budgets small enough for tests that wait for a reconnect: probes 0.1 to 0.5 s apart.
+QUICK = {"pool_connect_timeout_s": 1.0, "pool_backoff_s": 0.2, "pool_backoff_max_s": 0.5}
 CHILD_TIMEOUT_S = 60
 
 
@@ -61,13 +66,13 @@ def model_id() -> str:
 
 
 def make_config(pool: PoolConfig, model: str, mode: str = "tcp", path: str = "auto", device: int = 8,
-                host: int = 8, remote: int = 64) -> CacheConfig:
+                host: int = 8, remote: int = 64, **budgets: float) -> CacheConfig:
     # Write-through: every stored block reaches the pool at once. The device tier is a CPU
     # stand-in for HBM, so "direct" means pool -> device memory with no host hop.
     return CacheConfig(
         LAYOUT, model, device_bytes=device * B, host_bytes=host * B,
         write=WriteRule(WritePolicy.WRITE_THROUGH), device="cpu",
-        pool=pool, remote_bytes=remote * B, remote_mode=RemoteMode(mode), remote_path=FetchPath(path),
+        pool=pool, remote_bytes=remote * B, remote_mode=RemoteMode(mode), remote_path=FetchPath(path), **budgets,
     )
 
 
@@ -118,6 +123,15 @@ def load_released(cache: TieredCache, toks: list[int], tenant: str = "") -> Load
 def timed(fn):
     start = time.monotonic()
     return fn(), time.monotonic() - start
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def empty_local_tiers(cache: TieredCache) -> None:
@@ -225,7 +239,7 @@ def test_no_pool_at_start_the_cache_builds_quickly_and_serves_from_local_tiers(c
     cache, seconds = timed(lambda: caches(config))
     assert seconds < CONNECT_TIMEOUT_S + SLACK_S
     assert cache.remote_error is not None and address in cache.remote_error
-    assert cache.media == [D, H]
+    assert cache.media == [D, H, R] and not cache.tier(R).up  # the pool's tier is there, down, retrying
 
     toks = tokens(5, 3, LAYOUT, tail=4)
     assert store(cache, toks).new_blocks == 3
@@ -286,7 +300,7 @@ def test_pool_killed_mid_run_loads_end_in_bounded_time_and_local_tiers_keep_work
 
     for victim, fresh in (("daemon", tokens(20, 3, LAYOUT)), ("master", tokens(21, 3, LAYOUT))):
         kill_and_reap(getattr(private_pool, f"{victim}_pid"))
-        time.sleep(COOLOFF_S + 0.1)  # past any cool-off: the calls below reach the dead pool
+        time.sleep(BACKOFF_S + 0.1)  # past the first probe: it finds the pool dead too
         for toks in (seqs[victim], seqs["before"], tokens(22, 2, LAYOUT)):
             (result, handle), seconds = timed(lambda toks=toks: load(cache, toks))  # bytes checked
             handle.release()
@@ -309,7 +323,7 @@ def test_device_slots_a_hung_pool_read_retired_come_back_once_the_read_ends(priv
     timeout_s = 1.0
     config = make_config(private_pool.config, model_id(), "tcp", "direct", device=4, host=0)
     remote = RemoteTier(LAYOUT, config.remote_bytes, private_pool.config, RemoteMode.TCP,
-                        namespace_tag=config.namespace().tag, op_timeout_s=timeout_s, cooloff_s=0.2)
+                        namespace_tag=config.namespace().tag, op_timeout_s=timeout_s, backoff_s=0.2, backoff_max_s=0.4)
     cache = TieredCache(config, [DeviceTier(LAYOUT, config.device_bytes, "cpu"), remote])
     try:
         toks = tokens(40, 3, LAYOUT)
@@ -328,10 +342,123 @@ def test_device_slots_a_hung_pool_read_retired_come_back_once_the_read_ends(priv
         while device.quarantined_slots and time.monotonic() < deadline:  # the stray read returns
             time.sleep(0.05)
         assert (device.quarantined_slots, device.free_blocks) == (0, 4)
-        time.sleep(0.3)  # past the cool-off: the pool is probed and serves again
+        assert wait_until(lambda: remote.up, 5.0)  # a background probe finds it serving again
         assert store(cache, tokens(41, 4, LAYOUT)).new_blocks == 4  # every device slot usable
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize(("victim", "mode"), [("master", "tcp"), ("daemon", "tcp"), ("daemon", "shm")])
+def test_a_hung_pool_costs_one_bounded_wait_then_lookups_loads_and_stores_answer_at_once(
+    private_pool, caches, victim, mode
+):
+    # The cache's default budgets. Before: every lookup of a prefix missing locally waited 10 s
+    # on a stopped master, each load 10 s on a stopped daemon, over and over.
+    cache = caches(make_config(private_pool.config, model_id(), mode), quiescent=False)
+    held = tokens(40, 3, LAYOUT)
+    assert store(cache, held).new_blocks == 3
+    empty_local_tiers(cache)
+    assert cache.lookup(held).media == (R,) * 3
+    pid = getattr(private_pool, f"{victim}_pid")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        waits: list[tuple[str, float]] = []
+        for i in range(3):
+            for name, call in (("lookup", lambda i=i: cache.lookup(tokens(50 + i, 2, LAYOUT))),
+                               ("load", lambda: load_released(cache, held)),
+                               ("store", lambda i=i: store(cache, tokens(60 + i, 2, LAYOUT)))):
+                result, seconds = timed(call)
+                waits.append((f"{name} {i}", round(seconds, 3)))
+                assert sum(1 for _, s in waits if s > FAST_S) <= 1, f"{victim} stopped: {waits}"
+                assert seconds < OP_TIMEOUT_S + SLACK_S, f"{victim} stopped: {waits}"
+            time.sleep(BACKOFF_S + 0.1)  # background probes run meanwhile (and find it hung)
+        assert cache.tier(R).up is False and cache.remote_error is not None
+        assert load_released(cache, held).blocks == 0  # from the pool, nothing: it is down
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # It answers again: a probe finds it, the view of it is kept (its objects are all there).
+    assert wait_until(lambda: cache.remote_error is None, 2 * BACKOFF_S + 2 * OP_TIMEOUT_S + SLACK_S)
+    empty_local_tiers(cache)
+    assert wait_until(lambda: cache.lookup(held).media == (R,) * 3, OP_TIMEOUT_S + SLACK_S)
+    assert load_released(cache, held).paths == {ROUTE["direct"]: 3}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_pool_restarted_at_new_ports_is_followed_and_what_the_old_one_held_is_forgotten(
+    private_pool, caches, caplog, mode
+):
+    run_dir = Path(private_pool.run_dir)
+    pool = load_pool_config(run_dir / embedded.STATE)  # as a deployment names it: the state file
+    model = model_id()
+    cache = caches(make_config(pool, model, mode, **QUICK), quiescent=False)
+    before, after = tokens(70, 3, LAYOUT), tokens(71, 3, LAYOUT)
+    assert store(cache, before).new_blocks == 3
+    empty_local_tiers(cache)
+    assert cache.lookup(before).media == (R,) * 3
+
+    embedded.stop(run_dir)  # `kvstrata pool stop; kvstrata pool start`: new ports, pool.json rewritten
+    for pid in (private_pool.daemon_pid, private_pool.master_pid):
+        kill_and_reap(pid)
+    restarted = embedded.start(64 * 1024**2, run_dir)
+    assert (restarted.config.master, restarted.config.daemon) != (pool.master, pool.daemon)
+    try:
+        # The first call into the lost pool fails, bounded, and puts the tier down ...
+        with caplog.at_level("INFO", logger="kvstrata.pool"):
+            result, seconds = timed(lambda: load_released(cache, before))
+            assert result.blocks == 0 and seconds < 2 * OP_TIMEOUT_S + SLACK_S
+            # ... a background probe reads pool.json again and reconnects to the new pool ...
+            assert wait_until(lambda: cache.remote_error is None, QUICK["pool_backoff_max_s"] + 1.0 + SLACK_S)
+            assert cache.tier(R).pool == restarted.config
+            # ... and the view of the old pool is forgotten: no lookup claims its blocks.
+            assert wait_until(lambda: cache.manager.ready_keys(R) == [], SLACK_S)
+        assert cache.lookup(before).blocks == 0
+        logged = caplog.text
+        assert "is down" in logged and restarted.config.master in logged and "forgotten" in logged
+        # It serves from the new pool: stores reach it, another instance finds them there.
+        assert store(cache, after).new_blocks == 3
+        assert caches(make_config(restarted.config, model, mode)).lookup(after).media == (R,) * 3
+        empty_local_tiers(cache)
+        assert load_released(cache, after).paths == {ROUTE["direct"]: 3}
+    finally:
+        for pid in (restarted.daemon_pid, restarted.master_pid):
+            kill_and_reap(pid)
+
+
+@pytest.mark.parametrize("down", ["killed", "stopped"])
+def test_a_cache_built_while_the_master_is_down_serves_from_the_pool_once_it_is_up(private_pool, caches, down):
+    run_dir = Path(private_pool.run_dir)
+    pool = load_pool_config(run_dir / embedded.STATE)
+    if down == "killed":
+        kill_and_reap(private_pool.master_pid)
+    else:
+        os.kill(private_pool.master_pid, signal.SIGSTOP)
+    model = model_id()
+    try:
+        cache, seconds = timed(lambda: caches(make_config(pool, model, **QUICK)))
+        assert seconds < QUICK["pool_connect_timeout_s"] + SLACK_S
+        assert pool.master in cache.remote_error and cache.media == [D, H, R] and not cache.tier(R).up
+        early = tokens(80, 2, LAYOUT)
+        (stored, seconds) = timed(lambda: store(cache, early))
+        assert stored.new_blocks == 2 and seconds < FAST_S  # the local tiers serve; the pool is not waited for
+        assert timed(lambda: cache.lookup(tokens(81, 2, LAYOUT)))[1] < FAST_S
+    finally:
+        if down == "stopped":
+            os.kill(private_pool.master_pid, signal.SIGCONT)  # back at the same address
+        else:  # a new pool in its place, at new ports
+            embedded.stop(run_dir)
+            kill_and_reap(private_pool.daemon_pid)
+            restarted = embedded.start(64 * 1024**2, run_dir)
+    try:
+        assert wait_until(lambda: cache.remote_error is None, QUICK["pool_backoff_max_s"] + 1.0 + SLACK_S)
+        late = tokens(82, 3, LAYOUT)
+        assert store(cache, late).new_blocks == 3
+        empty_local_tiers(cache)
+        assert cache.lookup(late).media == (R,) * 3
+        assert load_released(cache, late).paths == {ROUTE["direct"]: 3}
+    finally:
+        if down == "killed":
+            for pid in (restarted.daemon_pid, restarted.master_pid):
+                kill_and_reap(pid)
 
 
 # --- a block gone under a reader ---------------------------------------------------------------

@@ -3,26 +3,37 @@
 On a pool, the host tier lives in memory the pool can address (registered, or in the pool's
 shared memory), so pool <-> host moves are zero-copy both ways; a CPU stand-in for HBM is
 registered too (or, in SHM mode, allocated in the pool's memory), so pool -> device is direct.
+
+A configured pool that cannot be reached at start still gets its remote tier, DOWN: the cache
+serves from its local tiers while the tier keeps trying in the background, and serves from the
+pool once it is reached. Each time the pool is reached again (perhaps a restarted, empty pool,
+perhaps at new addresses), the block manager's view of it is checked against what the pool
+holds, and what it no longer holds is forgotten, so lookups never claim those blocks.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.errors import TierUnavailable
-from kvstrata.manager.manager import ManagerConfig
+from kvstrata.manager.manager import BlockManager, ManagerConfig
 from kvstrata.media import FetchPath, Medium
 from kvstrata.pool.config import RemoteMode, read_secret
 from kvstrata.tiers.base import Tier
 from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier, default_device
 
+log = logging.getLogger("kvstrata.pool")
+
 
 def build_tiers(config: CacheConfig) -> tuple[list[Tier], str | None]:
     """The configured tiers, fastest first, and why a configured pool is not among them (None
-    when it is, or none was configured): the cache then serves from its local tiers."""
+    when it is, or none was configured; a pool that is only unreachable is: its tier is DOWN
+    and keeps trying): the cache then serves from its local tiers."""
     remote, remote_error = _connect_remote(config)
     slots = config.device_bytes // config.layout.block_bytes
     where = torch.device(config.device) if config.device else default_device()
@@ -53,11 +64,56 @@ def _connect_remote(config: CacheConfig) -> tuple[Tier | None, str | None]:
 
     try:
         tier = RemoteTier(config.layout, config.remote_bytes, config.pool, config.remote_mode,
-                          namespace_tag=config.namespace().tag, secret=read_secret(config.pool),
-                          encrypt=config.pool_encrypt)
-    except TierUnavailable as exc:
+                          namespace_tag=config.namespace().tag, op_timeout_s=config.pool_timeout_s,
+                          connect_timeout_s=config.pool_connect_timeout_s, backoff_s=config.pool_backoff_s,
+                          backoff_max_s=config.pool_backoff_max_s, required=False,
+                          secret=read_secret(config.pool), encrypt=config.pool_encrypt)
+    except TierUnavailable as exc:  # the pool client is not installed: no tier at all
         return None, str(exc)
     return tier, None
+
+
+def remote_error(tiers: Mapping[Medium, Tier], error: str | None) -> str | None:
+    """Why the configured pool is not serving now: ``error`` (from ``build_tiers``) if it has no
+    tier, else the remote tier's reason (down, or unreachable since the start), else None."""
+    remote = tiers.get(Medium.REMOTE)
+    return error if remote is None else remote.unavailable
+
+
+def block_manager(tiers: Mapping[Medium, Tier], config: CacheConfig) -> BlockManager:
+    """The block manager for these tiers; each reconnect of the remote tier reconciles the
+    manager's view of the pool (``reconcile_remote``)."""
+    manager = BlockManager(manager_config(tiers, config))
+    remote = tiers.get(Medium.REMOTE)
+    if remote is not None and hasattr(remote, "on_reconnect"):
+        # Reads still waiting on the old pool end within two pool calls (a get, then a size).
+        settle_s = 2 * config.pool_timeout_s + 1.0
+        remote.on_reconnect(lambda tier, event: reconcile_remote(manager, tier, event.moved, settle_s))
+    return manager
+
+
+def reconcile_remote(manager: BlockManager, remote: Tier, moved: bool = False, settle_s: float = 0.0) -> int:
+    """Forget the blocks of the manager's view of the pool that the pool does not hold now (all
+    of them, for a pool restarted empty or another pool), so lookups never claim them; the
+    objects still there stay known. A block a read holds (a read of the old pool, still
+    waiting) is forgotten once that read ends, for up to ``settle_s``. Returns how many were
+    forgotten."""
+    keys = manager.ready_keys(Medium.REMOTE)
+    present = remote.find(keys)  # False where the pool cannot say: forgotten too
+    gone = [key for key, here in zip(keys, present, strict=True) if not here]
+    forgotten = manager.forget(Medium.REMOTE, gone)
+    busy = set(gone) & set(manager.ready_keys(Medium.REMOTE))
+    waited = len(busy)
+    deadline = time.monotonic() + settle_s
+    while busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+        forgotten += manager.forget(Medium.REMOTE, busy)
+        busy &= set(manager.ready_keys(Medium.REMOTE))
+    log.info("pool view reconciled after the reconnect%s: %d of %d known blocks still in the pool, %d forgotten%s%s",
+             " to a pool at new addresses" if moved else "", len(keys) - len(gone), len(keys), forgotten,
+             f" ({waited - len(busy)} once reads of the old pool ended)" if waited else "",
+             f"; {len(busy)} still held by readers" if busy else "")
+    return forgotten
 
 
 def check_tiers(tiers: Sequence[Tier], config: CacheConfig) -> dict[Medium, Tier]:

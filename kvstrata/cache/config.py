@@ -12,7 +12,15 @@ from kvstrata.media import FetchPath
 from kvstrata.plan.host import HostCalibration
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WriteRule
-from kvstrata.pool.config import PoolConfig, RemoteMode
+from kvstrata.pool.config import (
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    CONNECT_TIMEOUT_S,
+    OP_TIMEOUT_S,
+    PoolConfig,
+    RemoteMode,
+    check_budgets,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,13 @@ class CacheConfig:
     calibration: HostCalibration | None = None
     disk_read_gbps: float | None = None  # cap disk reads at this rate (emulates slower storage)
     small_load_bytes: int = SMALL_LOAD_BYTES  # loads up to this size: one copy dispatch, layers ready together
+    # Waiting on the pool (the defaults' reasons: kvstrata.pool.config). A call that runs past
+    # pool_timeout_s puts the pool down: calls then fail at once while a background probe runs,
+    # pool_backoff_s after the fault, doubling per failed probe up to pool_backoff_max_s.
+    pool_timeout_s: float = OP_TIMEOUT_S  # the longest one pool call (lookup, load batch, put) is waited for
+    pool_connect_timeout_s: float = CONNECT_TIMEOUT_S  # the longest connecting may take (building the cache waits)
+    pool_backoff_s: float = BACKOFF_S
+    pool_backoff_max_s: float = BACKOFF_MAX_S
 
     def __post_init__(self) -> None:
         block = self.layout.block_bytes if isinstance(self.layout, KVLayout) else None
@@ -80,6 +95,8 @@ class CacheConfig:
             raise ValueError(f"cache small_load_bytes must be >= 0, got {self.small_load_bytes}")
         if self.disk_read_gbps is not None and not self.disk_read_gbps > 0:
             raise ValueError(f"cache disk_read_gbps must be positive, got {self.disk_read_gbps}")
+        check_budgets("cache", pool_timeout_s=self.pool_timeout_s, pool_connect_timeout_s=self.pool_connect_timeout_s,
+                      pool_backoff_s=self.pool_backoff_s, pool_backoff_max_s=self.pool_backoff_max_s)
         self.namespace()  # a bad model_id or TP rank/size fails here, not on first use
 
     def namespace(self, tenant: str = "") -> Namespace:

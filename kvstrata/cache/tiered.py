@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 
-from kvstrata.cache.build import build_tiers, check_tiers, manager_config
+from kvstrata.cache.build import block_manager, build_tiers, check_tiers, remote_error
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.outcomes import Outcomes
 from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, StoreResult
 from kvstrata.index.keys import BlockKey, Namespace, block_keys, token_array
 from kvstrata.index.prefix import Match
-from kvstrata.manager.manager import BlockManager
 from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
 from kvstrata.media import Medium
 from kvstrata.metrics import CacheMetrics
@@ -50,12 +49,10 @@ class TieredCache:
         self.config = config
         self.layout = config.layout
         self.metrics = CacheMetrics()
-        self.remote_error: str | None = None  # why a configured pool is not in use
-        if tiers is None:
-            tiers, self.remote_error = build_tiers(config)
+        tiers, self._remote_error = build_tiers(config) if tiers is None else (tiers, None)
         self._tiers = check_tiers(tiers, config)
         try:
-            self.manager = BlockManager(manager_config(self._tiers, config))
+            self.manager = block_manager(self._tiers, config)  # reconciles its view of a pool that comes back
             for tier in self._tiers.values():
                 self.manager.adopt(tier.medium, tier.recover())
         except BaseException:
@@ -67,7 +64,6 @@ class TieredCache:
         self._namespaces: dict[str, Namespace] = {}
         self._closed = False
 
-
     def tier(self, medium: Medium) -> Tier:
         try:
             return self._tiers[medium]
@@ -77,6 +73,11 @@ class TieredCache:
     @property
     def media(self) -> list[Medium]:
         return list(self.manager.media)
+
+    @property
+    def remote_error(self) -> str | None:
+        """Why the configured pool is not serving now (down: retried in the background); None: it serves."""
+        return remote_error(self._tiers, self._remote_error)
 
     def keys(self, tokens: Any, tenant: str = "") -> list[BlockKey]:
         namespace = self._namespaces.get(tenant)  # one per tenant, kept: its digest is computed once
@@ -295,7 +296,6 @@ class TieredCache:
             return 0
         below = [key for key, medium in zip(match.keys, match.media) if medium.value > Medium.HOST.value]
         return self._copy(self.manager.prepare_copies(below, (Medium.HOST,)))
-
 
     def _check_open(self) -> None:
         if self._closed:

@@ -165,7 +165,7 @@ class _Restores:
             pool=pool,
             remote_bytes=size if not local else 0,
         ))
-        if pool is not None and Medium.REMOTE not in self.cache.media:
+        if pool is not None and self.cache.remote_error is not None:  # unreachable: its tier is there, down
             raise RuntimeError(f"validate: the pool could not be reached ({self.cache.remote_error})")
         result = self.cache.store(self.tokens, kv_bytes.view(torch_dtype(layout.dtype))).result()
         if result.new_blocks != blocks:

@@ -57,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.config:
         config = load_pool_config(args.config)
-        up = embedded.accepts(config.master, 2.0)
-        doc = {"running": up, "master": {"address": config.master, "up": up}, "config": config.to_json()}
+        # Each process must answer, not only accept (a stopped one still accepts); the daemon
+        # too where the config names one: objects live there, and the master answers without it.
+        named = {"master": config.master} | ({"daemon": config.daemon} if config.daemon else {})
+        doc = {name: {"address": address, "up": embedded.answers(address, 2.0)} for name, address in named.items()}
+        doc = {"running": all(p["up"] for p in doc.values())} | doc | {"config": config.to_json()}
     else:
         doc = embedded.status(args.dir)
     if args.json:

@@ -147,6 +147,28 @@ class BlockManager:
                 self._index.add(key, medium)
             return len(keys)
 
+    def ready_keys(self, medium: Medium) -> list[BlockKey]:
+        """The keys READY in a tier now (a snapshot, safe while other threads plan)."""
+        with self._lock:
+            return self._tables[medium].ready_keys()
+
+    def forget(self, medium: Medium, keys: Iterable[BlockKey]) -> int:
+        """Drop blocks from this cache's view of a tier without a plan and without touching
+        their bytes (a shared pool that lost them, or another pool): each READY, unpinned one
+        leaves the table (its slot free) and the index. Blocks in flight or being read stay:
+        their plans settle them (a read of a lost object fails as MISSING and drops it).
+        Returns how many were forgotten."""
+        table = self._tables[medium]
+        forgotten = 0
+        with self._lock:
+            for key in keys:
+                if table.take(key) is None:
+                    continue
+                table.release(key)
+                self._index.discard(key, medium)
+                forgotten += 1
+        return forgotten
+
     # --- loads -----------------------------------------------------------------------------------
 
     def prepare_load(self, match: Match) -> LoadPlan:

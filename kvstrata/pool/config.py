@@ -1,16 +1,20 @@
 """Where the pool is: a Mooncake master (and, on this host, a pool daemon for shared memory).
 
 Parsed at the edge: from a TOML file (``[pool]`` table), from ``$KVSTRATA_POOL`` (a path to
-such a file or to an embedded pool's state file), or from the embedded pool's state.
+such a file or to an embedded pool's state file), or from the embedded pool's state. A config
+read from a file remembers it (``config_file``): a client that loses the pool reads it again
+before reconnecting, so a pool restarted at new addresses (``kvstrata pool start`` picks new
+ports and rewrites ``pool.json``) is found again.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -18,7 +22,38 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from kvstrata.report import OMIT
+
 ENV = "KVSTRATA_POOL"
+
+# How long a client waits on the pool (kvstrata.pool.client), and CacheConfig's defaults.
+# One call: a lookup's existence query, a load's batch get (up to 64 blocks), a store's put. A
+# live pool on loopback or a LAN answers in milliseconds; a second is ample, and is what a
+# caller waits, once, for a pool that has stopped answering (then calls fail at once).
+OP_TIMEOUT_S = 1.0
+# Connecting: socket checks, then Mooncake's setup (~0.2 s on loopback; opening RDMA devices
+# takes longer). Only building a cache waits for it; reconnects run in the background.
+CONNECT_TIMEOUT_S = 5.0
+# After a fault, the first background probe comes this long after (jittered down to half),
+# each failed one doubling the wait, up to BACKOFF_MAX_S: a pool that comes back is used again
+# within BACKOFF_MAX_S, and each client of a dead master probes it every 5 to 10 s at most.
+BACKOFF_S = 0.5
+BACKOFF_MAX_S = 10.0
+
+
+def check_budgets(owner: str, **seconds: float) -> None:
+    """Each of ``seconds`` a finite number > 0, and a backoff maximum not below its base.
+    ``owner`` starts the message ("cache", "pool client:").
+
+    Raises:
+        ValueError: one line naming the first bad value.
+    """
+    for name, value in seconds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{owner} {name} must be a number of seconds > 0, got {value!r}")
+    names = sorted(name for name in seconds if "backoff" in name)  # [..backoff_max_s, ..backoff_s]
+    if len(names) == 2 and seconds[names[0]] < seconds[names[1]]:
+        raise ValueError(f"{owner} {names[0]} must be >= {names[1]}, got {seconds[names[0]]!r} < {seconds[names[1]]!r}")
 
 
 class RemoteMode(enum.Enum):
@@ -44,6 +79,9 @@ class PoolConfig:
             owner only): pool values are sealed with it and object names keyed (see
             ``kvstrata.tiers.poolvalue``); None: values are not authenticated (a pool only
             trusted processes can reach). An embedded pool makes one.
+        config_file: the file this was read from (a TOML or a ``pool.json``), read again when
+            the pool is lost; None: built in code, never re-read. Not part of the pool's
+            identity (equality, hashing) nor of its JSON.
     """
 
     master: str
@@ -53,6 +91,7 @@ class PoolConfig:
     local_hostname: str = "127.0.0.1"
     rdma_devices: str = ""
     secret_file: str | None = None
+    config_file: Path | None = field(default=None, compare=False, metadata=OMIT)
 
     def __post_init__(self) -> None:
         for name in ("master",) + (("daemon",) if self.daemon else ()):
@@ -61,38 +100,59 @@ class PoolConfig:
                 raise ValueError(f"pool {name} must be host:port, got {getattr(self, name)!r}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"pool protocol must be tcp or rdma, got {self.protocol!r}")
+        if self.config_file is not None and not isinstance(self.config_file, Path):
+            raise ValueError(f"pool config_file must be a pathlib.Path, got {self.config_file!r}")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """How to reach the pool (``config_file`` left out: it is where this copy came from)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config_file"}
 
 
 def load_pool_config(path: str | Path) -> PoolConfig:
-    """A ``[pool]`` TOML table, or an embedded pool's ``pool.json`` state file."""
-    path = Path(path)
+    """A ``[pool]`` TOML table, or an embedded pool's ``pool.json`` state file; the config
+    remembers the file (absolute), to read it again on reconnect.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not a pool config (bad TOML or JSON, unknown or bad settings).
+    """
+    path = Path(path).absolute()
     if not path.is_file():
         raise FileNotFoundError(f"pool config {str(path)!r} does not exist")
     if path.suffix == ".json":
-        state = json.loads(path.read_text())
-        return PoolConfig(**state["config"])
+        try:
+            state = json.loads(path.read_text())
+            return PoolConfig(**state["config"], config_file=path)
+        except (ValueError, KeyError, TypeError) as exc:  # half-written, or not a pool's state
+            raise ValueError(f"{path}: not a pool state file: {exc!r}") from None
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: invalid TOML: {exc}") from None
     table = data.get("pool", data)
-    known = set(PoolConfig.__dataclass_fields__)
+    known = set(PoolConfig.__dataclass_fields__) - {"config_file"}
     unknown = set(table) - known
     if unknown:
         raise ValueError(f"{path}: unknown pool setting(s) {sorted(unknown)}; known: {sorted(known)}")
     if "master" not in table:
         raise ValueError(f"{path}: pool.master (host:port of the Mooncake master) is missing")
-    return PoolConfig(**table)
+    return PoolConfig(**table, config_file=path)
 
 
 SECRET_BYTES = 32
 
 
 def make_secret(path: Path) -> None:
-    """Write a new random deployment secret to ``path`` (0600)."""
+    """Write a new random deployment secret to ``path`` (0600), unless it holds a valid one.
+
+    A pool restarted in the same place keeps its secret: the clients that read it still seal
+    and name values as every new client will.
+    """
+    try:
+        read_secret(PoolConfig(master="127.0.0.1:1", secret_file=str(path)))
+        return
+    except ValueError:
+        pass
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as out:
         os.fchmod(out.fileno(), 0o600)

@@ -2,8 +2,8 @@
 
 ``start`` picks free ports, launches ``mooncake_master`` and ``mooncake_client`` (the pool
 daemon that owns the DRAM segment) in their own sessions, waits (bounded) until both accept
-connections, and writes ``pool.json`` in the run directory; ``stop`` ends them; ``status``
-checks them. Inference processes join with segment size 0, so objects live in the daemon and
+connections, and writes ``pool.json`` in the run directory (whole, by a rename: clients that
+lost the pool read it again); ``stop`` ends them; ``status`` checks them (alive and answering). Inference processes join with segment size 0, so objects live in the daemon and
 survive any inference process exiting.
 
 Security: both listen on 127.0.0.1 here, but Mooncake clients also open transfer ports on all
@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstrata.pool.config import PoolConfig, make_secret
@@ -51,6 +51,27 @@ def accepts(address: str, timeout_s: float = 0.5) -> bool:
             return True
     except OSError:
         return False
+
+
+_NOT_A_REQUEST = bytes(16)
+
+
+def answers(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether a live process serves ``address``: it closes the connection on (or answers)
+    bytes that are no request within ``timeout_s``. For a stopped (hung) process the kernel
+    still accepts the connection, and nothing answers."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=max(timeout_s, 1e-3)) as conn:
+            conn.sendall(_NOT_A_REQUEST)
+            conn.recv(1)  # b"" (closed) or data: someone is there
+            return True
+    except ConnectionRefusedError:
+        return False  # nobody listens
+    except ConnectionError:
+        return True  # reset by a live peer
+    except OSError:
+        return False  # timed out (nobody reads), or unreachable
 
 
 def _binary(name: str) -> str:
@@ -103,19 +124,20 @@ def _alive(pid: int) -> bool:
 
 
 def read_state(run_dir: Path | None = None) -> PoolState | None:
-    path = (run_dir or default_run_dir()) / STATE
+    path = Path(run_dir or default_run_dir()).absolute() / STATE
     if not path.is_file():
         return None
-    return PoolState.from_json(json.loads(path.read_text()))
+    state = PoolState.from_json(json.loads(path.read_text()))
+    return replace(state, config=replace(state.config, config_file=path))
 
 
 def status(run_dir: Path | None = None) -> dict:
-    """What runs: pids alive, ports accepting."""
+    """What runs: pids alive, ports answering (a stopped process is not up)."""
     state = read_state(run_dir)
     if state is None:
         return {"running": False, "reason": "no embedded pool started in " + str(run_dir or default_run_dir())}
-    master_up = _alive(state.master_pid) and accepts(state.config.master)
-    daemon_up = _alive(state.daemon_pid) and accepts(state.config.daemon)
+    master_up = _alive(state.master_pid) and answers(state.config.master)
+    daemon_up = _alive(state.daemon_pid) and answers(state.config.daemon)
     return {
         "running": master_up and daemon_up,
         "master": {"address": state.config.master, "pid": state.master_pid, "up": master_up},
@@ -133,8 +155,9 @@ CLIENT_TTL_S = 60
 
 
 def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> PoolState:
-    """Start a master and a pool daemon on loopback (or return the running one)."""
-    run_dir = Path(run_dir or default_run_dir())
+    """Start a master and a pool daemon on loopback (or return the running one). The state's
+    config names ``pool.json`` as its file, so clients built on it follow a restarted pool."""
+    run_dir = Path(run_dir or default_run_dir()).absolute()
     current = status(run_dir)
     if current["running"]:
         return read_state(run_dir)
@@ -178,11 +201,13 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
         _terminate(master_proc.pid)
         raise
     secret = run_dir / SECRET
-    make_secret(secret)  # the pool's own: values sealed with it, object names keyed (tiers/poolvalue.py)
-    config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret))
+    make_secret(secret)  # kept across restarts: values sealed with it, names keyed (tiers/poolvalue.py)
+    config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret), config_file=run_dir / STATE)
     state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir))
-    with _private(run_dir / STATE, "w") as out:
+    partial = run_dir / f".{STATE}.{os.getpid()}"
+    with _private(partial, "w") as out:
         out.write(json.dumps(state.to_json(), indent=2))
+    os.replace(partial, run_dir / STATE)  # readers see the old file or the whole new one
     return state
 
 

@@ -82,6 +82,11 @@ class Tier(abc.ABC):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why the tier cannot serve now (a pool that is down); None when it can."""
+        return None
+
     def _layer_range(self, layers: slice) -> tuple[int, int]:
         """``layers`` as ``(start, stop)`` layer indices, ``start <= stop``.
 

@@ -19,8 +19,12 @@ other tensor (another CPU tensor, a CUDA tensor) goes through this thread's stag
 one block. In SHM mode the daemon on this host copies between the pool and shared memory.
 
 Faults. Every store call is bounded (``op_timeout_s``) on a private worker thread; a timeout or
-a transport error puts the tier DOWN for a cool-off, during which calls raise PoolUnavailable at
-once (see ``kvstrata.pool.client``). The contract for the caller's memory:
+a transport error puts the tier DOWN: calls raise PoolUnavailable at once while a background
+thread probes the pool with backoff, reconnecting (to new addresses, if the pool's config file
+says so) when it can (see ``kvstrata.pool.client``). A tier built with ``required=False`` starts
+DOWN when the pool cannot be reached, and keeps trying. ``on_reconnect`` tells the owner of the
+tier's table (the block manager's view) that the pool is back, perhaps another pool: its view
+may name objects the pool no longer has. The contract for the caller's memory:
 
 * ``read_into`` raises TransferAbandoned (a PoolUnavailable and a ``kvstrata.errors.TransferAbandoned``) when it handed ``dst``'s memory to
   the pool and the call did not end cleanly (timed out, or a transport error): bytes may still
@@ -37,6 +41,8 @@ from __future__ import annotations
 import re
 import threading
 import uuid
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -48,14 +54,16 @@ from kvstrata.errors import BlockMissing, CorruptBlock
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable
-from kvstrata.pool.config import PoolConfig, RemoteMode
+from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable, Reconnected
+from kvstrata.pool.config import BACKOFF_MAX_S, BACKOFF_S, CONNECT_TIMEOUT_S, OP_TIMEOUT_S, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.base import Tier
 
-__all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "RemoteMode", "RemoteTier", "TransferAbandoned"]
+__all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier",
+           "TransferAbandoned"]
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
+EXISTS_PER_CALL = 1024  # names per existence query
 
 # Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
 NO_SPACE = -200  # the pool could not place the object now
@@ -85,9 +93,11 @@ class PoolRefused(RuntimeError):
 
 @dataclass
 class _Lane:
-    """A thread's registered buffers: a header, and a staging block made on first need."""
+    """A thread's registered buffers: a header, and a staging block made on first need; both
+    made under one store generation of the client (SHM segments are the daemon's)."""
 
     header: torch.Tensor  # uint8 [>= HEADER_BYTES]
+    generation: int
     staging: torch.Tensor | None = None  # uint8 [block_bytes]
 
 
@@ -104,14 +114,17 @@ class RemoteTier(Tier):
         connect_timeout_s: the longest connecting may take.
         verify_payload: without a secret, write an xxh3_64 of each payload and check it on
             every read of a value that has one (with a secret the MAC checks every byte).
-        cooloff_s: after a fault, how long calls fail at once before the pool is probed again.
+        backoff_s, backoff_max_s: after a fault, the first wait before a background probe, and
+            the longest (it doubles per failed probe).
+        required: raise if the pool cannot be reached now; False: start DOWN, keep trying.
         secret: the deployment secret (``kvstrata.pool.config.read_secret``): values are sealed
             and object names keyed with it, and a value without this deployment's seal is a
             miss; None: neither (a pool only trusted processes reach).
         encrypt: encrypt payloads too (AES-GCM; needs ``secret``).
 
     Raises:
-        PoolUnavailable: the pool could not be reached within ``connect_timeout_s``.
+        PoolUnavailable: the pool client is not installed, or (``required``) the pool could
+            not be reached within ``connect_timeout_s``.
     """
 
     medium = Medium.REMOTE
@@ -125,17 +138,18 @@ class RemoteTier(Tier):
         pool: PoolConfig,
         mode: RemoteMode = RemoteMode.TCP,
         namespace_tag: str = "",
-        op_timeout_s: float = 10.0,
-        connect_timeout_s: float = 5.0,
+        op_timeout_s: float = OP_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         verify_payload: bool = False,
-        cooloff_s: float = 1.0,
+        backoff_s: float = BACKOFF_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
+        required: bool = True,
         secret: bytes | None = None,
         encrypt: bool = False,
     ) -> None:
         super().__init__(layout, capacity_bytes)
         if not isinstance(namespace_tag, str) or not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"remote tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
-        self.pool = pool
         self.namespace_tag = namespace_tag
         self.verify_payload = verify_payload
         self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt,
@@ -143,7 +157,17 @@ class RemoteTier(Tier):
         self._lanes = threading.local()
         self._lock = threading.Lock()
         self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
-        self._client: PoolClient | None = PoolClient(pool, mode, op_timeout_s, connect_timeout_s, cooloff_s)
+        self._listener: Callable[[RemoteTier, Reconnected], None] | None = None
+        self._pool = pool
+        reconnected = weakref.WeakMethod(self._reconnected)  # the client must not keep the tier alive
+
+        def on_up(event: Reconnected) -> None:
+            method = reconnected()
+            if method is not None:
+                method(event)
+
+        self._client: PoolClient | None = PoolClient(pool, mode, op_timeout_s, connect_timeout_s, backoff_s,
+                                                     backoff_max_s, required, on_up)
 
     # --- names and memory ---------------------------------------------------------------------
 
@@ -156,18 +180,49 @@ class RemoteTier(Tier):
         return self._live().mode
 
     @property
+    def pool(self) -> PoolConfig:
+        """Where the pool is (now: a reconnect may have found it elsewhere)."""
+        client = self._client
+        return self._pool if client is None else client.pool
+
+    @property
     def up(self) -> bool:
-        """False while cooling off after a fault (calls fail fast) or once closed."""
+        """False while the pool is down (calls fail fast, a background probe runs) or once closed."""
         return self._client is not None and self._client.up
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the tier cannot serve now (the pool down, unreachable, the tier closed); None: it can."""
+        client = self._client
+        return "remote tier is closed" if client is None else client.down_reason
+
+    def on_reconnect(self, listener: Callable[[RemoteTier, Reconnected], None] | None) -> None:
+        """Call ``listener(tier, event)`` (on the probing thread) each time the pool is reached
+        again: after a fault, or for the first time."""
+        self._listener = listener
+
+    def _reconnected(self, event: Reconnected) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener(self, event)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of pre-faulted CPU memory (uint8 ``[nbytes]``) that moves to and from the
         pool zero-copy; build the host tier on it (``HostTier(..., buffer=...)``).
 
-        SHM mode: shared memory the pool daemon maps, mapped until this process exits. TCP
-        mode: ordinary memory, registered with the store, kept alive as long as this tier.
+        SHM mode: shared memory the pool daemon maps, mapped until this process exits; while
+        the pool is down, ordinary memory (it moves through staging). TCP mode: ordinary
+        memory, registered with the store (once the pool is up), kept alive as long as this tier.
         """
-        return self._live().allocate(nbytes)
+        client = self._live()
+        try:
+            return client.allocate(nbytes)
+        except PoolUnavailable:
+            if client.mode is RemoteMode.TCP:
+                raise
+        memory = torch.empty(nbytes, dtype=torch.uint8)
+        memory.zero_()  # pre-fault, as the pool's memory is
+        return memory
 
     def register(self, tensor: torch.Tensor) -> bool:
         """Register a tensor's memory for zero-copy transfers; whether that worked (TCP mode:
@@ -208,7 +263,7 @@ class RemoteTier(Tier):
         try:
             (rc,) = client.call(
                 f"put of {name}", "batch_put_from_multi_buffers", [name], [ptrs], [sizes],
-                on_late=lambda store, codes: _undo_late_put(store, name, codes),
+                on_late=lambda store, codes: _undo_late_put(store, name, codes), generation=lane.generation,
             )
         except CallTimedOut:
             self._retire(lane)  # the stray put still reads the header (and staging)
@@ -217,7 +272,7 @@ class RemoteTier(Tier):
             return
         if rc in _PUT_REFUSED:
             raise PoolRefused(f"remote tier: the pool refused {name} (Mooncake code {rc})")
-        client.mark_down(f"put failed with Mooncake code {rc}")
+        client.mark_down(f"put failed with Mooncake code {rc}", lane.generation)
         raise PoolUnavailable(f"remote tier: put of {name} failed (Mooncake code {rc})")
 
     def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
@@ -258,7 +313,8 @@ class RemoteTier(Tier):
         ptrs = [lane.header.data_ptr()] + [p.data_ptr() for p in parts]
         sizes = [poolvalue.HEADER_BYTES] + [p.numel() for p in parts]
         try:
-            (got,) = client.call(f"get of {name}", "batch_get_into_multi_buffers", [name], [ptrs], [sizes])
+            (got,) = client.call(f"get of {name}", "batch_get_into_multi_buffers", [name], [ptrs], [sizes],
+                                 generation=lane.generation)
         except CallTimedOut as error:
             raise self._abandon(lane, direct, name, str(error), error.settled) from None
         if got < 0:
@@ -277,21 +333,24 @@ class RemoteTier(Tier):
         have raised for it. One call per block would pay the pool's round trips per block.
         Partial reads, and destinations outside registered memory, go one by one."""
         client = self._live()
+        generation = self._lane(client).generation  # before looking at registrations: they are per store
         whole = self._layer_range(layers) == (0, self.layout.num_layers)
         if not whole or not all(client.is_registered(d) for d in dsts):
             return super().read_many_into(slots, keys, dsts, layers)
         out: list[BaseException | None] = []
         per_call = 4096 // poolvalue.HEADER_BYTES  # headers that fit the lane's registered page
         for first in range(0, len(keys), per_call):
-            out += self._read_chunk(client, keys[first : first + per_call], dsts[first : first + per_call])
+            out += self._read_chunk(client, keys[first : first + per_call], dsts[first : first + per_call], generation)
         return out
 
-    def _read_chunk(self, client: PoolClient, keys: list[BlockKey], dsts: list[torch.Tensor]) -> list:
+    def _read_chunk(self, client: PoolClient, keys: list[BlockKey], dsts: list[torch.Tensor], generation: int) -> list:
         shape = (self.layout.num_layers, self.layout.layer_bytes)
         for dst in dsts:
             if dst.dtype != torch.uint8 or tuple(dst.shape) != shape or not dst.is_contiguous():
                 raise ValueError(f"remote tier: dst must be contiguous uint8 {list(shape)}, got {list(dst.shape)}")
         lane = self._lane(client)
+        if lane.generation != generation:  # reconnected since the registrations were checked
+            return [PoolUnavailable("remote tier: the pool was reconnected under this read; retry")] * len(keys)
         head = poolvalue.HEADER_BYTES
         headers = lane.header[: len(keys) * head].view(len(keys), head)
         headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
@@ -299,7 +358,8 @@ class RemoteTier(Tier):
         ptrs = [[headers[i].data_ptr(), dsts[i].data_ptr()] for i in range(len(keys))]
         sizes = [[head, self.layout.block_bytes]] * len(keys)
         try:
-            got = client.call(f"batch get of {len(keys)} blocks", "batch_get_into_multi_buffers", names, ptrs, sizes)
+            got = client.call(f"batch get of {len(keys)} blocks", "batch_get_into_multi_buffers", names, ptrs, sizes,
+                              generation=generation)
         except CallTimedOut as error:
             return [self._abandon(lane, True, names[0], str(error), error.settled)] * len(keys)
         except PoolUnavailable as error:
@@ -336,14 +396,17 @@ class RemoteTier(Tier):
         if not keys:
             return []
         client = self._live()
-        names = [self.object_name(k) for k in keys]
-        try:
-            answers = client.call(f"exists of {len(names)} objects", "batch_is_exist", names)
-        except PoolUnavailable:
-            return [False] * len(keys)
-        if any(a < 0 for a in answers):
-            client.mark_down(f"exists answered {min(answers)}")
-        return [a == 1 for a in answers]
+        out: list[bool] = []
+        for first in range(0, len(keys), EXISTS_PER_CALL):
+            names = [self.object_name(k) for k in keys[first : first + EXISTS_PER_CALL]]
+            try:
+                answers = client.call(f"exists of {len(names)} objects", "batch_is_exist", names)
+            except PoolUnavailable:
+                return out + [False] * (len(keys) - len(out))
+            if any(a < 0 for a in answers):
+                client.mark_down(f"exists answered {min(answers)}")
+            out += [a == 1 for a in answers]
+        return out
 
     def remove_from_pool(self, keys: list[BlockKey], force: bool = False) -> list[bool]:
         """Delete objects from the pool for every instance (the table is the caller's).
@@ -373,8 +436,11 @@ class RemoteTier(Tier):
 
     def _lane(self, client: PoolClient) -> _Lane:
         lane = getattr(self._lanes, "lane", None)
-        if lane is None:
-            lane = self._lanes.lane = _Lane(client.allocate(4096))  # a page: what SHM maps anyway
+        generation = client.generation
+        if lane is None or lane.generation != generation:
+            if lane is not None:
+                self._retire(lane)  # made for another store (a stray call may use it still)
+            lane = self._lanes.lane = _Lane(client.allocate(4096), generation)  # a page: what SHM maps anyway
         return lane
 
     def _staging(self, client: PoolClient, lane: _Lane) -> torch.Tensor:
@@ -418,7 +484,7 @@ class RemoteTier(Tier):
                 raise BlockMissing(f"remote tier: {name} is not in the pool")
             if size is not None and size >= 0 and size != expected:
                 raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
-        client.mark_down(f"get failed with Mooncake code {code}")
+        client.mark_down(f"get failed with Mooncake code {code}", lane.generation)
         raise self._abandon(lane, direct, name, f"get of {name} failed (Mooncake code {code})", _DONE)
 
 def _undo_late_put(store, name: str, codes: list[int]) -> None:

@@ -49,6 +49,8 @@ def test_empty_strings_mean_not_given():
         ({"disk_dir": 5}, "disk_dir must be a path, got 5"),
         ({"pool": ""}, "pool must be a non-empty string"),
         ({"sync_save": "yes"}, "sync_save must be true or false"),
+        ({"pool_timeout_s": 0}, "pool_timeout_s must be a number of seconds > 0, got 0"),
+        ({"pool_backoff_s": 5, "pool_backoff_max_s": 1}, "pool_backoff_max_s must be >= pool_backoff_s, got 1 < 5"),
     ],
 )
 def test_a_bad_key_or_value_is_one_line_naming_it(extra, named):
@@ -67,6 +69,9 @@ def test_the_cache_config_carries_the_settings(tmp_path):
     assert config.remote_mode is RemoteMode.TCP
     named = ConnectorSettings(model_id="mine").cache_config(layout, "vllm-model", "cpu", 0, 1)
     assert named.model_id == "mine"
+    budgets = {"pool_timeout_s": 0.25, "pool_connect_timeout_s": 2, "pool_backoff_s": 0.1, "pool_backoff_max_s": 3.0}
+    config = ConnectorSettings.from_extra(budgets).cache_config(layout, "vllm-model", "cpu", 0, 1)
+    assert {name: getattr(config, name) for name in budgets} == budgets
 
 
 def test_a_pool_from_an_unset_environment_is_refused(monkeypatch):

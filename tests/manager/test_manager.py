@@ -338,6 +338,28 @@ def test_adopt_knows_a_leading_run_until_the_view_is_full():
     assert m.match(keys).media == (R, R)
 
 
+def test_forget_drops_the_pool_view_but_leaves_blocks_plans_hold():
+    # The pool came back without these objects: the view forgets them, bytes untouched.
+    m, tiers = manager({D: 2, R: 4}), Bytes()
+    known, mine = keys_of(16, 3), keys_of(17, 1)
+    m.adopt(R, known)
+    tiers.named[R].update(known)
+    assert m.pin(R, known[0]) is not None  # a reader holds one
+    stored(m, tiers, mine)
+    copy = m.prepare_copies(mine, (R,))  # one being written into the pool
+    assert m.table(R).state(mine[0]) is BlockState.WRITING
+    assert m.forget(R, known + mine) == 2
+    tiers.named[R].difference_update(known[1:])
+    assert m.ready_keys(R) == [known[0]] and m.table(R).free_blocks == 2
+    assert m.match(known).media == (R,) and m.where(known[1]) == ()
+    m.complete_copies(copy, tiers.move(copy.legs, [None]))  # it lands, and is known
+    m.unpin(R, [known[0]])
+    assert sorted(m.ready_keys(R)) == sorted([known[0], mine[0]])
+    assert m.forget(R, known) == 1 and m.forget(R, known) == 0
+    tiers.named[R].discard(known[0])
+    check(m, tiers)
+
+
 # --- a state machine of plans in flight ----------------------------------------------------------
 
 SEQS = {i: keys_of(100 + i, 3) for i in range(5)}
@@ -466,6 +488,17 @@ class ManagerMachine(RuleBasedStateMachine):
         """Another instance put these blocks in the pool; this one finds and adopts them."""
         self.tiers.named[R].update(SEQS[seq])
         self.m.adopt(R, SEQS[seq])
+
+    @precondition(lambda self: R in self.m.media)
+    @rule(seq=st.sampled_from(sorted(SEQS)))
+    def pool_lost(self, seq):
+        """The pool came back without these objects and the view is reconciled: those READY
+        and unpinned are forgotten (their bytes gone); those plans hold are left to them."""
+        table = self.m.table(R)
+        idle = {k for k in SEQS[seq] if table.state(k) is BlockState.READY and not table.pins(k)}
+        assert self.m.forget(R, SEQS[seq]) == len(idle)
+        assert not any(table.state(k) or R in self.m.where(k) for k in idle)
+        self.tiers.named[R] -= idle
 
     @precondition(lambda self: self.flights)
     @rule(data=st.data(), which=st.integers(0, 7))

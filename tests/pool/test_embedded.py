@@ -1,12 +1,17 @@
-"""The embedded pool's files are its owner's: the run directory 0700, its state and logs 0600."""
+"""The embedded pool's files are its owner's (the run directory 0700, its state and logs 0600), and
+its status says up only for processes that answer."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import signal
 import stat
 
 import pytest
 
+from kvstrata.cli import main
 from kvstrata.pool import embedded
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="the pool engine is not installed")
@@ -22,5 +27,30 @@ def test_the_pool_run_directory_state_and_logs_are_private(tmp_path):
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         for name in (embedded.STATE, "master.log", "daemon.log"):
             assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600, name
+    finally:
+        embedded.stop(run_dir)
+
+
+def test_a_stopped_process_is_not_up_and_a_dead_daemon_is_not_up_for_a_configured_pool(tmp_path, capsys):
+    run_dir = tmp_path / "pool"
+    state = embedded.start(64 * 1024**2, run_dir)
+    try:
+        assert embedded.status(run_dir)["running"]
+        os.kill(state.master_pid, signal.SIGSTOP)  # accepts connections, answers nothing
+        try:
+            doc = embedded.status(run_dir)
+            assert not doc["running"] and not doc["master"]["up"] and doc["daemon"]["up"]
+        finally:
+            os.kill(state.master_pid, signal.SIGCONT)
+        toml = tmp_path / "pool.toml"
+        toml.write_text(f'[pool]\nmaster = "{state.config.master}"\ndaemon = "{state.config.daemon}"\n')
+        assert main(["pool", "status", "--config", str(toml), "--json"]) == 0
+        capsys.readouterr()
+        os.kill(state.daemon_pid, signal.SIGKILL)  # the master still answers; the objects are gone
+        os.waitpid(state.daemon_pid, 0)  # dead, its port closed (a dying one may still reset)
+        assert main(["pool", "status", "--config", str(toml), "--json"]) == 1
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["running"], doc["master"]["up"], doc["daemon"]["up"]) == (False, True, False)
+        assert state.config.config_file == run_dir / embedded.STATE  # clients built on it follow a restart
     finally:
         embedded.stop(run_dir)

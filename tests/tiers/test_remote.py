@@ -120,6 +120,15 @@ def private_pool(tmp_path):
     embedded.stop(tmp_path / "pool")
 
 
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def timed(fn):
     start = time.monotonic()
     try:
@@ -303,7 +312,7 @@ def test_verify_payload_catches_a_flipped_byte(make_tier, raw, mode):
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_tier, private_pool, mode):
     op_timeout_s = 1.0
-    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, cooloff_s=0.2)
+    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=0.2)
     host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
     keys = [make_key(i, "killed") for i in range(3)]
     for key in keys:
@@ -325,8 +334,9 @@ def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_tier, private_pool
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private_pool, mode):
-    op_timeout_s, cooloff_s = 1.0, 0.3
-    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, cooloff_s=cooloff_s)
+    op_timeout_s, backoff_s, backoff_max_s = 1.0, 0.3, 1.0
+    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=backoff_s,
+                     backoff_max_s=backoff_max_s)
     host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
     store(tier, make_key(11))
     os.kill(private_pool.daemon_pid, signal.SIGSTOP)  # holds the bytes (and serves SHM clients)
@@ -335,12 +345,29 @@ def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private
     assert isinstance(error, errors.TransferAbandoned)  # what the cache catches
     assert op_timeout_s <= seconds < op_timeout_s + SLACK_S
     assert not tier.up
-    error, seconds = timed(lambda: load(tier, make_key(11), host[1]))  # cooling off: fails at once
+    error, seconds = timed(lambda: load(tier, make_key(11), host[1]))  # known down: fails at once
     assert type(error) is PoolUnavailable and seconds < 0.1
     os.kill(private_pool.daemon_pid, signal.SIGCONT)
-    time.sleep(cooloff_s + 0.1)
+    # A background probe finds it back: within the longest backoff (and one probe's wait).
+    assert wait_until(lambda: tier.up, backoff_max_s + op_timeout_s + SLACK_S)
     assert torch.equal(load(tier, make_key(11), host[1]), content(make_key(11)))
-    assert tier.up
+
+
+def test_a_dead_daemon_keeps_a_tcp_client_down(make_tier, private_pool):
+    # In TCP mode the client talks to the master, which still answers (and still lists the
+    # objects) with the daemon that holds them dead: the probe must check the daemon too.
+    tier = make_tier(RemoteMode.TCP, private_pool.config, op_timeout_s=1.0)
+    keys = [make_key(i, "dead-daemon") for i in range(2)]
+    for key in keys:
+        store(tier, key)
+    os.kill(private_pool.daemon_pid, signal.SIGKILL)
+    error, seconds = timed(lambda: load(tier, keys[0]))
+    assert isinstance(error, (PoolUnavailable, CorruptBlock)) and seconds < 1.0 + SLACK_S
+    time.sleep(2.0)  # several background probes (0.25 s on, doubling): each finds the daemon dead
+    assert not tier.up
+    answer, seconds = timed(lambda: tier.exists(keys))
+    assert answer == [False, False] and seconds < 0.1  # known down: not the master's stale listing
+    assert private_pool.config.daemon in tier.unavailable
 
 
 # --- sharing between processes ----------------------------------------------------------------

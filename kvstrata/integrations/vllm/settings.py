@@ -16,7 +16,17 @@ from typing import Any
 
 from kvstrata.cache import CacheConfig
 from kvstrata.kv.layout import KVLayout
-from kvstrata.pool.config import PoolConfig, RemoteMode, load_pool_config, pool_from_env
+from kvstrata.pool.config import (
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    CONNECT_TIMEOUT_S,
+    OP_TIMEOUT_S,
+    PoolConfig,
+    RemoteMode,
+    check_budgets,
+    load_pool_config,
+    pool_from_env,
+)
 
 MiB = 1024**2
 _PREFIX = "KVStrataConnector:"
@@ -39,6 +49,8 @@ class ConnectorSettings:
         stats_path: a JSON file the worker rewrites with its load/store counters.
         sync_save: wait in ``wait_for_save`` until a step's blocks are stored (and written
             down the tiers), so a finished request's KV is in kvstrata when its output is out.
+        pool_timeout_s, pool_connect_timeout_s, pool_backoff_s, pool_backoff_max_s: how long
+            the cache waits on the pool (``CacheConfig``'s budgets of the same names).
     """
 
     device_bytes: int = 64 * MiB
@@ -51,6 +63,10 @@ class ConnectorSettings:
     model_id: str | None = None
     stats_path: Path | None = None
     sync_save: bool = True
+    pool_timeout_s: float = OP_TIMEOUT_S
+    pool_connect_timeout_s: float = CONNECT_TIMEOUT_S
+    pool_backoff_s: float = BACKOFF_S
+    pool_backoff_max_s: float = BACKOFF_MAX_S
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -82,6 +98,7 @@ class ConnectorSettings:
             raise ValueError(f"{_PREFIX} remote_mode must be a RemoteMode, got {self.remote_mode!r}")
         if not isinstance(self.sync_save, bool):
             raise ValueError(f"{_PREFIX} sync_save must be true or false, got {self.sync_save!r}")
+        check_budgets(_PREFIX, **{name: getattr(self, name) for name in _BUDGETS})
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""
@@ -110,7 +127,11 @@ class ConnectorSettings:
             remote_mode=self.remote_mode,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            **{name: getattr(self, name) for name in _BUDGETS},
         )
+
+
+_BUDGETS = ("pool_timeout_s", "pool_connect_timeout_s", "pool_backoff_s", "pool_backoff_max_s")
 
 
 def _as_is(name: str, value: Any) -> Any:

@@ -71,6 +71,7 @@ class WorkerStats:
         data["stored_bytes"] = data["new_blocks"] * self.block_bytes
         if cache is not None:
             data["media"] = [m.label for m in cache.media]
+            data["remote_error"] = cache.remote_error  # now: the pool may have gone down, or come back
         return data
 
     def write(self, path: Path, cache: TieredCache | None) -> None:
