@@ -353,6 +353,28 @@ def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private
     assert torch.equal(load(tier, make_key(11), host[1]), content(make_key(11)))
 
 
+def test_a_daemon_stalled_past_mooncakes_default_lease_keeps_every_object(make_tier, private_pool):
+    # Mooncake's master drops a daemon (and every object in its segment) 10 s after its last
+    # heartbeat by default: a 5 s SIGSTOP lost them all. The embedded pool's master keeps it
+    # for embedded.CLIENT_TTL_S; a stall well past the default costs no object.
+    from kvstrata.pool.embedded import CLIENT_TTL_S
+
+    stall_s = 12.0
+    assert stall_s < CLIENT_TTL_S
+    tier = make_tier(RemoteMode.TCP, private_pool.config, op_timeout_s=1.0, backoff_s=0.3, backoff_max_s=1.0)
+    keys = [make_key(i, "stalled") for i in range(4)]
+    for key in keys:
+        store(tier, key)
+    os.kill(private_pool.daemon_pid, signal.SIGSTOP)
+    try:
+        time.sleep(stall_s)
+    finally:
+        os.kill(private_pool.daemon_pid, signal.SIGCONT)
+    assert wait_until(lambda: tier.up and tier.exists(keys) == [True] * 4, 5.0)
+    for key in keys:
+        assert torch.equal(load(tier, key), content(key))
+
+
 def test_a_dead_daemon_keeps_a_tcp_client_down(make_tier, private_pool):
     # In TCP mode the client talks to the master, which still answers (and still lists the
     # objects) with the daemon that holds them dead: the probe must check the daemon too.
