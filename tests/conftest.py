@@ -13,7 +13,6 @@ from kvstrata.pool import embedded
 from kvstrata.pool.config import PoolConfig, pool_from_env
 
 POOL_SEGMENT_BYTES = 256 * 1024**2
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's own logs: errors only (before it loads)
 
 
 @pytest.fixture(scope="session")

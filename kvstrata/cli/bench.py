@@ -294,10 +294,6 @@ def _print_cache(report: CacheBenchReport) -> None:
 
 
 def run_remote(args: argparse.Namespace) -> int:
-    # Mooncake logs every connect and close to stderr at INFO, through the progress bar. It
-    # reads MC_LOG_LEVEL (not glog's GLOG_minloglevel, measured with 0.3.13) when its library
-    # loads: set before any import of it. Its few benign ERROR lines still show.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvstrata.bench.remote import RemoteBenchConfig, run_remote_bench
     from kvstrata.pool.client import PoolUnavailable
     from kvstrata.pool.config import RemoteMode

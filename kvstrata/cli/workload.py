@@ -66,7 +66,6 @@ def _pool_context(args: argparse.Namespace, tiers: tuple[Medium, ...]) -> Iterat
     if Medium.REMOTE not in tiers or args.no_pool:
         yield None, "--no-pool"
         return
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before Mooncake's library loads
     configured = cli.pool_config(args.pool)
     if configured is None and importlib.util.find_spec("mooncake") is None:
         yield None, "pool engine not installed (pip install 'kvstrata[remote]')"

@@ -77,6 +77,7 @@ from kvstrata.pool.config import (
     check_budgets,
     load_pool_config,
 )
+from kvstrata.pool import native_log
 from kvstrata.pool.embedded import accepts, answers
 from kvstrata.pool.workers import Workers
 
@@ -222,6 +223,7 @@ class PoolClient:
             self._down, self._down_at, self._down_pool = reason, time.monotonic(), self.pool
             self._probe_error = None
             start, self._probing = not self._probing, True
+        native_log.forward(logging.WARNING)  # what Mooncake said about it, first
         log.warning("pool (%s) is down: %s; calls fail at once until a background probe passes",
                     where(self.pool), reason)
         if start:
@@ -263,6 +265,7 @@ class PoolClient:
             with self._lock:
                 self._probe_error = found
             level = logging.INFO if failures == 0 else logging.DEBUG
+            native_log.forward(level)
             log.log(level, "pool (%s) still down, probe %d: %s", where(pool), failures + 1, found)
             return False
         if event is None:
@@ -417,7 +420,9 @@ class PoolClient:
             raise PoolUnavailable(f"{what}: setup did not finish within {timeout_s:g} s") from None
         if rc != 0:
             _keep_open(store)
-            raise PoolUnavailable(f"{what}: setup failed (Mooncake code {rc})")
+            said = native_log.forward(logging.WARNING)
+            raise PoolUnavailable(f"{what}: setup failed (Mooncake code {rc}"
+                                  + (f": {said[-1]})" if said else ")"))
         return store
 
     def _address(self, pool: PoolConfig) -> str:
@@ -634,13 +639,12 @@ def _probe_until_up(ref: weakref.ref, wake: threading.Event) -> None:
 
 def _store_class() -> type:
     try:
-        from mooncake.store import MooncakeDistributedStore
+        return native_log.store_class()
     except ImportError as error:
         raise PoolUnavailable(
             f"the pool client is not installed ({error}): pip install mooncake-transfer-engine-non-cuda "
             "(or mooncake-transfer-engine with CUDA)"
         ) from None
-    return MooncakeDistributedStore
 
 
 def _after(stray: Future, on_late: Callable[[Any, Any], None], store: Any) -> None:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvstrata.pool import native_log
 from kvstrata.pool.config import PoolConfig, make_secret
 
 STATE = "pool.json"
@@ -167,6 +168,7 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     master_port, daemon_port, metrics_port = free_port(), free_port(), free_port()
     master, daemon = f"127.0.0.1:{master_port}", f"127.0.0.1:{daemon_port}"
     logs = {name: _private(run_dir / f"{name}.log", "wb") for name in ("master", "daemon")}
+    env = native_log.pool_process_env()  # Mooncake's WARNING and ERROR lines, into these logs
     master_proc = subprocess.Popen(
         [
             _binary("mooncake_master"),
@@ -177,7 +179,7 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
             "--enable_http_metadata_server=false",
             f"--client_ttl={CLIENT_TTL_S}",
         ],
-        stdout=logs["master"], stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=logs["master"], stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
     _wait_for(master, master_proc, run_dir / "master.log")
     daemon_proc = subprocess.Popen(
@@ -191,7 +193,7 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
             "--metadata_server=P2PHANDSHAKE",
             "--protocol=tcp",
         ],
-        stdout=logs["daemon"], stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=logs["daemon"], stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
     for log in logs.values():
         log.close()

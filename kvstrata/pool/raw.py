@@ -40,14 +40,14 @@ class RawPool:
     """
 
     def __init__(self, pool: PoolConfig, mode: RemoteMode, names: list[str], values: torch.Tensor) -> None:
-        from mooncake.store import MooncakeDistributedStore
+        from kvstrata.pool.native_log import store_class
 
         if values.dtype != torch.uint8 or values.dim() != 2 or values.shape[0] != len(names):
             raise ValueError(f"raw pool: values must be uint8 [{len(names)}, value_bytes], got {values.dtype} {list(values.shape)}")
         self.mode = mode
         self.names = names
         self.value_bytes = values.shape[1]
-        self._store = MooncakeDistributedStore()
+        self._store = store_class()()
         if mode is RemoteMode.SHM:
             rc = self._store.setup_dummy(0, LOCAL_BUFFER_BYTES, pool.daemon)
         else:
