@@ -19,6 +19,8 @@ from kvstrata import cli
 from kvstrata.media import Medium, route_text
 from kvstrata.pool.config import PoolConfig
 from kvstrata.workload import TIERS, Workload, WorkloadReport, run_e2e
+from kvstrata.workload.report import TierReport
+from kvstrata.workload.runner import ALONE_REPEATS
 
 POOL_SEGMENT_BYTES = 512 << 20  # an embedded pool's, for the workload's few MiB of KV
 
@@ -110,13 +112,11 @@ def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
     for col in columns + ["GB/s", "TTFT cold / warm ms", "same tokens", "route"]:
         t.add_column(col)
     for tier, r in report.tiers.items():
-        if r.skipped:
-            t.add_row(tier.label, f"[yellow]skipped: {r.skipped}[/]", *[""] * (len(columns) + 2))
+        if r.skipped:  # why, under the table: a cell would cut it
+            t.add_row(tier.label, "[yellow]skipped (see below)[/]", *[""] * (len(columns) + 2))
             continue
         measured = r.restore_alone_s if r.restored_bytes else 0.0
-
-        def error(predicted: float | None) -> str:
-            return f"{(predicted - measured) / measured:+.0%}" if predicted and measured > 0 else "-"
+        error = prediction_error(r)
 
         t.add_row(
             tier.label,
@@ -124,13 +124,19 @@ def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
             f"{r.restored_bytes / 1e6:.1f}",
             f"{ms(r.restore_s)} / {ms(measured)}",
             ms(r.predicted_restore_s),
-            error(r.predicted_restore_s),
+            "-" if error is None else f"{error:+.0%}",
             f"{r.restore_gbps:.2f}" if r.restored_bytes else "-",
             f"{ms(r.ttft_cold_s)} / {ms(r.ttft_warm_s)}",
             "[green]yes[/]" if r.tokens_identical else "[red]NO[/]",
             ", ".join(f"{route_text(k)} x{v}" for k, v in r.paths.items()) or "-",
         )
     console.print(t)
+    for tier, r in report.tiers.items():
+        if r.skipped:
+            console.print(f"[yellow]{tier.label} skipped:[/] {r.skipped}", highlight=False)
+    note = error_note(report)
+    if note:
+        console.print(note, highlight=False)
     for r in report.tiers.values():
         if r.stream_bytes_per_step is not None:
             same = "[green]the same tokens[/]" if r.stream_tokens_identical else "[red]OTHER tokens[/]"
@@ -138,3 +144,36 @@ def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
                 f"per-step DRAM streaming (KV on the host, each layer fetched just before it runs): "
                 f"{r.stream_bytes_per_step / 1e6:.2f} MB crossed host -> device per decode step, {same} as resident"
             )
+
+
+OFF_BY = 0.25  # a prediction further off than this is explained under the table
+SMALL_LOAD_MB = 8.0  # below it a load's fixed costs outweigh its bytes (0.5 MB: ~0.1 ms of copying, ~0.4 ms in all)
+
+
+def prediction_error(r: TierReport) -> float | None:
+    """(predicted - measured alone) / measured alone; None where either is missing."""
+    measured = r.restore_alone_s if r.restored_bytes else 0.0
+    return (r.predicted_restore_s - measured) / measured if r.predicted_restore_s and measured > 0 else None
+
+
+def error_note(report: WorkloadReport) -> str | None:
+    """Why a prediction is far off, said once (None: every one within OFF_BY)."""
+    off = [r for r in report.tiers.values() if not r.skipped and abs(prediction_error(r) or 0.0) > OFF_BY]
+    if not off:
+        return None
+    loads = sum(r.loads for r in off)
+    mb = sum(r.restored_bytes for r in off) / max(1, loads) / 1e6
+    blocks = sum(b for r in off for _, b in r.load_sizes) / max(1, loads)
+    busy = ""
+    if report.load_average is not None and report.cpus and report.load_average > 0.5 * report.cpus:
+        busy = (f"; this host was busy as the run began (load average {report.load_average:.1f} on "
+                f"{report.cpus} CPUs), so these timings are noisy: measure on an idle host")
+    size = f"Each load here moved {mb:.2f} MB ({blocks:.1f} blocks)"
+    if mb <= SMALL_LOAD_MB:
+        size += (": at that size fixed per-call costs (handing copies to worker threads, kvstrata's "
+                 "dispatch, opening block files), not bandwidth, take most of the time, and they vary "
+                 "from run to run with what else shares the CPUs")
+    return (
+        f"error (alone): predicted vs the same restores run alone (median of {ALONE_REPEATS} after a warm-up); "
+        f"{', '.join(r.tier.label for r in off)} off by more than {OFF_BY:.0%}. {size}{busy}."
+    )

@@ -28,8 +28,8 @@ class TierReport:
         hit_tokens: prompt tokens reused from the cache.
         restored_bytes: bytes the warm runs' loads brought to the device.
         restore_s: the loads' own seconds, summed, while the model computed beside them.
-        restore_alone_s: the same restores again with nothing else running, summed (what
-            the prediction describes).
+        restore_alone_s: the same restores again with nothing else running (per turn the
+            median of three after a warm-up), summed (what the prediction describes).
         restore_gbps: restored bytes over ``restore_s``, decimal GB/s.
         predicted_restore_s: the calibrated model's, summed over the loads (None: a path
             not calibrated, or not predicted).
@@ -74,11 +74,18 @@ class TierReport:
 
 @dataclass(frozen=True)
 class WorkloadReport:
-    """Every tier's run of one workload on one model."""
+    """Every tier's run of one workload on one model.
+
+    Attributes:
+        load_average: the host's 1-minute load average as the run began (None: unknown), and
+            ``cpus`` its CPU count: restores this small swing with what else runs.
+    """
 
     model_dir: Path
     workload: Workload
     tiers: dict[Medium, TierReport]
+    load_average: float | None = None
+    cpus: int | None = None
 
     @property
     def prompts(self) -> tuple[tuple[int, ...], ...]:

@@ -10,7 +10,7 @@ Per tier, each turn runs twice on a transformers model (:class:`~kvstrata.integr
 Reported per tier (:class:`~kvstrata.workload.report.TierReport`): TTFT cold and warm (medians
 over turns), hit rate (reused / prompt tokens), bytes restored, restore seconds and GB/s (the
 loads' own timing, while the model computes beside them; and the same restores again alone,
-which is what the prediction describes), whether every warm run's tokens equal the cold run's,
+the median of a few after a warm-up, which is what the prediction describes), whether every warm run's tokens equal the cold run's,
 and the routes the blocks took. Beside the measured restore time, the prediction for this host
 of :meth:`kvstrata.plan.host.HostCalibration.restore_s` for every load (its bytes and blocks),
 from a ``kvstrata calibrate`` profile or, by default, a quick calibration at the workload's
@@ -21,6 +21,8 @@ these small sizes, measured fixed costs).
 from __future__ import annotations
 
 import dataclasses
+import os
+import statistics
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from kvstrata.workload.report import Tally, TierReport, WorkloadReport
 from kvstrata.workload.spec import Texts, Workload
 
 TIERS: tuple[Medium, ...] = tuple(Medium)
+ALONE_REPEATS = 3  # restores alone per turn, after a warm-up: their median is reported
 NO_POOL = "no pool (start one with `kvstrata pool start`, or install mooncake)"
 
 
@@ -115,18 +118,22 @@ def run_tier(
 
 def _restore_alone(cache: TieredCache, prompt: list[int], blocks: int, tier: Medium) -> float:
     """Seconds of the turn's restore repeated with no model computing beside it (during a
-    prefill, on a CPU-only host, the model's threads and the copies share the cores)."""
+    prefill, on a CPU-only host, the model's threads and the copies share the cores): the
+    median of ALONE_REPEATS after a warm-up, as the calibration measures its paths (the first
+    restore after a prefill ran 1.5-3x slower on a 2-core VM: caches and threads cold)."""
     match = cache.lookup(prompt[:-1])
     if match.blocks < blocks:
         return 0.0
-    handle = cache.load(Match(match.keys[:blocks], match.media[:blocks], match.block_size, match.total_blocks))
-    try:
-        seconds = handle.wait().seconds
-    finally:
-        handle.release()
-    for medium in _above(tier):
-        cache.evict(medium, 1 << 30)
-    return seconds
+    runs = []
+    for _ in range(1 + ALONE_REPEATS):
+        handle = cache.load(Match(match.keys[:blocks], match.media[:blocks], match.block_size, match.total_blocks))
+        try:
+            runs.append(handle.wait().seconds)
+        finally:
+            handle.release()
+        for medium in _above(tier):
+            cache.evict(medium, 1 << 30)
+    return statistics.median(runs[1:])
 
 
 def run_e2e(
@@ -141,6 +148,7 @@ def run_e2e(
     ``kvstrata calibrate``; None: a quick calibration of this host, run first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before ours adds to it
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -157,7 +165,7 @@ def run_e2e(
             if report.skipped is None:
                 report = dataclasses.replace(report, predicted_restore_s=_calibrated(calibration, tier, report.load_sizes))
             reports[tier] = report
-    return WorkloadReport(Path(model_dir), workload, reports)
+    return WorkloadReport(Path(model_dir), workload, reports, load_average, os.cpu_count())
 
 
 def quick_calibration(block_bytes: int, work_dir: Path, pool: PoolConfig | None) -> HostCalibration:
