@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvstrata.pool.embedded import PoolError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         # Configuration and input errors carry a message naming what was wrong.
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
+    except PoolError as exc:  # the embedded pool did not start: what its log said, and where it is
+        kept = f" (its log: {exc.log})" if exc.log is not None and exc.log.exists() else ""
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}{kept}", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

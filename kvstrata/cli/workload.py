@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -69,8 +68,11 @@ def _pool_context(args: argparse.Namespace, tiers: tuple[Medium, ...]) -> Iterat
         yield None, "--no-pool"
         return
     configured = cli.pool_config(args.pool)
-    if configured is None and importlib.util.find_spec("mooncake") is None:
-        yield None, "pool engine not installed (pip install 'kvstrata[remote]')"
+    from kvstrata.pool import libs
+
+    cannot = libs.problem() if configured is None else None  # not installed, or a system library missing
+    if cannot:
+        yield None, cannot
         return
     from kvstrata.pool.embedded import PoolError
     from kvstrata.pool.scoped import scoped_pool
@@ -78,8 +80,8 @@ def _pool_context(args: argparse.Namespace, tiers: tuple[Medium, ...]) -> Iterat
     with ExitStack() as stack:
         try:
             pool, why = stack.enter_context(scoped_pool(configured, POOL_SEGMENT_BYTES)).config, None
-        except (PoolError, OSError, ImportError, RuntimeError) as exc:  # e.g. Debian's libibverbs1 missing
-            pool, why = None, f"pool did not start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        except (PoolError, OSError, ImportError, RuntimeError) as exc:
+            pool, why = None, f"pool did not start: {' '.join(str(exc).split()) or type(exc).__name__}"
         yield pool, why
 
 

@@ -77,7 +77,7 @@ from kvstrata.pool.config import (
     check_budgets,
     load_pool_config,
 )
-from kvstrata.pool import native_log
+from kvstrata.pool import libs, native_log
 from kvstrata.pool.embedded import accepts, answers
 from kvstrata.pool.workers import Workers
 
@@ -641,6 +641,10 @@ def _store_class() -> type:
     try:
         return native_log.store_class()
     except ImportError as error:
+        missing = libs.loader_error(str(error))
+        if missing:  # installed, but a system library is not (the loader names only the first)
+            raise PoolUnavailable(f"the pool client cannot load ({error}): "
+                                  f"{libs.describe(libs.missing_libraries() or (missing,))}") from None
         raise PoolUnavailable(
             f"the pool client is not installed ({error}): pip install mooncake-transfer-engine-non-cuda "
             "(or mooncake-transfer-engine with CUDA)"

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvstrata.pool import native_log
+from kvstrata.pool import libs, native_log
 from kvstrata.pool.config import PoolConfig, make_secret
 
 STATE = "pool.json"
@@ -32,7 +32,12 @@ START_TIMEOUT_S = 30.0
 
 
 class PoolError(RuntimeError):
-    pass
+    """The embedded pool did not start (or stop); ``log``: the log that says more, if any
+    (in a temporary run directory it is gone once the run ends: the message says what counts)."""
+
+    def __init__(self, message: str, log: Path | None = None) -> None:
+        super().__init__(message)
+        self.log = log
 
 
 def default_run_dir() -> Path:
@@ -80,8 +85,8 @@ def _binary(name: str) -> str:
     found = str(here) if here.exists() else shutil.which(name)
     if not found:
         raise PoolError(
-            f"{name} not found: install the pool engine (pip install mooncake-transfer-engine-non-cuda on CPU "
-            "hosts, mooncake-transfer-engine with CUDA) and Debian's libibverbs1 librdmacm1 libnuma1"
+            f"{name} not found: install the pool engine: pip install 'kvstrata[remote]' "
+            "(mooncake-transfer-engine-non-cuda; mooncake-transfer-engine with CUDA)"
         )
     return found
 
@@ -163,6 +168,9 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     if current["running"]:
         return read_state(run_dir)
     stop(run_dir)  # clear a half-dead previous pool
+    missing = libs.missing_libraries()
+    if missing:  # the programs would exit 127 naming only the first
+        raise PoolError(libs.describe(missing))
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)  # its logs and state: the owner's only
     master_port, daemon_port, metrics_port = free_port(), free_port(), free_port()
@@ -221,15 +229,36 @@ def _private(path: Path, mode: str):
 
 
 def _wait_for(address: str, proc: subprocess.Popen, log: Path) -> None:
+    """Until ``proc`` accepts connections on ``address``.
+
+    Raises:
+        PoolError: it exited, or did not listen in time; the message carries the last line of
+            its log (a temporary run directory's log is gone by the time a caller reads it).
+    """
+    name = Path(proc.args[0]).name
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise PoolError(f"{Path(proc.args[0]).name} exited with {proc.returncode}; see {log}")
+            raise PoolError(f"{name} exited with {proc.returncode}: {_last_line(log)}", log)
         if accepts(address, 0.2):
             return
         time.sleep(0.1)
     _terminate(proc.pid)
-    raise PoolError(f"{Path(proc.args[0]).name} did not listen on {address} within {START_TIMEOUT_S:.0f} s; see {log}")
+    raise PoolError(f"{name} did not listen on {address} within {START_TIMEOUT_S:.0f} s; its log's last line: "
+                    f"{_last_line(log)}", log)
+
+
+def _last_line(log: Path) -> str:
+    """The last line of ``log`` that says something, and for a library the loader did not
+    find, the command that installs it."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError as error:
+        return f"(its log {log} is unreadable: {error.strerror})"
+    if not lines:
+        return "(its log is empty)"
+    missing = libs.loader_error(lines[-1])
+    return lines[-1] + (f"; install: {libs.install_command((missing,))}" if missing else "")
 
 
 def _terminate(pid: int, grace_s: float = 5.0) -> None:
