@@ -148,7 +148,7 @@ def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
             )
 
 
-OFF_BY = 0.25  # a prediction further off than this is explained under the table
+OFF_BY = 0.5  # a prediction further off than this is explained under the table
 SMALL_LOAD_MB = 8.0  # below it a load's fixed costs outweigh its bytes (0.5 MB: ~0.1 ms of copying, ~0.4 ms in all)
 
 

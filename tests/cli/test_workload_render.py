@@ -50,7 +50,7 @@ def test_a_prediction_far_off_is_explained_once_and_a_close_one_not():
                          load_average=4.8, cpus=2)
     text = flat(rendered(off, width=120))
     assert text.count("error (alone):") == 1
-    assert "host, disk off by more than 25%" in text
+    assert "host, disk off by more than 50%" in text
     assert "Each load here moved 0.52 MB (1.0 blocks): at that size fixed per-call costs" in text
     assert "load average 4.8 on 2 CPUs" in text
     idle = WorkloadReport(Path("/m"), Workload(), off.tiers, load_average=0.2, cpus=2)
