@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from kvstrata import cli
@@ -35,11 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--dir", type=Path, default=None, help="run directory (default $KVSTRATA_POOL_DIR or ~/.cache)")
         q.add_argument("--config", default=None, help="a pool TOML pointing at an existing cluster (status only)")
         q.add_argument("--json", action="store_true")
+    actions.add_parser("libs", help="the Debian packages of the system libraries the pool engine lacks here "
+                       "(stdout; nothing: none), and why (stderr)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     console = cli.console()
+    if args.action == "libs":
+        return run_libs()
     if args.action == "start":
         state = embedded.start(args.segment_size, args.dir)
         doc = state.to_json() | {"state_file": str(Path(state.run_dir) / embedded.STATE)}
@@ -69,3 +74,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(("[green]running[/]" if doc["running"] else "[red]not running[/]") + f": {doc}", highlight=False)
     return 0 if doc["running"] else 1
+
+
+def run_libs() -> int:
+    """The set-up scripts' check (``.ci/pool-libs``): on stdout the Debian packages of the
+    missing system libraries (space-separated; nothing when none is missing), on stderr the
+    line that names them; exit 1 when the engine is not installed or a missing library has no
+    known package."""
+    from kvstrata.pool import libs
+
+    files = libs.engine_files()
+    if not files:
+        print(libs.problem(), file=sys.stderr)
+        return 1
+    missing = libs.missing_libraries(files)
+    if not missing:
+        return 0
+    if libs.packages(missing):
+        print(" ".join(libs.packages(missing)))
+    print(libs.describe(missing), file=sys.stderr)
+    return 0 if all(lib in libs.DEBIAN_PACKAGES for lib in missing) else 1

@@ -8,8 +8,8 @@ program missing one exits 127 before it logs a line (``error while loading share
 libibverbs.so.1: cannot open shared object file``), and the module's import fails with that
 message; the loader names only the first. ``ldd`` names every one at once.
 
-``python -m kvstrata.pool.libs`` prints the Debian packages to install (nothing: none
-missing) and the line that says why, for the set-up scripts (``.ci/pool-libs``).
+``kvstrata pool libs`` prints the Debian packages to install (nothing: none missing) and the
+line that says why, for the set-up scripts (``.ci/pool-libs``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 # Debian (and Ubuntu) packages of the libraries Mooncake links from the system.
@@ -99,25 +98,3 @@ def problem() -> str | None:
                 "(mooncake-transfer-engine-non-cuda; mooncake-transfer-engine with CUDA)")
     missing = missing_libraries()
     return describe(missing) if missing else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The set-up scripts' check: on stdout the Debian packages of the missing libraries
-    (space-separated; nothing when none is missing), on stderr the one line of
-    :func:`describe`; exit 1 when the engine is not installed or a missing library has no
-    known package."""
-    files = engine_files()
-    if not files:
-        print(problem(), file=sys.stderr)
-        return 1
-    missing = missing_libraries(files)
-    if not missing:
-        return 0
-    if packages(missing):
-        print(" ".join(packages(missing)))
-    print(describe(missing), file=sys.stderr)
-    return 0 if all(lib in DEBIAN_PACKAGES for lib in missing) else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

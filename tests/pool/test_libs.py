@@ -84,5 +84,5 @@ def test_the_engine_installed_here_loads(tmp_path):
     if not libs.engine_files():
         pytest.skip("the pool engine is not installed")
     assert libs.problem() is None
-    done = subprocess.run([sys.executable, "-m", "kvstrata.pool.libs"], capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-m", "kvstrata", "pool", "libs"], capture_output=True, text=True, check=False)
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
