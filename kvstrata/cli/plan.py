@@ -54,25 +54,34 @@ def run(args: argparse.Namespace) -> int:
         # Same GPU count where the other profile has that many; else its own default.
         other_gpus = args.gpus if args.gpus is not None else (plan.tp if plan.tp <= len(other_profile.gpus) else None)
         other = make_plan(geometry, other_profile, args.context, args.cached, other_gpus)
-    if args.plot:
-        from kvstrata.plan.plot import plot_restore_curves
-
-        profiles = [profile] + ([other.profile] if other else [])
-        plot_restore_curves(geometry, profiles, plan.tp, max(args.context, 1024), args.plot)
     if args.json:
         doc = plan.to_json()
         if other:
             doc["vs"] = other.to_json() | {"ratios": ratios(plan, other)}
         print(json.dumps(doc, indent=2, allow_nan=False))
-        return 0
-    console = cli.console()
+    else:
+        render_all(cli.console(), plan, other)
+    if args.plot:
+        _pictures(args, geometry, plan, other)
+    return 0
+
+
+def render_all(console: Console, plan: Plan, other: Plan | None) -> None:
+    """The plan's tables, then the other profile's and the speed-ups when there is one."""
     render(console, plan)
     if other:
         render(console, other)
         render_ratios(console, plan, other)
-    if args.plot:
-        console.print(f"plot written to [bold]{args.plot}[/]")
-    return 0
+
+
+def _pictures(args: argparse.Namespace, geometry, plan: Plan, other: Plan | None) -> None:
+    """``--plot``: the restore-time figure."""
+    from kvstrata.plots import png_bytes, save_png
+    from kvstrata.plots.restore import restore_figure
+
+    profiles = [plan.profile] + ([other.profile] if other else [])
+    fig = restore_figure(geometry, profiles, plan.tp, max(args.context, 1024))
+    cli.wrote("plot", save_png(png_bytes(fig), args.plot), args.json)
 
 
 def _s(seconds: float | None) -> str:

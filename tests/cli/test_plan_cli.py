@@ -98,6 +98,15 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert str(out) in capsys.readouterr().out.replace("\n", "")
 
 
+def test_plot_with_json_keeps_stdout_json(tmp_path, capsys):
+    png = tmp_path / "x.png"
+    assert main(["plan", "--context", "4096", "--json", "--plot", str(png)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["context_tokens"] == 4096
+    assert f"plot written to {png}" in out.err
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_human_output_names_every_path_and_architecture(capsys):
     assert main(["plan", "--context", "8192"]) == 0
     out = capsys.readouterr().out
