@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +14,9 @@ from kvstrata.hardware.profile import HardwareProfile, load_profile
 from kvstrata.hardware.whatif import apply_upgrades
 from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.planner import Plan, make_plan, ratios
+
+if TYPE_CHECKING:
+    from kvstrata.page import HtmlPage
 
 DEFAULT_MODEL = "llama-3-70b"
 DEFAULT_HARDWARE = "h200-cx7-gen5"
@@ -29,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="KV dtype (default: the model config's)")
     p.add_argument("--vs", default=None, help="other profile, or upgrades like +cx8, +gen6, +socket-direct")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw restore time vs context per path")
+    cli.add_html_arg(p, "the tables and the restore-time plot")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -61,12 +66,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, allow_nan=False))
     else:
         render_all(cli.console(), plan, other)
-    if args.plot:
+    if args.plot or args.html:
         _pictures(args, geometry, plan, other)
     return 0
 
 
-def render_all(console: Console, plan: Plan, other: Plan | None) -> None:
+def render_all(console: Console | HtmlPage, plan: Plan, other: Plan | None) -> None:
     """The plan's tables, then the other profile's and the speed-ups when there is one."""
     render(console, plan)
     if other:
@@ -75,13 +80,22 @@ def render_all(console: Console, plan: Plan, other: Plan | None) -> None:
 
 
 def _pictures(args: argparse.Namespace, geometry, plan: Plan, other: Plan | None) -> None:
-    """``--plot``: the restore-time figure."""
+    """``--plot`` and ``--html``: the restore-time figure, and the page of tables and figure."""
+    from kvstrata.page import HtmlPage
     from kvstrata.plots import png_bytes, save_png
     from kvstrata.plots.restore import restore_figure
 
     profiles = [plan.profile] + ([other.profile] if other else [])
     fig = restore_figure(geometry, profiles, plan.tp, max(args.context, 1024))
-    cli.wrote("plot", save_png(png_bytes(fig), args.plot), args.json)
+    png = png_bytes(fig)
+    if args.plot:
+        cli.wrote("plot", save_png(png, args.plot), args.json)
+    if args.html:
+        hardware = " vs ".join(p.name for p in profiles)
+        page = HtmlPage(f"kvstrata plan: {geometry.name} on {hardware}, {plan.context_tokens:,}-token context")
+        render_all(page, plan, other)
+        page.image(png, fig.axes[0].get_title().replace("\n", " "))
+        cli.wrote("report", page.write(args.html), args.json)
 
 
 def _s(seconds: float | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import Progress
@@ -18,6 +19,9 @@ from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
 from kvstrata.sim.run import offered_load, scale_time, simulate
 from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES
 from kvstrata.sim.traceio import read_trace
+
+if TYPE_CHECKING:
+    from kvstrata.page import HtmlPage
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restore-slots", type=int, default=4, help="requests restoring at once per instance")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here (ttft_cdf.png, tpot_cdf.png)")
+    cli.add_html_arg(p, "the ranking table and the CDF plots")
     p.set_defaults(func=run_simulate)
 
 
@@ -68,12 +73,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(json.dumps({"offered_load": load, "architectures": [s.to_json() for s in summaries]}, indent=2))
     else:
         render(cli.console(), requests, summaries, load)
-    if args.plot:
+    if args.plot or args.html:
         _pictures(args, config, requests, summaries, outcomes, load)
     return 0
 
 
-def render(out: Console, requests, summaries, load: float) -> None:
+def render(out: Console | HtmlPage, requests, summaries, load: float) -> None:
     """The ranking table and the offered-load line, to a console or an HTML page."""
     t = Table(title=f"{len(requests):,} requests; SLO: TTFT p90 <= {TTFT_P90_SLO_S:g} s, TPOT p99 <= {TPOT_P99_SLO_S * 1e3:g} ms")
     for col in ("rank", "arch", "GPUs", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "tok/s/GPU", "hit rate", "SLO"):
@@ -99,12 +104,21 @@ def render(out: Console, requests, summaries, load: float) -> None:
 
 
 def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, outcomes, load: float) -> None:
-    """``--plot DIR``: the TTFT and TPOT CDFs."""
+    """``--plot DIR`` and ``--html FILE``: the TTFT and TPOT CDFs, and the page of table and CDFs."""
+    from kvstrata.page import HtmlPage
     from kvstrata.plots import png_bytes, save_png
     from kvstrata.plots.cdf import simulation_figures
 
     setting = (f"{config.geometry.name} on {config.profile.name}, {config.instance_count} instance(s) x "
                f"{config.gpus_per_instance} GPU(s)")
     figures = simulation_figures(outcomes, f"{Path(args.trace).name}: {setting}, {len(requests):,} requests")
-    for name, fig in figures.items():
-        cli.wrote("plot", save_png(png_bytes(fig), Path(args.plot) / f"{name}.png"), args.json)
+    pngs = {name: png_bytes(fig) for name, fig in figures.items()}
+    if args.plot:
+        for name, png in pngs.items():
+            cli.wrote("plot", save_png(png, Path(args.plot) / f"{name}.png"), args.json)
+    if args.html:
+        page = HtmlPage(f"kvstrata simulate: {Path(args.trace).name}, {setting}")
+        render(page, requests, summaries, load)
+        for name, fig in figures.items():
+            page.image(pngs[name], fig.axes[0].get_title().replace("\n", ": ", 1))
+        cli.wrote("report", page.write(args.html), args.json)

@@ -28,17 +28,19 @@ def test_simulate_json_and_plot(tmp_path, capsys):
         assert f"plot written to {path}" in out.err
 
 
-def test_simulate_says_where_its_plots_went(tmp_path, capsys):
+def test_simulate_says_where_its_plots_and_report_went(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     write_trace(trace, generate(SyntheticConfig(requests=20, rate=2.0, seed=1)))
-    plots = tmp_path / "new" / "plots"
+    plots, page = tmp_path / "new" / "plots", tmp_path / "r.html"
     assert main(["simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b",
-                 "--arch", "hbm", "--instances", "1", "--plot", str(plots)]) == 0
+                 "--arch", "hbm", "--instances", "1", "--plot", str(plots), "--html", str(page)]) == 0
     out = capsys.readouterr().out
     assert "rank" in out  # the table, then where each file went
     lines = [line for line in out.splitlines() if " written to " in line]
-    assert lines == [f"plot written to {plots / 'ttft_cdf.png'}", f"plot written to {plots / 'tpot_cdf.png'}"]
+    assert lines == [f"plot written to {plots / 'ttft_cdf.png'}", f"plot written to {plots / 'tpot_cdf.png'}",
+                     f"report written to {page}"]
     assert sorted(p.name for p in plots.iterdir()) == ["tpot_cdf.png", "ttft_cdf.png"]
+    assert page.read_text().count("data:image/png;base64,") == 2
 
 
 def test_simulate_bad_arch_is_an_error(tmp_path):
