@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from kvstrata.plots import coincident
 from kvstrata.sim.engine import SimOutcome
@@ -84,6 +85,7 @@ def cdf_figure(samples_s: Mapping[str, Sequence[float]], latency: Latency, subje
     span = [*values, slo.limit_s * latency.per_second] if slo is not None and len(values) else values
     if len(values) and values.min() > 0 and max(span) / values.min() >= LOG_SPREAD:
         ax.set_xscale("log")  # latencies over orders of magnitude (queueing), or far below the SLO
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.1, 1, 10 rather than 10^-1
     if slo is not None:
         limit = slo.limit_s * latency.per_second
         ax.axvline(limit, color="red", linestyle="--", linewidth=1,
