@@ -91,7 +91,9 @@ class NicModel:
 NICS: dict[str, NicModel] = {
     m.name: m
     for m in (
-        NicModel("CX-7", "InfiniBand", (400,), PcieLink(5, 16), f"{CX7_MANUAL}: one NDR 400 Gb/s InfiniBand port, PCIe Gen5 x16"),
+        NicModel(
+            "CX-7", "InfiniBand", (400,), PcieLink(5, 16), f"{CX7_MANUAL}: one NDR 400 Gb/s InfiniBand port, PCIe Gen5 x16"
+        ),
         NicModel(
             "CX-7-ETH", "Ethernet", (400,), PcieLink(5, 16), f"{CX7_MANUAL}: one 400GbE port (RoCEv2), PCIe Gen5 x16"
         ),
