@@ -1,6 +1,6 @@
 """kvstrata: a hardware-aware, tiered KV cache for LLM inference.
 
-Units, said once: bandwidth in decimal GB/s (1 GB = 1e9 bytes, as the seed's table uses),
+Units, said once: bandwidth in decimal GB/s (1 GB = 1e9 bytes, as vendor datasheets use),
 capacity in decimal GB unless a name says GiB, time in seconds. Names carry their unit
 (``size_bytes``, ``bw_gbps``, ``latency_s``).
 """

@@ -20,15 +20,14 @@ ROOT = Path(__file__).resolve().parents[1] / "kvstrata"
 PURE_PACKAGES = ("hardware", "kv", "index", "policies", "plan", "sim", "manager")
 PURE_MODULES = ("media", "errors")
 # Third-party modules the pure core may use (no torch, no engines, no sockets).
-PURE_THIRD_PARTY = {"numpy", "xxhash", "tomllib", "tomli", "matplotlib"}
-# The functions of the pure core that read or write files: its loaders and one plot.
+PURE_THIRD_PARTY = {"numpy", "xxhash", "tomllib", "tomli"}  # figures are drawn at the edge (kvstrata.plots)
+# The functions of the pure core that read or write files: its loaders.
 IO_ALLOWED = {
     ("hardware/profile.py", "load_profile"),
     ("hardware/profile.py", "builtin_text"),
     ("hardware/profile.py", "builtin_profiles"),
     ("kv/presets.py", "load_config"),
     ("kv/presets.py", "list_presets"),
-    ("plan/plot.py", "plot_restore_curves"),
     ("sim/traceio.py", "read_trace"),
     ("sim/traceio.py", "write_trace"),
 }

@@ -149,17 +149,12 @@ def _layout_of(model: Any, chunk_tokens: int) -> Any:
     return KVLayout(cfg.num_hidden_layers, chunk_tokens, kv_heads, head_dim, dtype)
 
 
-def _cache_kwarg(model: Any) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _greedy(model: Any, cache: Any, input_ids: Any, max_new_tokens: int) -> tuple[list[int], float]:
     """Prefill ``input_ids`` on top of ``cache``, then decode greedily. Returns (generated ids,
     seconds from the call to the first token's argmax)."""
-    kw = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+    from kvstrata.integrations.hf.cache import cache_arg
+
+    kw = {cache_arg(model): cache, "use_cache": True, "logits_to_keep": 1}
     start = time.perf_counter()
     logits = model(input_ids, **kw).logits
     token = logits[:, -1].argmax(-1, keepdim=True)

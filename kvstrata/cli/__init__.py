@@ -66,6 +66,17 @@ def add_json_arg(parser: argparse.ArgumentParser, what: str = "the report") -> N
     parser.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 
 
+def add_html_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--html FILE``: also write a one-page HTML report of ``what`` (see :mod:`kvstrata.page`)."""
+    parser.add_argument("--html", metavar="FILE.html", default=None,
+                        help=f"also write a one-page HTML report ({what}) to FILE.html")
+
+
+def wrote(what: str, path: str | os.PathLike, json_output: bool = False) -> None:
+    """Say that ``what`` was written to ``path``: on stdout, or on stderr when stdout carries JSON."""
+    Console(stderr=json_output).print(f"{what} written to [bold]{path}[/]", highlight=False, soft_wrap=True)
+
+
 def pool_config(path: str | None) -> PoolConfig | None:
     """The pool of ``--pool FILE``, else of ``$KVSTRATA_POOL``, else None."""
     return load_pool_config(path) if path else pool_from_env()

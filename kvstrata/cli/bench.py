@@ -521,10 +521,12 @@ def _plot_recompute(report: RecomputeBenchReport, path: str) -> None:
     ax.set_xlabel("disk read cap, GB/s")
     ax.set_ylabel("TTFT, ms (median)")
     ax.set_title("load or recompute: tiny model, prefix on disk only")
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    cli.console().print(f"plot: {path}")
+    plt.close(fig)
+    cli.wrote("plot", path)
 
 
 # --- bench e2e ----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Every figure printed here comes from ``kvstrata.hardware``; this module only formats it.
 Bandwidths are decimal GB/s (1e9 bytes per second). ``--json`` prints the data the tables
-are drawn from, at full precision; the tables round to four significant figures.
+are drawn from, at full precision; the tables round to four significant figures. Tables fit
+120 columns: rules and public sources are numbered notes under them, each said once.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from kvstrata import cli
 from kvstrata.cli import CliError
 from kvstrata.hardware import catalog
 from kvstrata.hardware.figures import Bandwidth, Figure
-from kvstrata.hardware.pcie import GENERATIONS, PcieLink
+from kvstrata.hardware.pcie import GENERATIONS, PCI_SIG, PcieLink
 from kvstrata.hardware.profile import HardwareProfile, Slot, builtin_profiles, builtin_text, load_profile
 from kvstrata.hardware.whatif import apply_upgrades
 
 PCIE_LANES = (1, 4, 8, 16)
 DRAM_EXAMPLE = catalog.DramSpec(channels=8, mt_s=4800, capacity_gb=512)  # one DDR5-4800 socket
 PEER = "peer."  # prefix of the identical peer server the profile builder adds
-SHARED = "shared: reads+writes"
+SHARED = "shared"  # both ways of a memory: reads and writes share one total
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,10 +59,9 @@ def _num(value: float | None) -> str:
     return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"  # never an exponent
 
 
-def _table(title: str, columns: list[str], rows: list[list[Any]], sources: Sequence[str] = ()) -> Table:
-    """A table whose first column never wraps; sources go in the caption, one a line."""
-    table = Table(title=title, title_justify="left", caption="\n".join(sources) or None,
-                  caption_justify="left")
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+    """A table whose first column never wraps."""
+    table = Table(title=title, title_justify="left")
     for i, column in enumerate(columns):
         table.add_column(column, no_wrap=i == 0)
     for row in rows:
@@ -68,15 +69,31 @@ def _table(title: str, columns: list[str], rows: list[list[Any]], sources: Seque
     return table
 
 
-def _emit(report: dict[str, Any], as_json: bool, tables: list[Table], notes: Sequence[str] = ()) -> int:
+class Notes:
+    """Numbered notes under tables, each text said once: ``ref(text)`` gives its number
+    (the same for the same text), ``take()`` the lines not printed yet."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[str, int] = {}
+        self._printed = 0
+
+    def ref(self, *texts: str) -> str:
+        return ",".join(str(self._numbers.setdefault(t, len(self._numbers) + 1)) for t in texts if t)
+
+    def take(self) -> list[str]:
+        lines = [f"[{n}] {t}" for t, n in self._numbers.items() if n > self._printed]
+        self._printed = len(self._numbers)
+        return lines
+
+
+def _emit(report: dict[str, Any], as_json: bool, items: Sequence[Table | str]) -> int:
+    """``--json``: the report; else each table, and each line (a note) unstyled."""
     if as_json:
         print(json.dumps(report, indent=2))
         return 0
     console = cli.console()
-    for table in tables:
-        console.print(table)
-    for note in notes:
-        console.print(note, highlight=False)
+    for item in items:
+        console.print(Text(item) if isinstance(item, str) else item)
     return 0
 
 
@@ -92,36 +109,37 @@ def _bandwidth(bw: Bandwidth) -> dict[str, Any]:
 
 
 def links_report() -> dict[str, Any]:
-    """The catalog's figures: the seed's table, PCIe by generation and width, the devices."""
+    """The catalog's figures: the hardware table, PCIe by generation and width, the devices."""
     links = [
         {"resource": r.resource, "capacity": _figure(r.capacity),
          "one_way_gbps": r.one_way.value, "one_way_basis": r.one_way.basis.value,
          "both_ways_gbps": None if r.both_ways is None else r.both_ways.value,
          "duplex_rule": r.duplex_rule, "efficiency": r.efficiency,
-         "effective_gbps": r.effective_gbps, "source": r.one_way.source}
+         "effective_gbps": r.effective_gbps, "source": r.one_way.source, "cites": r.cites}
         for r in catalog.seed_table()
     ]
     pcie = [
         {"gen": link.gen, "lanes": link.lanes, "raw_gbps": link.raw_gbps,
          "after_encoding_gbps": link.after_encoding_gbps, "payload_gbps": link.payload_gbps,
-         "both_ways_gbps": link.both_ways_gbps, "seed_basis": link.spec_basis.value}
+         "both_ways_gbps": link.both_ways_gbps, "quoted_basis": link.spec_basis.value}
         for link in (PcieLink(gen, lanes) for gen in sorted(GENERATIONS) for lanes in PCIE_LANES)
     ]
     nvme = [
         {"name": m.name, "read": _bandwidth(m.read()), "write": _bandwidth(m.write()),
-         "capacity_tb": m.capacity_tb, "link": m.link.name, "read_latency_s": m.read_latency_s}
+         "capacity_tb": m.capacity_tb, "link": m.link.name, "read_latency_s": m.read_latency_s,
+         "cites": m.source}
         for m in catalog.NVMES.values()
     ]
     gpus = [
         {"name": m.name, "hbm_gb": m.hbm_gb, "hbm": _bandwidth(m.hbm()), "nvlink": _bandwidth(m.nvlink()),
-         "host_link": m.host_link.name, "bf16_dense_tflops": m.bf16_dense_tflops}
+         "host_link": m.host_link.name, "bf16_dense_tflops": m.bf16_dense_tflops, "cites": m.source}
         for m in catalog.GPUS.values()
     ]
     nics = [
         {"name": m.name, "protocol": m.protocol, "port_gbit": list(m.port_gbit),
          "ports": [_bandwidth(m.port(i)) for i in range(len(m.port_gbit))],
          "one_way_gbps": m.one_way_gbps, "both_ways_gbps": m.both_ways_gbps,
-         "host_link": m.host_link.name}
+         "host_link": m.host_link.name, "cites": m.source}
         for m in catalog.NICS.values()
     ]
     upi = catalog.SocketLinkSpec()
@@ -133,38 +151,48 @@ def links_report() -> dict[str, Any]:
     }
 
 
+def _pcie_lines() -> list[str]:
+    """How each generation's figures are made: lane rate, line code, what payload leaves."""
+    lines = ["quoted: the figure datasheets quote; both ways: twice it; raw = GT/s x lanes / 8"]
+    for gen, g in sorted(GENERATIONS.items()):
+        one_way = PcieLink(gen, 16).one_way()
+        lines.append(f"Gen{gen}: {g.lane_rate_gtps} GT/s a lane, {g.encoding_name}; "
+                     f"payload = after encoding x {one_way.efficiency_basis}")
+    return lines
+
+
 def run_links(args: argparse.Namespace) -> int:
     report = links_report()
-    seed = _table(
-        "Links (GB/s = 1e9 B/s; one way is what a one-direction copy gets)",
-        ["resource", "capacity", "one way", "basis", "both ways", "duplex rule", "eff.", "effective"],
+    notes = Notes()
+    links = _table(
+        "Links (GB/s = 1e9 B/s; one way is what a one-direction copy gets; shared: reads and writes share one total)",
+        ["resource", "capacity", "one way", "basis", "both ways", "eff.", "effective", "notes"],
         [[r["resource"], f"{_num(r['capacity']['value'])} {r['capacity']['unit']}" if r["capacity"] else "-",
-          r["one_way_gbps"], r["one_way_basis"],
-          SHARED if r["both_ways_gbps"] is None else r["both_ways_gbps"],
-          r["duplex_rule"], r["efficiency"], r["effective_gbps"]] for r in report["links"]],
-        [f"{r['resource']}: {r['source']}" for r in report["links"]],
+          r["one_way_gbps"], r["one_way_basis"], SHARED if r["both_ways_gbps"] is None else r["both_ways_gbps"],
+          r["efficiency"], r["effective_gbps"], notes.ref(r["duplex_rule"], r["cites"])]
+         for r in report["links"]],
     )
+    link_notes = notes.take()
     pcie = _table(
-        "PCIe, GB/s one direction (both ways: twice the figure the seed quotes)",
-        ["link", "raw", "after encoding", "payload", "both ways", "seed quotes"],
+        f"PCIe, GB/s one direction (note {notes.ref(PCI_SIG)})",
+        ["link", "raw", "after encoding", "payload", "both ways", "quoted"],
         [[f"Gen{p['gen']} x{p['lanes']}", p["raw_gbps"], p["after_encoding_gbps"], p["payload_gbps"],
-          p["both_ways_gbps"], p["seed_basis"]] for p in report["pcie"]],
+          p["both_ways_gbps"], p["quoted_basis"]] for p in report["pcie"]],
     )
-    # [device, what, one way, both ways, host link, source]; the source moves to the caption.
     rows = [[g["name"], f"HBM {_num(g['hbm_gb'])} GB", g["hbm"]["spec_gbps"], SHARED, g["host_link"],
-             g["hbm"]["source"]] for g in report["gpus"]]
+             notes.ref(g["cites"])] for g in report["gpus"]]
     rows += [[n["name"], f"{n['protocol']} " + " + ".join(f"{p}G" for p in n["port_gbit"]),
-              n["one_way_gbps"], n["both_ways_gbps"], n["host_link"], n["ports"][0]["source"]]
+              n["one_way_gbps"], n["both_ways_gbps"], n["host_link"], notes.ref(n["cites"])]
              for n in report["nics"]]
     rows += [[d["name"], f"NVMe {_num(d['capacity_tb'])} TB", f"read {_num(d['read']['spec_gbps'])}",
-              f"write {_num(d['write']['spec_gbps'])}", d["link"], d["read"]["source"]]
+              f"write {_num(d['write']['spec_gbps'])}", d["link"], notes.ref(d["cites"])]
              for d in report["nvme"]]
     dram, upi = report["dram_example"], report["socket_link"]
-    rows.append(["DRAM example", dram["basis"], dram["spec_gbps"], SHARED, "-", dram["source"]])
-    rows.append(["UPI default", upi["basis"], upi["spec_gbps"], 2 * upi["spec_gbps"], "-", upi["source"]])
-    sources = [f"{row[0]}: {row.pop()}" for row in rows]
-    devices = _table("Devices", ["device", "what", "one way", "both ways", "host link"], rows, sources)
-    return _emit(report, args.json, [seed, pcie, devices])
+    rows.append(["DRAM example", dram["basis"], dram["spec_gbps"], SHARED, "-", notes.ref(dram["source"])])
+    rows.append(["UPI default", upi["basis"], upi["spec_gbps"], 2 * upi["spec_gbps"], "-", notes.ref(upi["source"])])
+    devices = _table("Devices (GB/s; shared: reads and writes share one total)",
+                     ["device", "what", "one way", "both ways", "host link", "notes"], rows)
+    return _emit(report, args.json, [links, *link_notes, pcie, *_pcie_lines(), devices, *notes.take()])
 
 
 def _models(names: list[str]) -> str | None:
@@ -243,11 +271,19 @@ def _device_rows(p: HardwareProfile) -> list[list[str]]:
     return rows
 
 
-def _direction(link: dict[str, Any], side: str) -> str:
-    if link[f"{side}_gbps"] is None:
-        return "-"
-    spec, eff = _num(link[f"{side}_spec_gbps"]), _num(link[f"efficiency_{side}"])
-    return f"{_num(link[f'{side}_gbps'])} ({spec} x {eff})"
+def _effective(link: dict[str, Any], side: str) -> str:
+    return _num(link[f"{side}_gbps"])
+
+
+def _spec_x_eff(link: dict[str, Any]) -> str:
+    """``spec x efficiency`` of both directions, once when they are the same (most links)."""
+    def one(side: str) -> str:
+        if link[f"{side}_gbps"] is None:
+            return "-"
+        return f"{_num(link[f'{side}_spec_gbps'])} x {_num(link[f'efficiency_{side}'])}"
+
+    forward, backward = one("forward"), one("backward")
+    return forward if forward == backward else f"{forward} / {backward}"
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -263,10 +299,10 @@ def run_show(args: argparse.Namespace) -> int:
     report = show_report(profile)
     local = [x for x in report["links"] if not (x["a"].startswith(PEER) or x["b"].startswith(PEER))]
     links = _table(
-        "Links: effective GB/s (spec x efficiency) per direction; - = not a constraint",
-        ["a", "b", "kind", "label", "a->b", "b->a", "latency µs"],
-        [[x["a"], x["b"], x["kind"], x["label"], _direction(x, "forward"), _direction(x, "backward"),
-          x["latency_s"] * 1e6] for x in local],
+        "Links: effective GB/s each way = spec x efficiency; - = not a constraint; latency in µs",
+        ["link (a<->b)", "kind", "label", "a->b", "b->a", "spec x eff.", "µs"],
+        [[f"{x['a']}<->{x['b']}", x["kind"], x["label"], _effective(x, "forward"), _effective(x, "backward"),
+          _spec_x_eff(x), x["latency_s"] * 1e6] for x in local],
     )
     memories = _table(
         "Memories (bandwidth shared by reads and writes)", ["name", "kind", "capacity GB", "GB/s", "socket"],
@@ -274,8 +310,9 @@ def run_show(args: argparse.Namespace) -> int:
          for n in report["nodes"]
          if profile.topology.nodes[n["name"]].kind.is_memory and not n["name"].startswith(PEER)],
     )
-    devices = _table(f"{profile.name}: {profile.description} ({profile.origin})",
-                     ["name", "kind", "model", "attached to", "host link"], _device_rows(profile))
+    origin = f"{profile.origin} with {args.upgrade}" if args.upgrade else profile.origin
+    heading = f"{profile.name}: {profile.description} ({origin})"
+    devices = _table("Devices", ["name", "kind", "model", "attached to", "host link"], _device_rows(profile))
     peers = sum(1 for n in report["nodes"] if n["name"].startswith(PEER))
     notes = [f"peer server: identical, {peers} nodes (named {PEER}*, listed by --json)"] if peers else []
-    return _emit(report, args.json, [devices, links, memories], notes)
+    return _emit(report, args.json, [heading, devices, links, memories, *notes])

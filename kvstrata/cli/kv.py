@@ -11,8 +11,7 @@ from rich.table import Table
 
 from kvstrata.kv import KVGeometry, list_presets, load_geometry
 
-_GB = 1e9  # decimal GB, as everywhere in kvstrata
-_GIB = 2**30
+_GB = 1e9  # decimal GB, as everywhere in kvstrata (see kvstrata.cli.units)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -131,4 +130,4 @@ def _table(report: dict[str, Any]) -> Table:
 
 
 def _gb(size_bytes: int) -> str:
-    return f"{size_bytes / _GB:,.2f} GB ({size_bytes / _GIB:,.2f} GiB)"
+    return f"{size_bytes / _GB:,.2f} GB"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +14,9 @@ from kvstrata.hardware.profile import HardwareProfile, load_profile
 from kvstrata.hardware.whatif import apply_upgrades
 from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.planner import Plan, make_plan, ratios
+
+if TYPE_CHECKING:
+    from kvstrata.page import HtmlPage
 
 DEFAULT_MODEL = "llama-3-70b"
 DEFAULT_HARDWARE = "h200-cx7-gen5"
@@ -29,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="KV dtype (default: the model config's)")
     p.add_argument("--vs", default=None, help="other profile, or upgrades like +cx8, +gen6, +socket-direct")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw restore time vs context per path")
+    cli.add_html_arg(p, "the tables and the restore-time plot")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -54,25 +59,43 @@ def run(args: argparse.Namespace) -> int:
         # Same GPU count where the other profile has that many; else its own default.
         other_gpus = args.gpus if args.gpus is not None else (plan.tp if plan.tp <= len(other_profile.gpus) else None)
         other = make_plan(geometry, other_profile, args.context, args.cached, other_gpus)
-    if args.plot:
-        from kvstrata.plan.plot import plot_restore_curves
-
-        profiles = [profile] + ([other.profile] if other else [])
-        plot_restore_curves(geometry, profiles, plan.tp, max(args.context, 1024), args.plot)
     if args.json:
         doc = plan.to_json()
         if other:
             doc["vs"] = other.to_json() | {"ratios": ratios(plan, other)}
         print(json.dumps(doc, indent=2, allow_nan=False))
-        return 0
-    console = cli.console()
+    else:
+        render_all(cli.console(), plan, other)
+    if args.plot or args.html:
+        _pictures(args, geometry, plan, other)
+    return 0
+
+
+def render_all(console: Console | HtmlPage, plan: Plan, other: Plan | None) -> None:
+    """The plan's tables, then the other profile's and the speed-ups when there is one."""
     render(console, plan)
     if other:
         render(console, other)
         render_ratios(console, plan, other)
+
+
+def _pictures(args: argparse.Namespace, geometry, plan: Plan, other: Plan | None) -> None:
+    """``--plot`` and ``--html``: the restore-time figure, and the page of tables and figure."""
+    from kvstrata.page import HtmlPage
+    from kvstrata.plots import png_bytes, save_png
+    from kvstrata.plots.restore import restore_figure
+
+    profiles = [plan.profile] + ([other.profile] if other else [])
+    fig = restore_figure(geometry, profiles, plan.tp, max(args.context, 1024))
+    png = png_bytes(fig)
     if args.plot:
-        console.print(f"plot written to [bold]{args.plot}[/]")
-    return 0
+        cli.wrote("plot", save_png(png, args.plot), args.json)
+    if args.html:
+        hardware = " vs ".join(p.name for p in profiles)
+        page = HtmlPage(f"kvstrata plan: {geometry.name} on {hardware}, {plan.context_tokens:,}-token context")
+        render_all(page, plan, other)
+        page.image(png, fig.axes[0].get_title().replace("\n", " "))
+        cli.wrote("report", page.write(args.html), args.json)
 
 
 def _s(seconds: float | None) -> str:

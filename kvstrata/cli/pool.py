@@ -1,36 +1,34 @@
-"""``kvstrata pool start|stop|status``: the embedded Mooncake pool on loopback, or a configured one."""
+"""``kvstrata pool start|stop|status|libs``: the embedded Mooncake pool on loopback, or a configured one.
+
+Sizes are decimal (``--segment-size 2GB`` is 2e9 bytes; ``2GiB`` for binary), see ``kvstrata.cli.units``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
+from typing import Any
+
+from rich.table import Table
 
 from kvstrata import cli
+from kvstrata.cli.units import format_size, size_arg
 from kvstrata.pool import embedded
+from kvstrata.pool.config import ENV as POOL_ENV
 from kvstrata.pool.config import load_pool_config
 
-GIB = 1024**3
-
-
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": GIB, "t": 1024**4}
-
-
-def _size(text: str) -> int:
-    """``2GB``, ``512MiB``, ``1.5g`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if m is None or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 512MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+DEFAULT_SEGMENT_BYTES = 2 * 10**9  # 2 GB of DRAM served by the daemon (decimal, as every size here)
+PROCESSES = ("master", "daemon")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pool", help="start, stop or inspect the shared remote DRAM pool (Mooncake Store)")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     start = actions.add_parser("start", help="start a master and a pool daemon on loopback")
-    start.add_argument("--segment-size", type=_size, default=2 * GIB, help="DRAM the daemon serves (default 2GB)")
+    start.add_argument("--segment-size", type=size_arg, default=DEFAULT_SEGMENT_BYTES, metavar="SIZE",
+                       help="DRAM the daemon serves: 2GB = 2e9 bytes, 512MB, or binary 2GiB (default 2GB)")
     for q in (start, actions.add_parser("stop", help="stop the embedded pool"),
               actions.add_parser("status", help="is the pool up?")):
         q.add_argument("--dir", type=Path, default=None, help="run directory (default $KVSTRATA_POOL_DIR or ~/.cache)")
@@ -41,8 +39,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def status_table(doc: dict[str, Any]) -> Table:
+    """The processes of a ``status`` document, one a row: address, pid (embedded only), answering."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("process", "address", "pid", "answers"):
+        table.add_column(column)
+    for name in PROCESSES:
+        if name in doc:
+            p = doc[name]
+            table.add_row(name, p["address"], str(p.get("pid", "-")), "[green]yes[/]" if p["up"] else "[red]no[/]")
+    return table
+
+
+def status_notes(doc: dict[str, Any]) -> list[str]:
+    """What else a ``status`` document says, one line each: segment, config, how to use it."""
+    notes = []
+    if "segment_bytes" in doc:
+        notes.append(f"segment: {format_size(doc['segment_bytes'])} ({doc['segment_bytes']} bytes)")
+    if "config" in doc:
+        c = doc["config"]
+        notes.append(f"protocol: {c['protocol']}, metadata: {c['metadata_server']}, "
+                     f"secret: {c['secret_file'] or 'none (values not sealed)'}")
+    if "state_file" in doc:
+        notes.append(f"use it with {POOL_ENV}={doc['state_file']}")
+    return notes
+
+
+def _print_status(doc: dict[str, Any], where: str) -> None:
     console = cli.console()
+    if "reason" in doc:
+        console.print(f"[red]not running[/]: {doc['reason']}", highlight=False)
+        return
+    state = "[green]running[/]" if doc["running"] else "[red]not running[/]"
+    console.print(f"pool {state} ({where})", highlight=False)
+    console.print(status_table(doc), highlight=False)
+    for note in status_notes(doc):
+        console.print(note, highlight=False)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.action == "libs":
         return run_libs()
     if args.action == "start":
@@ -51,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(doc, indent=2))
         else:
-            console.print(
+            cli.console().print(
                 f"pool up: master {state.config.master}, daemon {state.config.daemon}, "
-                f"{state.segment_bytes / GIB:.2f} GiB; use it with KVSTRATA_POOL={doc['state_file']}"
+                f"{format_size(state.segment_bytes)} segment; use it with {POOL_ENV}={doc['state_file']}",
+                highlight=False,
             )
         return 0
     if args.action == "stop":
@@ -67,12 +103,14 @@ def run(args: argparse.Namespace) -> int:
         named = {"master": config.master} | ({"daemon": config.daemon} if config.daemon else {})
         doc = {name: {"address": address, "up": embedded.answers(address, 2.0)} for name, address in named.items()}
         doc = {"running": all(p["up"] for p in doc.values())} | doc | {"config": config.to_json()}
+        where = f"configured by {config.config_file}"
     else:
         doc = embedded.status(args.dir)
+        where = f"embedded, run directory {Path(doc['state_file']).parent}" if "state_file" in doc else ""
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        console.print(("[green]running[/]" if doc["running"] else "[red]not running[/]") + f": {doc}", highlight=False)
+        _print_status(doc, where)
     return 0 if doc["running"] else 1
 
 

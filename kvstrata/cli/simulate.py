@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import Progress
@@ -18,6 +19,9 @@ from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
 from kvstrata.sim.run import offered_load, scale_time, simulate
 from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES
 from kvstrata.sim.traceio import read_trace
+
+if TYPE_CHECKING:
+    from kvstrata.page import HtmlPage
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write", choices=tuple(WRITE_NAMES), default="through", help="tier write policy")
     p.add_argument("--restore-slots", type=int, default=4, help="requests restoring at once per instance")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here")
+    p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here (ttft_cdf.png, tpot_cdf.png)")
+    cli.add_html_arg(p, "the ranking table and the CDF plots")
     p.set_defaults(func=run_simulate)
 
 
@@ -64,11 +69,17 @@ def run_simulate(args: argparse.Namespace) -> int:
         summaries, outcomes = simulate(
             requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d), write=WRITE_NAMES[args.write]
         )
-    if args.plot:
-        _plot(args.plot, outcomes)
     if args.json:
         print(json.dumps({"offered_load": load, "architectures": [s.to_json() for s in summaries]}, indent=2))
-        return 0
+    else:
+        render(cli.console(), requests, summaries, load)
+    if args.plot or args.html:
+        _pictures(args, config, requests, summaries, outcomes, load)
+    return 0
+
+
+def render(out: Console | HtmlPage, requests, summaries, load: float) -> None:
+    """The ranking table and the offered-load line, to a console or an HTML page."""
     t = Table(title=f"{len(requests):,} requests; SLO: TTFT p90 <= {TTFT_P90_SLO_S:g} s, TPOT p99 <= {TPOT_P99_SLO_S * 1e3:g} ms")
     for col in ("rank", "arch", "GPUs", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "tok/s/GPU", "hit rate", "SLO"):
         t.add_column(col)
@@ -84,31 +95,30 @@ def run_simulate(args: argparse.Namespace) -> int:
             " ".join(f"{HARDWARE_NAME[m]} {v:.0%}" for m, v in s.hit_rate.items()),
             "[green]yes[/]" if s.meets_slo else "[red]no[/]",
         )
-    out = cli.console()
     out.print(t)
     note = "[red]overloaded: queues grow, TTFT reflects queueing[/]" if load > 1 else "within capacity"
     out.print(
         f"offered prefill load without reuse: {load:.2f}x the instances' compute ({note}); "
         "--time-scale stretches arrivals"
     )
-    return 0
 
 
-def _plot(directory: str, outcomes) -> None:
-    import matplotlib
+def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, outcomes, load: float) -> None:
+    """``--plot DIR`` and ``--html FILE``: the TTFT and TPOT CDFs, and the page of table and CDFs."""
+    from kvstrata.page import HtmlPage
+    from kvstrata.plots import png_bytes, save_png
+    from kvstrata.plots.cdf import simulation_figures
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(directory, exist_ok=True)
-    for metric in ("ttft_s", "tpot_s"):
-        fig, ax = plt.subplots()
-        for o in outcomes:
-            xs = sorted(v for r in o.records if (v := getattr(r, metric)) is not None)
-            if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=o.arch.name)
-        ax.set_xlabel(metric.replace("_s", " (s)").upper())
-        ax.set_ylabel("fraction of requests")
-        ax.legend()
-        fig.savefig(os.path.join(directory, f"{metric.removesuffix('_s')}_cdf.png"))
-        plt.close(fig)
+    setting = (f"{config.geometry.name} on {config.profile.name}, {config.instance_count} instance(s) x "
+               f"{config.gpus_per_instance} GPU(s)")
+    figures = simulation_figures(outcomes, f"{Path(args.trace).name}: {setting}, {len(requests):,} requests")
+    pngs = {name: png_bytes(fig) for name, fig in figures.items()}
+    if args.plot:
+        for name, png in pngs.items():
+            cli.wrote("plot", save_png(png, Path(args.plot) / f"{name}.png"), args.json)
+    if args.html:
+        page = HtmlPage(f"kvstrata simulate: {Path(args.trace).name}, {setting}")
+        render(page, requests, summaries, load)
+        for name, fig in figures.items():
+            page.image(pngs[name], fig.axes[0].get_title().replace("\n", ": ", 1))
+        cli.wrote("report", page.write(args.html), args.json)

@@ -1,7 +1,10 @@
-"""The device catalog: every figure of the seed, with its basis and source.
+"""The device catalog: every figure with its basis and its public source.
 
 Derived figures are computed from their parts (lane rates, line rates, channels x MT/s);
-only vendor peaks and datasheet figures are typed in, each beside its source.
+only vendor peaks and datasheet figures are typed in, each beside the public document it
+comes from (vendor datasheets and user manuals, PCI-SIG and IBTA specifications). These are
+the figures of the hardware table in the project's founding notes, checked against them in
+tests/hardware/test_seed_claims.py.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from kvstrata.hardware.figures import Bandwidth, Basis, Figure, lookup, require_positive
-from kvstrata.hardware.pcie import PcieLink
+from kvstrata.hardware.pcie import PCI_SIG, PcieLink
 
-SEED = "seed document, hardware table"
+CX7_MANUAL = "NVIDIA ConnectX-7 adapter cards user manual"
+CX8_MANUAL = "NVIDIA ConnectX-8 SuperNIC user manual"
+IBTA = "IBTA InfiniBand Architecture Specification Vol. 1"
 
 
 # --- NICs -----------------------------------------------------------------------------------
@@ -28,6 +33,7 @@ class WireOverhead:
     """
 
     header_bytes: int
+    source: str  # the specifications that define the headers
     mtu_bytes: int = 4096
 
     @property
@@ -35,8 +41,8 @@ class WireOverhead:
         return Fraction(self.mtu_bytes, self.mtu_bytes + self.header_bytes)
 
 
-INFINIBAND = WireOverhead(header_bytes=26)
-ROCE_V2 = WireOverhead(header_bytes=82)
+INFINIBAND = WireOverhead(header_bytes=26, source=IBTA)
+ROCE_V2 = WireOverhead(header_bytes=82, source=f"{IBTA}, RoCEv2 annex A17; IEEE 802.3")
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class NicModel:
     port_gbit: tuple[int, ...]  # line rate of each port, Gb/s
     host_link: PcieLink  # default host link; Socket Direct adds a second one
     source: str
-    basis: Basis = Basis.LINE_RATE  # of the whole-card figure; the seed calls CX-8's "nominal"
+    basis: Basis = Basis.LINE_RATE  # of the whole-card figure; CX-8's 800G total is "nominal"
 
     @property
     def wire(self) -> WireOverhead:
@@ -64,7 +70,7 @@ class NicModel:
             efficiency=float(self.wire.efficiency),
             efficiency_basis=(
                 f"{self.protocol} payload {self.wire.mtu_bytes}/"
-                f"{self.wire.mtu_bytes + self.wire.header_bytes} per packet"
+                f"{self.wire.mtu_bytes + self.wire.header_bytes} per packet ({self.wire.source})"
             ),
         )
 
@@ -85,16 +91,18 @@ class NicModel:
 NICS: dict[str, NicModel] = {
     m.name: m
     for m in (
-        NicModel("CX-7", "InfiniBand", (400,), PcieLink(5, 16), f"{SEED}: CX-7 400 Gb/s, 50 GB/s one way"),
         NicModel(
-            "CX-7-ETH", "Ethernet", (400,), PcieLink(5, 16), f"{SEED}: CX-7 400 Gb/s (400GbE, RoCEv2)"
+            "CX-7", "InfiniBand", (400,), PcieLink(5, 16), f"{CX7_MANUAL}: one NDR 400 Gb/s InfiniBand port, PCIe Gen5 x16"
+        ),
+        NicModel(
+            "CX-7-ETH", "Ethernet", (400,), PcieLink(5, 16), f"{CX7_MANUAL}: one 400GbE port (RoCEv2), PCIe Gen5 x16"
         ),
         NicModel(
             "CX-8",
             "InfiniBand",
             (800,),
             PcieLink(6, 16),
-            f"{SEED}: CX-8 C8180, one 800G XDR InfiniBand port, host PCIe 6.0 x16",
+            f"{CX8_MANUAL}: C8180, one 800G XDR InfiniBand port, PCIe Gen6 x16",
             Basis.NOMINAL,
         ),
         NicModel(
@@ -102,7 +110,7 @@ NICS: dict[str, NicModel] = {
             "Ethernet",
             (400, 400),
             PcieLink(6, 16),
-            f"{SEED}: CX-8 Ethernet 2x400GbE (C8240 default); 100 GB/s one way only with both ports used",
+            f"{CX8_MANUAL}: Ethernet 2 x 400GbE (the C8240's default), PCIe Gen6 x16",
             Basis.NOMINAL,
         ),
     )
@@ -153,8 +161,8 @@ GPUS: dict[str, GpuModel] = {
     for m in (
         GpuModel("H100-SXM", 80, 3.35, PcieLink(5, 16), 450, 989, "NVIDIA H100 SXM datasheet"),
         GpuModel("H100-PCIE", 80, 2.0, PcieLink(5, 16), 300, 756, "NVIDIA H100 PCIe datasheet"),
-        GpuModel("H200-SXM", 141, 4.8, PcieLink(5, 16), 450, 989, f"{SEED}; NVIDIA H200 datasheet"),
-        GpuModel("B200-SXM", 180, 8.0, PcieLink(6, 16), 900, 2250, f"{SEED}; NVIDIA HGX B200 datasheet"),
+        GpuModel("H200-SXM", 141, 4.8, PcieLink(5, 16), 450, 989, "NVIDIA H200 Tensor Core GPU datasheet"),
+        GpuModel("B200-SXM", 180, 8.0, PcieLink(6, 16), 900, 2250, "NVIDIA HGX B200 datasheet"),
     )
 }
 
@@ -185,7 +193,8 @@ class DramSpec:
         return Bandwidth(
             spec_gbps=self.peak_gbps,
             basis=Basis.DERIVED,
-            source=f"{self.channels} channels x {self.mt_s} MT/s x 8 bytes, reads and writes share it",
+            source=(f"{self.channels} channels x {self.mt_s} MT/s x 8 bytes, reads and writes share it; "
+                    "JEDEC DDR4/DDR5 standards (64-bit channels)"),
         )
 
 
@@ -212,7 +221,7 @@ class SocketLinkSpec:
             basis=Basis.DERIVED,
             source=(
                 f"UPI: {self.links} links x {self.gt_s:g} GT/s x {self.lanes} lanes / 8 x "
-                f"{self.data_bits_per_flit}/{self.flit_bits} data bits per flit"
+                f"{self.data_bits_per_flit}/{self.flit_bits} data bits per flit; Intel Xeon Scalable datasheets"
             ),
             efficiency=UPI_REMOTE_READ_EFFICIENCY,
             efficiency_basis=(
@@ -280,7 +289,7 @@ HOP_LATENCY_S = {
 }
 
 
-# --- The seed's table, as figures --------------------------------------------------------------
+# --- The hardware table, as figures --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -294,10 +303,11 @@ class TableRow:
     duplex_rule: str
     efficiency: float
     effective_gbps: float
+    cites: str  # the public document(s) the figures come from
 
 
 def seed_table() -> list[TableRow]:
-    """Every bandwidth of the seed's table (and the derivations beside it), computed."""
+    """Every bandwidth of the hardware table (NICs, PCIe x16 by generation, HBM), computed."""
     rows: list[TableRow] = []
 
     def gbps(value: float, basis: Basis, source: str) -> Figure:
@@ -319,6 +329,7 @@ def seed_table() -> list[TableRow]:
                 rule,
                 eff,
                 nic.one_way_gbps * eff,
+                nic.source,
             )
         )
     for gen in (3, 4, 5, 6):
@@ -336,6 +347,7 @@ def seed_table() -> list[TableRow]:
                 rule,
                 bw.efficiency,
                 bw.effective_gbps,
+                PCI_SIG,
             )
         )
     for key in ("H100-SXM", "H200-SXM", "B200-SXM"):
@@ -347,9 +359,10 @@ def seed_table() -> list[TableRow]:
                 Figure(gpu.hbm_gb, "GB", Basis.NOMINAL, gpu.source),
                 gbps(hbm.spec_gbps, Basis.NOMINAL, hbm.source),
                 None,
-                f"pure read may use all {gpu.hbm_tbps:g} TB/s; reads and writes share it",
+                "pure reads may use all of it; reads and writes share it (not as much again each way)",
                 hbm.efficiency,
                 hbm.effective_gbps,
+                gpu.source,
             )
         )
     return rows

@@ -1,6 +1,6 @@
 """A figure with its basis and source, and the bandwidth/efficiency pair every link carries.
 
-Bandwidth is in decimal GB/s (1e9 bytes per second), as in the seed's table. Every figure
+Bandwidth is in decimal GB/s (1e9 bytes per second), as datasheets quote it. Every figure
 states its basis (what the number counts) and where it comes from; an effective bandwidth is
 ``spec x efficiency`` where the efficiency has a basis of its own (encoding, protocol headers,
 or a measurement on this host).

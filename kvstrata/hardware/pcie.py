@@ -1,8 +1,8 @@
 """PCIe link arithmetic: raw, after-encoding and payload bandwidth, per direction.
 
 PCIe is full duplex: every figure here is ONE direction. A host-to-GPU copy uses one
-direction only, so it is bounded by ``one_way``; ``both_ways_gbps`` is reported for the
-seed's table and never used for a one-direction transfer.
+direction only, so it is bounded by ``one_way``; ``both_ways_gbps`` is reported beside it
+(vendors often quote it) and never used for a one-direction transfer.
 
 Gen3-5 use 128b/130b line coding: Gen5 x16 = 32 Gb/s x 16 / 8 x 128/130 = 63.0 GB/s.
 Gen6 uses PAM4 signalling with fixed 256-byte FLITs carrying FEC and CRC bytes; its
@@ -16,7 +16,7 @@ from fractions import Fraction
 
 from kvstrata.hardware.figures import Bandwidth, Basis, lookup
 
-PCI_SIG = "PCI-SIG base specifications (lane rates, encodings, FLIT layout)"
+PCI_SIG = "PCI-SIG PCI Express Base Specification 3.0-6.0"
 VALID_LANES = (1, 2, 4, 8, 16)
 
 
@@ -133,7 +133,8 @@ class PcieLink:
 
     @property
     def spec_basis(self) -> Basis:
-        # The seed quotes Gen3-5 after encoding and Gen6 raw (FLIT overhead not taken off).
+        # Gen3-5 are quoted after encoding, Gen6 raw (FLIT overhead not taken off), as the
+        # PCI-SIG's own summaries quote them.
         return Basis.RAW if generation(self.gen).flit is not None else Basis.AFTER_ENCODING
 
     @property

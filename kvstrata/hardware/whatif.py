@@ -7,9 +7,10 @@ limits: an H200 stays at Gen5 in a Gen6 slot, a CX-7 stays at Gen5 however new t
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import replace
 
-from kvstrata.hardware.catalog import nic_model
+from kvstrata.hardware.catalog import gpu_model, nic_model
 from kvstrata.hardware.profile import HardwareProfile, ProfileError, Slot
 
 
@@ -28,20 +29,51 @@ class Upgrade(enum.Enum):
             raise ProfileError(f"unknown upgrade {text!r}; known: {known}") from None
 
 
+def describe(profile: HardwareProfile) -> str:
+    """A one-line description made from the profile's devices and links (an upgraded profile's:
+    its own NICs and PCIe generations, never the description of the one it came from)."""
+    def counted(items: list[str]) -> list[str]:
+        return [f"{n}x {what}" for what, n in Counter(items).items()]
+
+    gpus = [f"{g.model} on {g.slot.link_for(gpu_model(g.model).host_link).name}" for g in profile.gpus]
+    nics = []
+    for n in profile.nics:
+        model = nic_model(n.model)
+        link = n.slot.link_for(model.host_link).name
+        ports = " + ".join(f"{g}G" for g in model.port_gbit)
+        nics.append(f"{n.model} {ports} {model.protocol} on "
+                    + (f"2 x {link} (Socket Direct)" if len(n.attach) == 2 else link))
+    switches = [f"PCIe Gen{s.uplink.gen} switch" for s in profile.switches]
+    nvmes = [f"{d.model} NVMe" for d in profile.nvmes]
+    parts = counted(gpus) + counted(nics) + counted(switches) + counted(nvmes)
+    parts.append(f"{len(profile.sockets)} socket{'s' if len(profile.sockets) != 1 else ''}")
+    if profile.pool is not None:
+        link = profile.pool.slot.link_for(nic_model(profile.pool.nic_model).host_link).name
+        link = f"2 x {link} (Socket Direct)" if profile.pool.host_links == 2 else link
+        parts.append(f"pool: {profile.pool.nics}x {profile.pool.nic_model} on {link}")
+    return ", ".join(parts)
+
+
+def _upgraded(profile: HardwareProfile, tag: str, **changes) -> HardwareProfile:
+    """``profile`` with ``changes``, named ``name+tag`` and described anew."""
+    upgraded = replace(profile, name=f"{profile.name}+{tag}", **changes)
+    return replace(upgraded, description=describe(upgraded))
+
+
 def with_nics(profile: HardwareProfile, model: str, tag: str | None = None) -> HardwareProfile:
     nic_model(model)
     nics = tuple(replace(n, model=model) for n in profile.nics)
     pool = replace(profile.pool, nic_model=model) if profile.pool else None
-    return replace(profile, name=f"{profile.name}+{tag or model.lower()}", nics=nics, pool=pool)
+    return _upgraded(profile, tag or model.lower(), nics=nics, pool=pool)
 
 
 def with_pcie_gen(profile: HardwareProfile, gen: int) -> HardwareProfile:
     def slot(s: Slot) -> Slot:
         return replace(s, gen=gen)
 
-    return replace(
+    return _upgraded(
         profile,
-        name=f"{profile.name}+gen{gen}",
+        f"gen{gen}",
         switches=tuple(replace(s, uplink=slot(s.uplink)) for s in profile.switches),
         gpus=tuple(replace(g, slot=slot(g.slot)) for g in profile.gpus),
         nics=tuple(replace(n, slot=slot(n.slot)) for n in profile.nics),
@@ -62,7 +94,7 @@ def with_socket_direct(profile: HardwareProfile) -> HardwareProfile:
         other = next(s.name for s in profile.sockets if s.name != home)
         nics.append(replace(n, attach=(n.attach[0], other)))
     pool = replace(profile.pool, host_links=2) if profile.pool else None
-    return replace(profile, name=f"{profile.name}+socket-direct", nics=tuple(nics), pool=pool)
+    return _upgraded(profile, "socket-direct", nics=tuple(nics), pool=pool)
 
 
 def upgrade(profile: HardwareProfile, what: Upgrade) -> HardwareProfile:

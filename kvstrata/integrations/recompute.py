@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvstrata.integrations.hf.cache import cache_arg
 from kvstrata.plan.host import PrefillFit, fit_prefill
 
 DEFAULT_SIZES = (128, 512, 1024, 2048, 4096)  # new tokens, nothing cached
@@ -66,17 +67,18 @@ def prefill_points(
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(seed)
+    arg = cache_arg(model)
     out = []
     with torch.inference_mode():
         for n, c in points:
             ids = torch.randint(0, vocab, (1, c + n), generator=generator).to(device)
             past = DynamicCache()
             if c:
-                model(input_ids=ids[:, :c], past_key_values=past, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids[:, :c], **{arg: past}, use_cache=True, logits_to_keep=1)
             times = []
             for i in range(repeats + 1):  # the first is the warm-up
                 start = time.perf_counter()
-                logits = model(input_ids=ids[:, c:], past_key_values=past, use_cache=True, logits_to_keep=1).logits
+                logits = model(input_ids=ids[:, c:], **{arg: past}, use_cache=True, logits_to_keep=1).logits
                 logits[0, -1].float().cpu()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)

@@ -181,24 +181,35 @@ class BlockManager:
         victims: list[Victim] = []
         stop: tuple[StopReason, Medium] | None = None
         with self._lock:
-            for key, medium in zip(match.keys, match.media):
-                block = self._plan_block(key, victims)
+            # Every block pinned where it is first: room made for one block of the plan must
+            # not evict a later one (it stopped loads at blocks READY on the device a moment before).
+            held = [self._hold(key) for key in match.keys]
+            for i, (key, medium) in enumerate(zip(match.keys, match.media)):
+                block = self._plan_block(key, held[i], victims)
                 if isinstance(block, StopReason):
                     stop = block, medium
+                    for later, slot in zip(match.keys[i + 1 :], held[i + 1 :]):
+                        if slot is not None:
+                            self._tables[slot.medium].unpin(later)
                     break
                 blocks.append(block)
         reason, at = stop or (None, None)
         copies = sum(1 for b in blocks if b.step is Step.COPY)
         return LoadPlan(tuple(blocks), Room(tuple(victims)), reason, at, self._ranges(copies))
 
-    def _plan_block(self, key: BlockKey, victims: list[Victim]) -> LoadBlock | StopReason:
-        device = self._tables[Medium.DEVICE]
-        slot = device.pin(key)
+    def _hold(self, key: BlockKey) -> Slot | None:
+        """Pin ``key`` on the device, or else in the fastest tier below holding it READY."""
+        slot = self._tables[Medium.DEVICE].pin(key)
         if slot is not None:
-            return LoadBlock(key, slot, (Medium.DEVICE,), Step.RESIDENT)
-        source = self._pin_source(key, below=Medium.DEVICE, hit=True)
+            return Slot(Medium.DEVICE, slot)
+        return self._pin_source(key, below=Medium.DEVICE, hit=True)
+
+    def _plan_block(self, key: BlockKey, source: Slot | None, victims: list[Victim]) -> LoadBlock | StopReason:
+        """The block's load from ``source`` (pinned by ``_hold``; unpinned here if it stops)."""
         if source is None:
             return StopReason.GONE
+        if source.medium is Medium.DEVICE:
+            return LoadBlock(key, source.index, (Medium.DEVICE,), Step.RESIDENT)
         reserved = self._reserve_or_stop(Medium.DEVICE, key, victims, StopReason.DEVICE_FULL,
                                          StopReason.LOADING_ELSEWHERE)
         if isinstance(reserved, StopReason):
@@ -214,7 +225,7 @@ class BlockManager:
                                         StopReason.STAGING_ELSEWHERE))
         if isinstance(staged, StopReason):
             self._tables[source.medium].unpin(key)
-            device.complete_store(key, ok=False)
+            self._tables[Medium.DEVICE].complete_store(key, ok=False)
             return staged
         leg = Leg(key, source, Slot(Medium.HOST, staged))
         return LoadBlock(key, reserved, (source.medium, Medium.HOST, Medium.DEVICE), Step.FETCH, leg)

@@ -95,7 +95,8 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         for name in ("master",) + (("daemon",) if self.daemon else ()):
-            host, _, port = getattr(self, name).rpartition(":")
+            value = getattr(self, name)
+            host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
             if not host or not port.isdigit():
                 raise ValueError(f"pool {name} must be host:port, got {getattr(self, name)!r}")
         if self.protocol not in ("tcp", "rdma"):
@@ -106,6 +107,15 @@ class PoolConfig:
     def to_json(self) -> dict:
         """How to reach the pool (``config_file`` left out: it is where this copy came from)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config_file"}
+
+
+def json_error(exc: Exception) -> str:
+    """Why a JSON document could not be read, in words (for a message that names the file)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"invalid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    if isinstance(exc, KeyError):
+        return f"no {exc.args[0]!r} entry"
+    return str(exc)
 
 
 def load_pool_config(path: str | Path) -> PoolConfig:
@@ -124,7 +134,7 @@ def load_pool_config(path: str | Path) -> PoolConfig:
             state = json.loads(path.read_text())
             return PoolConfig(**state["config"], config_file=path)
         except (ValueError, KeyError, TypeError) as exc:  # half-written, or not a pool's state
-            raise ValueError(f"{path}: not a pool state file: {exc!r}") from None
+            raise ValueError(f"{path}: not a pool state file: {json_error(exc)}") from None
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstrata.pool import libs, native_log
-from kvstrata.pool.config import PoolConfig, make_secret
+from kvstrata.pool.config import PoolConfig, json_error, make_secret
 
 STATE = "pool.json"
 SECRET = "pool.key"
@@ -133,7 +133,10 @@ def read_state(run_dir: Path | None = None) -> PoolState | None:
     path = Path(run_dir or default_run_dir()).absolute() / STATE
     if not path.is_file():
         return None
-    state = PoolState.from_json(json.loads(path.read_text()))
+    try:
+        state = PoolState.from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as exc:  # edited by hand, or not a pool's state
+        raise ValueError(f"{path}: not a pool state file: {json_error(exc)}") from None
     return replace(state, config=replace(state.config, config_file=path))
 
 

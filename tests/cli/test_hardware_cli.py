@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import sys
 
 import pytest
+from rich.console import Console
+from rich.table import Table
 
-from kvstrata.cli import main
+from kvstrata.cli import hardware, main
 from kvstrata.hardware.profile import builtin_profiles, builtin_text, load_profile, parse_profile
 
 if sys.version_info >= (3, 11):
@@ -85,7 +89,8 @@ def test_links_json_pcie_generations_and_devices(capsys):
 
 def test_links_tables(capsys):
     out = run_text(capsys, "links")
-    for text in ("PCIe Gen5 x16", "Gen4 x16", "31.51", "shared: reads+writes", "gen5-x4", "UPI default"):
+    for text in ("PCIe Gen5 x16", "Gen4 x16", "31.51", "shared: reads and writes share one total", "gen5-x4",
+                 "UPI default"):
         assert text in out
 
 
@@ -178,7 +183,8 @@ def test_edited_copy_overrides_pcie_efficiency(capsys, tmp_path):
     assert uplink["efficiency_forward"] == 0.5
     nic_port = link_between(report, "nic0.p0", "fabric")  # other kinds keep their model
     assert nic_port["efficiency_forward"] != 0.5
-    assert "31.51 (63.02 x 0.5)" in run_text(capsys, "show", str(path))
+    row = next(line for line in run_text(capsys, "show", str(path)).splitlines() if "sw0<->gpu0" in line)
+    assert [cell.strip() for cell in row.split("│")[4:7]] == ["31.51", "31.51", "63.02 x 0.5"]
 
 
 def test_unknown_profile_lists_the_builtins(capsys):
@@ -212,3 +218,102 @@ def test_hardware_needs_an_action(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["hardware"])
     assert exc.value.code == 2
+
+
+# --- what a user reads: 120 columns, public sources said once, the upgraded profile -----------
+
+WIDE_COMMANDS = [
+    ["links"],
+    *(["show", name] for name in sorted(BUILTINS)),
+    ["show", "h200-cx7-gen5", "--upgrade", "+cx8+gen6"],
+    ["show", "h200-cx7-gen5", "--upgrade", "+cx8-eth+socket-direct"],
+    ["show", "b200-cx8-gen6", "--upgrade", "+cx8-eth"],
+]
+
+
+def printed_items(monkeypatch: pytest.MonkeyPatch, *argv: str) -> list:
+    """The tables and lines a ``hardware`` command prints, as it hands them to the console."""
+    items: list = []
+    monkeypatch.setattr(hardware, "_emit", lambda report, as_json, shown: items.extend(shown) or 0)
+    assert main(["hardware", *argv]) == 0
+    return items
+
+
+def render(item, width: int = 120) -> list[str]:
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(item)
+    return out.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("argv", WIDE_COMMANDS, ids=" ".join)
+def test_every_table_fits_120_columns_without_wrapping_or_cutting(monkeypatch, argv):
+    tables = [item for item in printed_items(monkeypatch, *argv) if isinstance(item, Table)]
+    assert tables
+    for table in tables:
+        lines = render(table)
+        # title, top border, header, header rule, one line per row, bottom border: nothing wraps
+        assert len(lines) == table.row_count + 5, "\n".join(lines)
+        assert not any("…" in line for line in lines), "a cell was cut"
+        assert all(len(line.rstrip()) <= 120 for line in lines)
+
+
+@pytest.mark.parametrize("argv", WIDE_COMMANDS, ids=" ".join)
+def test_at_120_columns_the_command_cuts_nothing(monkeypatch, capsys, argv):
+    monkeypatch.setenv("COLUMNS", "120")
+    out = run_text(capsys, *argv)
+    assert "…" not in out
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= 120
+
+
+def note_lines(out: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^\[(\d+)\] (.*)$", out, re.MULTILINE)}
+
+
+def test_links_notes_are_numbered_said_once_and_all_referenced(capsys):
+    out = run_text(capsys, "links")
+    notes = note_lines(out)
+    assert sorted(notes) == list(range(1, len(notes) + 1))
+    assert len(set(notes.values())) == len(notes)  # each text once
+    referenced = set()
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 2 and re.fullmatch(r"\d+(,\d+)*", cells[-2]):
+            referenced |= {int(n) for n in cells[-2].split(",")}
+    referenced |= {int(n) for n in re.findall(r"\(note (\d+)\)", out)}
+    assert referenced == set(notes)
+    for text in notes.values():
+        head = text.split(":")[0]
+        assert not text.startswith(f"{head}: {head}")  # no "PCIe Gen3 x16: PCIe Gen3 x16: ..."
+
+
+def test_links_cite_the_public_sources_not_a_document_users_never_saw(capsys):
+    out = run_text(capsys, "links")
+    report = run_json(capsys, "links")
+    assert "seed" not in out.lower() and "seed" not in json.dumps(report).lower()
+    notes = set(note_lines(out).values())
+    for source in ("PCI-SIG PCI Express Base Specification 3.0-6.0", "NVIDIA H200 Tensor Core GPU datasheet",
+                   "NVIDIA HGX B200 datasheet"):
+        assert source in notes
+    assert any(n.startswith("NVIDIA ConnectX-7 adapter cards user manual") for n in notes)
+    assert any(n.startswith("NVIDIA ConnectX-8 SuperNIC user manual: C8180") for n in notes)
+    rows = {r["resource"]: r for r in report["links"]}
+    assert rows["PCIe Gen5 x16"]["cites"] == "PCI-SIG PCI Express Base Specification 3.0-6.0"
+    assert rows["H200-SXM HBM"]["cites"] == "NVIDIA H200 Tensor Core GPU datasheet"
+
+
+@pytest.mark.parametrize("argv", [["list"], *(["show", n] for n in sorted(BUILTINS))], ids=" ".join)
+def test_no_output_names_the_seed(capsys, argv):
+    assert "seed" not in (run_text(capsys, *argv) + json.dumps(run_json(capsys, *argv))).lower()
+
+
+def test_show_with_upgrades_shows_the_upgraded_profile(capsys):
+    out = run_text(capsys, "show", "h200-cx7-gen5", "--upgrade", "+cx8+gen6")
+    heading = " ".join(out.split("Devices")[0].split())
+    assert heading.startswith("h200-cx7-gen5+cx8+gen6: 8x H200-SXM on PCIe Gen5 x16, 8x CX-8 800G InfiniBand on "
+                              "PCIe Gen6 x16, 4x PCIe Gen6 switch")
+    assert heading.endswith("(built-in:h200-cx7-gen5 with +cx8+gen6)")
+    assert "CX-7" not in out and "Gen5 switch" not in out  # names, links and figures: all the upgrade's
+    assert "CX-8 port 0 (800G)" in out and "PCIe Gen6 x16" in out
+    report = run_json(capsys, "show", "h200-cx7-gen5", "--upgrade", "+cx8+gen6")
+    assert report["name"] == "h200-cx7-gen5+cx8+gen6" and "CX-7" not in report["description"]
+    assert not any("CX-7" in x["label"] for x in report["links"])

@@ -80,6 +80,7 @@ def test_table_output(capsys):
     assert "327,680" in out
     assert "40,960" in out
     assert "10.74 GB" in out  # 32768 * 327680 bytes, decimal GB
+    assert "GiB" not in out  # one unit: decimal, as the README says
 
 
 def test_bad_config_exits_2_naming_the_field(tmp_path, capsys):

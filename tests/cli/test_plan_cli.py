@@ -98,6 +98,16 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert str(out) in capsys.readouterr().out.replace("\n", "")
 
 
+def test_plot_and_html_with_json_keep_stdout_json(tmp_path, capsys):
+    png, page = tmp_path / "x.png", tmp_path / "x.html"
+    assert main(["plan", "--context", "4096", "--json", "--plot", str(png), "--html", str(page)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["context_tokens"] == 4096
+    assert f"plot written to {png}" in out.err and f"report written to {page}" in out.err
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert "h200-cx7-gen5" in page.read_text() and "data:image/png;base64," in page.read_text()
+
+
 def test_human_output_names_every_path_and_architecture(capsys):
     assert main(["plan", "--context", "8192"]) == 0
     out = capsys.readouterr().out

@@ -10,7 +10,15 @@ import pytest
 from kvstrata.hardware.flows import estimate
 from kvstrata.hardware.profile import ProfileError
 from kvstrata.hardware.topology import LinkKind
-from kvstrata.hardware.whatif import Upgrade, apply_upgrades, upgrade, with_nics, with_pcie_gen, with_socket_direct
+from kvstrata.hardware.whatif import (
+    Upgrade,
+    apply_upgrades,
+    describe,
+    upgrade,
+    with_nics,
+    with_pcie_gen,
+    with_socket_direct,
+)
 
 GEN5_X16 = 32 * 16 / 8 * 128 / 130
 GEN6_X16 = 64 * 16 / 8
@@ -152,3 +160,32 @@ def test_with_nics_rejects_unknown_model(h200):
 def test_upgrade_dispatch_matches_the_helpers(h200):
     assert upgrade(h200, Upgrade.GEN6).switches == with_pcie_gen(h200, 6).switches
     assert upgrade(h200, Upgrade.CX8).nics == with_nics(h200, "CX-8").nics
+
+
+# --- an upgraded profile describes itself, not the profile it came from ------------------------
+
+
+def test_an_upgraded_profile_is_described_by_its_own_devices(h200):
+    up = apply_upgrades(h200, "+cx8+gen6")
+    assert "CX-7" in h200.description and "CX-7" not in up.description
+    assert up.description == (
+        "8x H200-SXM on PCIe Gen5 x16, 8x CX-8 800G InfiniBand on PCIe Gen6 x16, 4x PCIe Gen6 switch, "
+        "2x gen4-x4 NVMe, 2 sockets, pool: 8x CX-8 on PCIe Gen6 x16"
+    )  # the H200s stay at Gen5 (their own limit), everything else moved
+    assert up.description == describe(up)
+
+
+def test_every_step_of_an_upgrade_is_described(h200):
+    assert "8x CX-8 800G InfiniBand on PCIe Gen5 x16" in apply_upgrades(h200, "+cx8").description
+    assert "4x PCIe Gen6 switch" in apply_upgrades(h200, "+gen6").description
+    eth = apply_upgrades(h200, "+cx8-eth+socket-direct").description
+    assert "8x CX-8-ETH 400G + 400G Ethernet on 2 x PCIe Gen5 x16 (Socket Direct)" in eth
+    assert "pool: 8x CX-8-ETH on 2 x PCIe Gen5 x16 (Socket Direct)" in eth
+
+
+def test_cx8_plus_socket_direct_is_described_as_the_socket_direct_profile(h200, socket_direct):
+    assert apply_upgrades(h200, "+cx8+socket-direct").description == describe(socket_direct)
+
+
+def test_a_profile_without_upgrades_keeps_its_written_description(h200):
+    assert apply_upgrades(h200, "").description == h200.description != describe(h200)

@@ -245,6 +245,32 @@ def test_a_block_another_load_is_bringing_in_stops_this_one():
     check(m, tiers)
 
 
+def test_room_made_for_one_block_of_a_load_never_evicts_a_later_block_of_it():
+    # The device holds block 1 (least recent) and another; block 0 is on the host. Room for
+    # block 0 took block 1, the LRU victim, and the load then stopped at block 1 as "loading
+    # elsewhere" (seen in the soak: a block READY on the device a moment before).
+    m, tiers = manager({D: 2, H: 4}), Bytes()
+    keys = keys_of(8, 2)
+    stored(m, tiers, keys)
+    evicted(m, tiers, D, 2)  # both on the host now
+    loaded(m, tiers, keys[1:])  # block 1 back on the device ...
+    m.unpin(D, keys[1:])
+    stored(m, tiers, keys_of(9, 1))  # ... and a newer block beside it: block 1 is the LRU one
+    assert m.match(keys).media == (H, D)
+    plan, hot = loaded(m, tiers, keys)
+    assert (len(plan.blocks), plan.stopped) == (2, None)
+    assert plan.blocks[1].step is Step.RESIDENT and m.table(D).pins(keys[1]) == 1
+    check(m, tiers)
+
+
+def test_a_load_that_stops_unpins_the_later_blocks_it_held():
+    m, tiers, keys = on_host({D: 2, H: 4})
+    stored(m, tiers, keys_of(7, 2), pin=True)  # the device is full of pinned blocks
+    plan = m.prepare_load(m.match(keys))
+    assert plan.stopped is StopReason.DEVICE_FULL and plan.blocks == ()
+    assert m.table(H).pinned() == {}  # block 1's host copy was held, then let go
+
+
 def test_a_disk_block_without_a_host_tier_or_a_direct_path_stops_as_no_staging():
     m, tiers = manager({D: 2, K: 4}), Bytes()
     keys = keys_of(6, 1)

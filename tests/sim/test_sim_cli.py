@@ -17,11 +17,30 @@ def test_simulate_json_and_plot(tmp_path, capsys):
         "--arch", "hbm,remote-gdr", "--instances", "2", "--json", "--plot", str(tmp_path / "plots"),
     ])
     assert rc == 0
-    doc = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr()
+    doc = json.loads(out.out)  # the plots' paths go to stderr, so stdout stays JSON
     assert {a["arch"] for a in doc["architectures"]} == {"hbm", "remote-gdr"}
     for a in doc["architectures"]:
         assert set(a["ttft_s"]) == {"p50", "p90", "p99"} and isinstance(a["meets_slo"], bool)
-    assert (tmp_path / "plots" / "ttft_cdf.png").exists()
+    for name in ("ttft_cdf.png", "tpot_cdf.png"):
+        path = tmp_path / "plots" / name
+        assert path.read_bytes().startswith(b"\x89PNG")
+        assert f"plot written to {path}" in out.err
+
+
+def test_simulate_says_where_its_plots_and_report_went(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, generate(SyntheticConfig(requests=20, rate=2.0, seed=1)))
+    plots, page = tmp_path / "new" / "plots", tmp_path / "r.html"
+    assert main(["simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b",
+                 "--arch", "hbm", "--instances", "1", "--plot", str(plots), "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    assert "rank" in out  # the table, then where each file went
+    lines = [line for line in out.splitlines() if " written to " in line]
+    assert lines == [f"plot written to {plots / 'ttft_cdf.png'}", f"plot written to {plots / 'tpot_cdf.png'}",
+                     f"report written to {page}"]
+    assert sorted(p.name for p in plots.iterdir()) == ["tpot_cdf.png", "ttft_cdf.png"]
+    assert page.read_text().count("data:image/png;base64,") == 2
 
 
 def test_simulate_bad_arch_is_an_error(tmp_path):

@@ -24,6 +24,7 @@ from cache_support import content, kv_for, same_bytes  # noqa: E402
 from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
 from kvstrata.kv.geometry import DType  # noqa: E402
 from kvstrata.kv.layout import KVLayout  # noqa: E402
+from kvstrata.manager.table import BlockState  # noqa: E402
 from kvstrata.media import Medium  # noqa: E402
 from kvstrata.policies.write import WritePolicy, WriteRule  # noqa: E402
 from kvstrata.pool.config import RemoteMode, load_pool_config  # noqa: E402
@@ -165,6 +166,7 @@ class Soak:
             "device used+free": table.used_blocks + table.free_blocks,
             "device capacity": table.capacity_blocks,
             "device retired": table.quarantined_slots,
+            "device in flight": sum(1 for key in table.owners().values() if table.state(key) is not BlockState.READY),
         }
 
 

@@ -14,6 +14,7 @@ widths), its dtype mapped by :mod:`kvstrata.tensors`.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,16 @@ if TYPE_CHECKING:
 _MODEL_DTYPES = (DType.BF16, DType.FP16, DType.FP32)
 _SHAPE_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim",
                  "kv_lora_rank", "qk_rope_head_dim")
+
+
+def cache_arg(model: Any) -> str:
+    """The name of the model's forward argument that takes a ``Cache``.
+
+    transformers renamed ``past_key_values`` to ``cache`` during 5.x: where ``forward`` takes
+    ``cache``, the old name still works but warns (a FutureWarning, "removed in version 5.40.0"),
+    so it is passed by the new name; older 5.x releases know ``past_key_values`` only.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def model_layout(config: Any, block_tokens: int, dtype: torch.dtype) -> KVLayout:

@@ -29,7 +29,7 @@ import torch
 
 from kvstrata.cache import LoadHandle, LoadResult, TieredCache
 from kvstrata.index.prefix import Match
-from kvstrata.integrations.hf.cache import KVStrataCache, RestoredPrefix, model_layout
+from kvstrata.integrations.hf.cache import KVStrataCache, RestoredPrefix, cache_arg, model_layout
 from kvstrata.integrations.hf.streaming import StreamedKV
 from kvstrata.plan.host import HostCalibration, PrefillFit
 from kvstrata.plan.loadtime import calibrated_contention, calibrated_load_time
@@ -92,6 +92,7 @@ class KVStrataLM:
         prefill: PrefillFit | None = None,
     ) -> None:
         self.model = model
+        self._cache_arg = cache_arg(model)  # "cache" (transformers >= 5.2x) or "past_key_values"
         self.cache = cache
         self.tenant = tenant
         self.calibration = calibration
@@ -158,7 +159,7 @@ class KVStrataLM:
         moved_before = stream.bytes_moved if stream is not None else 0
         for _ in range(max_new_tokens - 1):
             ids = torch.tensor([[token]], device=self.device)
-            logits = self.model(input_ids=ids, past_key_values=kv_cache, use_cache=True).logits[0, -1]
+            logits = self.model(input_ids=ids, **{self._cache_arg: kv_cache}, use_cache=True).logits[0, -1]
             token = int(logits.argmax())
             tokens.append(token)
         steps = max_new_tokens - 1
@@ -233,7 +234,7 @@ class KVStrataLM:
         """One forward over ``ids`` after what ``kv_cache`` holds; the last position's logits."""
         # Only the last position's logits are needed: the LM head over the whole prompt is
         # wasted work (several ms on a CPU for a few thousand tokens).
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=kv_cache,
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), **{self._cache_arg: kv_cache},
                          use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]
 

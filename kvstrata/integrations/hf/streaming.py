@@ -1,4 +1,4 @@
-"""Per-step DRAM streaming (the seed's sixth scheme): the sequence's KV lives in host memory.
+"""Per-step DRAM streaming (the sixth of the planner's seven architectures): the sequence's KV lives in host memory.
 
 With ``streaming=True`` (:meth:`~kvstrata.integrations.hf.generate.KVStrataLM.generate`) the
 sequence's KV lives in host memory (pinned on CUDA) and only two layers' KV are on the device at
