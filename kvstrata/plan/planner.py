@@ -63,11 +63,13 @@ class Plan:
                 {
                     "path": r.path.value,
                     "bottleneck": r.bottleneck if r.available else None,
+                    "bottlenecks": r.bottlenecks if r.available else None,
                     "gbps": r.gbps if r.available else None,
                     "seconds": r.seconds if r.available else None,
                     "unavailable": r.unavailable,
                     "stages": [
-                        {"route": s.route, "seconds": s.seconds, "gbps": s.gbps, "bottleneck": s.bottleneck}
+                        {"route": s.route, "seconds": s.seconds, "gbps": s.gbps, "bottleneck": s.bottleneck,
+                         "bottlenecks": s.bottlenecks}
                         for s in r.stages
                     ],
                 }

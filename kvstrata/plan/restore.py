@@ -52,7 +52,8 @@ class Stage:
     route: str  # the first shard's route, for display
     seconds: float
     gbps: float  # aggregate over all shards
-    bottleneck: str
+    bottleneck: str  # the slowest shard's
+    bottlenecks: int = 1  # distinct resources bounding the shards side by side: gbps sums them
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class RestoreEstimate:
     @property
     def bottleneck(self) -> str:
         return max(self.stages, key=lambda s: s.seconds).bottleneck if self.stages else "-"
+
+    @property
+    def bottlenecks(self) -> int:
+        """Resources bounding the slowest stage side by side (e.g. one NIC port per GPU): its
+        rate is their aggregate, each carrying about 1/n of it."""
+        return max(self.stages, key=lambda s: s.seconds).bottlenecks if self.stages else 0
 
 
 def instance_gpus(profile: HardwareProfile, count: int) -> list[str]:
@@ -107,11 +114,13 @@ def _stage(flows: list[Flow]) -> Stage:
     slowest = max(done, key=lambda c: c.finish_s)
     total = sum(f.size_bytes for f in flows)
     transfer_s = max(c.finish_s - c.flow.latency_s for c in done)
+    moving = {c.bottleneck.key for c in done if c.flow.size_bytes} or {slowest.bottleneck.key}
     return Stage(
         route=flows[0].path.describe() if flows[0].path else flows[0].name,
         seconds=slowest.finish_s,
         gbps=total / transfer_s / GB if transfer_s > 0 else 0.0,  # nothing moved: 0, never inf
         bottleneck=slowest.bottleneck.label,
+        bottlenecks=len(moving),
     )
 
 
