@@ -130,22 +130,29 @@ def tp_degrees(geometry: KVGeometry, max_gpus: int, *, engine_heads: bool = Fals
     return tuple(out)
 
 
-def check_tp(geometry: KVGeometry, gpus: int, node_gpus: int) -> None:
-    """Raise a :class:`GeometryError` naming the degrees allowed unless ``gpus`` is one of them.
+def check_tp(geometry: KVGeometry, gpus: int, node_gpus: int | None = None) -> None:
+    """Raise unless ``gpus`` is a degree the model's KV heads allow (and, given a node, it has).
 
-    The message names no parameter: a caller prefixes what the user set (a CLI flag).
+    The message names no parameter and lists the degrees that work: a caller prefixes what the
+    user set (a CLI flag).
+
+    Raises:
+        ValueError: fewer than 1 GPU, or more than the node has.
+        GeometryError: the KV heads do not split over ``gpus``.
     """
     if gpus < 1:
         raise ValueError(f"an instance needs at least 1 GPU, not {gpus}")
-    if gpus > node_gpus:
+    if node_gpus is not None and gpus > node_gpus:
         raise ValueError(f"{gpus} GPUs per instance, but the node has only {_gpus(node_gpus)}")
-    allowed = tp_degrees(geometry, node_gpus)
-    if gpus not in allowed:
-        listed = ", ".join(map(str, allowed))
-        raise GeometryError(
-            f"{geometry.name}'s {geometry.num_kv_heads} KV heads do not split over {gpus} GPUs "
-            f"(a GPU holds whole heads); on the node's {_gpus(node_gpus)} it runs on {listed}"
-        )
+    kv = geometry.num_kv_heads
+    if gpus in tp_degrees(geometry, gpus):
+        return
+    why = f"{geometry.name}'s {kv} KV heads do not split over {gpus} GPUs (a GPU holds whole heads)"
+    if node_gpus is not None:
+        listed = ", ".join(map(str, tp_degrees(geometry, node_gpus)))
+        raise GeometryError(f"{why}; on the node's {_gpus(node_gpus)} it runs on {listed}")
+    listed = ", ".join(map(str, tp_degrees(geometry, kv)))
+    raise GeometryError(f"{why}; it runs on {listed} or a multiple of {kv} GPUs")
 
 
 def size_instances(
