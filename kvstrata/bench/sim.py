@@ -3,8 +3,9 @@
 What is timed: ``Simulation(requests, config, arch).run()`` of :mod:`kvstrata.sim.engine`, once
 per (trace, architecture), on the wall clock (and CPU time beside it), for the seven
 architectures of :class:`kvstrata.plan.architectures.Architecture` plus ``hbm+pool+nvme``, on one
-hardware profile and model (``h200-cx7-gen5``, ``llama-3-70b`` by default, every GPU of the
-profile as a 1-GPU instance, as ``kvstrata simulate`` does). Reading the trace file is not timed.
+hardware profile and model (``h200-cx7-gen5``, ``llama-3-70b`` by default, in as many instances
+of the fewest GPUs that hold the weights with room for KV as the profile has GPUs for, as
+``kvstrata simulate`` does: :func:`kvstrata.plan.sizing.size_instances`). Reading the trace file is not timed.
 
 Two traces: the one given (by default the Mooncake trace in the shared data folder), and a larger
 one of the same kind built from it by :func:`tile_trace` (``requests_large`` requests, 12,000 by

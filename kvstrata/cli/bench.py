@@ -411,7 +411,7 @@ def _print_sim(report: SimBenchReport) -> None:
     core = f"pinned to CPU {c.pinned_cpu}" if c.pinned_cpu is not None else "not pinned"
     title = (
         f"kvstrata bench sim: {c.model} on {c.hardware}, {c.instances} instances of "
-        f"{c.gpus_per_instance} GPU; one run per architecture, {core}"
+        f"{c.gpus_per_instance} GPU(s); one run per architecture, {core}"
     )
     table = Table(title=title, title_justify="left")
     for name, justify in (("trace", "left"), ("arch", "left"), ("wall s", "right"), ("CPU s", "right"),

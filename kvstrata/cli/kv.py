@@ -9,7 +9,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvstrata.cli import CliError
 from kvstrata.kv import KVGeometry, list_presets, load_geometry
+from kvstrata.plan.sizing import check_tp
 
 _GB = 1e9  # decimal GB, as everywhere in kvstrata (see kvstrata.cli.units)
 
@@ -50,6 +52,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(names, indent=2) if args.json else "\n".join(names))
         return 0
     geometry = load_geometry(args.model, dtype=args.dtype)
+    try:
+        check_tp(geometry, args.tp)
+    except ValueError as exc:
+        raise CliError(f"--tp {args.tp}: {exc}") from None
+    if args.block_tokens < 1:
+        raise CliError(f"--block-tokens must be at least 1, got {args.block_tokens}")
+    if args.context is not None and args.context < 0:
+        raise CliError(f"--context must be a non-negative number of tokens, got {args.context}")
     report = kv_size_report(
         geometry, tp=args.tp, block_tokens=args.block_tokens, context_tokens=args.context
     )

@@ -12,8 +12,11 @@ from rich.table import Table
 from kvstrata import cli
 from kvstrata.hardware.profile import HardwareProfile, load_profile
 from kvstrata.hardware.whatif import apply_upgrades
+from kvstrata.kv.geometry import KVGeometry
 from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.planner import Plan, make_plan, ratios
+from kvstrata.plan.restore import RestoreEstimate
+from kvstrata.plan.sizing import KV_MARGIN_FRACTION, Basis, InstanceSizing, WeightsDoNotFit, check_tp
 
 if TYPE_CHECKING:
     from kvstrata.page import HtmlPage
@@ -52,12 +55,18 @@ def resolve_profile(text: str, base: HardwareProfile | None = None, flag: str = 
 def run(args: argparse.Namespace) -> int:
     geometry = load_geometry(args.model, args.dtype)
     profile = resolve_profile(args.hardware)
+    if args.context <= 0:
+        raise cli.CliError(f"--context must be a positive number of tokens, got {args.context}")
+    if args.cached is not None and not 0 <= args.cached <= args.context:
+        raise cli.CliError(f"--cached must be between 0 and --context ({args.context:,}) tokens, got {args.cached}")
+    checked_gpus(geometry, profile, args.gpus, "--gpus")
     plan = make_plan(geometry, profile, args.context, args.cached, args.gpus)
     other = None
     if args.vs:
         other_profile = resolve_profile(args.vs, profile, "--vs")
         # Same GPU count where the other profile has that many; else its own default.
         other_gpus = args.gpus if args.gpus is not None else (plan.tp if plan.tp <= len(other_profile.gpus) else None)
+        checked_gpus(geometry, other_profile, other_gpus, f"--vs {args.vs} with --gpus")
         other = make_plan(geometry, other_profile, args.context, args.cached, other_gpus)
     if args.json:
         doc = plan.to_json()
@@ -98,6 +107,45 @@ def _pictures(args: argparse.Namespace, geometry, plan: Plan, other: Plan | None
         cli.wrote("report", page.write(args.html), args.json)
 
 
+def checked_gpus(geometry: KVGeometry, profile: HardwareProfile, gpus: int | None, flag: str) -> None:
+    """Refuse, naming ``flag``, a GPU count the node or the model's KV heads do not allow."""
+    if gpus is None:
+        return
+    try:
+        check_tp(geometry, gpus, len(profile.gpus))
+    except ValueError as exc:
+        raise cli.CliError(f"{flag} {gpus}: {exc}") from None
+
+
+def sizing_text(s: InstanceSizing) -> str:
+    """Why an instance has its GPUs, in one sentence."""
+    k, gb = s.gpus_per_instance, 1e9
+    share = (
+        f"{s.model}'s {s.weight_bytes / gb:,.1f} GB of {s.weight_dtype} weights take {s.weight_bytes_per_gpu / gb:,.1f} GB "
+        f"of each {s.gpu_model}'s {s.usable_hbm_bytes_per_gpu / gb:,.1f} GB usable HBM, "
+        f"leaving {max(s.kv_room_bytes_per_gpu, 0) / gb:,.1f} GB for KV"
+    )
+    if s.basis is Basis.REQUESTED:
+        return f"{k} GPU(s) per instance, as asked: {share}"
+    if s.basis is Basis.KV_MARGIN:
+        return f"{k} GPU(s) per instance, the fewest leaving at least {KV_MARGIN_FRACTION:.0%} of usable HBM for KV: {share}"
+    if s.basis is Basis.WEIGHTS_ONLY:
+        return (
+            f"{k} GPU(s) per instance, the fewest that hold the weights (none of the node's groups leaves "
+            f"{KV_MARGIN_FRACTION:.0%} for KV): {share}"
+        )
+    return f"{k} GPU(s) per instance, the most the node offers"
+
+
+def weights_misfit(s: InstanceSizing) -> str | None:
+    """The one line saying the weights do not fit, or None when they do."""
+    try:
+        s.check_fits()
+    except WeightsDoNotFit as exc:
+        return str(exc)
+    return None
+
+
 def _s(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -108,6 +156,17 @@ def _n(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
 
+def side_by_side(r: RestoreEstimate) -> str | None:
+    """For a restore whose slowest stage runs over several links like its bottleneck (one per
+    GPU's NIC, say), a line saying so, and that its GB/s is their sum; else None."""
+    if not r.available or r.bottlenecks <= 1:
+        return None
+    stage = max(r.stages, key=lambda s: s.seconds)
+    n = r.bottlenecks
+    which = "its slowest stage, " if len(r.stages) > 1 else ""
+    return f"{r.path.short}: {which}{stage.gbps:,.1f} GB/s over {n} links like {r.bottleneck}, ~{stage.gbps / n:,.1f} each"
+
+
 def render(console: Console, plan: Plan) -> None:
     g = plan.geometry
     console.print(
@@ -116,7 +175,16 @@ def render(console: Console, plan: Plan) -> None:
         f"({', '.join(plan.gpus)}); {g.bytes_per_token:,} KV bytes/token, "
         f"{g.bytes_per_token_per_gpu(plan.tp):,} per GPU; restore {plan.restore_bytes / 1e9:,.2f} GB"
     )
-    t = Table(title="KV restore of the cached prefix, per path (decimal GB/s; one direction)")
+    misfit = weights_misfit(plan.sizing)
+    if misfit:
+        console.print(
+            f"[bold yellow]note:[/] {misfit}. Every architecture's capacity is 0 here; the restore times "
+            "still hold",
+            highlight=False,
+        )
+    else:
+        console.print(f"[dim]{sizing_text(plan.sizing)}[/]", highlight=False)
+    t = Table(title="KV restore of the cached prefix, per path (decimal GB/s of all the GPUs' shards; one direction)")
     for col in ("path", "time", "GB/s", "bottleneck", "stages"):
         t.add_column(col, justify="right" if col in ("time", "GB/s") else "left")
     for r in plan.restore:
@@ -124,8 +192,12 @@ def render(console: Console, plan: Plan) -> None:
             t.add_row(r.path.short, "-", "-", f"[dim]n/a: {r.unavailable}[/]", "")
             continue
         stages = "; ".join(f"{_s(s.seconds)} @ {s.gbps:,.1f}" for s in r.stages) if len(r.stages) > 1 else ""
-        t.add_row(r.path.short, _s(r.seconds), f"{r.gbps:,.1f}", r.bottleneck, stages)
+        mark = "*" if side_by_side(r) else ""
+        t.add_row(r.path.short, _s(r.seconds), f"{r.gbps:,.1f}{mark}", r.bottleneck, stages)
     console.print(t)
+    for r in plan.restore:
+        if note := side_by_side(r):
+            console.print(f"[dim]* {note}[/]", highlight=False)
     a = Table(title="The seven architectures: capacity, first wait, per-decode-step cost (one request)")
     for col in ("architecture", "capacity tokens", "requests", "first wait", "step: external", "step time", "bound by"):
         a.add_column(col, justify="left" if col in ("architecture", "bound by") else "right")

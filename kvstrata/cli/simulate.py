@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,11 +13,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.cli.plan import resolve_profile
+from kvstrata.cli.plan import checked_gpus, resolve_profile, sizing_text
 from kvstrata.kv.presets import load_geometry
+from kvstrata.plan.sizing import InstanceSizing, WeightsDoNotFit, size_instances
 from kvstrata.sim.engine import SimConfig
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
-from kvstrata.sim.run import offered_load, scale_time, simulate
+from kvstrata.sim.run import offered_load, scale_time, simulate, trace_span_s
 from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES
 from kvstrata.sim.traceio import read_trace
 
@@ -30,8 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", required=True, help="profile name or TOML file, with +upgrades (e.g. h200-cx7-gen5+cx8)")
     p.add_argument("--model", required=True, help="model preset or config.json")
     p.add_argument("--arch", required=True, help="architectures, comma separated (e.g. hbm,remote-gdr,hbm+pool+nvme)")
-    p.add_argument("--instances", type=int, default=None, help="instances (default: all GPUs)")
-    p.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs per instance (default 1)")
+    p.add_argument("--instances", type=int, default=None, help="instances (default: as many as the GPUs hold)")
+    p.add_argument("--gpus-per-instance", type=int, default=None,
+                   help="GPUs per instance (default: the fewest that hold the weights with room for KV)")
     p.add_argument("--requests", type=int, default=None, help="take the first N requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
     p.add_argument("--write", choices=tuple(WRITE_NAMES), default="through", help="tier write policy")
@@ -44,9 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     requests = read_trace(args.trace)
+    if not requests:
+        raise cli.CliError(f"trace {args.trace!r} has no requests (no non-blank line): nothing to simulate")
     if args.requests is not None:
-        if args.requests < 0:
-            raise cli.CliError(f"--requests must be non-negative, got {args.requests}")
+        if args.requests < 1:
+            raise cli.CliError(f"--requests must be at least 1, got {args.requests}")
         requests = requests[: args.requests]
     if args.time_scale != 1.0:
         try:
@@ -56,30 +61,31 @@ def run_simulate(args: argparse.Namespace) -> int:
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     if not archs:
         raise cli.CliError("--arch names no architecture")
-    config = SimConfig(
-        load_geometry(args.model),
-        resolve_profile(args.hardware),
-        args.gpus_per_instance,
-        args.instances,
-        restore_slots=args.restore_slots,
-    )
-    load = offered_load(requests, config)
+    if args.restore_slots < 1:
+        raise cli.CliError(f"--restore-slots must be at least 1, got {args.restore_slots}")
+    geometry, profile = load_geometry(args.model), resolve_profile(args.hardware)
+    sizing = _sizing(geometry, profile, args)
+    config = SimConfig(geometry, profile, sizing.gpus_per_instance, sizing.instances, restore_slots=args.restore_slots)
+    load = offered_load(requests, config) if trace_span_s(requests) > 0 else None
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks = {a: bar.add_task(f"simulating {a}", total=len(requests)) for a in archs}
         summaries, outcomes = simulate(
             requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d), write=WRITE_NAMES[args.write]
         )
     if args.json:
-        print(json.dumps({"offered_load": load, "architectures": [s.to_json() for s in summaries]}, indent=2))
+        doc = {"gpus_per_instance": config.gpus_per_instance, "instances": config.instances,
+               "gpus_basis": sizing.basis.value, "offered_load": load,
+               "architectures": [s.to_json() for s in summaries]}
+        print(json.dumps(doc, indent=2))
     else:
-        render(cli.console(), requests, summaries, load)
+        render(cli.console(), requests, summaries, load, sizing_text(sizing), config.instance_count)
     if args.plot or args.html:
-        _pictures(args, config, requests, summaries, outcomes, load)
+        _pictures(args, config, requests, summaries, outcomes, load, sizing_text(sizing))
     return 0
 
 
-def render(out: Console | HtmlPage, requests, summaries, load: float) -> None:
-    """The ranking table and the offered-load line, to a console or an HTML page."""
+def render(out: Console | HtmlPage, requests, summaries, load: float | None, sizing: str, instances: int) -> None:
+    """The GPUs chosen, the ranking table and the offered-load line, to a console or an HTML page."""
     t = Table(title=f"{len(requests):,} requests; SLO: TTFT p90 <= {TTFT_P90_SLO_S:g} s, TPOT p99 <= {TPOT_P99_SLO_S * 1e3:g} ms")
     for col in ("rank", "arch", "GPUs", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "tok/s/GPU", "hit rate", "SLO"):
         t.add_column(col)
@@ -89,13 +95,17 @@ def render(out: Console | HtmlPage, requests, summaries, load: float) -> None:
             s.arch,
             str(s.gpus),
             "/".join(f"{v:.2f}" for v in s.ttft_s.values()),
-            "/".join(f"{v * 1e3:.1f}" for v in s.tpot_s.values()),
+            "/".join("-" if math.isnan(v) else f"{v * 1e3:.1f}" for v in s.tpot_s.values()),  # -: no request past 1 token
             f"{s.throughput_tok_s:,.0f}",
             f"{s.throughput_per_gpu:,.1f}",
             " ".join(f"{HARDWARE_NAME[m]} {v:.0%}" for m, v in s.hit_rate.items()),
             "[green]yes[/]" if s.meets_slo else "[red]no[/]",
         )
+    out.print(f"{instances} instance(s); {sizing}", highlight=False)
     out.print(t)
+    if load is None:
+        out.print(f"all {len(requests):,} requests arrive at once: no arrival rate, so no offered load to state")
+        return
     note = "[red]overloaded: queues grow, TTFT reflects queueing[/]" if load > 1 else "within capacity"
     out.print(
         f"offered prefill load without reuse: {load:.2f}x the instances' compute ({note}); "
@@ -103,7 +113,28 @@ def render(out: Console | HtmlPage, requests, summaries, load: float) -> None:
     )
 
 
-def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, outcomes, load: float) -> None:
+def _sizing(geometry, profile, args: argparse.Namespace) -> InstanceSizing:
+    """The instances' GPUs: the flags' values, checked, else the default; errors name the flags."""
+    if args.instances is not None and args.instances < 1:
+        raise cli.CliError(f"--instances must be at least 1, got {args.instances}")
+    checked_gpus(geometry, profile, args.gpus_per_instance, "--gpus-per-instance")
+    try:
+        sizing = size_instances(geometry, profile, args.gpus_per_instance, args.instances)
+    except ValueError as exc:
+        flags = " with ".join(f for f, v in (("--instances", args.instances),
+                                             ("--gpus-per-instance", args.gpus_per_instance)) if v is not None)
+        raise cli.CliError(f"{flags}: {exc}") from None
+    try:
+        sizing.check_fits()  # one line naming the model, its weights and the GPUs
+    except WeightsDoNotFit as exc:
+        if args.gpus_per_instance is None and args.instances is not None:
+            raise cli.CliError(f"--instances {args.instances} leaves {sizing.gpus_per_instance} GPU(s) each: {exc}") from None
+        raise
+    return sizing
+
+
+def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, outcomes, load: float | None,
+              sizing: str) -> None:
     """``--plot DIR`` and ``--html FILE``: the TTFT and TPOT CDFs, and the page of table and CDFs."""
     from kvstrata.page import HtmlPage
     from kvstrata.plots import png_bytes, save_png
@@ -118,7 +149,7 @@ def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, 
             cli.wrote("plot", save_png(png, Path(args.plot) / f"{name}.png"), args.json)
     if args.html:
         page = HtmlPage(f"kvstrata simulate: {Path(args.trace).name}, {setting}")
-        render(page, requests, summaries, load)
+        render(page, requests, summaries, load, sizing, config.instance_count)
         for name, fig in figures.items():
             page.image(pngs[name], fig.axes[0].get_title().replace("\n", ": ", 1))
         cli.wrote("report", page.write(args.html), args.json)

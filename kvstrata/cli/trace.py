@@ -77,6 +77,8 @@ def parse_cache_tokens(text: str) -> int | None:
 def run_analyze(args: argparse.Namespace) -> int:
     capacities = [parse_cache_tokens(t) for t in args.cache_tokens]
     requests = read_trace(args.trace)
+    if not requests:
+        raise cli.CliError(f"trace {args.trace!r} has no requests (no non-blank line): nothing to analyze")
     start = time.perf_counter()
     result = analyze(requests, capacities)
     elapsed_s = time.perf_counter() - start
@@ -106,6 +108,10 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.requests < 1:
+        raise cli.CliError(f"--requests must be at least 1, got {args.requests}")
+    if not args.rate > 0:
+        raise cli.CliError(f"--rate must be a positive number of arrivals per second, got {args.rate}")
     config = SyntheticConfig(
         requests=args.requests,
         seed=args.seed,

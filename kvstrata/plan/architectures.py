@@ -15,6 +15,7 @@ the active weights' share of each GPU plus its KV shard.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -176,14 +177,9 @@ def compare_architectures(
         make(Architecture.NVME, capacity.nvme_tokens, RestorePath.NVME, restores[RestorePath.NVME]),
     ]
     if not capacity.weights_fit:
-        out = [
-            ArchitectureEstimate(
-                e.arch, 0, 0, e.first_wait_s, e.first_wait_path, e.per_step_external_bytes,
-                e.per_step_external_s, e.per_step_hbm_s,
-                "; ".join(filter(None, (e.unavailable, "model weights do not fit in HBM on these GPUs"))),
-            )
-            for e in out
-        ]
+        # No scheme serves a model whose weights overflow HBM: nothing is held. The reason is
+        # the plan's one fact (``Capacity.weights_fit``), not each scheme's.
+        out = [dataclasses.replace(e, capacity_tokens=0, concurrent_requests=0) for e in out]
     return out
 
 

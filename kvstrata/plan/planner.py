@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstrata.hardware.catalog import gpu_model
 from kvstrata.hardware.profile import HardwareProfile
 from kvstrata.hardware.topology import NodeKind
-from kvstrata.kv.geometry import GeometryError, KVGeometry
+from kvstrata.kv.geometry import KVGeometry
 from kvstrata.plan.architectures import (
     DRAM_KV_FRACTION,
     HBM_USABLE_FRACTION,
@@ -18,6 +17,7 @@ from kvstrata.plan.architectures import (
     hbm_step_seconds,
 )
 from kvstrata.plan.restore import RestoreEstimate, RestorePath, RestorePlanner, instance_gpus
+from kvstrata.plan.sizing import InstanceSizing, size_instances
 
 SEED_PATHS = (RestorePath.LOCAL_DRAM, RestorePath.REMOTE_GDR, RestorePath.REMOTE_TWO_HOP, RestorePath.NVME)
 
@@ -32,6 +32,7 @@ class Plan:
     restore: tuple[RestoreEstimate, ...]
     architectures: tuple[ArchitectureEstimate, ...]
     capacity: Capacity
+    sizing: InstanceSizing  # why these GPUs, and whether the weights fit on them
 
     @property
     def tp(self) -> int:
@@ -52,6 +53,8 @@ class Plan:
             "context_tokens": self.context_tokens,
             "cached_tokens": self.cached_tokens,
             "gpus": list(self.gpus),
+            "gpus_basis": self.sizing.basis.value,
+            "weight_bytes": self.sizing.weight_bytes,
             "dtype": g.dtype.name.lower(),
             "bytes_per_token": g.bytes_per_token,
             "bytes_per_token_per_gpu": g.bytes_per_token_per_gpu(self.tp),
@@ -60,11 +63,13 @@ class Plan:
                 {
                     "path": r.path.value,
                     "bottleneck": r.bottleneck if r.available else None,
+                    "bottlenecks": r.bottlenecks if r.available else None,
                     "gbps": r.gbps if r.available else None,
                     "seconds": r.seconds if r.available else None,
                     "unavailable": r.unavailable,
                     "stages": [
-                        {"route": s.route, "seconds": s.seconds, "gbps": s.gbps, "bottleneck": s.bottleneck}
+                        {"route": s.route, "seconds": s.seconds, "gbps": s.gbps, "bottleneck": s.bottleneck,
+                         "bottlenecks": s.bottlenecks}
                         for s in r.stages
                     ],
                 }
@@ -100,20 +105,9 @@ class Plan:
 
 
 def auto_gpus(geometry: KVGeometry, profile: HardwareProfile) -> int:
-    """The fewest GPUs (1, 2, 4, 8...) whose HBM holds the weights in at most half its space,
-    at a TP degree the KV heads allow; all GPUs when none does."""
-    hbm = gpu_model(profile.gpus[0].model).hbm_capacity_bytes if profile.gpus else 0
-    k = 1
-    while k <= len(profile.gpus):
-        try:
-            geometry.bytes_per_token_per_gpu(k)
-        except GeometryError:
-            k *= 2
-            continue
-        if geometry.weight_bytes() / k <= 0.5 * hbm:
-            return k
-        k *= 2
-    return len(profile.gpus)
+    """The default GPUs of one request: :func:`kvstrata.plan.sizing.size_instances`' choice,
+    the fewest whose usable HBM holds the weights with ``KV_MARGIN_FRACTION`` left for KV."""
+    return size_instances(geometry, profile, instances=1).gpus_per_instance
 
 
 def _capacity(geometry: KVGeometry, profile: HardwareProfile, gpus: list[str]) -> Capacity:
@@ -161,12 +155,10 @@ def make_plan(
         raise ValueError(f"cached must be between 0 and context ({context_tokens}) tokens, got {cached!r}")
     if not profile.gpus:
         raise ValueError(f"profile {profile.name!r} has no GPU to plan for")
-    names = instance_gpus(profile, gpus if gpus is not None else auto_gpus(geometry, profile))
+    sizing = size_instances(geometry, profile, gpus, instances=1)  # checks a count asked for
+    names = instance_gpus(profile, sizing.gpus_per_instance)
     tp = len(names)
-    try:
-        per_gpu = geometry.bytes_per_token_per_gpu(tp)
-    except GeometryError as exc:
-        raise GeometryError(f"gpus={tp} is not a tensor-parallel degree {geometry.name} allows: {exc}") from None
+    per_gpu = geometry.bytes_per_token_per_gpu(tp)
     planner = RestorePlanner(profile, names)
     restores = {p: planner.restore(p, [cached * per_gpu] * tp) for p in SEED_PATHS}
     full = {
@@ -178,7 +170,7 @@ def make_plan(
     step = StepInputs(context_tokens, kv_shard, hbm_step_seconds(weights_share + kv_shard, hbm_gbps), geometry.num_layers)
     capacity = _capacity(geometry, profile, names)
     archs = compare_architectures(capacity, step, restores, full)
-    return Plan(geometry, profile, context_tokens, cached, tuple(names), tuple(restores.values()), tuple(archs), capacity)
+    return Plan(geometry, profile, context_tokens, cached, tuple(names), tuple(restores.values()), tuple(archs), capacity, sizing)
 
 
 def ratios(a: Plan, b: Plan) -> dict:

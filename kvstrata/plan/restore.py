@@ -14,6 +14,7 @@ Paths (the seed's three, and NVMe):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -51,7 +52,8 @@ class Stage:
     route: str  # the first shard's route, for display
     seconds: float
     gbps: float  # aggregate over all shards
-    bottleneck: str
+    bottleneck: str  # the slowest shard's
+    bottlenecks: int = 1  # distinct resources bounding the shards side by side: gbps sums them
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ class RestoreEstimate:
     @property
     def bottleneck(self) -> str:
         return max(self.stages, key=lambda s: s.seconds).bottleneck if self.stages else "-"
+
+    @property
+    def bottlenecks(self) -> int:
+        """Resources bounding the slowest stage side by side (e.g. one NIC port per GPU): its
+        rate is their aggregate, each carrying about 1/n of it."""
+        return max(self.stages, key=lambda s: s.seconds).bottlenecks if self.stages else 0
 
 
 def instance_gpus(profile: HardwareProfile, count: int) -> list[str]:
@@ -106,11 +114,13 @@ def _stage(flows: list[Flow]) -> Stage:
     slowest = max(done, key=lambda c: c.finish_s)
     total = sum(f.size_bytes for f in flows)
     transfer_s = max(c.finish_s - c.flow.latency_s for c in done)
+    moving = {c.bottleneck.key for c in done if c.flow.size_bytes} or {slowest.bottleneck.key}
     return Stage(
         route=flows[0].path.describe() if flows[0].path else flows[0].name,
         seconds=slowest.finish_s,
         gbps=total / transfer_s / GB if transfer_s > 0 else 0.0,  # nothing moved: 0, never inf
         bottleneck=slowest.bottleneck.label,
+        bottlenecks=len(moving),
     )
 
 
@@ -153,6 +163,9 @@ class RestorePlanner:
         self.profile = profile
         self.topology = profile.topology
         self.gpus = gpus
+        # (ends per GPU, pool_side) -> per GPU its sub-routes as unit flows, and each one's
+        # rate when all run: both depend on the topology only, which is frozen, never on sizes.
+        self._network: dict[tuple, tuple[list[list[Flow]], list[float]]] = {}
 
     def network_flows(self, src_of, dst_of, shard_bytes: list[int], pool_side: bool) -> list[Flow]:
         """Flows of one network stage: each GPU's shard across its NIC.
@@ -169,8 +182,22 @@ class RestorePlanner:
         Returns:
             One flow per used sub-route, GPU by GPU.
         """
+        ends = tuple((src_of(g), dst_of(g)) for g in self.gpus)
+        if (ends, pool_side) not in self._network:
+            self._network[ends, pool_side] = self._unit_flows(ends, pool_side)
+        shards, shares = self._network[ends, pool_side]
+        rates = iter(shares)
+        flows = []
+        for units, size in zip(shards, shard_bytes):
+            parts = _finish_together(size, [next(rates) for _ in units], [u.latency_s for u in units])
+            kept = [(unit, part) for unit, part in zip(units, parts) if part] or [(units[0], 0)]
+            # A flow's resources do not depend on its size: the unit flow resized is flow_along's.
+            flows.extend(dataclasses.replace(unit, size_bytes=part) for unit, part in kept)
+        return flows
+
+    def _unit_flows(self, ends: tuple[tuple[str, str], ...], pool_side: bool) -> tuple[list[list[Flow]], list[float]]:
         shards: list[list[Path]] = []
-        for i, gpu in enumerate(self.gpus):
+        for i, (gpu, (src, dst)) in enumerate(zip(self.gpus, ends)):
             nic = nic_for(self.profile, gpu)
             spec = next(n for n in self.profile.nics if n.name == nic)
             routes = []
@@ -178,16 +205,11 @@ class RestorePlanner:
                 far = f"pool.nic{i % self.profile.pool.nics}.p{port}" if pool_side else f"peer.{nic}.p{port}"
                 for attach in spec.attach:
                     waypoints = (far, f"{nic}.p{port}", nic, attach)
-                    routes.append(self.topology.route(src_of(gpu), dst_of(gpu), via=waypoints))
+                    routes.append(self.topology.route(src, dst, via=waypoints))
             shards.append(_distinct(routes))
-        probe = [flow_along(self.topology, path, 1) for paths in shards for path in paths]
-        rates = iter(s.gbps * GB for s in max_min_share(probe))
-        flows = []
-        for paths, size in zip(shards, shard_bytes):
-            parts = _finish_together(size, [next(rates) for _ in paths], [p.latency_s for p in paths])
-            kept = [(path, part) for path, part in zip(paths, parts) if part] or [(paths[0], 0)]
-            flows.extend(flow_along(self.topology, path, part) for path, part in kept)
-        return flows
+        units = [[flow_along(self.topology, path, 1) for path in paths] for paths in shards]
+        shares = [s.gbps * GB for s in max_min_share([u for per_gpu in units for u in per_gpu])]
+        return units, shares
 
     def local_flows(self, shard_bytes: list[int], src_of) -> list[Flow]:
         """Flows of one local stage: each GPU's shard from a node of its host into the GPU.

@@ -39,6 +39,7 @@ from kvstrata.kv.geometry import KVGeometry
 from kvstrata.media import Medium
 from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION
 from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
+from kvstrata.plan.sizing import size_instances
 from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.model import TimeModel
@@ -54,7 +55,8 @@ class SimConfig:
     Attributes:
         geometry: the model.
         profile: the hardware; instance ``i`` uses GPUs ``i*K .. i*K+K-1`` of it.
-        gpus_per_instance: K (tensor parallel).
+        gpus_per_instance: K (tensor parallel); default (None) the fewest GPUs that hold the
+            weights with room for KV (:func:`kvstrata.plan.sizing.size_instances`).
         instances: how many; default all the profile's GPUs allow.
         tier_tokens: capacity overrides per tier in tokens (per instance; the pool is shared).
         max_batch: most requests decoding together on one instance.
@@ -64,7 +66,7 @@ class SimConfig:
 
     geometry: KVGeometry
     profile: HardwareProfile
-    gpus_per_instance: int = 1
+    gpus_per_instance: int | None = None
     instances: int | None = None
     tier_tokens: tuple[tuple[Medium, int], ...] = ()
     max_batch: int = 256
@@ -72,12 +74,11 @@ class SimConfig:
     record_events: bool = False
 
     def __post_init__(self) -> None:
-        k, n = self.gpus_per_instance, self.instance_count
-        if k < 1 or n < 1 or n * k > len(self.profile.gpus):
-            raise ValueError(
-                f"{n} instances of {k} GPUs need {n * k} GPUs; profile {self.profile.name!r} has "
-                f"{len(self.profile.gpus)}"
-            )
+        # A model whose weights overflow its GPUs' HBM is refused, never simulated.
+        sizing = size_instances(self.geometry, self.profile, self.gpus_per_instance, self.instances)
+        sizing.check_fits()
+        object.__setattr__(self, "gpus_per_instance", sizing.gpus_per_instance)  # resolved defaults
+        object.__setattr__(self, "instances", sizing.instances)
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.restore_slots < 1:
@@ -85,7 +86,7 @@ class SimConfig:
 
     @property
     def instance_count(self) -> int:
-        return self.instances if self.instances is not None else len(self.profile.gpus) // self.gpus_per_instance
+        return self.instances
 
 
 @dataclass

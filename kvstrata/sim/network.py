@@ -119,6 +119,14 @@ class Network:
         """Move the fluid to ``now``; finish flows, stages and jobs due by then."""
         self._move_to(now)
         changed = False
+        for job in self._jobs.values():
+            # A flow that ends while others of its stage run frees its links now (a re-share,
+            # as the module says); that also drops the cached next event, its own finish. Float
+            # dust counts as ended: its finish may lie under one ulp of the clock ahead.
+            for i, (left, rate) in enumerate(zip(job.left, job.rates)):
+                if rate > 0 and left <= _DONE_BYTES + rate * 1e-9:
+                    job.left[i], job.rates[i] = 0.0, 0.0
+                    changed = True
         for job_id, job in list(self._jobs.items()):
             # A flow due now may keep float dust proportional to its rate: finish it too.
             due_now = all(left <= _DONE_BYTES + rate * 1e-9 for left, rate in zip(job.left, job.rates))
@@ -128,7 +136,7 @@ class Network:
                 for i, f in enumerate(job.flows):  # a finished flow credits what it moved, once
                     for r, w in f.uses:
                         self.moved_bytes[r.key] = self.moved_bytes.get(r.key, 0.0) + w * f.size_bytes
-                    job.left[i] = 0.0
+                    job.left[i], job.rates[i] = 0.0, 0.0
                 latency = max(f.latency_s for f in job.flows)
                 self._latency_waits.append((now + latency, job_id))
                 changed = True

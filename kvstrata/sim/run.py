@@ -18,15 +18,23 @@ def offered_load(requests: Sequence[Request], config: SimConfig) -> float:
 
     Above 1 the instances cannot keep up without prefix hits: queues, and so TTFT, grow for as
     long as the trace lasts. A stated, cheap check to print beside simulated percentiles.
+
+    Raises:
+        ValueError: no requests, or all arrive at once (:func:`trace_span_s` is 0): no rate.
     """
-    if not requests:
-        return 0.0
+    span_s = trace_span_s(requests)
+    if span_s <= 0:
+        raise ValueError("a trace whose requests all arrive at once (or none) has no arrival rate")
     gpus = [g.name for g in config.profile.gpus[: config.gpus_per_instance]]
     model = TimeModel.build(config.geometry, config.profile, gpus)
-    times = [r.timestamp_ms for r in requests]
-    span_s = max((max(times) - min(times)) / 1000, 1e-9)
     demand = sum(model.prefill_s(r.input_length) for r in requests)
     return demand / (config.instance_count * span_s)
+
+
+def trace_span_s(requests: Sequence[Request]) -> float:
+    """Seconds from the first arrival to the last; 0 for no request or one instant."""
+    times = [r.timestamp_ms for r in requests]
+    return (max(times) - min(times)) / 1000 if times else 0.0
 
 
 def scale_time(requests: Sequence[Request], factor: float) -> list[Request]:
@@ -43,7 +51,13 @@ def simulate(
     progress: Callable[[str, int, int], None] | None = None,
     write: WritePolicy = WritePolicy.WRITE_THROUGH,
 ) -> tuple[list[Summary], list[SimOutcome]]:
-    """Run each architecture; summaries ranked (see :func:`kvstrata.sim.results.rank`)."""
+    """Run each architecture; summaries ranked (see :func:`kvstrata.sim.results.rank`).
+
+    Raises:
+        ValueError: no requests (their percentiles would be undefined).
+    """
+    if not requests:
+        raise ValueError("no requests to simulate")
     outcomes = []
     for name in archs:
         spec = parse_arch(name, write)

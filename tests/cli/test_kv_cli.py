@@ -92,9 +92,26 @@ def test_bad_config_exits_2_naming_the_field(tmp_path, capsys):
     assert captured.out == ""
 
 
-def test_tp_that_does_not_divide_kv_heads_exits_2(capsys):
+def test_tp_that_does_not_divide_kv_heads_exits_2_naming_the_flag_and_what_works(capsys):
     assert main(["kv-size", "--model", "llama-3-70b", "--tp", "3"]) == 2
-    assert "'tp'" in capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--tp 3: llama-3-70b's 8 KV heads do not split over 3 GPUs" in err
+    assert "it runs on 1, 2, 4, 8 or a multiple of 8 GPUs" in err
+    assert "'tp'" not in err
+    assert run_json(capsys, "--model", "llama-3-70b", "--tp", "16")["bytes_per_token_per_gpu"] == 327_680 // 8
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [(["--tp", "0"], "--tp 0: an instance needs at least 1 GPU"),
+     (["--block-tokens", "0"], "--block-tokens must be at least 1, got 0"),
+     (["--context", "-1"], "--context must be a non-negative number of tokens, got -1")],
+)
+def test_bad_sizes_exit_2_naming_the_flag(capsys, argv, says):
+    assert main(["kv-size", "--model", "llama-3-70b", *argv]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert says in err
+    assert not any(name in err for name in ("'tp'", "'block_tokens'", "'tokens'"))
 
 
 def test_unknown_model_exits_2_listing_presets(capsys):

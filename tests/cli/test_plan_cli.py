@@ -176,3 +176,58 @@ def test_an_upgrade_alone_as_hardware_is_blamed_on_hardware(capsys):
     err = plan_error(capsys, "--hardware", "+cx8")
     assert "+cx8" in err
     assert "--hardware" in err
+
+
+def test_weights_that_do_not_fit_are_said_once_before_the_tables(capsys):
+    # llama-3-70b's 141.1 GB on one H200 (126.9 GB usable): the plan still shows restores.
+    assert main(["plan", "--gpus", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("do not fit") == 1
+    assert out.index("do not fit") < out.index("KV restore of the cached prefix")
+    assert "llama-3-70b's 141.1 GB of bf16 weights do not fit on 1 x H200-SXM" in out
+    assert "2 GPUs per instance would hold them" in out
+
+
+def test_the_default_gpus_and_why_are_stated(capsys):
+    assert main(["plan"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "4 GPU(s) per instance, the fewest leaving at least 50% of usable HBM for KV" in out
+    assert "do not fit" not in out
+
+
+def test_a_restore_over_several_nics_says_its_rate_is_their_sum(capsys):
+    doc = plan_json(capsys)  # 4 GPUs, each behind its own CX-7
+    gdr = next(r for r in doc["restore"] if r["path"] == PATHS[1])
+    assert gdr["bottlenecks"] == 4 and "CX-7 port" in gdr["bottleneck"]
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "│ remote -> HBM (GDR)" in line)
+    assert f"{gdr['gbps']:,.1f}*" in row  # marked, and the note under the table says why
+    note = next(line for line in out.splitlines() if line.startswith("* remote -> HBM (GDR)"))
+    assert f"{gdr['gbps']:,.1f} GB/s over 4 links like {gdr['bottleneck']}, ~{gdr['gbps'] / 4:,.1f} each" in note
+    # At 120 columns (piped) the table keeps one line per path.
+    table = [line for line in out.splitlines() if line.startswith("│")]
+    assert len([line for line in table if "->" in line.split("│")[1]]) == 4
+    assert all(line.split("│")[1].strip() for line in table[:4])
+    # One GPU, one NIC port: nothing to mark.
+    assert main(["plan", "--gpus", "2", "--model", "llama-3-8b"]) == 0
+    assert "over 2 links like CX-7 port" in capsys.readouterr().out
+    assert main(["plan", "--gpus", "1", "--model", "llama-3-8b"]) == 0
+    assert "links like" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--gpus", "3"], "--gpus 3: llama-3-70b's 8 KV heads do not split over 3 GPUs"),
+        (["--gpus", "9"], "--gpus 9: 9 GPUs per instance, but the node has only 8 GPUs"),
+        (["--gpus", "0"], "--gpus 0: an instance needs at least 1 GPU"),
+        (["--context", "0"], "--context must be a positive number"),
+        (["--cached", "99999"], "--cached must be between 0 and --context"),
+        (["--gpus", "8", "--vs", "workstation"], "--vs workstation with --gpus 8: 8 GPUs per instance"),
+    ],
+)
+def test_errors_name_the_flag_the_user_passed(capsys, argv, says):
+    err = " ".join(plan_error(capsys, *argv).split())
+    assert says in err
+    assert "'tp'" not in err and "gpus=" not in err

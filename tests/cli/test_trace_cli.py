@@ -144,9 +144,23 @@ def test_a_bad_line_exits_2_naming_line_and_field(tmp_path, capsys):
     assert "line 2" in err and "'input_length'" in err and "missing" in err
 
 
-def test_generate_rejects_bad_parameters(tmp_path, capsys):
-    assert (
-        main(["trace", "generate", "--out", str(tmp_path / "x.jsonl"), "--rate", "0"])
-        == 2
-    )
-    assert "rate" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [(["--rate", "0"], "--rate must be a positive number of arrivals per second, got 0.0"),
+     (["--requests", "-1"], "--requests must be at least 1, got -1"),
+     (["--requests", "0"], "--requests must be at least 1, got 0")],
+)
+def test_generate_rejects_bad_parameters_naming_the_flag(tmp_path, capsys, argv, says):
+    out = tmp_path / "x.jsonl"
+    assert main(["trace", "generate", "--out", str(out), *argv]) == 2
+    assert says in " ".join(capsys.readouterr().err.split())
+    assert not out.exists()  # no empty trace left behind
+
+
+@pytest.mark.parametrize("text", ["", "\n \n"])
+def test_analyze_refuses_a_trace_with_no_request_naming_it(tmp_path, capsys, text):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(text)
+    assert main(["trace", "analyze", "--trace", str(path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert str(path) in err and "has no requests" in err

@@ -113,6 +113,19 @@ def test_gdr_bottleneck_is_a_pcie_or_nic_link(llama70b, h200, gpus, upgrade):
     assert ("PCIe Gen5 x16" if upgrade else "CX-7 port") in gdr.bottleneck
 
 
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_a_restore_over_k_gpus_counts_the_links_that_bound_it_side_by_side(llama70b, h200, gpus):
+    # Each H200 receives through its own CX-7 port: K ports at ~49.7 GB/s each, so the GB/s
+    # shown is K ports' worth. From DRAM, two GPUs share each switch's Gen5 x16 uplink.
+    plan = make_plan(llama70b, h200, 32768, gpus=gpus)
+    gdr = plan.restore_for(RestorePath.REMOTE_GDR)
+    assert gdr.bottlenecks == gpus
+    assert gdr.gbps == pytest.approx(gpus * CX7_PORT, rel=1e-3)
+    local = plan.restore_for(RestorePath.LOCAL_DRAM)
+    assert local.bottlenecks == -(-gpus // 2)
+    assert local.gbps == pytest.approx(-(-gpus // 2) * GEN5_PAYLOAD, rel=1e-3)
+
+
 @pytest.mark.parametrize("name", ["h200-cx7-gen5", "b200-cx8-gen6", "gen5-cx8-socket-direct"])
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_two_hop_is_never_faster_than_gdr_and_is_its_two_stages_in_sequence(llama70b, name, gpus):

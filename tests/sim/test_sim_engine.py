@@ -17,6 +17,7 @@ from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.engine import SimConfig, Simulation
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.results import percentile, summarise
+from kvstrata.sim.run import offered_load, simulate, trace_span_s
 from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate
 from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import BLOCK_TOKENS
@@ -219,3 +220,16 @@ def test_offered_load_scales_with_time(geometry, trace):
     assert offered_load(scale_time(trace, 2.0), cfg) == pytest.approx(load / 2, rel=1e-3)
     with pytest.raises(ValueError, match="positive"):
         scale_time(trace, 0)
+
+
+def test_no_requests_or_no_arrival_rate_are_refused_by_the_core(geometry):
+    cfg = SimConfig(geometry, load_profile("h200-cx7-gen5"))
+    with pytest.raises(ValueError, match="no requests"):
+        simulate([], cfg, ["hbm"])
+    at_once = [dataclasses.replace(r, timestamp_ms=3) for r in generate(SyntheticConfig(requests=4, seed=1))]
+    assert trace_span_s(at_once) == 0 and trace_span_s([]) == 0
+    with pytest.raises(ValueError, match="arrival rate"):
+        offered_load(at_once, cfg)
+    spread = generate(SyntheticConfig(requests=4, seed=1, rate=1.0))
+    assert trace_span_s(spread) == (max(r.timestamp_ms for r in spread) - min(r.timestamp_ms for r in spread)) / 1000
+    assert offered_load(spread, cfg) > 0
