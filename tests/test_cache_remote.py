@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from cache_support import assert_loaded_bytes, assert_quiescent, content, kv_for, raw, tokens
+from process_support import kill_and_reap, wait_until
 
 from kvstrata.cache import CacheConfig, LoadHandle, LoadResult, StoreResult, TieredCache
 from kvstrata.kv.geometry import DType
@@ -125,13 +126,6 @@ def timed(fn):
     return fn(), time.monotonic() - start
 
 
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def empty_local_tiers(cache: TieredCache) -> None:
@@ -262,23 +256,6 @@ def private_pool(tmp_path):
             kill_and_reap(pid)
 
 
-def kill_and_reap(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGKILL ``pid``'s process group (the pool's processes lead their own) and wait until it
-    is gone; reap it if it is our child, so it leaves no zombie."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        except ChildProcessError:  # not our child (or reaped already): wait for it to vanish
-            if not embedded._alive(pid):
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"process {pid} still alive {timeout_s} s after SIGKILL")
 
 
 @pytest.mark.parametrize(("mode", "path"), [("tcp", "direct"), ("shm", "staged"), ("tcp", "staged"), ("shm", "direct")])

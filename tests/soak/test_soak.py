@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from process_support import kill_and_reap
 
 from kvstrata.pool import embedded
 
@@ -56,21 +57,6 @@ FAULTS = [
 ]
 
 
-def kill_and_reap(pid: int, timeout_s: float = 10.0) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        except ChildProcessError:
-            if not embedded._alive(pid):
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"process {pid} still alive {timeout_s} s after SIGKILL")
 
 
 def mount_tmpfs(where: Path) -> bool:

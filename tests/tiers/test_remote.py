@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from process_support import wait_until
 import torch
 import xxhash
 
@@ -120,13 +121,6 @@ def private_pool(tmp_path):
     embedded.stop(tmp_path / "pool")
 
 
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def timed(fn):
