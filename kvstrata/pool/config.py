@@ -159,7 +159,7 @@ def make_secret(path: Path) -> None:
     and name values as every new client will.
     """
     try:
-        read_secret(PoolConfig(master="127.0.0.1:1", secret_file=str(path)))
+        secret_at(path)
         return
     except ValueError:
         pass
@@ -170,14 +170,16 @@ def make_secret(path: Path) -> None:
 
 
 def read_secret(config: PoolConfig) -> bytes | None:
-    """The deployment secret of ``config.secret_file`` (None without one).
+    """The deployment secret of ``config.secret_file`` (None without one); see ``secret_at``."""
+    return None if config.secret_file is None else secret_at(Path(config.secret_file))
+
+
+def secret_at(path: Path) -> bytes:
+    """The deployment secret in ``path``.
 
     Raises:
         ValueError: the file is missing, readable by others, or not 64 hex digits.
     """
-    if config.secret_file is None:
-        return None
-    path = Path(config.secret_file)
     try:
         mode = path.stat().st_mode
         text = path.read_text().strip()

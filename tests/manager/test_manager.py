@@ -263,14 +263,6 @@ def test_room_made_for_one_block_of_a_load_never_evicts_a_later_block_of_it():
     check(m, tiers)
 
 
-def test_a_load_that_stops_unpins_the_later_blocks_it_held():
-    m, tiers, keys = on_host({D: 2, H: 4})
-    stored(m, tiers, keys_of(7, 2), pin=True)  # the device is full of pinned blocks
-    plan = m.prepare_load(m.match(keys))
-    assert plan.stopped is StopReason.DEVICE_FULL and plan.blocks == ()
-    assert m.table(H).pinned() == {}  # block 1's host copy was held, then let go
-
-
 def test_a_disk_block_without_a_host_tier_or_a_direct_path_stops_as_no_staging():
     m, tiers = manager({D: 2, K: 4}), Bytes()
     keys = keys_of(6, 1)
