@@ -18,11 +18,13 @@ import time
 
 import numpy as np
 import pytest
-from process_support import wait_until
 import torch
 import xxhash
 
-from kvstrata import errors
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as the child too
+from process_support import wait_until  # noqa: E402
+
+from kvstrata import errors  # noqa: E402
 from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
