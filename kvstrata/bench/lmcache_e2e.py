@@ -196,6 +196,124 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+class LMCacheSession:
+    """One model and one LMCache engine per tier, for turns given one at a time (see the module
+    text): :meth:`turn` runs a prompt cold, then warm through each tier, then stores it.
+
+    ``capacity_tokens`` sizes every engine (tokens of KV it must hold); ``repeats`` > 1 times
+    each first token that many times and keeps the fastest.
+    """
+
+    def __init__(
+        self, model_dir: str | os.PathLike[str], tiers: Iterable[str], capacity_tokens: int, chunk_tokens: int = 256,
+        disk_dir: str | os.PathLike[str] | None = None, drop_page_cache: bool = True, repeats: int = 1,
+    ) -> None:
+        _quiet_lmcache()
+        import torch
+        from transformers import AutoModelForCausalLM, DynamicCache
+
+        self.tiers = list(dict.fromkeys(tiers))
+        for tier in self.tiers:
+            if tier not in TIERS:
+                raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        if not self.tiers:
+            raise ValueError("no tier to run")
+        if repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {repeats}")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.repeats = repeats
+        self.drop_page_cache = drop_page_cache
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        self.model.eval()
+        self.layout = _layout_of(self.model, chunk_tokens)
+        self.token_bytes = self.layout.num_layers * self.layout.token_bytes
+        self._owned_tmp = None
+        if "disk" in self.tiers and disk_dir is None:
+            self._owned_tmp = tempfile.TemporaryDirectory(prefix="kvstrata-lmcache-e2e-")
+            disk_dir = self._owned_tmp.name
+        tag = f"{int(time.time() * 1e6) % 10**9}"
+        self.engines: dict[str, _Tier] = {}
+        try:
+            for tier in self.tiers:
+                directory = Path(disk_dir) / f"lmcache-{tag}" if tier == "disk" else None
+                self.engines[tier] = _Tier(tier, self.layout, max(capacity_tokens, 1) * self.token_bytes, directory,
+                                           drop_page_cache, tag)
+            with torch.inference_mode():  # first-call overheads out of the first TTFT
+                _greedy(self.model, DynamicCache(config=self.model.config), torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]]), 2)
+        except BaseException:
+            self.close()
+            raise
+
+    def turn(
+        self, index: int, prompt: Sequence[int], max_new_tokens: int, tiers: Iterable[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """``prompt`` cold, then warm through each of ``tiers`` (None: every tier of the session),
+        then stored into each: per tier the turn's figures (see :func:`_warm_turn`)."""
+        import torch
+        from transformers import DynamicCache
+
+        engines = self.engines if tiers is None else {t: self._engine(t) for t in tiers}
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("a prompt must have at least one token")
+        model, chunk = self.model, self.chunk_tokens
+        out: dict[str, dict[str, Any]] = {}
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], dtype=torch.long)
+            tokens = ids[0]
+            cache = DynamicCache(config=model.config)
+            cold_ids, cold_s = _greedy(model, cache, ids, max_new_tokens)
+            full = len(prompt) // chunk * chunk
+            cold_kv = _kv_of(cache, full) if full else None
+            del cache
+            for _ in range(self.repeats - 1):  # timing only: the first token
+                cold_s = min(cold_s, _greedy(model, DynamicCache(config=model.config), ids, 1)[1])
+            for tier, engine in engines.items():
+                turn = _warm_turn(model, engine, index, tokens, cold_ids, cold_s, cold_kv, max_new_tokens, self.layout)
+                for _ in range(self.repeats - 1):
+                    again = _warm_turn(model, engine, index, tokens, cold_ids[:1], cold_s, cold_kv, 1, self.layout)
+                    turn["tokens_identical"] &= again["tokens_identical"]
+                    for key in ("ttft_warm_s", "lookup_s", "retrieve_s", "suffix_prefill_s"):
+                        turn[key] = min(turn[key], again[key])
+                if full:
+                    turn["store_s"] = engine.store(tokens[:full], cold_kv)
+                out[tier] = turn
+        return out
+
+    def _engine(self, tier: str) -> _Tier:
+        if tier not in self.engines:
+            raise ValueError(f"tier {tier!r} is not one of this session's: {', '.join(self.engines)}")
+        return self.engines[tier]
+
+    def about(self) -> dict[str, Any]:
+        """What ran: versions, geometry, threads."""
+        import importlib.metadata
+
+        import torch
+
+        return {
+            "lmcache": importlib.metadata.version("lmcache"),
+            "transformers": importlib.metadata.version("transformers"),
+            "torch": torch.__version__,
+            "chunk_tokens": self.chunk_tokens,
+            "bytes_per_token": self.token_bytes,
+            "repeats": self.repeats,
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines = {}
+        if self._owned_tmp is not None:
+            self._owned_tmp.cleanup()
+            self._owned_tmp = None
+
+
 def lmcache_e2e_tiers(
     model_dir: str | os.PathLike[str],
     prompts: Sequence[Sequence[int]],
@@ -214,90 +332,30 @@ def lmcache_e2e_tiers(
     machine, the least disturbed figure. Returns ``{"lmcache": version, "model": ..., "tiers": {tier: result}, ...}``,
     each result as :func:`lmcache_e2e` describes.
     """
-    _quiet_lmcache()
-    import importlib.metadata
-
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    tiers = list(dict.fromkeys(tiers))
-    for tier in tiers:
-        if tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-    if not tiers:
-        raise ValueError("no tier to run")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(not p for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-
     wall_start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    model.eval()
-    layout = _layout_of(model, chunk_tokens)
-    token_bytes = layout.num_layers * layout.token_bytes
-    capacity = sum(len(p) // chunk_tokens * chunk_tokens for p in prompts) * token_bytes
-
-    owned_tmp = None
-    if "disk" in tiers and disk_dir is None:
-        owned_tmp = tempfile.TemporaryDirectory(prefix="kvstrata-lmcache-e2e-")
-        disk_dir = owned_tmp.name
-    tag = f"{int(time.time() * 1e6) % 10**9}"
-    engines: dict[str, _Tier] = {}
-    turns: dict[str, list[dict[str, Any]]] = {t: [] for t in tiers}
+    capacity = sum(len(p) // chunk_tokens * chunk_tokens for p in prompts)
+    session = LMCacheSession(model_dir, tiers, capacity, chunk_tokens, disk_dir, drop_page_cache, repeats)
+    turns: dict[str, list[dict[str, Any]]] = {t: [] for t in session.tiers}
     try:
-        for tier in tiers:
-            directory = Path(disk_dir) / f"lmcache-{tag}" if tier == "disk" else None
-            engines[tier] = _Tier(tier, layout, capacity, directory, drop_page_cache, tag)
-        with torch.inference_mode():
-            warm_up = DynamicCache(config=model.config)  # first-call overheads out of the first TTFT
-            _greedy(model, warm_up, torch.tensor([prompts[0][:8]]), 2)
-            for index, prompt in enumerate(prompts):
-                ids = torch.tensor([prompt], dtype=torch.long)
-                tokens = ids[0]
-                n = len(prompt)
-                cache = DynamicCache(config=model.config)
-                cold_ids, cold_s = _greedy(model, cache, ids, max_new_tokens)
-                full = n // chunk_tokens * chunk_tokens
-                cold_kv = _kv_of(cache, full) if full else None
-                del cache
-                for _ in range(repeats - 1):  # timing only: the first token
-                    cold_s = min(cold_s, _greedy(model, DynamicCache(config=model.config), ids, 1)[1])
-                for tier, engine in engines.items():
-                    turn = _warm_turn(model, engine, index, tokens, cold_ids, cold_s, cold_kv, max_new_tokens, layout)
-                    for _ in range(repeats - 1):
-                        again = _warm_turn(model, engine, index, tokens, cold_ids[:1], cold_s, cold_kv, 1, layout)
-                        turn["tokens_identical"] &= again["tokens_identical"]
-                        for key in ("ttft_warm_s", "lookup_s", "retrieve_s", "suffix_prefill_s"):
-                            turn[key] = min(turn[key], again[key])
-                    turns[tier].append(turn)
-                    if full:
-                        turns[tier][-1]["store_s"] = engine.store(tokens[:full], cold_kv)
+        for index, prompt in enumerate(prompts):
+            for tier, turn in session.turn(index, prompt, max_new_tokens).items():
+                turns[tier].append(turn)
+        about = session.about()
     finally:
-        for engine in engines.values():
-            engine.close()
-        if owned_tmp is not None:
-            owned_tmp.cleanup()
-
+        session.close()
     return {
-        "lmcache": importlib.metadata.version("lmcache"),
-        "transformers": importlib.metadata.version("transformers"),
-        "torch": torch.__version__,
+        **about,
         "model": str(model_dir),
         "prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "max_new_tokens": max_new_tokens,
-        "repeats": repeats,
-        "chunk_tokens": chunk_tokens,
-        "bytes_per_token": token_bytes,
-        "torch_threads": torch.get_num_threads(),
         "wall_s": time.perf_counter() - wall_start,
-        "tiers": {tier: _summary(tier, turns[tier], drop_page_cache) for tier in tiers},
+        "tiers": {tier: summary(tier, turns[tier], drop_page_cache) for tier in turns},
     }
 
 
@@ -356,7 +414,8 @@ def _warm_turn(
     }
 
 
-def _summary(tier: str, turns: list[dict[str, Any]], drop_pages: bool) -> dict[str, Any]:
+def summary(tier: str, turns: list[dict[str, Any]], drop_pages: bool) -> dict[str, Any]:
+    """One tier's result over its turns (:func:`lmcache_e2e` lists the keys)."""
     hits = [t for t in turns if t["hit_tokens"]]
     prompt_tokens = sum(t["prompt_tokens"] for t in turns)
     hit_tokens = sum(t["hit_tokens"] for t in turns)
@@ -462,9 +521,7 @@ def run_in_side_venv(
     exe = Path(python_exe)
     if not exe.is_file() or not os.access(exe, os.X_OK):
         return None, f"no Python interpreter at {exe} (LMCache's venv: see kvstrata/bench/lmcache.py)"
-    env = dict(os.environ)
-    env.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
-    env.setdefault("LMCACHE_TRACK_USAGE", "false")
+    env = _side_env()
     check = subprocess.run(
         [str(exe), "-c", "import importlib.metadata as m; import lmcache, kvstrata; print(m.version('lmcache'))"],
         capture_output=True, text=True, env=env, timeout=300,
@@ -494,6 +551,123 @@ def run_in_side_venv(
         return json.loads(out_file.read_text()), ""
 
 
+class SideSession:
+    """An :class:`LMCacheSession` in another interpreter (the venv that has LMCache), driven
+    one turn at a time, so a benchmark can interleave LMCache's turns with its own.
+
+    The child (``python -m kvstrata.bench.lmcache_e2e --serve ...``) answers one JSON line per
+    request line on its stdout; everything LMCache and transformers print goes to its stderr
+    (kept in a temporary file, whose tail an error names). Use as a context manager.
+
+    Raises (from the constructor and :meth:`turn`):
+        SideSessionError: the interpreter is missing, LMCache does not import there, the child
+            failed or did not answer within ``timeout_s``.
+    """
+
+    def __init__(
+        self, python_exe: str | os.PathLike[str], model_dir: str | os.PathLike[str], tiers: Iterable[str],
+        capacity_tokens: int, chunk_tokens: int = 256, drop_page_cache: bool = True, timeout_s: float = 600.0,
+    ) -> None:
+        exe = Path(python_exe)
+        if not exe.is_file() or not os.access(exe, os.X_OK):
+            raise SideSessionError(f"no Python interpreter at {exe} (LMCache's venv: see kvstrata/bench/lmcache.py)")
+        self.timeout_s = timeout_s
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        cmd = [str(exe), "-m", "kvstrata.bench.lmcache_e2e", "--serve", "--model", str(model_dir),
+               "--capacity-tokens", str(capacity_tokens), "--chunk-tokens", str(chunk_tokens)]
+        for tier in tiers:
+            cmd += ["--tier", tier]
+        if not drop_page_cache:
+            cmd.append("--keep-page-cache")
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                      text=True, env=_side_env())
+        try:
+            self.about: dict[str, Any] = self._answer()["ready"]
+        except BaseException:
+            self.close()
+            raise
+
+    def turn(
+        self, index: int, prompt: Sequence[int], max_new_tokens: int, tiers: Iterable[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """LMCache's turn on ``prompt`` (see :meth:`LMCacheSession.turn`)."""
+        request = {"index": index, "prompt": [int(t) for t in prompt], "max_new_tokens": max_new_tokens,
+                   "tiers": None if tiers is None else list(tiers)}
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        except OSError as exc:
+            raise SideSessionError(f"the LMCache side ended: {exc}; {self._tail()}") from None
+        return self._answer()["turns"]
+
+    def _answer(self) -> dict[str, Any]:
+        import selectors
+
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._proc.stdout, selectors.EVENT_READ)
+            if not sel.select(self.timeout_s):
+                raise SideSessionError(f"the LMCache side did not answer within {self.timeout_s:.0f} s; {self._tail()}")
+        line = self._proc.stdout.readline()
+        if not line:
+            raise SideSessionError(f"the LMCache side exited ({self._proc.wait()}): {self._tail()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise SideSessionError(f"the LMCache side failed: {answer['error']}")
+        return answer
+
+    def _tail(self) -> str:
+        self._stderr.seek(0)
+        return _tail(self._stderr.read())
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
+
+    def __enter__(self) -> SideSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SideSessionError(RuntimeError):
+    """The LMCache side could not run (the message says why)."""
+
+
+def _side_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+    env.setdefault("LMCACHE_TRACK_USAGE", "false")
+    return env
+
+
+def serve(session: LMCacheSession, requests: Any, answers: Any) -> None:
+    """Answer each JSON request line of ``requests`` with one JSON line on ``answers``: first
+    ``{"ready": ...}``, then per request ``{"turns": {tier: figures}}`` or ``{"error": text}``."""
+
+    def send(obj: dict[str, Any]) -> None:
+        answers.write(json.dumps(obj) + "\n")
+        answers.flush()
+
+    send({"ready": session.about()})
+    for line in requests:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            turns = session.turn(int(request["index"]), request["prompt"], int(request["max_new_tokens"]),
+                                 request.get("tiers"))
+            send({"turns": turns})
+        except Exception as exc:  # noqa: BLE001 - the caller reads it as one line
+            send({"error": f"{type(exc).__name__}: {exc}"})
+
+
 def _tail(text: str, lines: int = 8) -> str:
     return " | ".join(text.strip().splitlines()[-lines:]) or "(no output)"
 
@@ -501,7 +675,10 @@ def _tail(text: str, lines: int = 8) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstrata.bench.lmcache_e2e", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
-    parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists, turns in order")
+    parser.add_argument("--prompts", help="JSON file: a list of token-id lists, turns in order")
+    parser.add_argument("--serve", action="store_true",
+                        help="answer one turn per JSON line on stdin (see SideSession) instead of --prompts")
+    parser.add_argument("--capacity-tokens", type=int, default=1 << 16, help="with --serve: tokens each engine holds")
     parser.add_argument("--tier", action="append", choices=TIERS, help="host and/or disk (repeatable; default both)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--chunk-tokens", type=int, default=256)
@@ -511,6 +688,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON document (the default)")
     args = parser.parse_args(argv)
+    if args.serve:
+        answers = sys.stdout
+        with redirect_stdout(sys.stderr):  # only the answers on stdout
+            session = LMCacheSession(args.model, args.tier or TIERS, args.capacity_tokens, args.chunk_tokens,
+                                     args.disk_dir, not args.keep_page_cache, args.repeats)
+            try:
+                serve(session, sys.stdin, answers)
+            finally:
+                session.close()
+        return 0
+    if not args.prompts:
+        parser.error("--prompts is required (or --serve)")
     prompts = json.loads(Path(args.prompts).read_text())
     # LMCache and transformers may print; stdout carries only the JSON document.
     with redirect_stdout(sys.stderr):

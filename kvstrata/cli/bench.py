@@ -18,7 +18,7 @@ import argparse
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -29,12 +29,12 @@ from kvstrata.report import dumps
 from kvstrata.timing import VerificationError
 
 if TYPE_CHECKING:
+    from kvstrata.bench.e2e import E2EBenchReport, PairedRatio
     from kvstrata.bench.cache_report import CacheBenchReport
     from kvstrata.bench.goals import Goal
     from kvstrata.bench.recompute import RecomputeBenchReport
     from kvstrata.bench.remote_report import RemoteBenchReport
     from kvstrata.bench.sim import SimBenchReport
-    from kvstrata.workload import WorkloadReport
 
 MIB = 1 << 20
 R = TypeVar("R")
@@ -533,46 +533,61 @@ def _plot_recompute(report: RecomputeBenchReport, path: str) -> None:
 
 
 def run_bench_e2e(args: argparse.Namespace) -> int:
-    from kvstrata.bench.e2e import E2EBenchReport, LMCacheSkipped, lmcache_beside
+    from kvstrata.bench.e2e import E2EBenchReport, LMCacheBeside, LMCacheSkipped, version_note, versus
+    from kvstrata.cli.workload import model_dir_of, parse_tiers, workload_of
 
-    run = run_workload(args)
-    lmcache = None
-    if not args.no_lmcache:
+    if args.no_lmcache:
+        run, lmcache = run_workload(args, beside=lambda tier, index, prompt: None), None
+    else:
         python = args.lmcache_python or str(Path(__file__).resolve().parents[2] / ".venv-lmcache" / "bin" / "python")
-        lmcache = lmcache_beside(run, python)
-    report = E2EBenchReport(run, lmcache)
+        with LMCacheBeside(python, model_dir_of(args), workload_of(args), parse_tiers(args.tiers)) as side:
+            run = run_workload(args, beside=side)
+        lmcache = side.document()
+    report = E2EBenchReport(run, versus(run, lmcache), lmcache, version_note(lmcache))
     if args.json:
         print(dumps(report))
         return 0 if run.tokens_identical else 1
     out = cli.console()
     workload = run.workload
     render_tiers(out, run, f"kvstrata bench e2e: {run.model_dir.name}, {workload.conversations} x {workload.turns} turns")
+    _print_versus(out, report)
     if isinstance(lmcache, LMCacheSkipped):
-        out.print(f"LMCache: {lmcache.skipped}")
-    elif lmcache and lmcache.get("tiers"):
-        _print_lmcache_e2e(out, run, lmcache)
+        out.print(f"LMCache: {lmcache.skipped}", highlight=False)
+    elif isinstance(lmcache, dict) and lmcache.get("failed"):
+        out.print(f"[yellow]LMCache {lmcache['failed']}[/]", highlight=False)
+    if report.note:
+        out.print(f"[yellow]{report.note}[/]", highlight=False)
     return 0 if run.tokens_identical else 1
 
 
-def _print_lmcache_e2e(out: Console, run: WorkloadReport, lmcache: dict[str, Any]) -> None:
-    """LMCache's side, as its venv's JSON document has it, beside our figure per tier."""
-    from kvstrata.media import Medium
-
-    t = Table(title=f"LMCache {lmcache.get('lmcache', '')} on the same prompts (its standalone engine, CPU adapter)",
-              title_justify="left")
-    for col in ("tier", "hit rate", "restore GB/s", "TTFT cold / warm ms", "same tokens", "ours GB/s", "ours / LMCache"):
+def _print_versus(out: Console, report: E2EBenchReport) -> None:
+    """Per tier: TTFT ours over plain transformers (cold) and over LMCache (warm), paired per
+    turn, with LMCache's own figures beside ours."""
+    lmcache = report.lmcache if isinstance(report.lmcache, dict) else None
+    title = "TTFT paired per turn (ours over the baseline timed next to it: median \\[lowest .. highest])"
+    if lmcache:
+        title += f"; LMCache {lmcache.get('lmcache', '')} (its standalone engine, CPU adapter)"
+    t = Table(title=title, title_justify="left")
+    for col in ("tier", "cold: ours / plain HF", "warm: ours / LMCache", "LMCache TTFT cold / warm ms",
+                "LMCache hit rate", "LMCache same tokens", "restore GB/s ours / LMCache"):
         t.add_column(col)
-    for tier, v in lmcache["tiers"].items():
-        ours = run.tiers.get(Medium[tier.upper()])
-        ours_gbps = ours.restore_gbps if ours else 0.0
-        theirs = v.get("restore_gbps") or 0.0
+    for tier, v in report.versus.items():
+        theirs = v.lmcache or {}
+        same = theirs.get("tokens_identical")
         t.add_row(
-            tier,
-            f"{v.get('hit_rate', 0):.0%}",
-            f"{theirs:.2f}",
-            f"{ms(v.get('ttft_cold_s'))} / {ms(v.get('ttft_warm_s'))}",
-            "[green]yes[/]" if v.get("tokens_identical") else "[red]NO[/]",
-            f"{ours_gbps:.2f}",
-            f"{ours_gbps / theirs:.2f}x" if theirs else "-",
+            tier.label,
+            _paired(v.cold_over_plain),
+            _paired(v.warm_over_lmcache),
+            f"{ms(theirs.get('ttft_cold_s'))} / {ms(theirs.get('ttft_warm_s'))}" if theirs else "-",
+            f"{theirs['hit_rate']:.0%}" if theirs else "-",
+            "-" if same is None else "[green]yes[/]" if same else "[red]NO[/]",
+            f"{report.run.tiers[tier].restore_gbps:.2f} / {theirs.get('restore_gbps') or 0.0:.2f}" if theirs else "-",
         )
     out.print(t)
+
+
+def _paired(r: PairedRatio | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r.median:.2f}x [{r.low:.2f} .. {r.high:.2f}], {r.turns} turns"
+

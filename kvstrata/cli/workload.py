@@ -19,7 +19,7 @@ from kvstrata.media import Medium, route_text
 from kvstrata.pool.config import PoolConfig
 from kvstrata.workload import TIERS, Workload, WorkloadReport, run_e2e
 from kvstrata.workload.report import TierReport
-from kvstrata.workload.runner import ALONE_REPEATS
+from kvstrata.workload.runner import ALONE_REPEATS, Beside
 
 POOL_SEGMENT_BYTES = 512 << 20  # an embedded pool's, for the workload's few MiB of KV
 
@@ -53,7 +53,8 @@ def parse_tiers(text: str) -> tuple[Medium, ...]:
     return tuple(by_label[n] for n in names)
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
+def model_dir_of(args: argparse.Namespace) -> Path:
+    """The model of ``args`` (by default the tiny one, built on first use)."""
     if args.model_dir:
         return cli.model_dir(args.model_dir)
     from kvstrata.integrations.tiny import make_tiny
@@ -85,11 +86,16 @@ def _pool_context(args: argparse.Namespace, tiers: tuple[Medium, ...]) -> Iterat
         yield pool, why
 
 
-def run_workload(args: argparse.Namespace) -> WorkloadReport:
-    """The workload of ``args`` through its tiers, under a progress bar on stderr."""
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(conversations=args.conversations, turns=args.turns, block_tokens=args.block_tokens)
+
+
+def run_workload(args: argparse.Namespace, beside: Beside | None = None) -> WorkloadReport:
+    """The workload of ``args`` through its tiers, under a progress bar on stderr (``beside``:
+    another system's turns, interleaved with ours; see :func:`kvstrata.workload.runner.run_tier`)."""
     tiers = parse_tiers(args.tiers)
-    workload = Workload(conversations=args.conversations, turns=args.turns, block_tokens=args.block_tokens)
-    model_dir = _model_dir(args)
+    workload = workload_of(args)
+    model_dir = model_dir_of(args)
     calibration = None
     if args.profile:
         from kvstrata.calibrate import load_calibration
@@ -97,7 +103,7 @@ def run_workload(args: argparse.Namespace) -> WorkloadReport:
         calibration = load_calibration(args.profile)
     with _pool_context(args, tiers) as (pool, why), cli.progress(24) as bar:
         tasks = {t: bar.add_task(f"tier {t.label}", total=workload.turns_total) for t in tiers}
-        report = run_e2e(model_dir, workload, tiers, pool, lambda t: bar.advance(tasks[t]), calibration)
+        report = run_e2e(model_dir, workload, tiers, pool, lambda t: bar.advance(tasks[t]), calibration, beside)
     remote = report.tiers.get(Medium.REMOTE)
     if remote is not None and remote.skipped and why:  # say why there was no pool
         report = dataclasses.replace(report, tiers={**report.tiers, Medium.REMOTE: dataclasses.replace(remote, skipped=why)})

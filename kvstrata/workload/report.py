@@ -16,6 +16,19 @@ from kvstrata.workload.spec import Workload
 
 
 @dataclass(frozen=True)
+class TurnFigures:
+    """One turn: its prompt and hit tokens, TTFT cold and warm, and with a benchmark beside the
+    run the cold TTFT of plain transformers on the same prompt (a fresh DynamicCache, no
+    kvstrata), timed next to ours (None otherwise)."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    ttft_cold_s: float
+    ttft_warm_s: float
+    ttft_plain_s: float | None = None
+
+
+@dataclass(frozen=True)
 class TierReport:
     """The workload through one tier.
 
@@ -24,6 +37,7 @@ class TierReport:
         skipped: why the tier did not run (None: it ran).
         turns: turns run.
         ttft_cold_s, ttft_warm_s: medians over turns (None: no turn ran).
+        per_turn: every turn's figures, in order.
         hit_rate: reused over prompt tokens.
         hit_tokens: prompt tokens reused from the cache.
         restored_bytes: bytes the warm runs' loads brought to the device.
@@ -64,6 +78,7 @@ class TierReport:
     loads: int = 0
     load_sizes: tuple[tuple[int, int], ...] = field(default=(), metadata=OMIT)
     prompts: tuple[tuple[int, ...], ...] = field(default=(), metadata=OMIT, repr=False)
+    per_turn: tuple[TurnFigures, ...] = ()
 
     def __post_init__(self) -> None:
         hit_rate = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -110,6 +125,7 @@ class Tally:
     tokens_identical: bool = True
     ttft_cold: list[float] = field(default_factory=list)
     ttft_warm: list[float] = field(default_factory=list)
+    per_turn: list[TurnFigures] = field(default_factory=list)
     load_sizes: list[tuple[int, int]] = field(default_factory=list)
     paths: Counter = field(default_factory=Counter)
     prompts: list[list[int]] = field(default_factory=list)
@@ -135,4 +151,5 @@ class Tally:
             loads=len(self.load_sizes),
             load_sizes=tuple(self.load_sizes),
             prompts=tuple(tuple(p) for p in self.prompts),
+            per_turn=tuple(self.per_turn),
         )

@@ -35,7 +35,7 @@ from kvstrata.index.prefix import Match
 from kvstrata.media import Medium
 from kvstrata.plan.host import HostCalibration
 from kvstrata.pool.config import PoolConfig
-from kvstrata.workload.report import Tally, TierReport, WorkloadReport
+from kvstrata.workload.report import Tally, TierReport, TurnFigures, WorkloadReport
 from kvstrata.workload.spec import Texts, Workload
 
 TIERS: tuple[Medium, ...] = tuple(Medium)
@@ -64,6 +64,10 @@ def _cache_config(tier: Medium, workload: Workload, layout: Any, work_dir: Path,
     )
 
 
+# A turn of another system on the same prompt, run beside ours: (tier, turn index, prompt).
+Beside = Callable[[Medium, int, list[int]], None]
+
+
 def run_tier(
     model: Any,
     tokenizer: Any,
@@ -72,9 +76,16 @@ def run_tier(
     work_dir: Path,
     pool: PoolConfig | None = None,
     on_turn: Callable[[], None] | None = None,
+    beside: Beside | None = None,
 ) -> TierReport:
-    """The workload through one tier (see the module text); not yet predicted."""
+    """The workload through one tier (see the module text); not yet predicted.
+
+    ``beside`` (a benchmark's): each turn, plain transformers' cold TTFT on the same prompt is
+    timed next to ours, and ``beside`` runs another system's turn next to our warm one, the
+    order alternating from turn to turn, so both sides of each ratio share the machine's noise.
+    """
     from kvstrata.integrations.hf import KVStrataLM, model_layout
+    from kvstrata.integrations.hf.generate import plain_ttft
 
     if not isinstance(tier, Medium):
         raise ValueError(f"tier must be a Medium, got {tier!r}")
@@ -89,8 +100,15 @@ def run_tier(
             history = tokenizer(texts.system(c)).input_ids
             for _ in range(workload.turns):
                 prompt = history + tokenizer(texts.user_turn()).input_ids
-                warm = lm.generate(prompt, workload.answer_tokens)
-                cold = lm.generate(prompt, workload.answer_tokens, reuse=False, store=False)
+                index = len(tally.prompts)
+                ours_first = not index % 2  # the order alternates: neither side always goes first
+                theirs = (lambda: beside(tier, index, prompt)) if beside is not None else None
+                plain: list[float] = []
+                warm = _next_to(ours_first, lambda: lm.generate(prompt, workload.answer_tokens), theirs)
+                cold = _next_to(ours_first, lambda: lm.generate(prompt, workload.answer_tokens, reuse=False, store=False),
+                                (lambda: plain.append(plain_ttft(model, prompt))) if beside is not None else None)
+                tally.per_turn.append(TurnFigures(len(prompt), warm.hit_tokens, cold.ttft_s, warm.ttft_s,
+                                                  plain[0] if plain else None))
                 for medium in _above(tier):
                     cache.evict(medium, 1 << 30)
                 tally.prompts.append(prompt)
@@ -114,6 +132,16 @@ def run_tier(
             tally.stream_bytes_per_step = streamed.stream_bytes_per_step
             tally.stream_tokens_identical = streamed.tokens == warm.tokens
     return tally.report()
+
+
+def _next_to(ours_first: bool, ours: Callable[[], Any], other: Callable[[], None] | None) -> Any:
+    """``ours()`` and ``other()`` (if any) back to back, ours first or second; ours' result."""
+    if other is not None and not ours_first:
+        other()
+    result = ours()
+    if other is not None and ours_first:
+        other()
+    return result
 
 
 def _restore_alone(cache: TieredCache, prompt: list[int], blocks: int, tier: Medium) -> float:
@@ -143,9 +171,11 @@ def run_e2e(
     pool: PoolConfig | None = None,
     on_turn: Callable[[Medium], None] | None = None,
     calibration: HostCalibration | None = None,
+    beside: Beside | None = None,
 ) -> WorkloadReport:
     """Every tier's report, each with the prediction of ``calibration`` (a profile from
-    ``kvstrata calibrate``; None: a quick calibration of this host, run first)."""
+    ``kvstrata calibrate``; None: a quick calibration of this host, run first); ``beside``: see
+    :func:`run_tier`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before ours adds to it
@@ -159,7 +189,8 @@ def run_e2e(
             calibration = quick_calibration(_block_bytes(model, workload), work, pool)
         for tier in tiers:
             try:
-                report = run_tier(model, tokenizer, tier, workload, work, pool, (lambda t=tier: on_turn(t)) if on_turn else None)
+                report = run_tier(model, tokenizer, tier, workload, work, pool, (lambda t=tier: on_turn(t)) if on_turn else None,
+                                  beside)
             except TierUnavailable as exc:  # the pool went away: say so, the other tiers still run
                 report = TierReport(tier, skipped=f"unavailable: {exc}")
             if report.skipped is None:

@@ -104,3 +104,41 @@ def test_synthetic_turns_extend_each_conversation_and_share_the_system_prompt():
     assert prompts[0][:10] == prompts[1][:10] == prompts[2][:10]
     for c in range(3):
         assert prompts[3 + c][:14] == prompts[c]
+
+
+def test_paired_ratios_are_per_turn_medians_with_their_spread():
+    from kvstrata.bench.e2e import PairedRatio
+
+    r = PairedRatio.of([1.0, 3.0, 2.0, 5.0], [2.0, 1.0, 2.0, 0.0])  # the last turn has no baseline
+    assert (r.median, r.low, r.high, r.turns) == (1.0, 0.5, 3.0, 3)
+    assert PairedRatio.of([], []) is None
+    with pytest.raises(ValueError):
+        PairedRatio.of([1.0], [1.0, 2.0])
+
+
+def test_a_side_session_without_lmcache_fails_with_its_stderr(tmp_path):
+    from kvstrata.bench.lmcache_e2e import SideSession, SideSessionError
+
+    if importlib.util.find_spec("lmcache") is not None:
+        pytest.skip("this interpreter has lmcache")
+    with pytest.raises(SideSessionError, match="exited") as err:
+        SideSession(sys.executable, tmp_path, ["host"], capacity_tokens=1024)
+    assert "lmcache" in str(err.value).lower()
+    with pytest.raises(SideSessionError, match="no Python interpreter"):
+        SideSession(tmp_path / "none" / "python", tmp_path, ["host"], capacity_tokens=1024)
+
+
+@needs_lmcache
+def test_a_side_session_answers_turn_by_turn_and_names_a_bad_request(tiny_model):
+    from kvstrata.bench.lmcache_e2e import SideSession, SideSessionError
+
+    prompts = _prompts()
+    with SideSession(sys.executable, tiny_model, ["host"], capacity_tokens=4096, chunk_tokens=CHUNK) as side:
+        assert side.about["chunk_tokens"] == CHUNK and side.about["bytes_per_token"] == BYTES_PER_TOKEN
+        turns = [side.turn(i, p, NEW_TOKENS, ["host"])["host"] for i, p in enumerate(prompts)]
+        with pytest.raises(SideSessionError, match="'disk'"):
+            side.turn(9, prompts[0], NEW_TOKENS, ["disk"])
+        again = side.turn(9, prompts[0], NEW_TOKENS)["host"]  # the session survives a bad request
+    assert [t["hit_tokens"] for t in turns[:2]] == [0, 128]
+    assert all(t["tokens_identical"] for t in turns) and again["tokens_identical"]
+    assert again["hit_tokens"] == len(prompts[0]) // CHUNK * CHUNK

@@ -85,3 +85,36 @@ def test_calibrated_profile_feeds_the_demo_and_load_or_recompute(tiny_model_dir,
     assert tiers["device"]["predicted_restore_s"] == 0.0
     for tier in ("host", "disk"):
         assert tiers[tier]["predicted_restore_s"] > 0
+
+
+def test_a_benchmark_beside_the_run_gets_every_turn_and_plain_transformers_is_timed_next_to_ours(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvstrata.workload import run_tier
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    calls = []
+    report = run_tier(model, tokenizer, H, SMALL, tmp_path, beside=lambda *call: calls.append(call))
+    assert [(tier, index) for tier, index, _ in calls] == [(H, i) for i in range(SMALL.turns_total)]
+    assert [tuple(prompt) for _, _, prompt in calls] == list(report.prompts)
+    assert len(report.per_turn) == SMALL.turns_total
+    for turn, prompt in zip(report.per_turn, report.prompts):
+        assert turn.prompt_tokens == len(prompt) and turn.ttft_plain_s > 0 and turn.ttft_cold_s > 0
+    assert sum(t.hit_tokens for t in report.per_turn) == report.hit_tokens > 0
+    # Without a benchmark beside it, nothing extra is timed.
+    plain = run_tier(model, tokenizer, H, SMALL, tmp_path / "again")
+    assert all(t.ttft_plain_s is None for t in plain.per_turn)
+
+
+def test_bench_e2e_pairs_each_turn_and_says_why_lmcache_did_not_run(tiny_model_dir, tmp_path, capsys):
+    rc = main(["bench", "e2e", "--model-dir", str(tiny_model_dir), "--conversations", "1", "--turns", "2",
+               "--tiers", "host", "--no-pool", "--lmcache-python", str(tmp_path / "nowhere" / "python"), "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "no Python interpreter" in doc["lmcache"]["skipped"] and "nowhere" in doc["lmcache"]["skipped"]
+    host = doc["versus"]["host"]
+    assert host["cold_over_plain"]["turns"] == 2
+    assert host["cold_over_plain"]["low"] <= host["cold_over_plain"]["median"] <= host["cold_over_plain"]["high"]
+    assert host["warm_over_lmcache"] is None
+    assert [t["ttft_plain_s"] > 0 for t in doc["tiers"]["host"]["per_turn"]] == [True, True]

@@ -274,6 +274,20 @@ class KVStrataLM:
                       contention)
 
 
+@torch.inference_mode()
+def plain_ttft(model: Any, prompt: list[int]) -> float:
+    """Seconds to the first token of ``prompt`` with plain transformers: a fresh
+    ``DynamicCache``, no kvstrata (the baseline a cold :meth:`KVStrataLM.generate` is held to)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    out = model(input_ids=torch.tensor([prompt], device=device), **{cache_arg(model): DynamicCache(config=model.config)},
+                use_cache=True, logits_to_keep=1)
+    int(out.logits[0, -1].argmax())
+    return time.perf_counter() - start
+
+
 def _strategy(value: Strategy | str) -> Strategy:
     try:
         return Strategy(value)
