@@ -375,38 +375,89 @@ def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> Cali
             run.measurements += _measure_pool(config, progress)
         except Exception as exc:  # noqa: BLE001 - a pool that fails is reported, not fatal
             run.skipped[h.POOL_GET] = run.skipped[h.POOL_PUT] = f"pool failed: {exc}"
-    run.measurements.append(_restore_dispatch(device, n, config.repeats))
+    with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-", dir=config.directory) as scratch_dir:
+        pool = config.pool if h.POOL_GET not in run.skipped else None  # a pool that failed above is skipped
+        run.measurements += restore_fixed(device, n, config.repeats, Path(scratch_dir), pool)
     run.calibration = _fit(run.calibration, run.measurements)
     run.seconds = time.perf_counter() - started
     return run
 
 
-def _restore_dispatch(device: torch.device, workers: int, repeats: int) -> Measurement:
-    """kvstrata's fixed cost of one restore: host -> device loads of two 1 KiB blocks in a
-    32-layer layout (the same number of copy tasks and layer events as a real model's), whose
-    bytes take no measurable time; median of ``max(9, repeats)`` after a warm-up."""
-    from kvstrata.cache import CacheConfig, TieredCache
-    from kvstrata.kv.geometry import DType
-    from kvstrata.kv.layout import KVLayout
-    from kvstrata.media import Medium
+def restore_fixed(device: torch.device, workers: int, repeats: int, directory: Path,
+                  pool: PoolConfig | None = None) -> list[Measurement]:
+    """Each tier's fixed cost of one restore (``RESTORE_FIXED``): loads of two tiny blocks
+    (``TINY_LAYOUT``: 32 layers, whose bytes take no measurable time) from the host, the disk
+    (page cache) and, with ``pool``, the remote tier, through the cache, split into layer ranges
+    as a large load is; median of ``max(9, repeats)`` after a warm-up per tier."""
+    from kvstrata.calibrate.restores import TINY_BLOCKS, TINY_LAYOUT, CacheRestores
 
-    layout = KVLayout(32, 2, 1, 8, DType.BF16)
-    b = layout.block_bytes
-    config = CacheConfig(layout, "kvstrata-calibrate", device_bytes=4 * b, host_bytes=4 * b, workers=workers,
-                         device=str(device))
-    tokens = list(range(2 * layout.block_tokens))
-    runs = []
-    with TieredCache(config) as cache:
-        kv = torch.zeros(layout.num_layers, 2, len(tokens), 1, 8, dtype=torch.bfloat16)
-        cache.store(tokens, kv).result()
-        for i in range(1 + max(9, repeats)):
-            cache.evict(Medium.DEVICE, 4)
-            handle = cache.load(cache.lookup(tokens))
-            result = handle.wait()
-            handle.release()
-            if i:
-                runs.append(result.seconds)
-    return Measurement(h.RESTORE_DISPATCH, 2 * b, tuple(runs))
+    out: list[Measurement] = []
+    benches = [(("host", "disk"), None)] + ([(("remote",), pool)] if pool is not None else [])
+    for tiers, where in benches:
+        with CacheRestores(TINY_LAYOUT, TINY_BLOCKS, workers, directory, pool=where, small_load_bytes=0,
+                           device=str(device)) as bench:
+            for tier in tiers:
+                runs = [bench.restore(tier) for _ in range(1 + max(9, repeats))][1:]
+                out.append(Measurement(h.RESTORE_FIXED[tier], bench.size, tuple(runs)))
+    return out
+
+
+class Prober:
+    """The timed steps of the paths ``validate`` interleaves with restores, one per (path,
+    size), each measured as ``calibrate`` measures it; disk block reads in blocks of
+    ``block_bytes`` (the cache's), pool gets in objects of ``block_bytes``.
+
+    Args:
+        directory: scratch files here (the disk the cache's disk tier uses).
+        threads: the N of the N-thread paths.
+        device: the device tier's torch device (host -> device paths on CUDA).
+        pool: the remote pool (``POOL_GET``), or None.
+    """
+
+    def __init__(self, directory: Path, threads: int, device: torch.device, pool: PoolConfig | None = None) -> None:
+        self._scratch = _Scratch(directory, threads)
+        self._device, self._pool = device, pool
+        self._steps: dict[tuple[str, int], Callable[[], float]] = {}
+        self._raws: list = []
+
+    def step(self, path: str, nbytes: int, block_bytes: int) -> Callable[[], float]:
+        """One timed run of ``path`` over ``nbytes`` (made once, then reused)."""
+        key = (path, nbytes)
+        if key not in self._steps:
+            self._steps[key] = self._make(path, nbytes, block_bytes)
+        return self._steps[key]
+
+    def _make(self, path: str, nbytes: int, block_bytes: int) -> Callable[[], float]:
+        s = self._scratch
+        if path == h.MEMCPY_1T:
+            return _memcpy_1t(s, nbytes)
+        if path == h.MEMCPY_NT:
+            return _memcpy_nt(s, nbytes)
+        if path in (h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD):
+            return _disk_blocks(s, nbytes, path == h.DISK_BLOCKS_COLD, block_bytes)
+        if path == h.H2D_PINNED:
+            return _device_copy(nbytes, self._device, True, True)
+        if path == h.POOL_GET and self._pool is not None:
+            return self._pool_get(nbytes, block_bytes)
+        raise ValueError(f"no probe for path {path!r} here")
+
+    def _pool_get(self, nbytes: int, block_bytes: int) -> Callable[[], float]:
+        from kvstrata.pool.config import RemoteMode
+        from kvstrata.pool.raw import RawPool
+        from kvstrata.tiers.poolvalue import HEADER_BYTES
+
+        count = max(1, nbytes // block_bytes)
+        values = torch.randint(0, 256, (count, HEADER_BYTES + block_bytes), dtype=torch.uint8)
+        names = [f"kvstrata-validate/{os.getpid()}/{id(self)}/{nbytes}/{i}" for i in range(count)]
+        raw = RawPool(self._pool, RemoteMode.TCP, names, values)
+        self._raws.append(raw)
+        raw.put_s()
+        return raw.get_s
+
+    def close(self) -> None:
+        for raw in self._raws:
+            raw.close()
+        self._scratch.close()
 
 
 def _threaded_checksum(s: _Scratch, nbytes: int) -> Callable[[], float]:
@@ -451,14 +502,18 @@ def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measureme
     return out
 
 
-def _fit(base: h.HostCalibration, measurements: list[Measurement]) -> h.HostCalibration:
+def fit_paths(measurements: list[Measurement]) -> dict[str, h.PathFit]:
+    """One fit per path, on relative error (every size predicted as well as the others)."""
     by_path: dict[str, list[Measurement]] = {}
     for m in measurements:
         by_path.setdefault(m.path, []).append(m)
-    paths = {}
-    for path, ms in by_path.items():
-        paths[path] = h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms),
-                                 fixed=path in h.FIXED_COST_PATHS)
+    return {path: h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms),
+                             fixed=path in h.FIXED_COST_PATHS, relative=True)
+            for path, ms in by_path.items()}
+
+
+def _fit(base: h.HostCalibration, measurements: list[Measurement]) -> h.HostCalibration:
+    paths = fit_paths(measurements)
     efficiency = {}
     if h.H2D_PINNED in paths and torch.cuda.is_available():
         efficiency = _pcie_efficiency(paths[h.H2D_PINNED].gbps)
