@@ -503,12 +503,13 @@ def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measureme
 
 
 def fit_paths(measurements: list[Measurement]) -> dict[str, h.PathFit]:
-    """One fit per path, on relative error (every size predicted as well as the others)."""
+    """One fit per path, on relative error (every size predicted as well as the others); the
+    paths a restore's bytes move along as a rate alone (``RATE_PATHS``)."""
     by_path: dict[str, list[Measurement]] = {}
     for m in measurements:
         by_path.setdefault(m.path, []).append(m)
     return {path: h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms),
-                             fixed=path in h.FIXED_COST_PATHS, relative=True)
+                             fixed=path in h.FIXED_COST_PATHS, relative=True, origin=path in h.RATE_PATHS)
             for path, ms in by_path.items()}
 
 
