@@ -70,7 +70,7 @@ class ValidateConfig:
     """
 
     sizes: tuple[int, ...] = DEFAULT_SIZES
-    repeats: int = 7
+    repeats: int = 9
     workers: int = 2
     model: str = "llama-3-8b"
     block_tokens: int = 64

@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="also show the predictions of this profile written by `kvstrata calibrate` (the rows' "
                      "own predictions come from probes interleaved with the restores, in the same sitting)")
     _size_args(val, quick="sizes 16 and 64 MiB, fewer repeats", sizes="KV per restore, MiB (default 16 64 256)",
-               repeats="timed rounds per row", default_repeats=7)
+               repeats="timed rounds per row", default_repeats=9)
     val.add_argument("--workers", type=int, default=2, help="the cache's transfer threads (default 2)")
     val.add_argument("--model", default="llama-3-8b", help="model preset for the KV layout (default llama-3-8b)")
     val.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
