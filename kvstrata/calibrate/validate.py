@@ -12,8 +12,8 @@ round every size takes its turn (so a slow spell of the machine falls on every s
 the fit across sizes is not tilted by it), and a size's turn runs, back to back:
 
 1. the probes: each path the restore moves its bytes along (``restore_paths``), measured as
-   ``calibrate`` measures it, in blocks of the cache's size (a disk block read verifies its
-   checksums as the disk tier does);
+   ``calibrate`` measures it, in blocks of the cache's layout (disk blocks are read by a disk
+   tier of the probe's own, with the tier's code: header and every layer's checksum verified);
 2. the restore through the cache (``LoadResult.seconds``), checked byte for byte (untimed);
 3. a restore of two tiny blocks from the same tier through a second cache: the tier's fixed
    cost (``RESTORE_FIXED``: planning, pins, thread hand-offs, files opened and verified).
@@ -240,7 +240,7 @@ def validate(config: ValidateConfig, progress: Progress | None = None,
     with tempfile.TemporaryDirectory(prefix="kvstrata-validate-", dir=config.directory) as scratch:
         root = Path(scratch)
         (root / "probe").mkdir()
-        prober = Prober(root / "probe", config.workers, device, config.pool)
+        prober = Prober(root / "probe", config.workers, device, layout, config.pool)
         tiny: dict[str, CacheRestores] = {}
         sized: dict[tuple[bool, int], CacheRestores] = {}  # (remote, size) -> its cache
         try:
@@ -279,7 +279,7 @@ def _row(kind: RowKind, benches: list[CacheRestores], tiny: CacheRestores, probe
             probes = {}
             for path in paths:
                 progress.step(f"probe {path}, {size_mib}")
-                probes[path] = prober.step(path, bench.size, layout.block_bytes)()
+                probes[path] = prober.step(path, bench.size)()
             progress.step(f"restore {kind.label}, {size_mib}")
             restore = bench.restore(kind.tier, cold=kind.cold)
             progress.step(f"fixed cost {kind.tier}")

@@ -37,8 +37,9 @@ CHECKSUM = "checksum (xxh3)"
 CHECKSUM_NT = "checksum (xxh3, N threads)"
 POOL_GET = "pool get"
 POOL_PUT = "pool put"
-# The disk tier's read pattern as plain code: one file per block, read in pieces, each piece
-# hashed as it lands, the blocks spread over N threads (cold: page cache dropped first).
+# The disk tier's restore without the cache: blocks of the cache's size, each read by a
+# ``DiskTier``'s own ``read_into`` (header verified, each layer's checksum checked as it lands),
+# the blocks spread over N threads (cold: page cache dropped first).
 DISK_BLOCKS_COLD = "disk block reads + xxh3 (cold, N threads)"
 DISK_BLOCKS_WARM = "disk block reads + xxh3 (page cache, N threads)"
 # kvstrata's own fixed cost per restore: planning, pins, handing copy tasks to the transfer
