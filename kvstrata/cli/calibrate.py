@@ -47,11 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="restore through the tiered cache and compare with the calibrated prediction",
         description="Restore KV of a real model layout from every tier (host, disk warm and cold, the pool "
         "when configured) at several sizes and compare LoadResult.seconds (median) with "
-        "HostCalibration.restore_s. Goal: within 10%% at 64 MiB and more; misses are marked, exit code 0.",
+        "HostCalibration.restore_s, calibrated in the same sitting: each round probes the paths the restore "
+        "moves bytes on, restores, and restores two tiny blocks (the tier's fixed cost), back to back. "
+        "Goal: within 10%% at 64 MiB and more; misses are marked, exit code 0.",
     )
-    val.add_argument("--profile", metavar="FILE", help="a profile written by `kvstrata calibrate` (default: calibrate --quick first)")
+    val.add_argument("--profile", metavar="FILE",
+                     help="also show the predictions of this profile written by `kvstrata calibrate` (the rows' "
+                     "own predictions come from probes interleaved with the restores, in the same sitting)")
     _size_args(val, quick="sizes 16 and 64 MiB, fewer repeats", sizes="KV per restore, MiB (default 16 64 256)",
-               repeats="timed loads per row")
+               repeats="timed rounds per row", default_repeats=9)
     val.add_argument("--workers", type=int, default=2, help="the cache's transfer threads (default 2)")
     val.add_argument("--model", default="llama-3-8b", help="model preset for the KV layout (default llama-3-8b)")
     val.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
@@ -61,11 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     val.set_defaults(func=run_validate)
 
 
-def _size_args(p: argparse.ArgumentParser, quick: str, sizes: str, repeats: str) -> None:
-    """``--quick``, ``--sizes-mib`` and ``--repeats`` (5 by default, 3 with ``--quick``)."""
+def _size_args(p: argparse.ArgumentParser, quick: str, sizes: str, repeats: str, default_repeats: int = 5) -> None:
+    """``--quick``, ``--sizes-mib`` and ``--repeats`` (``default_repeats``, 3 with ``--quick``)."""
     p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--sizes-mib", type=float, nargs="+", help=sizes)
-    p.add_argument("--repeats", type=int, help=f"{repeats} after a warm-up (default 5; --quick 3)")
+    p.add_argument("--repeats", type=int, help=f"{repeats} after a warm-up (default {default_repeats}; --quick 3)")
 
 
 def _pool(arg: str | None) -> tuple[PoolConfig | None, str]:
@@ -166,18 +170,11 @@ def run_validate(args: argparse.Namespace) -> int:
     from kvstrata.calibrate.validate import DEFAULT_SIZES, GOAL, GOAL_MIN_BYTES, QUICK_SIZES, ValidateConfig, validate
 
     pool, pool_source = _pool(args.pool)
-    note = None
     started = time.perf_counter()
-    if args.profile:
-        calibration = load_calibration(args.profile)
-        source = args.profile
-    else:
-        calibration = _calibrate(True, args.workers, args.dir, pool).calibration
-        source = "calibrate --quick, run now (no --profile given)"
-        note = f"no --profile: calibrated in-process first ({time.perf_counter() - started:.1f} s)"
+    profile = load_calibration(args.profile) if args.profile else None
     config = ValidateConfig(
         sizes=_sizes(args.sizes_mib, QUICK_SIZES if args.quick else DEFAULT_SIZES),
-        repeats=args.repeats or (3 if args.quick else 5),
+        repeats=args.repeats or (3 if args.quick else ValidateConfig.repeats),
         workers=args.workers,
         model=args.model,
         block_tokens=args.block_tokens,
@@ -185,25 +182,41 @@ def run_validate(args: argparse.Namespace) -> int:
         pool=pool,
     )
     with cli.progress() as progress:
-        rows = validate(calibration, config, cli.StepBar(progress))
+        run = validate(config, cli.StepBar(progress), profile)
     seconds = time.perf_counter() - started
+    rows = run.rows
     if args.json:
-        print(json.dumps({"profile": source, "pool": pool_source, "goal": GOAL, "goal_min_bytes": GOAL_MIN_BYTES,
-                          "workers": config.workers, "seconds": seconds,
+        print(json.dumps({"profile": args.profile, "pool": pool_source, "goal": GOAL, "goal_min_bytes": GOAL_MIN_BYTES,
+                          "workers": config.workers, "repeats": config.repeats, "seconds": seconds,
+                          "within_goal": run.within_goal,
+                          "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None,
+                                       "spread": p.spread} for k, p in run.calibration.paths.items()},
                           "paths": [r.to_json() for r in rows]}, indent=2))
         return 0
     console = cli.console()
-    if note:
-        console.print(note, highlight=False)
-    table = Table(title=f"restore: predicted ({source}) vs measured, {config.workers} workers, {config.model}")
-    for col in ("path", "size", "blocks", "predicted", "measured", "spread", "error", f"within {GOAL:.0%}"):
+    table = Table(title=f"restore: predicted (calibrated in this sitting, interleaved) vs measured, "
+                        f"{config.workers} workers, {config.model}, {config.repeats} rounds")
+    cols = ["path", "size", "blocks", "predicted", "measured", "spread", "error", "paired error", f"within {GOAL:.0%}"]
+    if profile is not None:
+        cols.insert(-1, "profile error")
+    for col in cols:
         table.add_column(col, justify="left" if col == "path" else "right")
     for r in rows:
         verdict = {True: "[green]yes[/]", False: "[bold red]MISS[/]", None: "[dim]n/a[/]"}[r.meets_goal]
-        table.add_row(r.path, f"{r.bytes / MIB:g} MiB", str(r.blocks), _ms(r.predicted_s), _ms(r.measured_s),
-                      f"±{r.spread:.0%}", f"{r.error:+.1%}", verdict)
+        cells = [r.path, f"{r.bytes / MIB:g} MiB", str(r.blocks), _ms(r.predicted_s), _ms(r.measured_s),
+                 f"±{r.spread:.0%}", f"{r.error:+.1%}", f"{r.paired_error:+.1%} ±{r.paired_spread:.0%}", verdict]
+        if profile is not None:
+            cells.insert(-1, "n/a" if r.profile_error is None else f"{r.profile_error:+.1%}")
+        table.add_row(*cells)
     console.print(table)
-    graded = [r for r in rows if r.meets_goal is not None]
+    fits = Table(title="this sitting's fits: restore = tier's fixed cost + bytes / each path's GB/s")
+    for col in ("path", "latency", "GB/s", "worst spread"):
+        fits.add_column(col, justify="left" if col == "path" else "right")
+    for name, p in run.calibration.paths.items():
+        fits.add_row(name, f"{p.latency_s * 1e6:.0f} us", f"{p.gbps:.2f}" if math.isfinite(p.gbps) else "-",
+                     f"±{p.spread:.0%}")
+    console.print(fits)
+    graded = run.graded
     console.print(f"{sum(1 for r in graded if r.meets_goal)} of {len(graded)} rows of >= {GOAL_MIN_BYTES / MIB:g} MiB "
                   f"within {GOAL:.0%}; pool: {pool_source}; {seconds:.1f} s", highlight=False)
     return 0

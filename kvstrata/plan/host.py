@@ -37,21 +37,56 @@ CHECKSUM = "checksum (xxh3)"
 CHECKSUM_NT = "checksum (xxh3, N threads)"
 POOL_GET = "pool get"
 POOL_PUT = "pool put"
-# The disk tier's read pattern as plain code: one file per block, read in pieces, each piece
-# hashed as it lands, the blocks spread over N threads (cold: page cache dropped first).
+# The disk tier's restore without the cache: blocks of the cache's size, each read by a
+# ``DiskTier``'s own ``read_into`` (header verified, each layer's checksum checked as it lands),
+# the blocks spread over N threads (cold: page cache dropped first).
 DISK_BLOCKS_COLD = "disk block reads + xxh3 (cold, N threads)"
 DISK_BLOCKS_WARM = "disk block reads + xxh3 (page cache, N threads)"
 # kvstrata's own fixed cost per restore: planning, pins, handing copy tasks to the transfer
 # engine's threads and waiting for them (measured as a restore of tiny blocks: latency only).
 RESTORE_DISPATCH = "restore dispatch (kvstrata)"
+# The same, per source tier: a restore through the cache of two tiny blocks from that tier (a
+# disk restore also opens, reads and verifies two files; a pool restore makes its batched get).
+# What a restore costs beyond moving its bytes along the tier's path.
+RESTORE_FIXED = {
+    "host": "restore fixed cost (kvstrata, from host)",
+    "disk": "restore fixed cost (kvstrata, from disk)",
+    "remote": "restore fixed cost (kvstrata, from remote)",
+}
+TIERS = tuple(RESTORE_FIXED)
+# The paths a restore's bytes move along (``restore_paths``): fitted as a rate alone, through
+# the origin (``fit_path``'s ``origin``). A restore's fixed cost is measured on its own (the
+# tier's RESTORE_FIXED), so these need only a rate; a latency fitted through noisy points takes
+# time away from the sizes that matter (measured on a loaded 2-core VM: a 3.3 ms latency fitted
+# to memcpy probes whose own fixed cost is ~0.1 ms put the 64 MiB predictions ~20% low).
+RATE_PATHS = frozenset({MEMCPY_1T, MEMCPY_NT, H2D_PINNED, DISK_BLOCKS_WARM, DISK_BLOCKS_COLD, POOL_GET})
 # Paths whose measured bytes take no measurable time: fitted as a latency alone (``fit_path``'s
 # ``fixed``), their bandwidth infinite.
-FIXED_COST_PATHS = frozenset({RESTORE_DISPATCH})
+FIXED_COST_PATHS = frozenset({RESTORE_DISPATCH, *RESTORE_FIXED.values()})
 PATHS = (
     MEMCPY_1T, MEMCPY_NT, H2D_PINNED, H2D_PAGEABLE, D2H_PINNED,
     DISK_READ_COLD, DISK_READ_WARM, DISK_READ_COLD_NT, DISK_READ_WARM_NT, DISK_WRITE,
     CHECKSUM, CHECKSUM_NT, POOL_GET, POOL_PUT, DISK_BLOCKS_COLD, DISK_BLOCKS_WARM, RESTORE_DISPATCH,
+    *RESTORE_FIXED.values(),
 )
+
+
+def restore_paths(tier: str, cold: bool, cuda: bool, workers: int) -> tuple[str, ...]:
+    """The paths whose bytes a restore from ``tier`` moves, in order, when each is measured the
+    way the tier moves them (see ``HostCalibration.restore_s``): what a calibration must probe
+    to predict that restore from per-byte rates and the tier's ``RESTORE_FIXED`` cost.
+
+    Raises:
+        ValueError: an unknown tier.
+    """
+    to_device = (H2D_PINNED,) if cuda else ()
+    if tier == "host":
+        return (H2D_PINNED,) if cuda else (MEMCPY_NT if workers > 1 else MEMCPY_1T,)
+    if tier == "disk":
+        return (DISK_BLOCKS_COLD if cold else DISK_BLOCKS_WARM, *to_device)
+    if tier == "remote":
+        return (POOL_GET, *to_device)
+    raise ValueError(f"unknown tier {tier!r}: expected {', '.join(TIERS)}")
 
 
 @dataclass(frozen=True)
@@ -83,13 +118,17 @@ class PathFit:
         return ops * self.latency_s + nbytes / (self.gbps * GB)
 
 
-def fit_path(sizes: Sequence[int], seconds: Sequence[float], spread: float = 0.0, fixed: bool = False) -> PathFit:
+def fit_path(sizes: Sequence[int], seconds: Sequence[float], spread: float = 0.0, fixed: bool = False,
+             relative: bool = False, origin: bool = False) -> PathFit:
     """Least-squares ``latency + bytes / bandwidth`` through (size, seconds) points.
 
     One size, or a negative fitted latency, gives the bandwidth through the origin of the
-    largest size's point (the fixed cost is then unmeasurable, taken as 0). ``fixed``: the
-    bytes take no measurable time (see ``FIXED_COST_PATHS``): the latency is the mean time,
-    the bandwidth infinite.
+    largest size's point (``relative``: through all points, on relative error), the fixed
+    cost then unmeasurable, taken as 0. ``fixed``: the bytes take no measurable time (see
+    ``FIXED_COST_PATHS``): the latency is the mean time, the bandwidth infinite.
+    ``relative``: each point weighted by 1 / seconds, so every size's time is fitted to the
+    same relative accuracy (unweighted, the largest size's noise sets the smaller ones'
+    predictions). ``origin``: a rate alone, through the origin (see ``RATE_PATHS``).
     """
     if len(sizes) != len(seconds) or not sizes:
         raise ValueError(f"fit needs as many sizes as times, at least one; got {len(sizes)} and {len(seconds)}")
@@ -98,13 +137,19 @@ def fit_path(sizes: Sequence[int], seconds: Sequence[float], spread: float = 0.0
     n = len(sizes)
     if fixed:
         return PathFit(sum(seconds) / n, math.inf, spread, tuple(sizes))
-    if n >= 2 and len(set(sizes)) >= 2:
-        mx, my = sum(sizes) / n, sum(seconds) / n
-        sxx = sum((x - mx) ** 2 for x in sizes)
-        slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
+    w = [1 / t**2 if relative else 1.0 for t in seconds]
+    if n >= 2 and len(set(sizes)) >= 2 and not origin:
+        sw = sum(w)
+        mx = sum(wi * x for wi, x in zip(w, sizes)) / sw
+        my = sum(wi * y for wi, y in zip(w, seconds)) / sw
+        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
+        slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds)) / sxx
         latency = my - slope * mx
         if slope > 0 and latency >= 0:
             return PathFit(latency, 1 / slope / GB, spread, tuple(sizes))
+    if relative:  # through the origin: slope = sum(w x y) / sum(w x^2)
+        slope = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds)) / sum(wi * x * x for wi, x in zip(w, sizes))
+        return PathFit(0.0, 1 / slope / GB, spread, tuple(sizes))
     i = max(range(n), key=lambda k: sizes[k])
     return PathFit(0.0, sizes[i] / seconds[i] / GB, spread, tuple(sizes))
 
@@ -189,7 +234,15 @@ class HostCalibration:
         from ``tier`` ("host", "disk", "remote") to the device tier, with ``workers`` transfer
         threads (``CacheConfig.workers``); ``cold``: disk blocks not in the page cache.
 
-        The composition follows ``TieredCache.load`` step by step:
+        With the tier's fixed cost (``RESTORE_FIXED``) and every path of ``restore_paths``
+        calibrated: that fixed cost plus each path's bytes at its rate. The fixed cost was
+        measured through the cache, so it already holds what one operation of each path costs
+        (a thread hand-off, a batched call): the paths' own latencies are not added again.
+        Per-block costs (a file opened, its header read and verified) are in the block-read
+        paths' rates, measured in blocks of the cache's size.
+
+        Otherwise (a profile from before per-tier fixed costs) the composition follows
+        ``TieredCache.load`` step by step:
 
         * host: one copy of every byte host -> device, layer ranges spread over the workers:
           the N-thread memcpy on a CPU-only host (the "device" is host memory), pinned H2D on
@@ -207,8 +260,12 @@ class HostCalibration:
         * every restore that moves bytes also pays kvstrata's dispatch (``RESTORE_DISPATCH``),
           when calibrated.
         """
+        paths = restore_paths(tier, cold, self.device.startswith("cuda"), max(1, workers))
         if nbytes <= 0:
             return 0.0
+        fixed = self.paths.get(RESTORE_FIXED[tier])
+        if fixed is not None and all(p in self.paths for p in paths):
+            return fixed.latency_s + sum(nbytes / (self.paths[p].gbps * GB) for p in paths)
         dispatch = self.paths[RESTORE_DISPATCH].latency_s if RESTORE_DISPATCH in self.paths else 0.0
         return dispatch + self._moved_s(tier, nbytes, blocks, workers, cold)
 

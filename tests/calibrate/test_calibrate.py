@@ -1,4 +1,5 @@
-"""calibrate and validate end to end on tiny sizes: files load, rows are there (no timing asserted)."""
+"""calibrate and validate end to end on tiny sizes: files load, rows are there, validate's rounds
+interleave probes with restores and fit every tier (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 
 from kvstrata.calibrate import load_calibration, profile_text
 from kvstrata.calibrate.measure import CalibrateConfig, calibrate
-from kvstrata.calibrate.validate import ValidateConfig, validate
+from kvstrata.calibrate.validate import RowKind, ValidateConfig, row_kinds, validate
 from kvstrata.cli import main
 from kvstrata.hardware.profile import builtin_text, load_profile
 from kvstrata.plan import host as h
+from kvstrata.pool.config import PoolConfig
 
 MIB = 1 << 20
 
@@ -41,6 +43,7 @@ def test_calibrate_cli_quick_writes_a_loadable_profile(tmp_path, capsys, monkeyp
     assert report["skipped"][h.POOL_GET]  # no pool configured here: skipped, with the reason
     cal = load_calibration(out)
     assert {h.MEMCPY_1T, h.MEMCPY_NT, h.DISK_READ_WARM, h.DISK_READ_COLD, h.CHECKSUM} <= set(cal.paths)
+    assert {h.RESTORE_FIXED["host"], h.RESTORE_FIXED["disk"]} <= set(cal.paths)  # a fixed cost per local tier
     assert load_profile(out).name == "workstation"
     assert main(["plan", "--hardware", str(out)]) == 0
 
@@ -53,18 +56,78 @@ def test_validate_cli_json_rows_for_host_and_disk(tmp_path, capsys, monkeypatch)
     code = main(["validate", "--quick", "--json", "--profile", str(out), "--sizes-mib", "2", "4",
                  "--block-tokens", "16", "--repeats", "1", "--dir", str(tmp_path)])
     assert code == 0
-    rows = json.loads(capsys.readouterr().out)["paths"]
-    assert {r["path"] for r in rows} == {"host -> device", "disk (page cache) -> device", "disk (cold) -> device"}
+    report = json.loads(capsys.readouterr().out)
+    rows = report["paths"]
+    assert [(r["path"], r["bytes"]) for r in rows] == [
+        (path, mib * MIB) for mib in (2, 4) for path in ("host -> device", "disk (page cache) -> device", "disk (cold) -> device")]
     for r in rows:
-        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["bytes"] > 0
-        assert set(r) >= {"path", "bytes", "predicted_s", "measured_s", "error"}
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["profile_s"] > 0
+        assert set(r) >= {"error", "spread", "paired_error", "paired_spread", "probe_spread", "profile_error",
+                          "runs_s", "probe_runs_s", "fixed_runs_s", "meets_goal"}
+        assert len(r["runs_s"]) == len(r["probe_runs_s"]) == len(r["fixed_runs_s"]) == 1
+    assert {h.MEMCPY_NT, h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD, h.RESTORE_FIXED["host"],
+            h.RESTORE_FIXED["disk"]} <= set(report["fits"])
+    assert main(["validate", "--quick", "--sizes-mib", "2", "--block-tokens", "16", "--repeats", "1",
+                 "--dir", str(tmp_path)]) == 0  # the table, without a profile
+    assert "paired error" in capsys.readouterr().out
+
+
+class _Steps:
+    """A Progress that records its step labels."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+
+    def start(self, total_steps: int) -> None:
+        self.total = total_steps
+
+    def step(self, label: str) -> None:
+        self.labels.append(label)
+
+
+def test_validate_interleaves_probe_restore_and_fixed_cost_per_size_per_round(tmp_path):
+    steps = _Steps()  # llama-3-8b blocks of 16 tokens: 2 MiB
+    config = ValidateConfig(sizes=(2 * MIB, 4 * MIB), repeats=2, block_tokens=16, directory=str(tmp_path), cold=False)
+    run = validate(config, steps)
+    assert len(steps.labels) == steps.total
+    host = [label for label in steps.labels if "host" in label or "memcpy" in label]
+    one_turn = ["probe {probe}, {mib} MiB", "restore host -> device, {mib} MiB", "fixed cost host"]
+    turns = [line.format(probe=h.MEMCPY_NT, mib=mib) for mib in (2, 4) for line in one_turn]
+    assert host == turns * 3  # a warm-up round and two timed ones; the sizes take turns within each
+    disk = [label for label in steps.labels if label not in host]
+    assert disk[:3] == [f"probe {h.DISK_BLOCKS_WARM}, 2 MiB", "restore disk (page cache) -> device, 2 MiB",
+                        "fixed cost disk"]
+    assert steps.labels.index(disk[0]) > steps.labels.index(host[-1])  # the host rows first: blocks sink once
+    assert [(r.tier, r.cold, r.bytes) for r in run.rows] == [("host", False, 2 * MIB), ("disk", False, 2 * MIB),
+                                                            ("host", False, 4 * MIB), ("disk", False, 4 * MIB)]
+    for row in run.rows:
+        assert len(row.runs_s) == len(row.probe_runs_s) == len(row.fixed_runs_s) == 2  # warm-up dropped
+        assert len(row.paired_errors) == 2 and row.profile_s is None and row.meets_goal is None
+    fits = run.calibration.paths
+    assert fits[h.MEMCPY_NT].sizes == (2 * MIB, 4 * MIB) and fits[h.DISK_BLOCKS_WARM].sizes == (2 * MIB, 4 * MIB)
+    for tier in ("host", "disk"):  # a fixed cost per tier, the bytes free
+        assert fits[h.RESTORE_FIXED[tier]].gbps == float("inf")
+    # Each row's prediction is the sitting's calibration's
+    for row in run.rows:
+        assert row.predicted_s == run.calibration.restore_s(row.tier, row.bytes, row.blocks, config.workers, row.cold)
+    assert run.within_goal is None  # no row of 64 MiB or more
+
+
+def test_row_kinds_follow_the_config():
+    pool = PoolConfig(master="127.0.0.1:50051")  # never reached: the rows only ask whether there is one
+    assert row_kinds(ValidateConfig()) == (RowKind("host"), RowKind("disk"), RowKind("disk", cold=True))
+    assert row_kinds(ValidateConfig(cold=False, pool=pool)) == (RowKind("host"), RowKind("disk"), RowKind("remote"))
+    assert [k.label for k in row_kinds(ValidateConfig(pool=pool))] == [
+        "host -> device", "disk (page cache) -> device", "disk (cold) -> device", "remote -> device"]
 
 
 def test_calibrate_and_validate_the_pool(pool, tmp_path):
     run = calibrate(CalibrateConfig(sizes=(MIB, 2 * MIB), repeats=1, directory=str(tmp_path), pool=pool,
                                     object_bytes=MIB, cold=False))
     assert h.POOL_GET in run.calibration.paths, run.skipped
-    rows = validate(run.calibration, ValidateConfig(sizes=(2 * MIB,), repeats=1, block_tokens=16,
-                                                   directory=str(tmp_path), pool=pool, cold=False))
-    remote = [r for r in rows if r.path == "remote -> device"]
-    assert remote and remote[0].predicted_s > 0 and remote[0].measured_s > 0
+    assert h.RESTORE_FIXED["remote"] in run.calibration.paths
+    result = validate(ValidateConfig(sizes=(2 * MIB,), repeats=1, block_tokens=16, directory=str(tmp_path), pool=pool,
+                                     cold=False), profile=run.calibration)
+    remote = [r for r in result.rows if r.path == "remote -> device"]
+    assert remote and remote[0].predicted_s > 0 and remote[0].measured_s > 0 and remote[0].profile_s > 0
+    assert {h.POOL_GET, h.RESTORE_FIXED["remote"]} <= set(result.calibration.paths)

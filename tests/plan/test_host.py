@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 
 import pytest
@@ -27,6 +28,31 @@ def test_fit_of_exact_data_recovers_latency_and_bandwidth(latency, gbps, sizes):
 def test_fit_of_one_size_goes_through_the_origin():
     fit = h.fit_path([1_000_000], [0.001])
     assert (fit.latency_s, fit.gbps) == (0.0, pytest.approx(1.0))
+
+
+@given(
+    latency=st.floats(0, 1e-2),
+    gbps=st.floats(0.1, 500),
+    sizes=st.lists(st.integers(4096, 1 << 30), min_size=2, max_size=6, unique=True),
+)
+def test_relative_fit_of_exact_data_recovers_latency_and_bandwidth(latency, gbps, sizes):
+    times = [latency + s / (gbps * 1e9) for s in sizes]
+    fit = h.fit_path(sizes, times, relative=True)
+    assert fit.gbps == pytest.approx(gbps, rel=1e-6)
+    assert fit.latency_s == pytest.approx(latency, rel=1e-6, abs=1e-9)
+
+
+def test_relative_fit_weighs_every_size_alike():
+    # 1 GB/s at three small sizes, one slow large point: unweighted, the large point sets the
+    # rate and the small sizes come out 2x off; on relative error every point counts alike.
+    sizes, times = [10**6, 2 * 10**6, 4 * 10**6, 10**9], [1e-3, 2e-3, 4e-3, 2.0]
+    plain, relative = h.fit_path(sizes, times), h.fit_path(sizes, times, relative=True)
+    assert plain.seconds(2 * 10**6) == pytest.approx(4e-3)
+    assert relative.seconds(2 * 10**6) == pytest.approx(2e-3, rel=0.1)
+    assert relative.seconds(10**9) == pytest.approx(2.0, rel=0.5)  # the outlier pays, no point alone decides
+    # A negative latency: through the origin, on relative error (between the points' own rates)
+    through = h.fit_path([10**6, 2 * 10**6], [1e-3, 3e-3], relative=True)
+    assert through.latency_s == 0.0 and 2 / 3 < through.gbps < 1.0
 
 
 def test_fixed_fit_is_latency_only():
@@ -76,3 +102,31 @@ def test_restore_composition_adds_up_per_tier():
         cal.restore_s("tape", n, 1)
     with pytest.raises(KeyError, match="not calibrated"):
         h.HostCalibration("x", "cpu", 1).restore_s("host", n, 1)
+
+
+def test_restore_paths_per_tier():
+    assert h.restore_paths("host", False, cuda=False, workers=2) == (h.MEMCPY_NT,)
+    assert h.restore_paths("host", False, cuda=False, workers=1) == (h.MEMCPY_1T,)
+    assert h.restore_paths("host", False, cuda=True, workers=2) == (h.H2D_PINNED,)
+    assert h.restore_paths("disk", True, cuda=False, workers=2) == (h.DISK_BLOCKS_COLD,)
+    assert h.restore_paths("disk", False, cuda=True, workers=2) == (h.DISK_BLOCKS_WARM, h.H2D_PINNED)
+    assert h.restore_paths("remote", False, cuda=True, workers=2) == (h.POOL_GET, h.H2D_PINNED)
+    with pytest.raises(ValueError, match="unknown tier"):
+        h.restore_paths("tape", False, cuda=False, workers=2)
+
+
+def test_restore_with_a_tier_fixed_cost_adds_the_paths_rates_only():
+    cal = _calibration()
+    cal.paths.update({
+        h.DISK_BLOCKS_WARM: h.PathFit(5e-4, 8.0), h.DISK_BLOCKS_COLD: h.PathFit(1e-3, 2.0),
+        h.RESTORE_DISPATCH: h.PathFit(9.0, math.inf),  # an old profile's: not used beside a tier's own
+        h.RESTORE_FIXED["host"]: h.PathFit(1e-3, math.inf), h.RESTORE_FIXED["disk"]: h.PathFit(2e-3, math.inf),
+    })
+    n = 64 * 10**6
+    assert cal.restore_s("host", n, 8, workers=2) == pytest.approx(1e-3 + n / 16e9)  # MEMCPY_NT's latency not added
+    assert cal.restore_s("host", n, 8, workers=1) == pytest.approx(1e-3 + n / 10e9)
+    assert cal.restore_s("disk", n, 8, workers=2) == pytest.approx(2e-3 + n / 8e9)
+    assert cal.restore_s("disk", n, 8, workers=2, cold=True) == pytest.approx(2e-3 + n / 2e9)
+    # remote: no fixed cost of its own measured: the old composition, the old dispatch
+    assert cal.restore_s("remote", n, 8) == pytest.approx(9.0 + 1e-3 + n / 5e9)
+    assert h.HostCalibration.from_mapping(tomllib.loads(cal.to_toml())) == cal
