@@ -61,6 +61,10 @@ class TierVersus:
         cold_over_plain: ours cold over plain transformers cold, every turn.
         warm_over_lmcache: ours warm over LMCache warm, over the turns where both hit (None:
             LMCache has no such tier or did not run).
+        warm_over_host_and_pool: the remote tier only: its warm TTFT over the host tier's on
+            the same turn plus the turn's restored bytes at the pool's measured get rate (what
+            a pool restore cannot beat); per turn that hit, the two tiers run one after the
+            other (None: not the remote tier, or no host run or pool rate to compare with).
         lmcache: LMCache's summary of the tier (:func:`kvstrata.bench.lmcache_e2e.summary`).
     """
 
@@ -68,6 +72,7 @@ class TierVersus:
     cold_over_plain: PairedRatio | None
     warm_over_lmcache: PairedRatio | None = None
     lmcache: dict[str, Any] | None = None
+    warm_over_host_and_pool: PairedRatio | None = None
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,18 @@ def versus(run: WorkloadReport, lmcache: dict[str, Any] | LMCacheSkipped | None)
             pairs = [(ours, t) for ours, t in zip(report.per_turn, theirs["per_turn"], strict=False)
                      if ours.hit_tokens and t["hit_tokens"]]
             warm = PairedRatio.of([o.ttft_warm_s for o, _ in pairs], [t["ttft_warm_s"] for _, t in pairs])
-        out[tier] = TierVersus(tier, cold, warm, theirs)
+        out[tier] = TierVersus(tier, cold, warm, theirs, _over_host_and_pool(run, tier))
     return out
+
+
+def _over_host_and_pool(run: WorkloadReport, tier: Medium) -> PairedRatio | None:
+    host, remote = run.tiers.get(Medium.HOST), run.tiers.get(tier)
+    if tier is not Medium.REMOTE or host is None or host.skipped or not run.pool_gbps or not remote.hit_tokens:
+        return None
+    token_bytes = remote.restored_bytes / remote.hit_tokens
+    pairs = [(r, h) for r, h in zip(remote.per_turn, host.per_turn, strict=False) if r.hit_tokens and h.hit_tokens]
+    return PairedRatio.of([r.ttft_warm_s for r, _ in pairs],
+                          [h.ttft_warm_s + r.hit_tokens * token_bytes / (run.pool_gbps * 1e9) for r, h in pairs])
 
 
 def version_note(lmcache: dict[str, Any] | LMCacheSkipped | None) -> str | None:

@@ -563,6 +563,8 @@ def run_bench_e2e(args: argparse.Namespace) -> int:
 def _print_versus(out: Console, report: E2EBenchReport) -> None:
     """Per tier: TTFT ours over plain transformers (cold) and over LMCache (warm), paired per
     turn, with LMCache's own figures beside ours."""
+    from kvstrata.media import Medium
+
     lmcache = report.lmcache if isinstance(report.lmcache, dict) else None
     title = "TTFT paired per turn (ours over the baseline timed next to it: median \\[lowest .. highest])"
     if lmcache:
@@ -584,6 +586,10 @@ def _print_versus(out: Console, report: E2EBenchReport) -> None:
             f"{report.run.tiers[tier].restore_gbps:.2f} / {theirs.get('restore_gbps') or 0.0:.2f}" if theirs else "-",
         )
     out.print(t)
+    remote = report.versus.get(Medium.REMOTE)
+    if remote is not None and remote.warm_over_host_and_pool is not None:
+        out.print(f"remote warm TTFT over the host tier's plus the bytes at the pool's measured "
+                  f"{report.run.pool_gbps:.2f} GB/s: {_paired(remote.warm_over_host_and_pool)}", highlight=False)
 
 
 def _paired(r: PairedRatio | None) -> str:

@@ -94,6 +94,8 @@ class WorkloadReport:
     Attributes:
         load_average: the host's 1-minute load average as the run began (None: unknown), and
             ``cpus`` its CPU count: restores this small swing with what else runs.
+        pool_gbps: the pool's measured get rate, decimal GB/s (the calibration's raw Mooncake
+            gets; None: not calibrated).
     """
 
     model_dir: Path
@@ -101,6 +103,7 @@ class WorkloadReport:
     tiers: dict[Medium, TierReport]
     load_average: float | None = None
     cpus: int | None = None
+    pool_gbps: float | None = None
 
     @property
     def prompts(self) -> tuple[tuple[int, ...], ...]:
