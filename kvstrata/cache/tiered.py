@@ -92,7 +92,7 @@ class TieredCache:
         match = self.manager.match(keys)
         if match.blocks < len(keys) and Medium.REMOTE in self._tiers and self._discover(keys[match.blocks :]):
             match = self.manager.match(keys)
-        self.metrics.lookup(match.media, len(keys) - match.blocks)
+        self.metrics.lookup(match.counts, len(keys) - match.blocks)
         return match
 
     def _discover(self, keys: list[BlockKey]) -> int:
