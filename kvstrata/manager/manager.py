@@ -135,17 +135,21 @@ class BlockManager:
         a shared pool by others): those not known yet, in order, until the table is full.
         Returns how many of ``keys`` are known there now, from the first (a leading run)."""
         table = self._tables[medium]
+        adopted: list[BlockKey] = []
         with self._lock:
-            for n, key in enumerate(keys):
-                if key in table:
-                    continue
-                try:
-                    table.prepare_store(key)
-                except TierFull:
-                    return n
-                table.complete_store(key, ok=True)
-                self._index.add(key, medium)
-            return len(keys)
+            try:
+                for n, key in enumerate(keys):
+                    if key in table:
+                        continue
+                    try:
+                        table.prepare_store(key)
+                    except TierFull:
+                        return n
+                    table.complete_store(key, ok=True)
+                    adopted.append(key)
+                return len(keys)
+            finally:
+                self._index.add_many(adopted, medium)  # one call: recovery adopts 100K blocks at a start
 
     def ready_keys(self, medium: Medium) -> list[BlockKey]:
         """The keys READY in a tier now (a snapshot, safe while other threads plan)."""

@@ -35,6 +35,10 @@ class BlockState(enum.Enum):
     READY = "ready"
     EVICTING = "evicting"
 
+    # Hashed by identity, in C, as Medium is: Enum's own __hash__ (of the name, in Python) cost
+    # ~0.5 us a call, two a state change (_ALLOWED), 100K state changes adopting a disk tier.
+    __hash__ = object.__hash__
+
 
 _ALLOWED = {
     (None, BlockState.WRITING),

@@ -28,10 +28,11 @@ the layout text and tag (UTF-8), ``count`` keys (16 bytes each), then ``count`` 
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -46,9 +47,9 @@ _HEAD = struct.Struct("<8sIHH")
 _CHECKSUM = struct.Struct("<Q")
 
 
-@dataclass(frozen=True)
-class Stamp:
-    """A block file as ``fstat`` saw it once it was whole."""
+class Stamp(NamedTuple):
+    """A block file as ``fstat`` saw it once it was whole (a tuple: recovery makes and compares
+    one per block, ~10x cheaper than a frozen dataclass)."""
 
     inode: int
     size_bytes: int
@@ -91,7 +92,9 @@ def decode(data: bytes, layout: str, namespace_tag: str) -> dict[BlockKey, Stamp
     inodes = np.frombuffer(body, "<u8", count, at).tolist()
     sizes = np.frombuffer(body, "<u8", count, at + 8 * count).tolist()
     mtimes = np.frombuffer(body, "<i8", count, at + 16 * count).tolist()
-    return {keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]: Stamp(inodes[i], sizes[i], mtimes[i]) for i in range(count)}
+    split = map(keys.__getitem__, map(slice, range(0, len(keys), KEY_BYTES), range(KEY_BYTES, len(keys) + 1, KEY_BYTES)))
+    # tuple.__new__ straight (in C): Stamp(...) and Stamp._make run Python code, ~1 us a block.
+    return dict(zip(split, map(tuple.__new__, itertools.repeat(Stamp), zip(inodes, sizes, mtimes))))
 
 
 def read(directory: Path, layout: str, namespace_tag: str) -> dict[BlockKey, Stamp]:

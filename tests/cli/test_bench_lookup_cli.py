@@ -47,3 +47,30 @@ def test_bench_lookup_prints_a_table():
         assert main(["bench", "lookup", "--tokens", "4096", "--repeats", "3", "--large-blocks", "2000"]) == 0
     text = out.getvalue()
     assert "xxh3 loop" in text and "TieredCache.lookup" in text and "goals met" in text
+
+
+def test_bench_restart_times_the_first_hit_after_each_restart(tmp_path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["bench", "restart", "--blocks", "300", "--repeats", "3", "--dir", str(tmp_path), "--json"])
+    assert code == 0
+    data = json.loads(out.getvalue())
+    times = data["times"]
+    assert times["blocks"] == times["recovered_blocks"] == 300
+    assert len(times["first_hit_s"]) == len(times["open_s"]) == 3
+    assert all(0 < o <= h for o, h in zip(times["open_s"], times["first_hit_s"]))
+    assert data["goals"] == []  # the goal names 100K blocks
+    assert list(tmp_path.iterdir()) == []  # the blocks are removed after
+
+
+def test_bench_restart_refuses_a_disk_without_room(tmp_path, monkeypatch):
+    import shutil
+
+    from kvstrata.bench import restart
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["bench", "restart", "--blocks", "300", "--dir", str(tmp_path)]) == 1
+    assert "no room for the blocks" in err.getvalue()
+    assert restart.HEADER_BYTES == 4096
