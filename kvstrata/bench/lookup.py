@@ -15,10 +15,10 @@ Everything runs in one process on the same random token ids (uint32, as engines 
   chained hash driven from Python, and the baseline of the goal. It yields the same keys as
   ``block_keys``.
 
-Method (:mod:`kvstrata.bench.rounds`): rounds; a variant's sample in a round is the mean of as
-many calls as fill :data:`SAMPLE_S` (a call at 256 tokens a block is ~0.2 ms), and the calls of
-the variants alternate one by one (ours, baseline, ours, baseline ...) in an order that rotates
-from round to round; the garbage collector is off. A ratio is the median over rounds of the
+Method (:mod:`kvstrata.bench.rounds`): rounds; a variant's sample in a round is the median of
+as many calls as fill :data:`SAMPLE_S` (a call at 256 tokens a block is ~0.2 ms), and the calls
+of the variants alternate one by one (ours, baseline, ours, baseline ...) in an order that
+rotates from round to round; the garbage collector is off. A ratio is the median over rounds of the
 ratio within each round, with the lowest and highest round's beside it.
 
 Scaling (:func:`index_scaling`): the same lookup (hash + match, all blocks present) against an
@@ -48,7 +48,7 @@ from kvstrata.index.prefix import PrefixIndex
 from kvstrata.media import Medium
 
 VOCAB = 128_256  # Llama 3's vocabulary: ids need the full 17 bits, as real prompts do
-SAMPLE_S = 2e-3  # each sample runs a variant back to back for about this long (timer and noise)
+SAMPLE_S = 5e-3  # each sample calls a variant about this long in all (its median is the sample)
 MAX_CALLS = 25
 
 
@@ -136,10 +136,11 @@ def _calls_per_sample(fn: Callable[[], object]) -> int:
 
 
 def _interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> Rounds:
-    """``repeats`` rounds; seconds per call of each variant. A round makes as many passes as
-    the slowest-to-fill variant needs; each pass calls every variant once, in an order that
-    rotates from round to round (ours, baseline, ours, baseline ...), so a burst of noise
-    lands on both sides of a ratio, not on one variant's whole sample."""
+    """``repeats`` rounds; a variant's sample in a round is the median of its calls' seconds.
+    A round makes as many passes as the variant with the most calls to make needs; each pass
+    calls every variant once, in an order that rotates from round to round (ours, baseline,
+    ours, baseline ...), so a burst of noise lands on both sides of a ratio, and a call that lost
+    the CPU midway (this is a shared machine) moves the median of its round little."""
     calls = {name: _calls_per_sample(fn) for name, fn in variants.items()}
     rounds = Rounds()
     names = list(variants)
@@ -147,17 +148,15 @@ def _interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> Rou
     with _no_gc():
         for r in range(repeats):
             order = rotated(names, r)
-            spent = dict.fromkeys(names, 0.0)
-            made = dict.fromkeys(names, 0)
+            spent: dict[str, list[float]] = {name: [] for name in names}
             for _ in range(max(calls.values())):
                 for name in order:
-                    if made[name] < calls[name]:
+                    if len(spent[name]) < calls[name]:
                         start = clock()
                         variants[name]()
-                        spent[name] += clock() - start
-                        made[name] += 1
+                        spent[name].append(clock() - start)
             for name in names:
-                rounds.add(name, spent[name] / made[name])
+                rounds.add(name, statistics.median(spent[name]))
     return rounds
 
 

@@ -54,8 +54,9 @@ class LookupBenchReport:
     lookups: dict[int, LookupTimes]  # per block size
     scaling: IndexScaling
     goals: tuple[Goal, ...]
-    method: str = ("rounds, the variants' calls alternating one by one in an order rotated per round; "
-                   "ratio = median over rounds of ours / baseline in the same round, with the lowest and highest")
+    method: str = ("rounds, the variants' calls alternating one by one in an order rotated per round; a sample = the "
+                   "median of a variant's calls in its round; ratio = median over rounds of ours / baseline in the "
+                   "same round, with the lowest and highest")
 
 
 def run_lookup_bench(config: LookupBenchConfig, progress: Progress | None = None) -> LookupBenchReport:

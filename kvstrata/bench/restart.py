@@ -4,8 +4,8 @@ after a restart (opening ``TieredCache`` on the directory).
 Set-up, untimed: a directory of ``blocks`` block files of a small layout (a 512-byte payload
 at 16 tokens a block: each file is one 4 KiB header page plus the payload, so 100K blocks
 take ~0.5 GB), written through a ``DiskTier`` under the cache's namespace for the keys of one
-long prompt; then, once the last write is :data:`SETTLED_S` old, a cache opened on it and closed
-once, as a cache that ran a while would leave it.
+long prompt; then, once the last write is ``diskmanifest.SETTLE_NS`` old (30 s), a cache opened on
+it and closed once, as a cache that ran a while would leave it.
 
 Each round, timed: open ``TieredCache`` on the directory (its disk tier recovers the blocks),
 look up the prompt's first block and load it (disk -> device), check its bytes; the time to
@@ -14,7 +14,7 @@ other file's in the directory) pages are evicted from the page cache before each
 (``POSIX_FADV_DONTNEED``; the kernel's inode and directory caches stay warm, which needs root
 to drop). The cache is closed after each round, untimed (its close is timed apart).
 
-The measuring functions use only the cache's public API, so the same code times any checkout.
+The restarts use only the cache's public API, so the same code times any checkout.
 The goal (:data:`kvstrata.bench.goals.RESTART_FIRST_HIT_S`) judges the slowest round's first hit.
 """
 
@@ -39,11 +39,11 @@ from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.progress import NoProgress, Progress
+from kvstrata.tiers import diskmanifest
 from kvstrata.tiers.disk import DiskTier
 
 HEADER_BYTES = 4096  # one page per block file (kvstrata.tiers.blockfile), for the space check
 GOAL_BLOCKS = 100_000
-SETTLED_S = 1.5  # past kvstrata.tiers.diskmanifest.SETTLE_NS: no block is "just written" at the close
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def build(config: RestartBenchConfig, disk_dir: Path, progress: Progress) -> flo
                 progress.step(f"writing blocks: {i + 1} of {len(keys)}")
     finally:
         tier.close()
-    time.sleep(SETTLED_S)  # the last writes are a while old, as in a cache that ran a while
+    time.sleep(diskmanifest.SETTLE_NS / 1e9)  # no block "just written" at the close: a cache that ran a while
     TieredCache(cache_cfg).close()  # what a cache that ran leaves behind
     return time.perf_counter() - start
 

@@ -27,11 +27,12 @@ Verification. Every read checks the header (magic, version, its own checksum, ke
 namespace tag, sizes), the file size (header + payload: catches truncation) and the xxh3_64 of
 every layer it read, piece by piece as it reads (``READ_CHUNK_BYTES``); a partial read verifies
 just its layers. Recovery at start never reads payloads: a block the manifest of the last close
-vouches for (``kvstrata.tiers.diskmanifest``: its file's inode, size and mtime unchanged since the
-tier wrote it) costs one ``stat``, and any other file has its header and size checked, one small
-read (~0.5 ms with the page cache cold, so 100K blocks without a manifest take ~50 s; see
-``kvstrata bench restart``). Payloads are checked on every read anyway, so a block whose payload
-rotted raises CorruptBlock on its first read and the caller drops it.
+vouches for (``kvstrata.tiers.diskmanifest``: its file still of the inode the tier wrote) costs
+no system call of its own, and any other file has its header and size checked, one small read
+(~0.5 ms with the page cache cold, so 100K blocks without a manifest take ~50 s; see ``kvstrata
+bench restart``). Every read checks header, size and layers anyway, so a block damaged in place
+(truncated, a bit flipped, its payload rotted) raises CorruptBlock on its first read and the
+caller drops it: it is never served.
 
 Read cap. ``read_gbps`` emulates slower storage: every ``read_into`` books its bytes (header and
 payload) on one virtual clock shared by all threads, at ``read_gbps`` decimal GB/s, and returns
@@ -118,8 +119,8 @@ class DiskTier(Tier):
         self._lock = threading.Lock()  # orders renames (write) against deletes (discard)
         self._temp_ids = itertools.count()
         self._removed: str | None = None  # why the tier takes no more blocks (its directory is gone)
-        # Each block's file as the tier last saw it whole (written, or verified at start): the
-        # manifest written on close, which lets the next start skip reading its header.
+        # Each block's file as the tier last saw it whole (written, or checked at start), in write
+        # order: the manifest written on close, which lets the next start skip reading its header.
         self._stamps: dict[BlockKey, diskmanifest.Stamp] | None = None  # None until recovery is done
         _private_directory(self.directory)
         self._lock_fd = _lock_directory(self.directory)
@@ -161,13 +162,14 @@ class DiskTier(Tier):
             with self._lock:
                 self._check_open()  # closed mid-write: the directory may be another tier's now
                 os.replace(temp, final)
-                self._stamps[key] = stamp
                 if self.fsync:
                     try:
                         os.fsync(self._dir_fd)  # the rename itself survives power loss
                     except BaseException:
                         _unlink_quietly(final)  # write raises, so the caller frees the slot
                         raise
+                self._stamps.pop(key, None)  # then last: the dict stays in write order, the manifest's
+                self._stamps[key] = stamp
         except FileNotFoundError:
             if os.fstat(self._dir_fd).st_nlink == 0:  # the directory itself was removed
                 self._removed = f"disk tier: its directory {self.directory} was removed while open; it takes no more blocks"
@@ -307,15 +309,15 @@ class DiskTier(Tier):
     def _recover_from_disk(self) -> list[BlockKey]:
         """Delete temp files and blocks that do not verify; return the rest, oldest first.
 
-        A block the manifest vouches for (its file's inode, size and mtime as the tier last saw
-        it whole) costs one ``stat``; any other has its header read and checked. Blocks beyond
-        capacity go, oldest write first; the survivors are listed in write order (adopted in
-        that order, LRU after a restart evicts the least recently *written*).
+        A block the manifest vouches for, whose file has the inode it saw (``scandir`` gives it:
+        no system call per block), is taken as it is; any other file has its header and size
+        checked. Blocks beyond capacity go, oldest write first; the survivors are listed in
+        write order (adopted in that order, LRU after a restart evicts the least recently
+        *written*).
         """
-        vouched = diskmanifest.read(self.directory, self._layout_text, self.namespace_tag)
-        stamps: dict[BlockKey, diskmanifest.Stamp] = {}
-        # Per file: a name match, a dict probe, a stat; no object kept but the key (100K blocks
-        # at a start: every allocation is a share of the garbage collector's passes too).
+        vouched = diskmanifest.read(self.directory, self._layout_text, self.namespace_tag)  # in write order
+        present: set[BlockKey] = set()  # vouched for, and there
+        checked: dict[BlockKey, diskmanifest.Stamp] = {}  # not vouched for, and its header checks out
         with os.scandir(self.directory) as entries:
             for entry in entries:
                 match = _BLOCK_NAME.fullmatch(entry.name)
@@ -327,14 +329,19 @@ class DiskTier(Tier):
                     continue
                 key = bytes.fromhex(match[1])
                 stamp = vouched.get(key)
+                if stamp is not None and stamp.inode == entry.inode():
+                    present.add(key)
+                    continue
                 try:
-                    if stamp is None or stamp.inode != entry.inode() or not _unchanged(stamp, entry):
-                        stamp = self._verified_stamp(entry.path, key)
+                    checked[key] = self._verified_stamp(entry.path, key)
                 except (CorruptBlock, OSError):
                     _unlink_quietly(entry.path)
-                    continue
-                stamps[key] = stamp
-        found = sorted(sorted(stamps), key=lambda key: stamps[key].mtime_ns)  # by mtime, then name (stable)
+        # In the manifest's order (write order); with nothing gone, the manifest's own dict.
+        stamps = vouched if len(present) == len(vouched) else {k: s for k, s in vouched.items() if k in present}
+        if checked:
+            stamps.update(checked)
+            stamps = {key: stamps[key] for key in sorted(stamps, key=lambda key: (stamps[key].mtime_ns, key))}
+        found = list(stamps)
         excess = max(0, len(found) - self.capacity_blocks)
         if excess:
             _log.warning("disk tier %s: %d blocks found, %d fit its capacity (%d bytes): deleting the %d oldest "
@@ -441,12 +448,6 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> bool:
             return False
         view, offset = view[got:], offset + got
     return True
-
-
-def _unchanged(stamp: diskmanifest.Stamp, entry: os.DirEntry) -> bool:
-    """Whether ``entry``'s file is still as ``stamp`` saw it (one ``lstat``)."""
-    st = entry.stat(follow_symlinks=False)
-    return stamp.size_bytes == st.st_size and stamp.mtime_ns == st.st_mtime_ns and stamp.inode == st.st_ino
 
 
 def _unlink_quietly(path: str | os.PathLike[str]) -> None:

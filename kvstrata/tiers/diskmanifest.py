@@ -1,25 +1,28 @@
 """The disk tier's manifest: what it wrote, so a restart need not read every block's header.
 
 Why. Recovery used to open every block file and read and check its header: one small random
-read per block, ~0.5 ms each with the page cache cold, so 100K blocks took ~50 s before the
-first hit. A manifest lets it trust a file it wrote itself, by a ``stat`` that shows the file is
-still the one it wrote: same inode (the ``os.replace`` of a write makes a new one), size (a
-truncation changes it) and modification time to the nanosecond (a write into it changes it).
+read per block, ~0.5 ms each with the page cache cold, so 100K blocks took ~50 s (~24 s warm)
+before the first hit. A manifest lets it take a file it wrote itself as it is, with no system
+call per block: ``scandir`` gives each file's name and inode, and a file whose inode is the one
+the manifest holds is the file the tier wrote (a write or a copy in its place, by ``os.replace``,
+is another inode).
 
 What it holds. The tier writes it on close (atomically: a temp file renamed over it): the
-layout and namespace tag of the tier, then one :class:`Stamp` per block, as ``fstat`` saw the
-block's file when the tier had just written it (or verified it at a start). A block written in
-the last :data:`SETTLE_NS` before the close is left out: a file system stamps times at its clock's
-tick (1-10 ms), so a write into the file within the same tick could leave every field as it was;
-left out, the block's header is checked at the next start like any file the manifest does not
-vouch for.
+layout and namespace tag of the tier, then one :class:`Stamp` per block (inode, size, mtime as
+``fstat`` saw the file when the tier had just written it, or checked it at a start), in write
+order: the order a start adopts the blocks in (LRU evicts the least recently written first).
+Without ``fsync``, a block written in the last :data:`SETTLE_NS` before the close is left out:
+its bytes may still be dirty in the page cache (the kernel writes them back within ~30 s), so a
+power loss soon after the close could leave it torn under its name; left out, its header is
+checked at the next start like any file the manifest does not vouch for.
 
-What it does not do. It vouches for headers, never for payloads: every read still checks the
-header, the file size and each layer's checksum (``kvstrata.tiers.disk``), so a block that rotted
-on the platter is never served whatever the manifest says. A manifest of another layout or
-namespace, of another version, or whose own checksum fails is ignored (every header is read,
-as without one); one left by a tier that crashed is stale but safe: it vouches only for files
-whose stamp still matches, and every other file is checked.
+What it does not do. It vouches for a file's identity, not its bytes: a file damaged in place
+(truncated, a bit flipped: same inode) is taken at the start, and its first read fails, since
+every read checks the header, the file size and each layer's checksum (``kvstrata.tiers.disk``)
+and the cache then drops the block: no damaged block is ever served, whatever the manifest says.
+A manifest of another layout or namespace, or whose own checksum fails, is ignored (every header
+is read, as without one); one left by a tier that crashed is stale but safe: it vouches only for
+files still of the inode it saw, and every other file is checked.
 
 Format, little-endian: magic ``b"KVSMANI1"``, u32 count, u16 layout length, u16 tag length,
 the layout text and tag (UTF-8), ``count`` keys (16 bytes each), then ``count`` each of inode
@@ -42,7 +45,7 @@ from kvstrata.index.keys import KEY_BYTES, BlockKey
 NAME = ".manifest"
 TEMP_NAME = ".manifest.tmp"
 MAGIC = b"KVSMANI1"
-SETTLE_NS = 1_000_000_000  # a block younger than this at close is not vouched for (see the module text)
+SETTLE_NS = 30_000_000_000  # without fsync, a block younger than this at close is not vouched for (module text)
 _HEAD = struct.Struct("<8sIHH")
 _CHECKSUM = struct.Struct("<Q")
 
@@ -108,12 +111,14 @@ def read(directory: Path, layout: str, namespace_tag: str) -> dict[BlockKey, Sta
 
 def write(directory: Path, layout: str, namespace_tag: str, stamps: dict[BlockKey, Stamp], now_ns: int,
           fsync: bool, mode: int) -> None:
-    """Replace the manifest with ``stamps``, less those younger than :data:`SETTLE_NS` at ``now_ns``.
+    """Replace the manifest with ``stamps`` (in write order: the order a start adopts them in),
+    less those younger than :data:`SETTLE_NS` at ``now_ns`` unless ``fsync``.
 
     Raises:
         OSError: it could not be written (the old one, if any, stays: stale is safe).
     """
-    settled = {key: s for key, s in stamps.items() if s.mtime_ns <= now_ns - SETTLE_NS}
+    oldest = now_ns - (0 if fsync else SETTLE_NS)  # fsynced writes are on the disk when they return
+    settled = {key: s for key, s in stamps.items() if s.mtime_ns <= oldest}
     data = encode(layout, namespace_tag, settled)
     temp = directory / TEMP_NAME
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
