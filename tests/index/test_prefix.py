@@ -111,9 +111,10 @@ def test_a_key_repeated_after_the_first_miss_ends_the_match_at_the_first_miss():
     assert index.match([seq[0], seq[1], seq[2], seq[1]], 16).keys == (seq[0],)
 
 
-@pytest.mark.parametrize("pattern", ["one run", "a few runs", "interleaved block by block"])
+@pytest.mark.parametrize("pattern", ["one run", "a few runs", "runs ending as they began", "interleaved block by block"])
 def test_counts_are_the_blocks_per_fastest_medium(pattern):
     media = {"one run": [H] * 300, "a few runs": [D] * 5 + [H] * 200 + [K] * 7 + [H] * 3,
+             "runs ending as they began": [H] * 3 + [D] * 2 + [H] * 4,
              "interleaved block by block": [D, H, K, R, H] * 60}[pattern]
     match = Match(tuple(keys(len(media))), tuple(media), 16, len(media))
     expected = {m: media.count(m) for m in Medium if m in media}
