@@ -6,7 +6,8 @@ from __future__ import annotations
 import collections
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -26,6 +27,7 @@ class CacheMetrics:
             "kvstrata_lookup_blocks", "Blocks found by lookups, by the fastest tier holding them", ["tier"],
             registry=self.registry,
         )
+        self._hit_children: dict[Medium, Any] = {}  # labels() of _hits per tier: a lookup skips its lock and parse
         self._misses = Counter("kvstrata_lookup_miss_blocks", "Full blocks lookups did not find", registry=self.registry)
         self._bytes = Counter(
             "kvstrata_moved_bytes", "Bytes moved between tiers", ["src", "dst"], registry=self.registry
@@ -45,14 +47,17 @@ class CacheMetrics:
         self.moved_bytes: dict[tuple[Medium, Medium], int] = {}
         self.failed_legs: collections.Counter[tuple[Medium, Failure]] = collections.Counter()
 
-    def lookup(self, media: tuple[Medium, ...], missed: int) -> None:
-        found = collections.Counter(media)  # blocks per fastest tier
+    def lookup(self, found: Mapping[Medium, int], missed: int) -> None:
+        """A lookup found ``found`` blocks per fastest tier (``Match.counts``) and missed ``missed``."""
         with self._lock:
             for m, blocks in found.items():
                 self.hit_blocks[m] += blocks
             self.miss_blocks += missed
         for m, blocks in found.items():
-            self._hits.labels(m.label).inc(blocks)
+            hits = self._hit_children.get(m)
+            if hits is None:  # a tier's series appears at its first hit, as labels() makes it
+                hits = self._hit_children.setdefault(m, self._hits.labels(m.label))
+            hits.inc(blocks)
         if missed:
             self._misses.inc(missed)
 

@@ -67,7 +67,7 @@ class CacheBenchConfig:
         directory: where scratch files go (a temporary directory inside it, removed after);
             None: the system's temporary directory.
         lmcache: measure LMCache too, when it imports.
-        lookup_repeats: timed runs of each hash+lookup variant.
+        lookup_repeats: timed rounds of the hash+lookup variants (interleaved: ``kvstrata.bench.lookup``).
     """
 
     size_bytes: int = 512 * MIB

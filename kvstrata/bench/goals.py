@@ -6,7 +6,7 @@ Ratio goals use the paired ratios of the report (ours over the baseline of the s
 when LMCache did not run.
 
 A goal names the figure it judges with the benchmark's own key: a member of
-:class:`CacheFigure` or :class:`RemoteFigure` (the JSON holds its value), or for ``bench sim``,
+:class:`CacheFigure`, :class:`LookupFigure` or :class:`RemoteFigure` (the JSON holds its value), or for ``bench sim``,
 whose figures are data (a trace and an architecture), a ``"<trace> <arch>"`` id.
 """
 
@@ -32,6 +32,14 @@ class CacheFigure(enum.Enum):
     @staticmethod
     def lookup(block_size: int) -> CacheFigure:
         return CacheFigure(f"hash+lookup 128K, block {block_size}")
+
+
+class LookupFigure(enum.Enum):
+    """The figures of ``bench lookup`` and ``bench restart`` beside the hash+lookup ones of
+    :class:`CacheFigure` (which ``bench lookup`` judges too)."""
+
+    SCALING = "lookup, 1M blocks indexed of 1K"
+    RESTART = "disk restart, first hit"
 
 
 class RemoteFigure(enum.Enum):
@@ -62,7 +70,7 @@ class Goal:
         passed: the verdict.
     """
 
-    figure: CacheFigure | RemoteFigure | str
+    figure: CacheFigure | LookupFigure | RemoteFigure | str
     goal: str
     value: float
     target: float
@@ -77,12 +85,14 @@ HOST_STORE_OF_COPY = 0.95
 HOST_RESTORE_OF_COPY = 0.98
 DISK_WARM_OF_COPY = 0.80
 DISK_COLD_OF_RAW_READ = 0.90
-LOOKUP_MS = {256: 0.2, 16: 2.0}  # per block size: hashing and looking up 128K tokens
+LOOKUP_OF_XXH3 = 1.2  # hash + lookup of 128K tokens, of the bare chained xxh3-128 loop (time, at most)
+LOOKUP_1M_OF_1K = 1.2  # the lookup with 1M blocks indexed, of the same with 1K (time, at most)
+RESTART_FIRST_HIT_S = 10.0  # open a disk tier of 100K blocks and serve a hit from it (at most)
 REMOTE_OF_RAW = 0.90  # the remote tier's restore and store, of raw Mooncake calls on the same bytes
 SEALED_OF_UNSEALED = 0.90  # restores of authenticated pool values, of unauthenticated ones
 SIM_WALL_S = 5.0  # one simulation of a trace, one architecture, on one core (kvstrata bench sim)
 
 
-def goals_for(figure: CacheFigure | RemoteFigure, judged: tuple[Goal, ...]) -> list[Goal]:
+def goals_for(figure: CacheFigure | LookupFigure | RemoteFigure, judged: tuple[Goal, ...]) -> list[Goal]:
     """The goals of ``figure``, in order."""
     return [g for g in judged if g.figure is figure]

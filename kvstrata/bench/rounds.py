@@ -84,6 +84,21 @@ class Compared:
 
 
 @dataclass(frozen=True)
+class Spread:
+    """A paired ratio with its spread: the median over rounds of the ratio within each round,
+    the lowest and highest round's, and how many rounds."""
+
+    median: float
+    min: float
+    max: float
+    rounds: int
+
+    @staticmethod
+    def of(values: Sequence[float]) -> Spread:
+        return Spread(statistics.median(values), min(values), max(values), len(values))
+
+
+@dataclass(frozen=True)
 class Environment:
     """What the figures were measured on."""
 
@@ -129,6 +144,11 @@ class Rounds:
         """Median over rounds of ours' time / base's time (for latencies: < 1 is faster)."""
         pairs = zip(self.seconds[ours], self.seconds[base], strict=True)
         return statistics.median(o / b for o, b in pairs)
+
+    def time_ratio_spread(self, ours: str, base: str) -> Spread:
+        """:meth:`time_ratio` with the lowest and highest round's ratio beside it."""
+        pairs = zip(self.seconds[ours], self.seconds[base], strict=True)
+        return Spread.of([o / b for o, b in pairs])
 
     def rate_vs(self, ours: str, base: str, size_bytes: int) -> Compared:
         """Ours' rate beside base's, ``size_bytes`` moved per round by each."""

@@ -17,9 +17,11 @@ dropped from its tier and ends the match there, so wrong KV is never served.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -41,6 +43,21 @@ from kvstrata.tiers.base import Tier
 from kvstrata.transfer.worker import TransferResult, TransferWorker
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the cache opens: recovery makes a few objects
+    per block it finds (100K on a disk tier at a start), all long-lived, and the collections their
+    allocation set off walked every object in the process for nothing: a third of the time to
+    open such a cache (``kvstrata bench restart``). Turned back on after only if it was on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class TieredCache:
     """See the module docstring. ``tiers``: the tiers to use (the device tier required),
     instead of those ``config`` describes; the cache closes them."""
@@ -49,16 +66,17 @@ class TieredCache:
         self.config = config
         self.layout = config.layout
         self.metrics = CacheMetrics()
-        tiers, self._remote_error = build_tiers(config) if tiers is None else (tiers, None)
-        self._tiers = check_tiers(tiers, config)
-        try:
-            self.manager = block_manager(self._tiers, config)  # reconciles its view of a pool that comes back
-            for tier in self._tiers.values():
-                self.manager.adopt(tier.medium, tier.recover())
-        except BaseException:
-            for tier in self._tiers.values():
-                tier.close()
-            raise
+        with _collector_paused():
+            tiers, self._remote_error = build_tiers(config) if tiers is None else (tiers, None)
+            self._tiers = check_tiers(tiers, config)
+            try:
+                self.manager = block_manager(self._tiers, config)  # reconciles its view of a pool that comes back
+                for tier in self._tiers.values():
+                    self.manager.adopt(tier.medium, tier.recover())
+            except BaseException:
+                for tier in self._tiers.values():
+                    tier.close()
+                raise
         self._worker = TransferWorker(self._tiers, config.workers)
         self._outcomes = Outcomes(self.manager, self.metrics)
         self._namespaces: dict[str, Namespace] = {}
@@ -92,7 +110,7 @@ class TieredCache:
         match = self.manager.match(keys)
         if match.blocks < len(keys) and Medium.REMOTE in self._tiers and self._discover(keys[match.blocks :]):
             match = self.manager.match(keys)
-        self.metrics.lookup(match.media, len(keys) - match.blocks)
+        self.metrics.lookup(match.counts, len(keys) - match.blocks)
         return match
 
     def _discover(self, keys: list[BlockKey]) -> int:

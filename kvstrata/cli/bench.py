@@ -7,7 +7,7 @@ shared-memory modes, and time to first byte. ``bench sim``: wall seconds of the 
 simulator per architecture on the Mooncake trace and on a 12,000-request tiling of it, beside a
 plain replay of the same trace (``analyze``). ``bench recompute``: load or recompute on the tiny
 model over capped disk rates. ``bench e2e``: the workload of ``kvstrata demo`` with LMCache
-beside it. Progress goes to stderr; ``--json`` prints the report alone on stdout
+beside it. ``bench lookup`` and ``bench restart``: see ``kvstrata.cli.bench_lookup``. Progress goes to stderr; ``--json`` prints the report alone on stdout
 (:func:`kvstrata.report.to_json`). Every table, and every label in it, is made here. Decimal
 GB/s (1 GB = 1e9 bytes).
 """
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvstrata.bench.goals import Goal
     from kvstrata.bench.recompute import RecomputeBenchReport
     from kvstrata.bench.remote_report import RemoteBenchReport
+    from kvstrata.bench.rounds import Spread
     from kvstrata.bench.sim import SimBenchReport
 
 MIB = 1 << 20
@@ -41,7 +42,7 @@ R = TypeVar("R")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench cache``, ``remote``, ``sim``, ``e2e`` and ``recompute``."""
+    """Add ``bench cache``, ``remote``, ``sim``, ``e2e``, ``recompute``, ``lookup`` and ``restart``."""
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: ours beside baselines measured in the same run",
@@ -129,6 +130,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e2e.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     e2e.add_argument("--lmcache-python", metavar="EXE", help="python of a venv with lmcache (default: .venv-lmcache)")
 
+    from kvstrata.cli import bench_lookup  # here: it imports this module's helpers
+
+    bench_lookup.register(bench)
+
 
 def _kv_args(p: argparse.ArgumentParser, size_mib: int, blocks: int, what: str) -> None:
     """The bytes a benchmark moves: how many, in how many blocks, of which model's KV."""
@@ -180,6 +185,11 @@ def _gbps(value: float) -> str:
 
 def _x(value: float) -> str:
     return f"{value:.2f}x"
+
+
+def spread_x(spread: Spread) -> str:
+    """A paired ratio with its spread: ``1.05x (0.98-1.20)``."""
+    return f"{spread.median:.2f}x ({spread.min:.2f}-{spread.max:.2f})"
 
 
 def _ms2(value: float) -> str:
@@ -256,7 +266,7 @@ def _print_cache(report: CacheBenchReport) -> None:
     for bs, times in report.lookup_128k.items():
         rows.append((
             CacheFigure.lookup(bs), f"hash+lookup 128K, block {bs}", "keys + match; time ratio", f"{times.ours_ms:.3f} ms",
-            f"vLLM sha256 {times.sha256_pickle_ms:.2f} ms", f"{times.ours_ms / times.sha256_pickle_ms:.2f}x", none,
+            f"xxh3 loop {times.xxh3_loop_ms:.3f} ms", spread_x(times.ours_of_xxh3), none,
         ))
 
     title = (

@@ -1,14 +1,21 @@
 """The prefix index: which tiers hold each block, and the longest cached prefix of a sequence.
 
-One dict maps a block key to a bitmask of the media holding it READY. The block manager keeps
-it in step with every tier's block table (it adds a medium when a block becomes READY there,
-removes it when the block leaves). A lookup is one dict probe per block, in C (``map``).
+Two dicts keyed by block key, kept in step under one lock: the bitmask of the media holding the
+block READY, and the fastest of them. The block manager keeps them in step with every tier's
+block table (it adds a medium when a block becomes READY there, removes it when the block
+leaves). A lookup is one probe per block of the second dict, in C (``map``), up to the first
+miss; its values are the match's media as they stand, so no block costs Python bytecode. A
+probe costs the same at 1K and 1M entries but for the CPU cache misses of a bigger table
+(``kvstrata bench lookup`` measures both).
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.media import FASTEST_BY_MASK, Medium
@@ -39,39 +46,77 @@ class Match:
         return self.blocks * self.block_size
 
     def count(self, medium: Medium) -> int:
-        return sum(1 for m in self.media if m is medium)
+        return self.counts.get(medium, 0)
+
+    @cached_property
+    def counts(self) -> dict[Medium, int]:
+        """Matched blocks per fastest medium, media with none left out."""
+        # By runs: a prefix is one run or a few (device blocks, then host, then disk). One run is
+        # a tuple.count (identity compares, in C); a few are walked by groupby, in C, ~20 ns a
+        # block, where hashing each Medium for a Counter costs ~50. Past RUNS_COUNTED runs (media
+        # interleaved block by block) a Counter.
+        if not self.media:
+            return {}
+        first = self.media[0]
+        if self.media[-1] is first and self.media.count(first) == len(self.media):  # one run: a few ns a block
+            return {first: len(self.media)}
+        counts: dict[Medium, int] = {}
+        for i, (medium, run) in enumerate(itertools.groupby(self.media)):
+            if i == RUNS_COUNTED:
+                return dict(collections.Counter(self.media))
+            counts[medium] = counts.get(medium, 0) + len(list(run))
+        return counts
+
+
+RUNS_COUNTED = 64
 
 
 class PrefixIndex:
+    """Where each block is READY (see the module text); thread-safe."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._where: dict[BlockKey, int] = {}
+        self._mask: dict[BlockKey, int] = {}  # never 0: a key on no medium is not in either dict
+        self._fastest: dict[BlockKey, Medium] = {}  # FASTEST_BY_MASK[self._mask[key]], same keys
 
     def add(self, key: BlockKey, medium: Medium) -> None:
         with self._lock:
-            self._where[key] = self._where.get(key, 0) | medium.bit
+            mask = self._mask.get(key, 0) | medium.bit
+            self._mask[key] = mask
+            self._fastest[key] = FASTEST_BY_MASK[mask]
+
+    def add_many(self, keys: list[BlockKey], medium: Medium) -> None:
+        """:meth:`add` of each of ``keys`` (recovery adopts a whole tier at once)."""
+        with self._lock:
+            mask_of, fastest = self._mask, self._fastest
+            for key in keys:
+                mask = mask_of.get(key, 0) | medium.bit
+                mask_of[key] = mask
+                fastest[key] = FASTEST_BY_MASK[mask]
 
     def discard(self, key: BlockKey, medium: Medium) -> None:
         with self._lock:
-            mask = self._where.get(key, 0) & ~medium.bit
+            mask = self._mask.get(key, 0) & ~medium.bit
             if mask:
-                self._where[key] = mask
+                self._mask[key] = mask
+                self._fastest[key] = FASTEST_BY_MASK[mask]
             else:
-                self._where.pop(key, None)
+                self._mask.pop(key, None)
+                self._fastest.pop(key, None)
 
     def media(self, key: BlockKey) -> tuple[Medium, ...]:
         with self._lock:
-            return Medium.from_mask(self._where.get(key, 0))
+            return Medium.from_mask(self._mask.get(key, 0))
 
     def match(self, keys: list[BlockKey], block_size: int) -> Match:
+        fastest = self._fastest
         with self._lock:
-            masks = list(map(self._where.get, keys))
-        try:
-            n = masks.index(None)
-        except ValueError:
-            n = len(masks)
-        return Match(tuple(keys[:n]), tuple(map(FASTEST_BY_MASK.__getitem__, masks[:n])), block_size, len(keys))
+            try:  # a probe a block, in C; a miss stops it, and nothing past the miss is probed
+                return Match(tuple(keys), tuple(map(fastest.__getitem__, keys)), block_size, len(keys))
+            except KeyError as miss:
+                n = keys.index(miss.args[0])  # the first miss: every earlier key was found
+                return Match(tuple(keys[:n]), tuple(map(fastest.__getitem__, keys[:n])), block_size, len(keys))
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._where)
+            return len(self._mask)

@@ -134,18 +134,10 @@ class BlockManager:
         """Record blocks found READY in a tier without a plan (recovered from disk, written to
         a shared pool by others): those not known yet, in order, until the table is full.
         Returns how many of ``keys`` are known there now, from the first (a leading run)."""
-        table = self._tables[medium]
         with self._lock:
-            for n, key in enumerate(keys):
-                if key in table:
-                    continue
-                try:
-                    table.prepare_store(key)
-                except TierFull:
-                    return n
-                table.complete_store(key, ok=True)
-                self._index.add(key, medium)
-            return len(keys)
+            adopted = self._tables[medium].adopt(keys)
+            self._index.add_many(adopted.new, medium)
+            return adopted.known
 
     def ready_keys(self, medium: Medium) -> list[BlockKey]:
         """The keys READY in a tier now (a snapshot, safe while other threads plan)."""

@@ -26,10 +26,13 @@ can leave a file that fails verification, which is then never served.
 Verification. Every read checks the header (magic, version, its own checksum, key, layout,
 namespace tag, sizes), the file size (header + payload: catches truncation) and the xxh3_64 of
 every layer it read, piece by piece as it reads (``READ_CHUNK_BYTES``); a partial read verifies
-just its layers. Recovery at start checks headers and file sizes only, one small read per block
-rather than reading the whole disk (20k blocks: 0.3 s with the page cache warm, 1.9 s cold, on
-the VM of the benchmark); payloads are checked on every read anyway, so a block whose payload
-rotted raises CorruptBlock on its first read and the caller drops it.
+just its layers. Recovery at start never reads payloads: a block the manifest of the last close
+vouches for (``kvstrata.tiers.diskmanifest``: its file still of the inode the tier wrote) costs
+no system call of its own, and any other file has its header and size checked, one small read
+(~0.5 ms with the page cache cold, so 100K blocks without a manifest take ~50 s; see ``kvstrata
+bench restart``). Every read checks header, size and layers anyway, so a block damaged in place
+(truncated, a bit flipped, its payload rotted) raises CorruptBlock on its first read and the
+caller drops it: it is never served.
 
 Read cap. ``read_gbps`` emulates slower storage: every ``read_into`` books its bytes (header and
 payload) on one virtual clock shared by all threads, at ``read_gbps`` decimal GB/s, and returns
@@ -58,7 +61,7 @@ from kvstrata.errors import CorruptBlock, TierUnavailable
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.tiers import blockfile
+from kvstrata.tiers import blockfile, diskmanifest
 from kvstrata.tiers.base import Tier
 
 _log = logging.getLogger("kvstrata.tiers")
@@ -116,6 +119,9 @@ class DiskTier(Tier):
         self._lock = threading.Lock()  # orders renames (write) against deletes (discard)
         self._temp_ids = itertools.count()
         self._removed: str | None = None  # why the tier takes no more blocks (its directory is gone)
+        # Each block's file as the tier last saw it whole (written, or checked at start), in write
+        # order: the manifest written on close, which lets the next start skip reading its header.
+        self._stamps: dict[BlockKey, diskmanifest.Stamp] | None = None  # None until recovery is done
         _private_directory(self.directory)
         self._lock_fd = _lock_directory(self.directory)
         self._dir_fd: int | None = None
@@ -150,6 +156,7 @@ class DiskTier(Tier):
                 _write_all(fd, [memoryview(header), memoryview(payload.reshape(-1))])
                 if self.fsync:
                     os.fsync(fd)
+                stamp = diskmanifest.Stamp.of(os.fstat(fd))  # whole: the manifest vouches for this
             finally:
                 os.close(fd)
             with self._lock:
@@ -161,6 +168,8 @@ class DiskTier(Tier):
                     except BaseException:
                         _unlink_quietly(final)  # write raises, so the caller frees the slot
                         raise
+                self._stamps.pop(key, None)  # then last: the dict stays in write order, the manifest's
+                self._stamps[key] = stamp
         except FileNotFoundError:
             if os.fstat(self._dir_fd).st_nlink == 0:  # the directory itself was removed
                 self._removed = f"disk tier: its directory {self.directory} was removed while open; it takes no more blocks"
@@ -216,6 +225,7 @@ class DiskTier(Tier):
         with self._lock:
             self._check_open()
             _unlink_quietly(self._path(key))
+            self._stamps.pop(key, None)
 
     def recover(self) -> list[BlockKey]:
         """The blocks the constructor found intact, oldest write first (at most ``capacity_blocks``).
@@ -226,12 +236,15 @@ class DiskTier(Tier):
         return list(self._recovered)
 
     def close(self) -> None:
-        """Release the directory (its lock); the files stay for the next tier to recover.
+        """Write the manifest, release the directory (its lock); the files stay for the next
+        tier to recover.
 
         Idempotent; afterwards ``write``, ``read_into`` and ``discard`` raise RuntimeError,
         since another tier may own the directory by then.
         """
         with self._lock:
+            if self._lock_fd is not None and self._stamps is not None and self._removed is None:
+                self._write_manifest()
             for name in ("_dir_fd", "_lock_fd"):
                 fd = getattr(self, name)
                 if fd is not None:
@@ -296,39 +309,72 @@ class DiskTier(Tier):
     def _recover_from_disk(self) -> list[BlockKey]:
         """Delete temp files and blocks that do not verify; return the rest, oldest first.
 
-        Blocks beyond capacity go, oldest write first; the survivors are listed in write order
-        (adopted in that order, LRU after a restart evicts the least recently *written*).
+        A block the manifest vouches for, whose file has the inode it saw (``scandir`` gives it:
+        no system call per block), is taken as it is; any other file has its header and size
+        checked. Blocks beyond capacity go, oldest write first; the survivors are listed in
+        write order (adopted in that order, LRU after a restart evicts the least recently
+        *written*).
         """
-        found: list[tuple[int, str, BlockKey]] = []  # (mtime_ns, name, key)
+        vouched = diskmanifest.read(self.directory, self._layout_text, self.namespace_tag)  # in write order
+        present: set[BlockKey] = set()  # vouched for, and there
+        checked: dict[BlockKey, diskmanifest.Stamp] = {}  # not vouched for, and its header checks out
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                if _TEMP_NAME.fullmatch(entry.name):
-                    _unlink_quietly(entry.path)
-                    continue
                 match = _BLOCK_NAME.fullmatch(entry.name)
-                if match is None or not entry.is_file(follow_symlinks=False):
-                    continue  # not ours (.lock, sub-directories of other namespaces, ...)
+                if match is None:
+                    if _TEMP_NAME.fullmatch(entry.name) or entry.name == diskmanifest.TEMP_NAME:
+                        _unlink_quietly(entry.path)
+                    continue  # not ours (.lock, .manifest, sub-directories of other namespaces, ...)
+                if not entry.is_file(follow_symlinks=False):
+                    continue
                 key = bytes.fromhex(match[1])
+                stamp = vouched.get(key)
+                if stamp is not None and stamp.inode == entry.inode():
+                    present.add(key)
+                    continue
                 try:
-                    fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        self._verified_header(fd, key)
-                        mtime_ns = os.fstat(fd).st_mtime_ns
-                    finally:
-                        os.close(fd)
+                    checked[key] = self._verified_stamp(entry.path, key)
                 except (CorruptBlock, OSError):
                     _unlink_quietly(entry.path)
-                    continue
-                found.append((mtime_ns, entry.name, key))
-        found.sort()
+        # In the manifest's order (write order); with nothing gone, the manifest's own dict.
+        stamps = vouched if len(present) == len(vouched) else {k: s for k, s in vouched.items() if k in present}
+        if checked:
+            stamps.update(checked)
+            stamps = {key: stamps[key] for key in sorted(stamps, key=lambda key: (stamps[key].mtime_ns, key))}
+        found = list(stamps)
         excess = max(0, len(found) - self.capacity_blocks)
         if excess:
             _log.warning("disk tier %s: %d blocks found, %d fit its capacity (%d bytes): deleting the %d oldest "
                          "(%d bytes)", self.directory, len(found), self.capacity_blocks, self.capacity_bytes, excess,
                          excess * self.layout.block_bytes)
-        for _, name, _ in found[:excess]:
-            _unlink_quietly(self.directory / name)
-        return [key for _, _, key in found[excess:]]
+        for key in found[:excess]:
+            _unlink_quietly(self._path(key))
+            del stamps[key]
+        self._stamps = stamps
+        return found[excess:]
+
+    def _verified_stamp(self, path: str, key: BlockKey) -> diskmanifest.Stamp:
+        """The stamp of the block file at ``path`` once its header checks out for ``key``.
+
+        Raises:
+            CorruptBlock, OSError: it does not (the caller deletes it).
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._verified_header(fd, key)
+            return diskmanifest.Stamp.of(os.fstat(fd))
+        finally:
+            os.close(fd)
+
+    def _write_manifest(self) -> None:
+        """The manifest of the blocks here now (under the lock, at close); a failure is logged:
+        the next start then reads the headers a stale or missing manifest does not vouch for."""
+        try:
+            diskmanifest.write(self.directory, self._layout_text, self.namespace_tag, self._stamps, time.time_ns(),
+                               self.fsync, FILE_MODE)
+        except OSError as error:
+            _log.warning("disk tier %s: no manifest written (%s); the next start reads every header it does not vouch for", self.directory,
+                         error)
 
     # --- helpers ------------------------------------------------------------------------------
 

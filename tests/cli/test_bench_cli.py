@@ -43,6 +43,8 @@ def test_json_has_every_tier_and_figure(report):
         assert device[key] > 0, key
     assert set(data["lookup_128k_ms"]) == {"256", "16"}
     assert all(ms > 0 for ms in data["lookup_128k_ms"].values())
+    for times in data["lookup_128k"].values():  # judged as a paired ratio to the bare xxh3 loop
+        assert 0 < times["ours_of_xxh3"]["min"] <= times["ours_of_xxh3"]["median"] <= times["ours_of_xxh3"]["max"]
     assert len(host["runs_gbps"]["ours.host.restore"]) == 5  # 5 repeats; the warm-up round is not kept
 
 

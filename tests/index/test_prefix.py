@@ -105,6 +105,34 @@ def test_a_missing_first_block_matches_nothing_even_if_later_blocks_are_cached()
     assert index.match(seq, 16).blocks == 0
 
 
+def test_a_key_repeated_after_the_first_miss_ends_the_match_at_the_first_miss():
+    seq = keys(4)
+    index = index_with({seq[0]: (H,), seq[2]: (D,)})
+    assert index.match([seq[0], seq[1], seq[2], seq[1]], 16).keys == (seq[0],)
+
+
+@pytest.mark.parametrize("pattern", ["one run", "a few runs", "runs ending as they began", "interleaved block by block"])
+def test_counts_are_the_blocks_per_fastest_medium(pattern):
+    media = {"one run": [H] * 300, "a few runs": [D] * 5 + [H] * 200 + [K] * 7 + [H] * 3,
+             "runs ending as they began": [H] * 3 + [D] * 2 + [H] * 4,
+             "interleaved block by block": [D, H, K, R, H] * 60}[pattern]
+    match = Match(tuple(keys(len(media))), tuple(media), 16, len(media))
+    expected = {m: media.count(m) for m in Medium if m in media}
+    assert match.counts == expected
+    assert [match.count(m) for m in Medium] == [media.count(m) for m in Medium]
+
+
+def test_add_many_is_add_of_each():
+    seq = keys(5)
+    one, many = index_with({k: (K,) for k in seq}), index_with({k: (K,) for k in seq})
+    for key in seq[1:4]:
+        one.add(key, H)
+    many.add_many(seq[1:4], H)
+    assert [one.media(k) for k in seq] == [many.media(k) for k in seq]
+    assert one.match(seq, 16) == many.match(seq, 16)
+    assert len(many) == 5
+
+
 def test_match_accepts_a_tuple_of_keys():
     seq = keys(3)
     index = index_with({k: (H,) for k in seq})
@@ -231,6 +259,13 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         assert match.media == tuple(min(self.model[k], key=lambda m: m.value) for k in expected)
         assert match.tokens == len(expected) * block_size
         assert match.total_blocks == len(seq)
+        assert match.counts == {m: match.media.count(m) for m in Medium if m in match.media}
+
+    @rule(seq=st.lists(st.sampled_from(POOL), max_size=4, unique=True), medium=st.sampled_from(Medium))
+    def add_many(self, seq, medium):
+        self.index.add_many(seq, medium)
+        for key in seq:
+            self.model.setdefault(key, set()).add(medium)
 
     @rule(key=st.sampled_from(POOL))
     def media(self, key):

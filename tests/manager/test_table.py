@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstrata.policies.eviction import LFU, LRU, Eviction
-from kvstrata.manager.table import BlockState, BlockTable, InvalidTransition, Reservation, TierFull
+from kvstrata.manager.table import Adopted, BlockState, BlockTable, InvalidTransition, Reservation, TierFull
 
 W, R, E = BlockState.WRITING, BlockState.READY, BlockState.EVICTING
 KEYS = [bytes([i]) * 16 for i in range(8)]
@@ -142,6 +142,31 @@ def test_prepare_store_twice_returns_none_the_second_time():
     t.complete_store(A, ok=True)
     assert t.prepare_store(A) is None
     assert t.used_blocks == 1
+
+
+@pytest.mark.parametrize("policy", list(Eviction))
+def test_adopt_is_prepare_then_complete_store_of_each_key_not_here_until_full(policy):
+    one, many = table(3, policy), table(3, policy)
+    for t in (one, many):
+        stored(t, B)
+    for key in (A, C):  # what adopt([A, B, C, D]) should do: B is here, D finds no room
+        one.prepare_store(key)
+        one.complete_store(key, ok=True)
+    adopted = many.adopt([A, B, C, D])
+    assert (adopted.known, adopted.new) == (3, [A, C])  # a leading run: it stopped at D
+    assert [many.state(k) for k in KEYS[:4]] == [R, R, R, None]
+    assert sorted(many.slot(k) for k in (A, B, C)) == [0, 1, 2]
+    assert many.free_blocks == 0 and many.used_blocks == 3
+    assert list(many.choose_victims(3)) == list(one.choose_victims(3))  # same eviction order, same slots
+
+
+def test_adopt_reuses_released_slots_and_adopts_nothing_twice():
+    t = table(2)
+    stored(t, A)
+    t.take(A)
+    t.release(A)
+    assert t.adopt([B, B, C]) == Adopted(3, [B, C])
+    assert sorted(t.slot(k) for k in (B, C)) == [0, 1]
 
 
 def test_complete_store_with_pin_is_ready_and_pinned_at_once():
