@@ -14,16 +14,6 @@ TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.FP8: torch.float8_e4m3fn,
 }
 _KV_DTYPES = {dtype: kv for kv, dtype in TORCH_DTYPES.items()}
-PAGE_BYTES = 4096
-
-
-def page_aligned(numel: int, pin: bool = False) -> torch.Tensor:
-    """Uninitialized uint8 ``[numel]`` in host memory that starts on a page boundary, so
-    ``O_DIRECT`` reads can land in it (torch's CPU allocator aligns to 64 bytes only).
-    ``pin``: from torch's pinned allocator."""
-    raw = torch.empty(numel + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % PAGE_BYTES
-    return raw[skip : skip + numel]  # a view: it keeps ``raw`` alive
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:

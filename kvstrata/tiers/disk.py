@@ -25,9 +25,8 @@ can leave a file that fails verification, which is then never served.
 
 Verification. Every read checks the header (magic, version, its own checksum, key, layout,
 namespace tag, sizes), the file size (header + payload: catches truncation) and the xxh3_64 of
-every layer it read, piece by piece as it lands; a partial read verifies just its layers.
-How the payload comes off the file (from the page cache if it holds the block, else with
-``O_DIRECT`` in large pieces) is ``kvstrata.tiers.fileread``'s. Recovery at start checks headers and file sizes only, one small read per block
+every layer it read, piece by piece as it reads (``READ_CHUNK_BYTES``); a partial read verifies
+just its layers. Recovery at start checks headers and file sizes only, one small read per block
 rather than reading the whole disk (20k blocks: 0.3 s with the page cache warm, 1.9 s cold, on
 the VM of the benchmark); payloads are checked on every read anyway, so a block whose payload
 rotted raises CorruptBlock on its first read and the caller drops it.
@@ -61,8 +60,6 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.tiers import blockfile
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.fileread import PayloadReader, Truncated
-from kvstrata.tensors import page_aligned
 
 _log = logging.getLogger("kvstrata.tiers")
 SUFFIX = ".kvb"
@@ -72,8 +69,8 @@ LOCK_NAME = ".lock"
 _BLOCK_NAME = re.compile(r"([0-9a-f]{32})\.kvb")
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{32}\.\d+\.tmp")
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# A read from the page cache goes this many bytes (whole layers, at least one) at a time and
-# checksums each piece right after it lands, while it is still in the CPU's cache. Reading a 32 MiB block whole and
+# A read goes this many bytes (whole layers, at least one) at a time and checksums each piece
+# right after it lands, while it is still in the CPU's cache. Reading a 32 MiB block whole and
 # checksumming it after made the checksum re-read it from DRAM: warm reads ran at 10.4 GB/s
 # against 13.1 GB/s in 1 MiB pieces, cold at 2.7 against 3.2 (VM of the benchmark, 16 x 32 MiB
 # blocks; no checksum at all: 15.7 and 3.1). See ``kvstrata bench cache``.
@@ -110,7 +107,6 @@ class DiskTier(Tier):
     ) -> None:
         super().__init__(layout, capacity_bytes)
         self._pacer = _ReadPacer(read_gbps) if read_gbps is not None else None
-        self._reader = PayloadReader(layout.layer_bytes, cached_piece_bytes=READ_CHUNK_BYTES)
         if namespace_tag is not None and not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"disk tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
         self.namespace_tag = namespace_tag or ""
@@ -191,16 +187,20 @@ class DiskTier(Tier):
         if dst.dtype != torch.uint8 or tuple(dst.shape) != shape:
             raise ValueError(f"disk tier: dst must be uint8 {list(shape)}, got {dst.dtype} {list(dst.shape)}")
         direct = dst.device.type == "cpu" and dst.is_contiguous()
-        buffer = dst.numpy() if direct else page_aligned(dst.numel()).numpy().reshape(shape)
+        buffer = dst.numpy() if direct else np.empty(shape, dtype=np.uint8)
         fd = self._open_block(key)
         try:
             header = self._verified_header(fd, key)
             if self._pacer is not None:
                 finish = self._pacer.book(header.header_bytes + (stop - start) * self.layout.layer_bytes)
-            offset = header.header_bytes + start * self.layout.layer_bytes
-            self._reader.read(fd, buffer, offset, lambda rows, first: blockfile.verify_layers(header, rows, start + first))
-        except Truncated:
-            raise CorruptBlock(f"disk tier: block {key.hex()[:12]} truncated while reading") from None
+            # Whole layers, about READ_CHUNK_BYTES at a time, each checked as soon as it lands.
+            step = max(1, READ_CHUNK_BYTES // self.layout.layer_bytes)
+            for first in range(0, stop - start, step):
+                rows = buffer[first : first + step]  # [<= step layers, layer_bytes], contiguous
+                offset = header.header_bytes + (start + first) * self.layout.layer_bytes
+                if not _read_exact(fd, memoryview(rows.reshape(-1)), offset):
+                    raise CorruptBlock(f"disk tier: block {key.hex()[:12]} truncated while reading")
+                blockfile.verify_layers(header, rows, start + first)
         except OSError as error:  # an I/O error mid-read: the block cannot be had, a miss
             raise CorruptBlock(f"disk tier: block {key.hex()[:12]} unreadable: {error}") from None
         finally:
@@ -392,6 +392,16 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             buffers.pop(0)
         if written:
             buffers[0] = buffers[0][written:]
+
+
+def _read_exact(fd: int, view: memoryview, offset: int) -> bool:
+    """Fill ``view`` from ``offset``; False if the file ends first."""
+    while len(view):
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            return False
+        view, offset = view[got:], offset + got
+    return True
 
 
 def _unlink_quietly(path: str | os.PathLike[str]) -> None:

@@ -19,7 +19,6 @@ import torch
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.tensors import page_aligned
 from kvstrata.tiers.base import Tier
 
 
@@ -74,9 +73,7 @@ class MemoryTier(Tier):
         super().__init__(layout, capacity_bytes)
         slots = self.capacity_blocks
         shape = (slots, layout.num_layers, layout.layer_bytes)
-        if buffer is None and device.type == "cpu":  # page-aligned: disk reads land with O_DIRECT
-            pool = page_aligned(slots * layout.block_bytes).view(shape)
-        elif buffer is None:
+        if buffer is None:
             pool = torch.empty(shape, dtype=torch.uint8, device=device)
         else:
             # Memory someone else allocated (e.g. a remote pool's shared-memory segment, so
