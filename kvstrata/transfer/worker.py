@@ -40,11 +40,6 @@ from kvstrata.transfer.timers import Timers
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 MEMORY = (Medium.DEVICE, Medium.HOST)
-# A memory-to-memory group (a demotion device -> host, a promotion) above this many bytes is
-# split over the movers, each a batched copy of its share, as a load's layer ranges are (a
-# load of the same bytes ran at 1.19x a plain copy where the demotion, one copy on one thread,
-# ran at 0.83x: 2-vCPU VM of ``kvstrata bench cache``). Below it, handing over costs more.
-SPLIT_COPY_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -149,7 +144,7 @@ class TransferWorker:
 
     def move(self, legs: Sequence[Leg], layers: slice = slice(None)) -> Moved:
         """Move ``legs`` (``layers`` of each), in parallel on the byte movers: a memory-to-memory
-        group is one batched copy (one per mover when it is large); a group whose source reads many blocks in one call (the pool)
+        group is one batched copy; a group whose source reads many blocks in one call (the pool)
         is split in one batch per mover; any other leg (a file read or write, a put) is a task
         of its own, so a slow one holds up one mover, not a fixed share. Returns when all are
         settled."""
@@ -159,9 +154,8 @@ class TransferWorker:
         chunks: list[list[int]] = []
         for group in _groups(legs).values():
             first = legs[group[0]]
-            if _memory_pair(first):  # one batched copy; a large one split over the movers, as a load's
-                block_bytes = self.tiers[first.src.medium].layout.block_bytes
-                split = min(self.workers, len(group)) if len(group) * block_bytes > SPLIT_COPY_BYTES else 1
+            if _memory_pair(first):
+                split = 1
             elif self.tiers[first.src.medium].batched_reads and self.tiers[first.dst.medium].view(first.dst.index) is not None:
                 split = min(self.workers, len(group))
             else:

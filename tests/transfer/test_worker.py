@@ -236,25 +236,6 @@ def test_a_move_reports_each_leg_and_what_moved(make_tier):
         assert torch.equal(device.view(10 + i).cpu(), random_block(5 + i))
 
 
-def test_a_large_memory_move_is_one_batched_copy_per_mover_a_small_one_a_single_copy(make_tier, monkeypatch):
-    from kvstrata.transfer import worker as worker_module
-
-    monkeypatch.setattr(worker_module, "SPLIT_COPY_BYTES", 4 * BLOCK)
-    device, host = make_tier("device"), make_tier("host")
-    for i in range(6):
-        store(device, i, key(i), random_block(20 + i))
-    with worker_of(device, host, workers=2) as worker:
-        small = worker.move([leg(key(i), device, i, host, 30 + i) for i in range(4)])
-        large = worker.move([leg(key(i), device, i, host, 40 + i) for i in range(6)])
-    assert [t.bytes for t in small.transfers] == [4 * BLOCK]  # at the threshold: one copy
-    assert sorted(t.bytes for t in large.transfers) == [3 * BLOCK, 3 * BLOCK]  # above: a share per mover
-    assert large.failures == (None,) * 6
-    for i in range(6):
-        assert torch.equal(host.view(40 + i), random_block(20 + i))
-        if i < 4:
-            assert torch.equal(host.view(30 + i), random_block(20 + i))
-
-
 @pytest.mark.parametrize(("batched", "calls"), [(False, 4), (True, 2)])
 def test_one_task_runs_on_the_calling_thread_several_on_the_workers(make_tier, batched, calls):
     threads = []
