@@ -86,6 +86,17 @@ def test_rates_are_median_min_max_and_every_round():
     assert to_json(rounds.latency("ours"))["runs_ms"] == [1000.0, 500.0, 250.0]
 
 
+def test_a_paired_ratio_is_the_median_of_the_rounds_ratios_with_their_spread():
+    rounds = Rounds()
+    for ours, base in ((1.0, 0.5), (1.0, 2.0), (0.5, 0.5)):  # per round ours/base rate: 0.5, 2.0, 1.0
+        rounds.add("ours", ours)
+        rounds.add("base", base)
+    rates = to_json(rounds.rate_vs("ours", "base", 10**9))
+    assert (rates["ratio"], rates["ratio_min"], rates["ratio_max"]) == (1.0, 0.5, 2.0)
+    times = to_json(rounds.time_vs("ours", "base"))  # per round ours/base time: 2.0, 0.5, 1.0
+    assert (times["ratio"], times["ratio_min"], times["ratio_max"]) == (1.0, 0.5, 2.0)
+
+
 def test_remote_modes_paths_and_the_pool_come_out_as_the_old_json():
     pool = PoolSource(PoolOrigin.EMBEDDED, PoolConfig("127.0.0.1:5000", "127.0.0.1:5001"), 1 << 20, 11, 12)
     doc = to_json({

@@ -14,13 +14,13 @@ than the systems do.
 from __future__ import annotations
 
 import os
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import lmcache_e2e
+from kvstrata.bench.rounds import Spread
 from kvstrata.media import Medium
 from kvstrata.report import FLATTEN
 from kvstrata.workload import WorkloadReport
@@ -34,23 +34,12 @@ class LMCacheSkipped:
     skipped: str
 
 
-@dataclass(frozen=True)
-class PairedRatio:
+def paired(ours: Sequence[float], theirs: Sequence[float]) -> Spread | None:
     """Ours over a baseline timed next to it, per turn: the median over turns, the lowest and
-    highest turn's ratio, and how many turns were paired."""
-
-    median: float
-    low: float
-    high: float
-    turns: int
-
-    @staticmethod
-    def of(ours: Sequence[float], theirs: Sequence[float]) -> PairedRatio | None:
-        """None when no turn pairs (or a baseline is not positive)."""
-        ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b > 0]
-        if not ratios:
-            return None
-        return PairedRatio(statistics.median(ratios), min(ratios), max(ratios), len(ratios))
+    highest turn's ratio, the turns paired (``rounds``). None when no turn pairs (a baseline
+    that is not positive is left out)."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True) if b > 0]
+    return Spread.of(ratios) if ratios else None
 
 
 @dataclass(frozen=True)
@@ -69,10 +58,10 @@ class TierVersus:
     """
 
     tier: Medium
-    cold_over_plain: PairedRatio | None
-    warm_over_lmcache: PairedRatio | None = None
+    cold_over_plain: Spread | None
+    warm_over_lmcache: Spread | None = None
     lmcache: dict[str, Any] | None = None
-    warm_over_host_and_pool: PairedRatio | None = None
+    warm_over_host_and_pool: Spread | None = None
 
 
 @dataclass(frozen=True)
@@ -153,24 +142,24 @@ def versus(run: WorkloadReport, lmcache: dict[str, Any] | LMCacheSkipped | None)
         if report.skipped:
             continue
         plain = [t for t in report.per_turn if t.ttft_plain_s is not None]
-        cold = PairedRatio.of([t.ttft_cold_s for t in plain], [t.ttft_plain_s for t in plain])
+        cold = paired([t.ttft_cold_s for t in plain], [t.ttft_plain_s for t in plain])
         theirs = lmcache["tiers"].get(tier.label) if isinstance(lmcache, dict) else None
         warm = None
         if theirs is not None:
             pairs = [(ours, t) for ours, t in zip(report.per_turn, theirs["per_turn"], strict=False)
                      if ours.hit_tokens and t["hit_tokens"]]
-            warm = PairedRatio.of([o.ttft_warm_s for o, _ in pairs], [t["ttft_warm_s"] for _, t in pairs])
+            warm = paired([o.ttft_warm_s for o, _ in pairs], [t["ttft_warm_s"] for _, t in pairs])
         out[tier] = TierVersus(tier, cold, warm, theirs, _over_host_and_pool(run, tier))
     return out
 
 
-def _over_host_and_pool(run: WorkloadReport, tier: Medium) -> PairedRatio | None:
+def _over_host_and_pool(run: WorkloadReport, tier: Medium) -> Spread | None:
     host, remote = run.tiers.get(Medium.HOST), run.tiers.get(tier)
     if tier is not Medium.REMOTE or host is None or host.skipped or not run.pool_gbps or not remote.hit_tokens:
         return None
     token_bytes = remote.restored_bytes / remote.hit_tokens
     pairs = [(r, h) for r, h in zip(remote.per_turn, host.per_turn, strict=False) if r.hit_tokens and h.hit_tokens]
-    return PairedRatio.of([r.ttft_warm_s for r, _ in pairs],
+    return paired([r.ttft_warm_s for r, _ in pairs],
                           [h.ttft_warm_s + r.hit_tokens * token_bytes / (run.pool_gbps * 1e9) for r, h in pairs])
 
 

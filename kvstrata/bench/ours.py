@@ -28,7 +28,7 @@ from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.disk import SUFFIX, DiskTier
 from kvstrata.tiers.memory import MemoryTier
-from kvstrata.timing import VerificationError, drop_page_cache
+from kvstrata.timing import VerificationError, drop_page_cache, warm_page_cache
 
 
 class OursCache:
@@ -104,10 +104,11 @@ class OursCache:
         return seconds
 
     def disk_restore_s(self, cold: bool) -> float:
-        """``load()`` of blocks on disk only: staged disk -> host, then host -> device."""
+        """``load()`` of blocks on disk only: staged disk -> host, then host -> device (on a CPU
+        stand-in for the device, disk -> device). ``cold``: the files dropped from the page
+        cache first, else read into it first (untimed, both)."""
         self._zero(Medium.HOST)
-        if cold:
-            drop_page_cache(self.disk_files())
+        self._set_page_cache(cold)
         return self._restore_s(Medium.DISK)
 
     def disk_read_s(self, cold: bool, dst: torch.Tensor) -> float:
@@ -117,8 +118,7 @@ class OursCache:
         blocks = dst.view(self.blocks, self.layout.num_layers, self.layout.layer_bytes)
         keys = self.cache.keys(self.tokens)
         dst.zero_()
-        if cold:
-            drop_page_cache(self.disk_files())
+        self._set_page_cache(cold)
         start = time.perf_counter()
         for i, key in enumerate(keys):
             disk.read_into(0, key, blocks[i])  # the file is named by the key: no slot
@@ -149,6 +149,13 @@ class OursCache:
 
     def disk_files(self) -> list[Path]:
         return sorted(self.disk_tier.directory.glob(f"*{SUFFIX}"))
+
+    def _set_page_cache(self, cold: bool) -> None:
+        files = self.disk_files()
+        if cold:
+            drop_page_cache(files)
+        else:  # the disk tier's cold reads bypass the page cache: fill it here
+            warm_page_cache(files)
 
     def _restore_s(self, source: Medium) -> float:
         match = self.cache.lookup(self.tokens)

@@ -29,12 +29,12 @@ from kvstrata.report import dumps
 from kvstrata.timing import VerificationError
 
 if TYPE_CHECKING:
-    from kvstrata.bench.e2e import E2EBenchReport, PairedRatio
     from kvstrata.bench.cache_report import CacheBenchReport
+    from kvstrata.bench.e2e import E2EBenchReport
     from kvstrata.bench.goals import Goal
     from kvstrata.bench.recompute import RecomputeBenchReport
     from kvstrata.bench.remote_report import RemoteBenchReport
-    from kvstrata.bench.rounds import Spread
+    from kvstrata.bench.rounds import Compared, Spread
     from kvstrata.bench.sim import SimBenchReport
 
 MIB = 1 << 20
@@ -192,6 +192,11 @@ def spread_x(spread: Spread) -> str:
     return f"{spread.median:.2f}x ({spread.min:.2f}-{spread.max:.2f})"
 
 
+def _xs(compared: Compared) -> str:
+    """A compared figure's paired ratio with its spread over rounds: ``0.83x (0.71-0.95)``."""
+    return f"{compared.ratio:.2f}x ({compared.ratio_min:.2f}-{compared.ratio_max:.2f})"
+
+
 def _ms2(value: float) -> str:
     return f"{value:.2f} ms"
 
@@ -245,18 +250,18 @@ def _print_cache(report: CacheBenchReport) -> None:
     # (figure judged, label, what is timed, ours, baseline, ratio, LMCache and ours / LMCache)
     rows: list[tuple[CacheFigure | None, str, str, str, str, str, tuple[str, str]]] = [
         (None, "device store", "store() into device tier", _gbps(dev.store.ours),
-         f"copy d->d {_gbps(dev.store.baseline)}", _x(dev.store.ratio), none),
+         f"copy d->d {_gbps(dev.store.baseline)}", _xs(dev.store), none),
         (None, "device hit", f"load() of {c.config.blocks} device blocks", f"{dev.hit_ms:.3f} ms", "-", "-", none),
         (CacheFigure.HOST_STORE, "host store", "device tier -> host", _gbps(host.store.ours),
-         f"copy d->h {_gbps(host.store.baseline)}", _x(host.store.ratio), lm(lambda m: m.host.store)),
+         f"copy d->h {_gbps(host.store.baseline)}", _xs(host.store), lm(lambda m: m.host.store)),
         (CacheFigure.HOST_RESTORE, "host restore", "load(): host -> device", _gbps(host.restore.ours),
-         f"copy h->d {_gbps(host.restore.baseline)}", _x(host.restore.ratio), lm(lambda m: m.host.retrieve)),
+         f"copy h->d {_gbps(host.restore.baseline)}", _xs(host.restore), lm(lambda m: m.host.retrieve)),
         (CacheFigure.DISK_STORE, "disk store", "host -> disk (buffered)", _gbps(disk.store.ours),
-         f"write {_gbps(disk.store.baseline)}", _x(disk.store.ratio), lm(lambda m: m.disk.store)),
+         f"write {_gbps(disk.store.baseline)}", _xs(disk.store), lm(lambda m: m.disk.store)),
         (CacheFigure.DISK_COLD, "disk restore, cold", "load(): disk->host->device", _gbps(cold.restore.ours),
-         f"cold read {_gbps(cold.restore.baseline)}", _x(cold.restore.ratio), lm(lambda m: m.disk.retrieve_cold)),
+         f"cold read {_gbps(cold.restore.baseline)}", _xs(cold.restore), lm(lambda m: m.disk.retrieve_cold)),
         (CacheFigure.DISK_WARM, "disk restore, warm", "load(): disk->host->device", _gbps(warm.restore.ours),
-         f"copy h->d {_gbps(warm.restore.baseline)}", _x(warm.restore.ratio), lm(lambda m: m.disk.retrieve_warm)),
+         f"copy h->d {_gbps(warm.restore.baseline)}", _xs(warm.restore), lm(lambda m: m.disk.retrieve_warm)),
         (None, "", "", "", f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.raw_read_ratio), ("", "")),
         (None, "disk tier read, cold", "DiskTier: disk -> host", _gbps(cold.tier_read_gbps),
          f"cold read {_gbps(cold.restore.baseline)}", _x(cold.tier_read_ratio), none),
@@ -295,7 +300,7 @@ def _print_cache(report: CacheBenchReport) -> None:
     out.print(
         f"verified bit-exact: {verified.ours_bytes / 1e9:.2f} GB restored by ours, "
         f"{verified.lmcache_bytes / 1e9:.2f} GB by LMCache. GB = 1e9 bytes; ratio = median over rounds "
-        "of ours / baseline within a round.",
+        "of ours / baseline within a round (lowest-highest round in brackets).",
         highlight=False,
     )
 
@@ -576,7 +581,7 @@ def _print_versus(out: Console, report: E2EBenchReport) -> None:
     from kvstrata.media import Medium
 
     lmcache = report.lmcache if isinstance(report.lmcache, dict) else None
-    title = "TTFT paired per turn (ours over the baseline timed next to it: median \\[lowest .. highest])"
+    title = "TTFT paired per turn (ours over the baseline timed next to it: median (lowest-highest turn))"
     if lmcache:
         title += f"; LMCache {lmcache.get('lmcache', '')} (its standalone engine, CPU adapter)"
     t = Table(title=title, title_justify="left")
@@ -602,8 +607,6 @@ def _print_versus(out: Console, report: E2EBenchReport) -> None:
                   f"{report.run.pool_gbps:.2f} GB/s: {_paired(remote.warm_over_host_and_pool)}", highlight=False)
 
 
-def _paired(r: PairedRatio | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r.median:.2f}x [{r.low:.2f} .. {r.high:.2f}], {r.turns} turns"
+def _paired(r: Spread | None) -> str:
+    return "-" if r is None else f"{spread_x(r)}, {r.rounds} turns"
 

@@ -16,6 +16,15 @@ would need the manager to re-adopt a key at its old slot on recovery). The price
 per write and one unlink per eviction (~100-500 us each on the VM measured), which makes writes
 of blocks below ~1 MiB several times slower than a slab's: keep disk blocks big.
 
+Why buffered reads rather than ``O_DIRECT`` (tried in this tier's history, commit "disk tier:
+read a block from the page cache when it holds it ..."): on the VM of the benchmark the disk's
+readahead (``read_ahead_kb`` 8192) keeps I/O in flight while a reader waits for a CPU, and
+synchronous ``O_DIRECT`` pieces leave the disk idle between them. Cold, 16 blocks of 32 MiB,
+median of 8 interleaved rounds against one plain ``readinto`` of the same bytes (the VM loaded
+by other work): one reader 1.08x buffered, 0.65x / 0.72x ``O_DIRECT`` in 8 / 32 MiB pieces;
+two readers 1.93x buffered, 0.93x / 0.98x ``O_DIRECT``. Measure again on a disk without that
+readahead (NVMe, ``read_ahead_kb`` 128) before deciding otherwise.
+
 Atomic writes. A block is written to ``.<key hex>.<n>.tmp`` in the same directory, fsynced if
 ``fsync``, then renamed over its final name, so a torn write is never visible under that name and
 a crash leaves at most a temp file, which the next start deletes. With ``fsync=True`` the

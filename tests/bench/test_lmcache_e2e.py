@@ -107,13 +107,13 @@ def test_synthetic_turns_extend_each_conversation_and_share_the_system_prompt():
 
 
 def test_paired_ratios_are_per_turn_medians_with_their_spread():
-    from kvstrata.bench.e2e import PairedRatio
+    from kvstrata.bench.e2e import paired
 
-    r = PairedRatio.of([1.0, 3.0, 2.0, 5.0], [2.0, 1.0, 2.0, 0.0])  # the last turn has no baseline
-    assert (r.median, r.low, r.high, r.turns) == (1.0, 0.5, 3.0, 3)
-    assert PairedRatio.of([], []) is None
+    r = paired([1.0, 3.0, 2.0, 5.0], [2.0, 1.0, 2.0, 0.0])  # the last turn has no baseline
+    assert (r.median, r.min, r.max, r.rounds) == (1.0, 0.5, 3.0, 3)
+    assert paired([], []) is None
     with pytest.raises(ValueError):
-        PairedRatio.of([1.0], [1.0, 2.0])
+        paired([1.0], [1.0, 2.0])
 
 
 def test_a_side_session_without_lmcache_fails_with_its_stderr(tmp_path):

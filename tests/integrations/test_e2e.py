@@ -114,8 +114,8 @@ def test_bench_e2e_pairs_each_turn_and_says_why_lmcache_did_not_run(tiny_model_d
     doc = json.loads(capsys.readouterr().out)
     assert "no Python interpreter" in doc["lmcache"]["skipped"] and "nowhere" in doc["lmcache"]["skipped"]
     host = doc["versus"]["host"]
-    assert host["cold_over_plain"]["turns"] == 2
-    assert host["cold_over_plain"]["low"] <= host["cold_over_plain"]["median"] <= host["cold_over_plain"]["high"]
+    assert host["cold_over_plain"]["rounds"] == 2
+    assert host["cold_over_plain"]["min"] <= host["cold_over_plain"]["median"] <= host["cold_over_plain"]["max"]
     assert host["warm_over_lmcache"] is None
     assert [t["ttft_plain_s"] > 0 for t in doc["tiers"]["host"]["per_turn"]] == [True, True]
 
@@ -127,6 +127,6 @@ def test_the_remote_tier_is_paired_with_the_host_tier_plus_its_bytes_at_the_pool
     assert run.pool_gbps and run.pool_gbps > 0
     paired = versus(run, None)
     remote = paired[R].warm_over_host_and_pool
-    assert remote is not None and remote.turns == sum(1 for t in run.tiers[R].per_turn if t.hit_tokens) > 0
-    assert remote.low <= remote.median <= remote.high
-    assert paired[H].warm_over_host_and_pool is None and paired[H].cold_over_plain.turns == SMALL.turns_total
+    assert remote is not None and remote.rounds == sum(1 for t in run.tiers[R].per_turn if t.hit_tokens) > 0
+    assert remote.min <= remote.median <= remote.max
+    assert paired[H].warm_over_host_and_pool is None and paired[H].cold_over_plain.rounds == SMALL.turns_total
