@@ -43,6 +43,8 @@ class RemoteFigure(enum.Enum):
     SHM_STORE = "shm store"
     TCP_SEALED_RESTORE = "tcp sealed restore"
     SHM_SEALED_RESTORE = "shm sealed restore"
+    TCP_LOOKUP = "tcp lookup"
+    SHM_LOOKUP = "shm lookup"
 
     @staticmethod
     def of(mode: RemoteMode, store: bool) -> RemoteFigure:
@@ -80,6 +82,7 @@ DISK_COLD_OF_RAW_READ = 0.90
 LOOKUP_MS = {256: 0.2, 16: 2.0}  # per block size: hashing and looking up 128K tokens
 REMOTE_OF_RAW = 0.90  # the remote tier's restore and store, of raw Mooncake calls on the same bytes
 SEALED_OF_UNSEALED = 0.90  # restores of authenticated pool values, of unauthenticated ones
+LOOKUP_OF_EXISTS = 1.5  # a lookup that asks the pool, at most this times the raw batch_is_exist (a time ratio)
 SIM_WALL_S = 5.0  # one simulation of a trace, one architecture, on one core (kvstrata bench sim)
 
 

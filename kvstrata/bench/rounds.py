@@ -71,16 +71,20 @@ class Summary:
 @dataclass(frozen=True)
 class Compared:
     """Ours beside a baseline timed in the same rounds, in ``unit``: both medians and the
-    paired ratio (median over rounds of ours / baseline in that unit; for times < 1 is faster).
+    paired ratio (median over rounds of ours / baseline in that unit; for times < 1 is faster),
+    with the lowest and highest round's ratio (the spread).
 
-    JSON keys ``gbps``, ``baseline_gbps``, ``ratio`` (``ms``, ``baseline_ms`` for times), which
-    a report flattens under its own names (:func:`kvstrata.report.flatten`).
+    JSON keys ``gbps``, ``baseline_gbps``, ``ratio``, ``ratio_min``, ``ratio_max`` (``ms``,
+    ``baseline_ms`` for times), which a report flattens under its own names
+    (:func:`kvstrata.report.flatten`).
     """
 
     ours: float = field(metadata=key("{unit}"))
     baseline: float = field(metadata=key("baseline_{unit}"))
     ratio: float
     unit: str = field(metadata=OMIT)
+    ratio_min: float = 0.0
+    ratio_max: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,18 +126,24 @@ class Rounds:
 
     def ratio(self, ours: str, base: str) -> float:
         """Median over rounds of ours' rate / base's rate (same bytes: base seconds / ours)."""
-        pairs = zip(self.seconds[ours], self.seconds[base], strict=True)
-        return statistics.median(b / o for o, b in pairs)
+        return statistics.median(self.ratios(ours, base))
 
     def time_ratio(self, ours: str, base: str) -> float:
         """Median over rounds of ours' time / base's time (for latencies: < 1 is faster)."""
-        pairs = zip(self.seconds[ours], self.seconds[base], strict=True)
-        return statistics.median(o / b for o, b in pairs)
+        return statistics.median(1 / r for r in self.ratios(ours, base))
+
+    def ratios(self, ours: str, base: str) -> list[float]:
+        """Per round, ours' rate / base's rate (base seconds / ours)."""
+        return [b / o for o, b in zip(self.seconds[ours], self.seconds[base], strict=True)]
 
     def rate_vs(self, ours: str, base: str, size_bytes: int) -> Compared:
         """Ours' rate beside base's, ``size_bytes`` moved per round by each."""
-        return Compared(self.gbps(ours, size_bytes), self.gbps(base, size_bytes), self.ratio(ours, base), "gbps")
+        ratios = self.ratios(ours, base)
+        return Compared(self.gbps(ours, size_bytes), self.gbps(base, size_bytes), statistics.median(ratios), "gbps",
+                        min(ratios), max(ratios))
 
     def time_vs(self, ours: str, base: str) -> Compared:
         """Ours' time beside base's, milliseconds."""
-        return Compared(self.latency(ours).median, self.latency(base).median, self.time_ratio(ours, base), "ms")
+        times = [1 / r for r in self.ratios(ours, base)]
+        return Compared(self.latency(ours).median, self.latency(base).median, statistics.median(times), "ms",
+                        min(times), max(times))

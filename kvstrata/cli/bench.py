@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvstrata.bench.goals import Goal
     from kvstrata.bench.recompute import RecomputeBenchReport
     from kvstrata.bench.remote_report import RemoteBenchReport
+    from kvstrata.bench.rounds import Compared
     from kvstrata.bench.sim import SimBenchReport
     from kvstrata.workload import WorkloadReport
 
@@ -180,6 +181,15 @@ def _gbps(value: float) -> str:
 
 def _x(value: float) -> str:
     return f"{value:.2f}x"
+
+
+def _xs(value: float, low: float, high: float) -> str:
+    """A paired ratio with its spread over rounds."""
+    return f"{value:.2f}x\n[dim]{low:.2f}..{high:.2f}[/]"
+
+
+def _xc(figure: Compared) -> str:
+    return _xs(figure.ratio, figure.ratio_min, figure.ratio_max)
 
 
 def _ms2(value: float) -> str:
@@ -333,24 +343,24 @@ def _print_remote(report: RemoteBenchReport) -> None:
         name = mode.value
         rows += [
             (RemoteFigure.of(mode, store=False), f"{name} restore", f"RemoteTier.read_into, {workers} workers",
-             _gbps(m.restore.ours), f"batch_get_into {_gbps(m.restore.baseline)}", _x(m.restore.ratio)),
+             _gbps(m.restore.ours), f"batch_get_into {_gbps(m.restore.baseline)}", _xc(m.restore)),
             (RemoteFigure.of(mode, store=True), f"{name} store", f"RemoteTier.write, {workers} workers",
-             _gbps(m.store.ours), f"batch_put_from {_gbps(m.store.baseline)}", _x(m.store.ratio)),
+             _gbps(m.store.ours), f"batch_put_from {_gbps(m.store.baseline)}", _xc(m.store)),
             (None, f"{name} cache restore, direct", "load(): pool -> device", _gbps(direct.restore_gbps),
-             f"batch_get_into {_gbps(direct.raw_gbps)}", _x(direct.ratio)),
+             f"batch_get_into {_gbps(direct.raw_gbps)}", _xs(direct.ratio, direct.ratio_min, direct.ratio_max)),
             (None, f"{name} cache restore, staged", "load(): pool -> host -> device", _gbps(staged.restore_gbps),
-             f"batch_get_into {_gbps(staged.raw_gbps)}", _x(staged.ratio)),
+             f"batch_get_into {_gbps(staged.raw_gbps)}", _xs(staged.ratio, staged.ratio_min, staged.ratio_max)),
             (None, f"{name} first byte", f"restore of one {block} block; time ratio", _ms2(m.ttfb.ours),
-             f"batch_get_into {_ms2(m.ttfb.baseline)}", _x(m.ttfb.ratio)),
-            (None, f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
-             _ms2(m.lookup.ours), f"batch_is_exist {_ms2(m.lookup.baseline)}", _x(m.lookup.ratio)),
+             f"batch_get_into {_ms2(m.ttfb.baseline)}", _xc(m.ttfb)),
+            (RemoteFigure(f"{name} lookup"), f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
+             _ms2(m.lookup.ours), f"batch_is_exist {_ms2(m.lookup.baseline)}", _xc(m.lookup)),
             (RemoteFigure(f"{name} sealed restore"), f"{name} restore, sealed" if m.seal.sealed else
              f"{name} restore (pool has no secret: unsealed)", "MAC checked; raw column: unsealed",
-             _gbps(m.seal.restore.ours), f"unsealed {_gbps(m.seal.restore.baseline)}", _x(m.seal.restore.ratio)),
+             _gbps(m.seal.restore.ours), f"unsealed {_gbps(m.seal.restore.baseline)}", _xc(m.seal.restore)),
             (None, f"{name} store, sealed", "MAC made; raw column: unsealed", _gbps(m.seal.store.ours),
-             f"unsealed {_gbps(m.seal.store.baseline)}", _x(m.seal.store.ratio)),
+             f"unsealed {_gbps(m.seal.store.baseline)}", _xc(m.seal.store)),
             (None, f"{name} restore, encrypted", "AES-GCM; raw column: unsealed", _gbps(m.seal.encrypted_restore.ours),
-             f"unsealed {_gbps(m.seal.encrypted_restore.baseline)}", _x(m.seal.encrypted_restore.ratio)),
+             f"unsealed {_gbps(m.seal.encrypted_restore.baseline)}", _xc(m.seal.encrypted_restore)),
         ]
     pool = c.pool
     title = (

@@ -38,6 +38,7 @@ may name objects the pool no longer has. The contract for the caller's memory:
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import uuid
@@ -64,6 +65,7 @@ __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "Rem
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
+NAMES_KEPT = 1 << 14  # object names remembered per tier (a few MB at most)
 HEADER_PAGES_BYTES = 8192  # a lane's registered headers: two halves, one per call in flight or being checked
 HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
 CALL_BYTES = 128 * 1024**2  # at most per batched pool call: well inside its time budget at loopback TCP rates
@@ -159,6 +161,8 @@ class RemoteTier(Tier):
         self.verify_payload = verify_payload
         self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt,
                                          checksum=verify_payload)
+        # Keyed names cost an HMAC each, on every lookup that asks the pool: remember recent ones.
+        self._names = functools.lru_cache(maxsize=NAMES_KEPT)(self._seal.object_name)
         self._lanes = threading.local()
         self._lock = threading.Lock()
         self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
@@ -178,7 +182,7 @@ class RemoteTier(Tier):
 
     def object_name(self, key: BlockKey) -> str:
         """The pool object of ``key`` (keyed with the secret, when there is one)."""
-        return self._seal.object_name(key)
+        return self._names(key)
 
     @property
     def mode(self) -> RemoteMode:
