@@ -68,7 +68,7 @@ EXISTS_PER_CALL = 1024  # names per existence query
 NAMES_KEPT = 1 << 14  # object names remembered per tier (a few MB at most)
 HEADER_PAGES_BYTES = 8192  # a lane's registered headers: two halves, one per call in flight or being checked
 HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
-CALL_BYTES = 128 * 1024**2  # at most per batched pool call: well inside its time budget at loopback TCP rates
+CALL_BYTES = 64 * 1024**2  # at most per batched pool call: well inside its time budget (1 s) at loopback TCP rates, on a loaded host too
 PIPELINE_CALLS = 4  # checked batches are cut into at least this many calls, the checks of all but the last overlapped
 
 # Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
@@ -294,7 +294,10 @@ class RemoteTier(Tier):
         objects are removed should it complete later, as ``write`` does."""
         client = self._live()
         shape = (self.layout.num_layers, self.layout.layer_bytes)
-        lane = self._lane(client)
+        try:
+            lane = self._lane(client)
+        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
+            return [error] * len(keys)
         if (self._seal.encrypt or len(set(keys)) != len(keys)
                 or not all(s.dtype == torch.uint8 and tuple(s.shape) == shape and client.is_registered(s) for s in srcs)):
             return super().write_many(slots, keys, srcs)
@@ -419,7 +422,10 @@ class RemoteTier(Tier):
         last call's blocks only. A call that times out abandons its own destinations; the
         blocks of the calls after it were never handed to the pool."""
         client = self._live()
-        generation = self._lane(client).generation  # before looking at registrations: they are per store
+        try:
+            generation = self._lane(client).generation  # before looking at registrations: they are per store
+        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
+            return [error] * len(keys)
         whole = self._layer_range(layers) == (0, self.layout.num_layers)
         if not whole or not all(client.is_registered(d) for d in dsts):
             return super().read_many_into(slots, keys, dsts, layers)
