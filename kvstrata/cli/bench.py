@@ -331,7 +331,7 @@ def _print_remote(report: RemoteBenchReport) -> None:
     from kvstrata.pool.scoped import PoolOrigin
 
     c = report.config
-    workers, blocks = c.config.workers, c.config.blocks
+    blocks = c.config.blocks
     block = f"{c.kv.block_bytes / MIB:g} MiB"
     rows: list[tuple[RemoteFigure | None, str, str, str, str, str]] = []  # judged, label, what, ours, raw, ratio
     skipped = []
@@ -342,9 +342,9 @@ def _print_remote(report: RemoteBenchReport) -> None:
         direct, staged = m.cache[FetchPath.DIRECT], m.cache[FetchPath.STAGED]
         name = mode.value
         rows += [
-            (RemoteFigure.of(mode, store=False), f"{name} restore", f"RemoteTier.read_into, {workers} workers",
+            (RemoteFigure.of(mode, store=False), f"{name} restore", "RemoteTier.read_many_into, pipelined",
              _gbps(m.restore.ours), f"batch_get_into {_gbps(m.restore.baseline)}", _xc(m.restore)),
-            (RemoteFigure.of(mode, store=True), f"{name} store", f"RemoteTier.write, {workers} workers",
+            (RemoteFigure.of(mode, store=True), f"{name} store", "RemoteTier.write_many, pipelined",
              _gbps(m.store.ours), f"batch_put_from {_gbps(m.store.baseline)}", _xc(m.store)),
             (None, f"{name} cache restore, direct", "load(): pool -> device", _gbps(direct.restore_gbps),
              f"batch_get_into {_gbps(direct.raw_gbps)}", _xs(direct.ratio, direct.ratio_min, direct.ratio_max)),

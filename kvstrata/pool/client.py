@@ -542,6 +542,7 @@ class PoolClient:
             memory.zero_()  # pre-fault: first writes into fresh pages run several times slower
             self.register(memory)
             return memory
+        generation = self.generation
         address = self.call("alloc_from_mem_pool", "alloc_from_mem_pool", nbytes, timeout_s=self.connect_timeout_s)
         if not address:
             raise MemoryError(f"pool client: no shared memory segment of {nbytes} bytes")
@@ -549,6 +550,9 @@ class PoolClient:
         memory.zero_()
         rc = self.call("register_buffer", "register_buffer", address, nbytes, timeout_s=self.connect_timeout_s)
         if rc != 0:
+            # The daemon did not answer as a live one does (a dead daemon refuses the mapping):
+            # DOWN, so a probe finds it back or follows it to new ports.
+            self.mark_down(f"register_buffer of a shared segment failed with Mooncake code {rc}", generation)
             raise PoolUnavailable(f"pool daemon at {self.address} did not map a shared segment (Mooncake code {rc})")
         self._keep(memory)
         return memory
