@@ -68,7 +68,9 @@ EXISTS_PER_CALL = 1024  # names per existence query
 NAMES_KEPT = 1 << 14  # object names remembered per tier (a few MB at most)
 HEADER_PAGES_BYTES = 8192  # a lane's registered headers: two halves, one per call in flight or being checked
 HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
-CALL_BYTES = 64 * 1024**2  # at most per batched pool call: well inside its time budget (1 s) at loopback TCP rates, on a loaded host too
+# Payload bytes per batched pool call at most: inside its time budget (1 s) at loopback TCP rates on a
+# loaded host too (one call at a time moves them: calls are not split among movers any more).
+CALL_BYTES = 128 * 1024**2
 PIPELINE_CALLS = 4  # checked batches are cut into at least this many calls, the checks of all but the last overlapped
 
 # Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
@@ -475,7 +477,7 @@ class RemoteTier(Tier):
         half-page of headers each; and, when every value's bytes are checked (a MAC or a
         checksum), at least ``PIPELINE_CALLS``, so that all but the last call's checks overlap
         a transfer."""
-        per_call = max(1, min(HEADERS_PER_CALL, CALL_BYTES // (poolvalue.HEADER_BYTES + self.layout.block_bytes)))
+        per_call = max(1, min(HEADERS_PER_CALL, CALL_BYTES // self.layout.block_bytes))
         if self._seal.sealed or self._seal.checksum:
             per_call = min(per_call, -(-blocks // PIPELINE_CALLS))
         return [range(i, min(blocks, i + per_call)) for i in range(0, blocks, per_call)]
