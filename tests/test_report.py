@@ -97,17 +97,31 @@ def test_a_paired_ratio_is_the_median_of_the_rounds_ratios_with_their_spread():
     assert (times["ratio"], times["ratio_min"], times["ratio_max"]) == (1.0, 0.5, 2.0)
 
 
+def test_a_paired_ratio_spread_is_its_lowest_and_highest_round():
+    rounds = Rounds()
+    for ours, base in ((1.0, 0.5), (0.5, 0.5), (0.25, 1.0)):  # per round: ours 0.5x, 1x, 4x base's rate
+        rounds.add("ours", ours)
+        rounds.add("base", base)
+    rate = rounds.rate_vs("ours", "base", 10**9)
+    assert (rate.ratio, rate.ratio_min, rate.ratio_max) == (1.0, 0.5, 4.0)
+    time = rounds.time_vs("ours", "base")
+    assert (time.ratio, time.ratio_min, time.ratio_max) == (1.0, 0.25, 2.0)
+    doc = to_json(rate)
+    assert (doc["ratio"], doc["ratio_min"], doc["ratio_max"]) == (1.0, 0.5, 4.0)
+
+
 def test_remote_modes_paths_and_the_pool_come_out_as_the_old_json():
     pool = PoolSource(PoolOrigin.EMBEDDED, PoolConfig("127.0.0.1:5000", "127.0.0.1:5001"), 1 << 20, 11, 12)
     doc = to_json({
         "pool": pool,
         "modes": {RemoteMode.SHM: ModeSkipped("no daemon")},
-        "cache": {FetchPath.DIRECT: PathRestore((R, D), 1.0, 2.0, 0.5)},
+        "cache": {FetchPath.DIRECT: PathRestore((R, D), 1.0, 2.0, 0.5, 0.25, 0.75)},
     })
     assert doc["pool"]["source"] == "embedded" and doc["pool"]["master"] == "127.0.0.1:5000"
     assert doc["pool"]["daemon"] == "127.0.0.1:5001" and doc["pool"]["daemon_pid"] == 12
     assert doc["modes"] == {"shm": {"skipped": "no daemon"}}
-    assert doc["cache"]["direct"] == {"route": "remote -> device", "restore_gbps": 1.0, "raw_gbps": 2.0, "ratio": 0.5}
+    assert doc["cache"]["direct"] == {"route": "remote -> device", "restore_gbps": 1.0, "raw_gbps": 2.0, "ratio": 0.5,
+                                      "ratio_min": 0.25, "ratio_max": 0.75}  # the old keys, the spread beside them
 
 
 def test_a_workload_report_is_keyed_by_tier_label_and_keeps_prompts_out():

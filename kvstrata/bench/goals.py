@@ -51,6 +51,8 @@ class RemoteFigure(enum.Enum):
     SHM_STORE = "shm store"
     TCP_SEALED_RESTORE = "tcp sealed restore"
     SHM_SEALED_RESTORE = "shm sealed restore"
+    TCP_LOOKUP = "tcp lookup"
+    SHM_LOOKUP = "shm lookup"
 
     @staticmethod
     def of(mode: RemoteMode, store: bool) -> RemoteFigure:
@@ -90,6 +92,7 @@ LOOKUP_1M_OF_1K = 1.2  # the lookup with 1M blocks indexed, of the same with 1K 
 RESTART_FIRST_HIT_S = 10.0  # open a disk tier of 100K blocks and serve a hit from it (at most)
 REMOTE_OF_RAW = 0.90  # the remote tier's restore and store, of raw Mooncake calls on the same bytes
 SEALED_OF_UNSEALED = 0.90  # restores of authenticated pool values, of unauthenticated ones
+LOOKUP_OF_EXISTS = 1.5  # a lookup that asks the pool, at most this times the raw batch_is_exist (a time ratio)
 SIM_WALL_S = 5.0  # one simulation of a trace, one architecture, on one core (kvstrata bench sim)
 
 

@@ -3,9 +3,9 @@
 This is the first hop of every pool transfer the cache makes: the worker's byte movers (two by
 default, as in the cache) run the cache's own handlers between the pool and host memory from
 ``RemoteTier.allocate`` (a host tier built on it, as the cache builds its own), so the blocks move
-zero-copy: stores call ``RemoteTier.write`` once per block (one object: the 64-byte value header
-and the block), restores ``RemoteTier.read_many_into`` (one pool call per 64 blocks per mover),
-verifying every header read. The tier is driven with no block table: it names objects by key and
+zero-copy: stores call ``RemoteTier.write_many`` (one object per block: the 128-byte value header
+and the block; batched puts, pipelined with sealing), restores ``RemoteTier.read_many_into``
+(batched gets, pipelined with checking every value), the whole batch on one mover. The tier is driven with no block table: it names objects by key and
 ignores slots (the cache's block manager keeps the table, outside this first hop). The host tier
 holds the stored blocks in its first half of slots and the restored ones in its second.
 
@@ -84,7 +84,7 @@ class OursRemote:
         return [self.tier.object_name(k) for k in self.keys]
 
     def values(self) -> torch.Tensor:
-        """Each object's whole value as the tier writes it, uint8 ``[blocks, 64 + block_bytes]``:
+        """Each object's whole value as the tier writes it, uint8 ``[blocks, 128 + block_bytes]``:
         the bytes a raw client must move to match ours."""
         digest = poolvalue.layout_digest(self.layout.describe())
         out = torch.empty((len(self.keys), poolvalue.HEADER_BYTES + self.layout.block_bytes), dtype=torch.uint8)

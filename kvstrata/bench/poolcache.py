@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 from kvstrata.cache import CacheConfig, TieredCache
@@ -53,7 +54,9 @@ class PoolReader:
 
     def __init__(self, base: CacheConfig, path: FetchPath, tokens: list[int], kv_bytes: torch.Tensor) -> None:
         self.route = ROUTES[path]
-        self.tokens = tokens
+        # As an engine passes them (``token_array``: a uint32 array is taken without a copy): a
+        # list would add ~0.1 ms of conversion to every lookup, no part of asking the pool.
+        self.tokens = np.asarray(tokens, dtype=np.uint32)
         self.kv_bytes = kv_bytes
         self.layout = base.layout
         self.blocks = len(tokens) // base.layout.block_tokens

@@ -20,9 +20,9 @@ an order that rotates from round to round (``kvstrata.bench.rounds``):
 ==============  ===============================================  ===============================
 phase           ours                                             raw (``kvstrata.pool.raw``)
 ==============  ===============================================  ===============================
-store           ``RemoteTier.write`` of every block, on the      one ``batch_put_from`` of every
-                transfer worker's movers, from host memory       object, from registered memory
-                of ``RemoteTier.allocate``
+store           ``RemoteTier.write_many`` of every block (batched one ``batch_put_from`` of every
+                puts, pipelined), on the transfer worker, from   object, from registered memory
+                host memory of ``RemoteTier.allocate``
 restore         ``RemoteTier.read_many_into`` (batched gets),    one ``batch_get_into`` of every
                 the same way; and ``TieredCache.load`` of blocks object into registered memory
                 in the pool only: direct (pool -> device) and
@@ -32,7 +32,7 @@ first byte      a one-block restore through the tier;            ``batch_get_int
                 ``exists`` (``latency_samples`` of each)         of every object
 ==============  ===============================================  ===============================
 
-GB/s count the blocks' bytes (both sides also move a 64-byte value header per object).
+GB/s count the blocks' bytes (both sides also move a 128-byte value header per object).
 During the warm-up round the bytes received on the loopback interface are counted per step
 (``loopback_bytes``): every byte of a TCP-mode step crosses a socket, none of an SHM-mode step
 (measured on the 2-vCPU development VM, Mooncake 0.3.13.post1: 256.3 to 256.9 MiB per 256 MiB

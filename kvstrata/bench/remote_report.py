@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.goals import REMOTE_OF_RAW, SEALED_OF_UNSEALED, Goal, RemoteFigure
+from kvstrata.bench.goals import LOOKUP_OF_EXISTS, REMOTE_OF_RAW, SEALED_OF_UNSEALED, Goal, RemoteFigure
 from kvstrata.bench.poolcache import ROUTES
 from kvstrata.bench.kvdata import KVSetup
 from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
@@ -50,6 +50,8 @@ class PathRestore:
     restore_gbps: float
     raw_gbps: float
     ratio: float
+    ratio_min: float
+    ratio_max: float
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,9 @@ class ModeMethod:
     @staticmethod
     def of(workers: int) -> ModeMethod:
         return ModeMethod(
-            restore=f"RemoteTier.read_into of each block on {workers} engine workers, pool -> registered "
+            restore=f"RemoteTier.read_many_into (batched gets, pipelined with the checks) on the engine ({workers} workers), pool -> registered "
             "host memory; raw: one batch_get_into of every object",
-            store=f"RemoteTier.write of each block on {workers} engine workers, registered host memory -> "
+            store=f"RemoteTier.write_many (batched puts, pipelined with sealing) on the engine ({workers} workers), registered host memory -> "
             "pool, as new objects; raw: one batch_put_from of every object",
         )
 
@@ -139,7 +141,7 @@ def mode_figures(
 
     def path_restore(path: FetchPath, route: Route) -> PathRestore:
         figure = rounds.rate_vs(f"cache.{path.value}", "raw.restore", size)
-        return PathRestore(route, figure.ours, figure.baseline, figure.ratio)
+        return PathRestore(route, figure.ours, figure.baseline, figure.ratio, figure.ratio_min, figure.ratio_max)
 
     return ModeFigures(
         restore=rounds.rate_vs("ours.restore", "raw.restore", size),
@@ -169,13 +171,16 @@ def remote_report(run: RemoteRun, modes: dict[RemoteMode, ModeFigures | ModeSkip
 
 
 def remote_goals(modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> tuple[Goal, ...]:
-    """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls, and
-    sealed restores at >= 0.9x unsealed ones (authentication costs at most 10%)."""
+    """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls, a
+    lookup that asks the pool within 1.5x the raw existence query, and sealed restores at
+    >= 0.9x unsealed ones (authentication costs at most 10%)."""
     out = []
     for mode, figures in modes.items():
         if isinstance(figures, ModeFigures):
             for store, figure in ((False, figures.restore), (True, figures.store)):
                 out.append(Goal(RemoteFigure.of(mode, store=store), f">={REMOTE_OF_RAW}x raw", figure.ratio, REMOTE_OF_RAW))
+            lookup = RemoteFigure(f"{mode.value} lookup")
+            out.append(Goal(lookup, f"<={LOOKUP_OF_EXISTS}x exists", figures.lookup.ratio, LOOKUP_OF_EXISTS, at_most=True))
             sealed = RemoteFigure(f"{mode.value} sealed restore")
             out.append(Goal(sealed, f">={SEALED_OF_UNSEALED}x unsealed", figures.seal.restore.ratio, SEALED_OF_UNSEALED))
     return tuple(out)

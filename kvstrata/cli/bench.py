@@ -192,9 +192,13 @@ def spread_x(spread: Spread) -> str:
     return f"{spread.median:.2f}x ({spread.min:.2f}-{spread.max:.2f})"
 
 
-def _xs(compared: Compared) -> str:
-    """A compared figure's paired ratio with its spread over rounds: ``0.83x (0.71-0.95)``."""
-    return f"{compared.ratio:.2f}x ({compared.ratio_min:.2f}-{compared.ratio_max:.2f})"
+def _xs(value: float, low: float, high: float) -> str:
+    """A paired ratio with its spread over rounds, on two lines."""
+    return f"{value:.2f}x\n[dim]{low:.2f}..{high:.2f}[/]"
+
+
+def _xc(figure: Compared) -> str:
+    return _xs(figure.ratio, figure.ratio_min, figure.ratio_max)
 
 
 def _ms2(value: float) -> str:
@@ -250,18 +254,18 @@ def _print_cache(report: CacheBenchReport) -> None:
     # (figure judged, label, what is timed, ours, baseline, ratio, LMCache and ours / LMCache)
     rows: list[tuple[CacheFigure | None, str, str, str, str, str, tuple[str, str]]] = [
         (None, "device store", "store() into device tier", _gbps(dev.store.ours),
-         f"copy d->d {_gbps(dev.store.baseline)}", _xs(dev.store), none),
+         f"copy d->d {_gbps(dev.store.baseline)}", _xc(dev.store), none),
         (None, "device hit", f"load() of {c.config.blocks} device blocks", f"{dev.hit_ms:.3f} ms", "-", "-", none),
         (CacheFigure.HOST_STORE, "host store", "device tier -> host", _gbps(host.store.ours),
-         f"copy d->h {_gbps(host.store.baseline)}", _xs(host.store), lm(lambda m: m.host.store)),
+         f"copy d->h {_gbps(host.store.baseline)}", _xc(host.store), lm(lambda m: m.host.store)),
         (CacheFigure.HOST_RESTORE, "host restore", "load(): host -> device", _gbps(host.restore.ours),
-         f"copy h->d {_gbps(host.restore.baseline)}", _xs(host.restore), lm(lambda m: m.host.retrieve)),
+         f"copy h->d {_gbps(host.restore.baseline)}", _xc(host.restore), lm(lambda m: m.host.retrieve)),
         (CacheFigure.DISK_STORE, "disk store", "host -> disk (buffered)", _gbps(disk.store.ours),
-         f"write {_gbps(disk.store.baseline)}", _xs(disk.store), lm(lambda m: m.disk.store)),
+         f"write {_gbps(disk.store.baseline)}", _xc(disk.store), lm(lambda m: m.disk.store)),
         (CacheFigure.DISK_COLD, "disk restore, cold", "load(): disk->host->device", _gbps(cold.restore.ours),
-         f"cold read {_gbps(cold.restore.baseline)}", _xs(cold.restore), lm(lambda m: m.disk.retrieve_cold)),
+         f"cold read {_gbps(cold.restore.baseline)}", _xc(cold.restore), lm(lambda m: m.disk.retrieve_cold)),
         (CacheFigure.DISK_WARM, "disk restore, warm", "load(): disk->host->device", _gbps(warm.restore.ours),
-         f"copy h->d {_gbps(warm.restore.baseline)}", _xs(warm.restore), lm(lambda m: m.disk.retrieve_warm)),
+         f"copy h->d {_gbps(warm.restore.baseline)}", _xc(warm.restore), lm(lambda m: m.disk.retrieve_warm)),
         (None, "", "", "", f"warm read {_gbps(warm.raw_read_gbps)}", _x(warm.raw_read_ratio), ("", "")),
         (None, "disk tier read, cold", "DiskTier: disk -> host", _gbps(cold.tier_read_gbps),
          f"cold read {_gbps(cold.restore.baseline)}", _x(cold.tier_read_ratio), none),
@@ -336,7 +340,7 @@ def _print_remote(report: RemoteBenchReport) -> None:
     from kvstrata.pool.scoped import PoolOrigin
 
     c = report.config
-    workers, blocks = c.config.workers, c.config.blocks
+    blocks = c.config.blocks
     block = f"{c.kv.block_bytes / MIB:g} MiB"
     rows: list[tuple[RemoteFigure | None, str, str, str, str, str]] = []  # judged, label, what, ours, raw, ratio
     skipped = []
@@ -347,25 +351,25 @@ def _print_remote(report: RemoteBenchReport) -> None:
         direct, staged = m.cache[FetchPath.DIRECT], m.cache[FetchPath.STAGED]
         name = mode.value
         rows += [
-            (RemoteFigure.of(mode, store=False), f"{name} restore", f"RemoteTier.read_into, {workers} workers",
-             _gbps(m.restore.ours), f"batch_get_into {_gbps(m.restore.baseline)}", _x(m.restore.ratio)),
-            (RemoteFigure.of(mode, store=True), f"{name} store", f"RemoteTier.write, {workers} workers",
-             _gbps(m.store.ours), f"batch_put_from {_gbps(m.store.baseline)}", _x(m.store.ratio)),
+            (RemoteFigure.of(mode, store=False), f"{name} restore", "RemoteTier.read_many_into, pipelined",
+             _gbps(m.restore.ours), f"batch_get_into {_gbps(m.restore.baseline)}", _xc(m.restore)),
+            (RemoteFigure.of(mode, store=True), f"{name} store", "RemoteTier.write_many, pipelined",
+             _gbps(m.store.ours), f"batch_put_from {_gbps(m.store.baseline)}", _xc(m.store)),
             (None, f"{name} cache restore, direct", "load(): pool -> device", _gbps(direct.restore_gbps),
-             f"batch_get_into {_gbps(direct.raw_gbps)}", _x(direct.ratio)),
+             f"batch_get_into {_gbps(direct.raw_gbps)}", _xs(direct.ratio, direct.ratio_min, direct.ratio_max)),
             (None, f"{name} cache restore, staged", "load(): pool -> host -> device", _gbps(staged.restore_gbps),
-             f"batch_get_into {_gbps(staged.raw_gbps)}", _x(staged.ratio)),
+             f"batch_get_into {_gbps(staged.raw_gbps)}", _xs(staged.ratio, staged.ratio_min, staged.ratio_max)),
             (None, f"{name} first byte", f"restore of one {block} block; time ratio", _ms2(m.ttfb.ours),
-             f"batch_get_into {_ms2(m.ttfb.baseline)}", _x(m.ttfb.ratio)),
-            (None, f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
-             _ms2(m.lookup.ours), f"batch_is_exist {_ms2(m.lookup.baseline)}", _x(m.lookup.ratio)),
+             f"batch_get_into {_ms2(m.ttfb.baseline)}", _xc(m.ttfb)),
+            (RemoteFigure(f"{name} lookup"), f"{name} lookup asking the pool", f"lookup(): exists + adopt, {blocks} blocks; time ratio",
+             _ms2(m.lookup.ours), f"batch_is_exist {_ms2(m.lookup.baseline)}", _xc(m.lookup)),
             (RemoteFigure(f"{name} sealed restore"), f"{name} restore, sealed" if m.seal.sealed else
              f"{name} restore (pool has no secret: unsealed)", "MAC checked; raw column: unsealed",
-             _gbps(m.seal.restore.ours), f"unsealed {_gbps(m.seal.restore.baseline)}", _x(m.seal.restore.ratio)),
+             _gbps(m.seal.restore.ours), f"unsealed {_gbps(m.seal.restore.baseline)}", _xc(m.seal.restore)),
             (None, f"{name} store, sealed", "MAC made; raw column: unsealed", _gbps(m.seal.store.ours),
-             f"unsealed {_gbps(m.seal.store.baseline)}", _x(m.seal.store.ratio)),
+             f"unsealed {_gbps(m.seal.store.baseline)}", _xc(m.seal.store)),
             (None, f"{name} restore, encrypted", "AES-GCM; raw column: unsealed", _gbps(m.seal.encrypted_restore.ours),
-             f"unsealed {_gbps(m.seal.encrypted_restore.baseline)}", _x(m.seal.encrypted_restore.ratio)),
+             f"unsealed {_gbps(m.seal.encrypted_restore.baseline)}", _xc(m.seal.encrypted_restore)),
         ]
     pool = c.pool
     title = (

@@ -101,6 +101,38 @@ class CallTimedOut(PoolUnavailable):
         self.settled = settled
 
 
+class PendingCall:
+    """A store call started by :meth:`PoolClient.start`: ``result()`` once, on the caller's
+    thread. Its deadline runs from the start, so a call overlapped with other work is bounded
+    as one waited for at once."""
+
+    def __init__(self, client: PoolClient, what: str, future: Future, store: Any, generation: int, deadline: float,
+                 timeout_s: float, on_late: Callable[[Any, Any], None] | None) -> None:
+        self._client, self._what, self._future, self._store = client, what, future, store
+        self._generation, self._deadline, self._timeout_s, self._on_late = generation, deadline, timeout_s, on_late
+
+    def result(self) -> Any:
+        """The call's result.
+
+        Raises:
+            CallTimedOut: it ran past its deadline; the client is DOWN now.
+            Exception: what the store call raised.
+        """
+        try:
+            return self._future.result(timeout=max(0.0, self._deadline - time.monotonic()))
+        except FutureTimeout:
+            client, timeout_s = self._client, self._timeout_s
+            client.mark_down(f"{self._what} did not return within {timeout_s:g} s", self._generation)
+            if self._on_late is not None:
+                try:
+                    # Tracked as in flight, so closing waits for it too.
+                    client._submit(_after, self._future, self._on_late, self._store)
+                except RuntimeError:
+                    pass  # closed meanwhile
+            raise CallTimedOut(f"pool at {client.address}: {self._what} did not return within {timeout_s:g} s",
+                               settled=self._future) from None
+
+
 @dataclass(frozen=True)
 class Reconnected:
     """A client is UP again, after a fault or after starting without the pool.
@@ -449,21 +481,22 @@ class PoolClient:
             CallTimedOut: the call ran too long; the client is DOWN now.
             RuntimeError: the client is closed.
         """
+        return self.start(what, method, *args, on_late=on_late, generation=generation, timeout_s=timeout_s).result()
+
+    def start(self, what: str, method: str, *args: Any, on_late: Callable[[Any, Any], None] | None = None,
+              generation: int | None = None, timeout_s: float | None = None) -> PendingCall:
+        """:meth:`call`, without waiting: the call runs on a worker while the caller does other
+        work (verifying the blocks of the previous call, say); ``result()`` waits for it, up to
+        ``timeout_s`` (default ``op_timeout_s``) from now, and raises as :meth:`call` does.
+
+        Raises:
+            PoolUnavailable: the client is DOWN, or has reconnected since ``generation``.
+            RuntimeError: the client is closed.
+        """
         store, current = self._ensure_up(generation)
         timeout_s = timeout_s or self.op_timeout_s
         future = self._submit(getattr(store, method), *args)
-        try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
-            self.mark_down(f"{what} did not return within {timeout_s:g} s", current)
-            if on_late is not None:
-                try:
-                    # Tracked as in flight, so closing waits for it too.
-                    self._submit(_after, future, on_late, store)
-                except RuntimeError:
-                    pass  # closed meanwhile
-            raise CallTimedOut(f"pool at {self.address}: {what} did not return within {timeout_s:g} s",
-                               settled=future) from None
+        return PendingCall(self, what, future, store, current, time.monotonic() + timeout_s, timeout_s, on_late)
 
     def _ensure_up(self, generation: int | None) -> tuple[Any, int]:
         with self._lock:
@@ -509,6 +542,7 @@ class PoolClient:
             memory.zero_()  # pre-fault: first writes into fresh pages run several times slower
             self.register(memory)
             return memory
+        generation = self.generation
         address = self.call("alloc_from_mem_pool", "alloc_from_mem_pool", nbytes, timeout_s=self.connect_timeout_s)
         if not address:
             raise MemoryError(f"pool client: no shared memory segment of {nbytes} bytes")
@@ -516,6 +550,9 @@ class PoolClient:
         memory.zero_()
         rc = self.call("register_buffer", "register_buffer", address, nbytes, timeout_s=self.connect_timeout_s)
         if rc != 0:
+            # The daemon did not answer as a live one does (a dead daemon refuses the mapping):
+            # DOWN, so a probe finds it back or follows it to new ports.
+            self.mark_down(f"register_buffer of a shared segment failed with Mooncake code {rc}", generation)
             raise PoolUnavailable(f"pool daemon at {self.address} did not map a shared segment (Mooncake code {rc})")
         self._keep(memory)
         return memory

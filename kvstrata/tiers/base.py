@@ -22,6 +22,10 @@ class Tier(abc.ABC):
     medium: Medium
     shared: bool = False  # other processes put blocks here too (``find`` sees them)
     batched_reads: bool = False  # ``read_many_into`` is one call for many blocks (memory, the pool)
+    # ``read_many_into`` and ``write_many`` overlap a whole batch's calls with their own checks
+    # (the pool): the worker hands them the whole group on one mover, since splitting it across
+    # movers only makes the tier's calls compete with each other.
+    pipelined: bool = False
 
     def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

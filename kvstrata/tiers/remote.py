@@ -38,6 +38,7 @@ may name objects the pool no longer has. The contract for the caller's memory:
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import uuid
@@ -54,7 +55,7 @@ from kvstrata.errors import BlockMissing, CorruptBlock
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.pool.client import CallTimedOut, PoolClient, PoolUnavailable, Reconnected
+from kvstrata.pool.client import CallTimedOut, PendingCall, PoolClient, PoolUnavailable, Reconnected
 from kvstrata.pool.config import BACKOFF_MAX_S, BACKOFF_S, CONNECT_TIMEOUT_S, OP_TIMEOUT_S, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.base import Tier
@@ -64,6 +65,13 @@ __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "Rem
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
+NAMES_KEPT = 1 << 14  # object names remembered per tier (a few MB at most)
+HEADER_PAGES_BYTES = 8192  # a lane's registered headers: two halves, one per call in flight or being checked
+HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
+# Payload bytes per batched pool call at most: inside its time budget (1 s) at loopback TCP rates on a
+# loaded host too (one call at a time moves them: calls are not split among movers any more).
+CALL_BYTES = 128 * 1024**2
+PIPELINE_CALLS = 4  # checked batches are cut into at least this many calls, the checks of all but the last overlapped
 
 # Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
 NO_SPACE = -200  # the pool could not place the object now
@@ -96,7 +104,7 @@ class _Lane:
     """A thread's registered buffers: a header, and a staging block made on first need; both
     made under one store generation of the client (SHM segments are the daemon's)."""
 
-    header: torch.Tensor  # uint8 [>= HEADER_BYTES]
+    header: torch.Tensor  # uint8 [HEADER_PAGES_BYTES]
     generation: int
     staging: torch.Tensor | None = None  # uint8 [block_bytes]
 
@@ -130,6 +138,7 @@ class RemoteTier(Tier):
     medium = Medium.REMOTE
     shared = True
     batched_reads = True
+    pipelined = True
 
     def __init__(
         self,
@@ -154,6 +163,8 @@ class RemoteTier(Tier):
         self.verify_payload = verify_payload
         self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt,
                                          checksum=verify_payload)
+        # Keyed names cost an HMAC each, on every lookup that asks the pool: remember recent ones.
+        self._names = functools.lru_cache(maxsize=NAMES_KEPT)(self._seal.object_name)
         self._lanes = threading.local()
         self._lock = threading.Lock()
         self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
@@ -173,7 +184,7 @@ class RemoteTier(Tier):
 
     def object_name(self, key: BlockKey) -> str:
         """The pool object of ``key`` (keyed with the secret, when there is one)."""
-        return self._seal.object_name(key)
+        return self._names(key)
 
     @property
     def mode(self) -> RemoteMode:
@@ -275,6 +286,81 @@ class RemoteTier(Tier):
         client.mark_down(f"put failed with Mooncake code {rc}", lane.generation)
         raise PoolUnavailable(f"remote tier: put of {name} failed (Mooncake code {rc})")
 
+    def write_many(self, slots: list[int], keys: list[BlockKey], srcs: list[torch.Tensor]) -> list[BaseException | None]:
+        """Put several blocks in few pool calls; per block None or the error ``write`` would
+        have raised for it. Sources in registered memory (not encrypted, no key twice) go in
+        batched puts, pipelined: this thread seals the next call's blocks (the MAC reads every
+        byte) while the pool takes the last call's. Any other batch goes block by block.
+
+        A put that times out leaves its blocks and the later ones failed (PoolUnavailable); its
+        objects are removed should it complete later, as ``write`` does."""
+        client = self._live()
+        shape = (self.layout.num_layers, self.layout.layer_bytes)
+        try:
+            lane = self._lane(client)
+        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
+            return [error] * len(keys)
+        if (self._seal.encrypt or len(set(keys)) != len(keys)
+                or not all(s.dtype == torch.uint8 and tuple(s.shape) == shape and client.is_registered(s) for s in srcs)):
+            return super().write_many(slots, keys, srcs)
+        names = [self.object_name(k) for k in keys]
+        out: list[BaseException | None] = [None] * len(keys)
+        pending: tuple[range, PendingCall] | None = None
+        try:
+            for k, blocks in enumerate(self._calls(len(keys))):
+                headers = self._headers(lane, k % 2, len(blocks))
+                for j, i in enumerate(blocks):  # overlaps the put of the previous call
+                    header, _ = self._seal.seal(keys[i], srcs[i].numpy())
+                    headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
+                if pending is not None:
+                    settled, pending = pending, None
+                    if not self._settle_put(client, lane, names, *settled, out):
+                        return out
+                ptrs = [[headers[j].data_ptr(), srcs[i].data_ptr()] for j, i in enumerate(blocks)]
+                sizes = [[poolvalue.HEADER_BYTES, self.layout.block_bytes]] * len(blocks)
+                batch = names[blocks.start : blocks.stop]
+                try:
+                    call = client.start(f"batch put of {len(blocks)} blocks", "batch_put_from_multi_buffers", batch,
+                                        ptrs, sizes, generation=lane.generation,
+                                        on_late=lambda store, codes, batch=batch: _undo_late_puts(store, batch, codes))
+                except PoolUnavailable as error:  # DOWN: these blocks and the later ones were not put
+                    out[blocks.start :] = [error] * (len(keys) - blocks.start)
+                    return out
+                pending = (blocks, call)
+            if pending is not None:
+                settled, pending = pending, None
+                self._settle_put(client, lane, names, *settled, out)
+        finally:
+            if pending is not None:  # an error escaped with a put in flight: let it finish reading
+                try:
+                    pending[1].result()
+                except Exception:  # noqa: BLE001 - the error that escaped is the one to report
+                    pass
+        return out
+
+    def _settle_put(self, client: PoolClient, lane: _Lane, names: list[str], blocks: range, call: PendingCall,
+                    out: list[BaseException | None]) -> bool:
+        """The outcome of one batched put into ``out``; False when the pool is DOWN now (the
+        blocks after ``blocks`` are failed too: nothing more is put)."""
+        try:
+            codes = call.result()
+        except CallTimedOut as error:
+            self._retire(lane)  # the stray put still reads the headers
+            out[blocks.start :] = [error] * (len(out) - blocks.start)
+            return False
+        for j, i in enumerate(blocks):
+            rc = codes[j]
+            if rc in _PUT_REFUSED:
+                out[i] = PoolRefused(f"remote tier: the pool refused {names[i]} (Mooncake code {rc})")
+            elif rc not in (0, OBJECT_EXISTS):
+                client.mark_down(f"put failed with Mooncake code {rc}", lane.generation)
+                out[i] = PoolUnavailable(f"remote tier: put of {names[i]} failed (Mooncake code {rc})")
+        if client.up:
+            return True
+        down = PoolUnavailable(f"remote tier: the pool is down ({client.down_reason}); the put was not made")
+        out[blocks.stop :] = [down] * (len(out) - blocks.stop)
+        return False
+
     def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
         """Read layers ``layers`` of ``key`` into ``dst`` (uint8 ``[n_layers, layer_bytes]``).
 
@@ -328,22 +414,23 @@ class RemoteTier(Tier):
     def read_many_into(
         self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
     ) -> list[BaseException | None]:
-        """Whole blocks of several keys in one pool call per 64 (each value still verified on
-        its own): per key None (in ``dst``, verified) or the exception ``read_into`` would
-        have raised for it. One call per block would pay the pool's round trips per block.
-        Partial reads, and destinations outside registered memory, go one by one."""
+        """Whole blocks of several keys in few pool calls (each value still verified on its
+        own): per key None (in ``dst``, verified) or the exception ``read_into`` would have
+        raised for it. One call per block would pay the pool's round trips per block.
+        Partial reads, and destinations outside registered memory, go one by one.
+
+        The calls are pipelined: the get of the next calls' blocks runs while this thread checks
+        the blocks of the last (the MAC reads every byte), so checking costs the time of the
+        last call's blocks only. A call that times out abandons its own destinations; the
+        blocks of the calls after it were never handed to the pool."""
         client = self._live()
-        generation = self._lane(client).generation  # before looking at registrations: they are per store
+        try:
+            generation = self._lane(client).generation  # before looking at registrations: they are per store
+        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
+            return [error] * len(keys)
         whole = self._layer_range(layers) == (0, self.layout.num_layers)
         if not whole or not all(client.is_registered(d) for d in dsts):
             return super().read_many_into(slots, keys, dsts, layers)
-        out: list[BaseException | None] = []
-        per_call = 4096 // poolvalue.HEADER_BYTES  # headers that fit the lane's registered page
-        for first in range(0, len(keys), per_call):
-            out += self._read_chunk(client, keys[first : first + per_call], dsts[first : first + per_call], generation)
-        return out
-
-    def _read_chunk(self, client: PoolClient, keys: list[BlockKey], dsts: list[torch.Tensor], generation: int) -> list:
         shape = (self.layout.num_layers, self.layout.layer_bytes)
         for dst in dsts:
             if dst.dtype != torch.uint8 or tuple(dst.shape) != shape or not dst.is_contiguous():
@@ -351,31 +438,80 @@ class RemoteTier(Tier):
         lane = self._lane(client)
         if lane.generation != generation:  # reconnected since the registrations were checked
             return [PoolUnavailable("remote tier: the pool was reconnected under this read; retry")] * len(keys)
-        head = poolvalue.HEADER_BYTES
-        headers = lane.header[: len(keys) * head].view(len(keys), head)
-        headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
         names = [self.object_name(k) for k in keys]
-        ptrs = [[headers[i].data_ptr(), dsts[i].data_ptr()] for i in range(len(keys))]
-        sizes = [[head, self.layout.block_bytes]] * len(keys)
+        out: list[BaseException | None] = [None] * len(keys)
+        calls = self._calls(len(keys))
         try:
-            got = client.call(f"batch get of {len(keys)} blocks", "batch_get_into_multi_buffers", names, ptrs, sizes,
-                              generation=generation)
-        except CallTimedOut as error:
-            return [self._abandon(lane, True, names[0], str(error), error.settled)] * len(keys)
-        except PoolUnavailable as error:
+            pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names, dsts)
+        except PoolUnavailable as error:  # DOWN: nothing was handed to the pool
             return [error] * len(keys)
-        out: list[BaseException | None] = []
-        for i, key in enumerate(keys):
-            try:
-                if got[i] < 0:
-                    self._get_failed(client, lane, True, names[i], got[i])
-                if got[i] != head + self.layout.block_bytes:
-                    raise CorruptBlock(f"remote tier: {names[i]} read {got[i]} bytes: a value of the wrong size")
-                self._seal.open(key, headers[i].numpy().tobytes(), [dsts[i].numpy()])
-                out.append(None)
-            except (CorruptBlock, PoolUnavailable) as error:
-                out.append(error)
+        try:
+            for k, blocks in enumerate(calls):
+                current, pending = pending, None
+                try:
+                    got = current.result()
+                except CallTimedOut as error:
+                    abandoned = self._abandon(lane, True, names[blocks.start], str(error), error.settled)
+                    out[blocks.start :] = [abandoned] * len(blocks) + [PoolUnavailable(str(error))] * (len(keys) - blocks.stop)
+                    return out
+                unstarted = None
+                if k + 1 < len(calls):
+                    try:
+                        pending = self._start_get(client, lane, calls[k + 1], (k + 1) % 2, names, dsts)
+                    except PoolUnavailable as error:  # DOWN since: the later blocks stay untouched
+                        unstarted = error
+                self._check_got(client, lane, keys, names, dsts, blocks, got, self._headers(lane, k % 2, len(blocks)), out)
+                if unstarted is not None:
+                    out[blocks.stop :] = [unstarted] * (len(keys) - blocks.stop)
+                    return out
+        finally:
+            if pending is not None:  # an error escaped with a call in flight: let it land first
+                try:
+                    pending.result()
+                except Exception:  # noqa: BLE001 - the error that escaped is the one to report
+                    pass
         return out
+
+    def _calls(self, blocks: int) -> list[range]:
+        """The pool calls a batch of ``blocks`` is cut into: at most ``CALL_BYTES`` and a
+        half-page of headers each; and, when every value's bytes are checked (a MAC or a
+        checksum), at least ``PIPELINE_CALLS``, so that all but the last call's checks overlap
+        a transfer."""
+        per_call = max(1, min(HEADERS_PER_CALL, CALL_BYTES // self.layout.block_bytes))
+        if self._seal.sealed or self._seal.checksum:
+            per_call = min(per_call, -(-blocks // PIPELINE_CALLS))
+        return [range(i, min(blocks, i + per_call)) for i in range(0, blocks, per_call)]
+
+    def _headers(self, lane: _Lane, half: int, count: int) -> torch.Tensor:
+        """``count`` value headers in one half of the lane's header pages (uint8 [count, 128]):
+        consecutive calls alternate halves, so one call's headers are checked while the next
+        call's land."""
+        head = poolvalue.HEADER_BYTES
+        at = half * HEADERS_PER_CALL * head
+        return lane.header[at : at + count * head].view(count, head)
+
+    def _start_get(self, client: PoolClient, lane: _Lane, blocks: range, half: int, names: list[str],
+                   dsts: list[torch.Tensor]) -> PendingCall:
+        headers = self._headers(lane, half, len(blocks))
+        headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
+        ptrs = [[headers[j].data_ptr(), dsts[i].data_ptr()] for j, i in enumerate(blocks)]
+        sizes = [[poolvalue.HEADER_BYTES, self.layout.block_bytes]] * len(blocks)
+        return client.start(f"batch get of {len(blocks)} blocks", "batch_get_into_multi_buffers",
+                            names[blocks.start : blocks.stop], ptrs, sizes, generation=lane.generation)
+
+    def _check_got(self, client: PoolClient, lane: _Lane, keys: list[BlockKey], names: list[str],
+                   dsts: list[torch.Tensor], blocks: range, got: list[int], headers: torch.Tensor,
+                   out: list[BaseException | None]) -> None:
+        """Verify the blocks of one finished get (``got``: bytes or a code per block) into ``out``."""
+        for j, i in enumerate(blocks):
+            try:
+                if got[j] < 0:
+                    self._get_failed(client, lane, True, names[i], got[j])
+                if got[j] != poolvalue.HEADER_BYTES + self.layout.block_bytes:
+                    raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
+                self._seal.open(keys[i], headers[j].numpy().tobytes(), [dsts[i].numpy()])
+            except (CorruptBlock, PoolUnavailable) as error:
+                out[i] = error
 
     def close(self) -> None:
         """Leave the pool (the objects stay). Idempotent; afterwards calls raise RuntimeError.
@@ -440,7 +576,7 @@ class RemoteTier(Tier):
         if lane is None or lane.generation != generation:
             if lane is not None:
                 self._retire(lane)  # made for another store (a stray call may use it still)
-            lane = self._lanes.lane = _Lane(client.allocate(4096), generation)  # a page: what SHM maps anyway
+            lane = self._lanes.lane = _Lane(client.allocate(HEADER_PAGES_BYTES), generation)  # pages: what SHM maps anyway
         return lane
 
     def _staging(self, client: PoolClient, lane: _Lane) -> torch.Tensor:
@@ -491,6 +627,13 @@ def _undo_late_put(store, name: str, codes: list[int]) -> None:
     # A put that completed after its caller gave up: its source may have changed meanwhile.
     if codes and codes[0] == 0:
         store.remove(name, True)
+
+
+def _undo_late_puts(store, names: list[str], codes: list[int]) -> None:
+    # As _undo_late_put, for each object of a batched put.
+    stored = [name for name, rc in zip(names, codes) if rc == 0]
+    if stored:
+        store.batch_remove(stored, True)
 
 
 _DONE: Future = Future()  # a call that returned (with an error): nothing of it is still running

@@ -144,19 +144,22 @@ class TransferWorker:
 
     def move(self, legs: Sequence[Leg], layers: slice = slice(None)) -> Moved:
         """Move ``legs`` (``layers`` of each), in parallel on the byte movers: a memory-to-memory
-        group is one batched copy; a group whose source reads many blocks in one call (the pool)
-        is split in one batch per mover; any other leg (a file read or write, a put) is a task
-        of its own, so a slow one holds up one mover, not a fixed share. Returns when all are
-        settled."""
+        group is one batched copy, and so is a group into or out of memory by a pipelined tier
+        (the pool: it overlaps its calls with its checks itself); a group whose source reads
+        many blocks in one call is split in one batch per mover; any other leg (a file read or
+        write) is a task of its own, so a slow one holds up one mover, not a fixed share.
+        Returns when all are settled."""
         _check_layers(layers)
         if not legs:
             return Moved()
         chunks: list[list[int]] = []
         for group in _groups(legs).values():
             first = legs[group[0]]
-            if _memory_pair(first):
+            src, dst = self.tiers[first.src.medium], self.tiers[first.dst.medium]
+            into_view, from_view = dst.view(first.dst.index) is not None, src.view(first.src.index) is not None
+            if _memory_pair(first) or (src.pipelined and into_view) or (dst.pipelined and from_view):
                 split = 1
-            elif self.tiers[first.src.medium].batched_reads and self.tiers[first.dst.medium].view(first.dst.index) is not None:
+            elif src.batched_reads and into_view:
                 split = min(self.workers, len(group))
             else:
                 split = len(group)

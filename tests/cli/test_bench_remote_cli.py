@@ -106,6 +106,21 @@ def test_goals_ask_for_ninety_percent_of_raw(report):
         for what in ("restore", "store"):
             goal = goals[f"{mode} {what}"]
             assert goal["target"] == 0.9 and isinstance(goal["passed"], bool)
+        lookup = goals[f"{mode} lookup"]  # a time ratio: at most 1.5x the raw existence query
+        assert (lookup["target"], lookup["at_most"]) == (1.5, True)
+        assert lookup["passed"] == (lookup["value"] <= 1.5)
+
+
+def test_every_ratio_carries_its_spread_over_rounds(report):
+    for mode, m in measured(report).items():
+        for prefix, ratio in (("restore_", "ratio"), ("store_", "store_ratio"), ("ttfb_", "ttfb_time_ratio"),
+                              ("lookup_", "lookup_time_ratio")):
+            assert 0 < m[f"{prefix}ratio_min"] <= m[ratio] <= m[f"{prefix}ratio_max"], (mode, prefix)
+        per_round = [o / r for o, r in zip(m["gbps"]["ours.restore"]["runs_gbps"], m["gbps"]["raw.restore"]["runs_gbps"])]
+        assert (m["restore_ratio_min"], m["restore_ratio_max"]) == pytest.approx((min(per_round), max(per_round)))
+        for path in ("direct", "staged"):
+            cache = m["cache"][path]
+            assert cache["ratio_min"] <= cache["ratio"] <= cache["ratio_max"], (mode, path)
 
 
 def test_the_run_reports_where_the_pool_was(report):

@@ -302,6 +302,64 @@ def test_verify_payload_catches_a_flipped_byte(make_tier, raw, mode):
     assert torch.equal(part, content(make_key(10))[1:3])
 
 
+# --- batches ----------------------------------------------------------------------------------
+
+
+def recording_calls(tier: RemoteTier) -> list[tuple[str, int]]:
+    """(method, objects) of every batched pool call the tier starts from now on."""
+    seen: list[tuple[str, int]] = []
+    client = tier._client
+    start = client.start
+
+    def spy(what, method, *args, **kwargs):
+        if method.startswith("batch_"):
+            seen.append((method, len(args[0])))
+        return start(what, method, *args, **kwargs)
+
+    client.start = spy
+    return seen
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_tier, mode):
+    writer = make_tier(mode, verify_payload=True)  # checked values: the batch is cut for pipelining
+    reader = make_tier(mode, verify_payload=True, namespace_tag=writer.namespace_tag)
+    keys = [make_key(i, f"batch-{mode.value}") for i in range(6)]
+    src = writer.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    for i, key in enumerate(keys):
+        src[i] = content(key)
+    puts = recording_calls(writer)
+    assert writer.write_many([0] * 6, keys, list(src)) == [None] * 6
+    assert [m for m, _ in puts] == ["batch_put_from_multi_buffers"] * len(puts)
+    assert 1 < len(puts) < 6 and sum(n for _, n in puts) == 6  # pipelined batches, not a call per block
+    dst = reader.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    dst.fill_(0xAA)
+    gets = recording_calls(reader)
+    assert reader.read_many_into([0] * 6, keys, list(dst)) == [None] * 6
+    assert 1 < len(gets) < 6 and sum(n for _, n in gets) == 6
+    assert all(torch.equal(dst[i], content(k)) for i, k in enumerate(keys))
+    assert writer.write_many([0] * 6, keys, list(src)) == [None] * 6  # already there: left as it is
+
+
+def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_tier, raw):
+    tier = make_tier(verify_payload=True)
+    keys = [make_key(i, "batch-bad") for i in range(6)]
+    src = tier.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    for i, key in enumerate(keys):
+        src[i] = content(key)
+    assert tier.write_many([0] * 6, keys, list(src)) == [None] * 6
+    assert tier.remove_from_pool([keys[1]], force=True) == [True]  # in the first call
+    tier.remove_from_pool([keys[4]], force=True)  # in a later call: a value of another key instead
+    put_raw(raw, tier.object_name(keys[4]), value_bytes(keys[5], content(keys[5])))
+    dst = tier.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    got = tier.read_many_into([0] * 6, keys, list(dst))
+    assert isinstance(got[1], BlockMissing)
+    assert isinstance(got[4], CorruptBlock) and not isinstance(got[4], BlockMissing)
+    assert [got[i] for i in (0, 2, 3, 5)] == [None] * 4
+    assert all(torch.equal(dst[i], content(keys[i])) for i in (0, 2, 3, 5))
+    assert tier.up  # bad values say nothing about the pool
+
+
 # --- pool faults ------------------------------------------------------------------------------
 
 
@@ -347,6 +405,29 @@ def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private
     # A background probe finds it back: within the longest backoff (and one probe's wait).
     assert wait_until(lambda: tier.up, backoff_max_s + op_timeout_s + SLACK_S)
     assert torch.equal(load(tier, make_key(11), host[1]), content(make_key(11)))
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_hung_pool_under_a_pipelined_batch_abandons_only_what_it_was_handed(make_tier, private_pool, mode):
+    op_timeout_s = 1.0
+    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=5.0, verify_payload=True)
+    keys = [make_key(i, "hung-batch") for i in range(4)]
+    memory = tier.allocate(8 * LAYOUT.block_bytes).view(8, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    for i, key in enumerate(keys):
+        memory[i] = content(key)
+    assert tier.write_many([0] * 4, keys, list(memory[:4])) == [None] * 4
+    os.kill(private_pool.daemon_pid, signal.SIGSTOP)
+    try:
+        got, seconds = timed(lambda: tier.read_many_into([0] * 4, keys, list(memory[4:])))
+        assert seconds < op_timeout_s + SLACK_S  # one call's budget, not one per call of the batch
+        assert isinstance(got[0], TransferAbandoned)  # the first call's destinations: quarantine them
+        assert all(type(e) is PoolUnavailable for e in got[1:])  # never handed to the pool
+        assert not tier.up
+        others = [make_key(i, "hung-batch-2") for i in range(4)]
+        got, seconds = timed(lambda: tier.write_many([0] * 4, others, list(memory[:4])))
+        assert all(isinstance(e, PoolUnavailable) for e in got) and seconds < 0.1  # known down: at once
+    finally:
+        os.kill(private_pool.daemon_pid, signal.SIGCONT)
 
 
 def test_a_daemon_stalled_past_mooncakes_default_lease_keeps_every_object(make_tier, private_pool):

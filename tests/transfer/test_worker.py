@@ -255,6 +255,23 @@ def test_one_task_runs_on_the_calling_thread_several_on_the_workers(make_tier, b
     assert all(t is not threading.current_thread() for t, _ in later)
 
 
+@pytest.mark.parametrize("direction", ["read", "write"])
+def test_a_pipelined_tier_gets_the_whole_group_in_one_call(make_tier, direction):
+    calls = []
+
+    def record(src, dst, legs, layers):
+        calls.append(len(legs))
+        return [None] * len(legs)
+
+    remote, host = make_tier("remote"), make_tier("host")
+    remote.batched_reads = remote.pipelined = True  # the pool: it overlaps its own calls with its checks
+    pair = (Medium.REMOTE, Medium.HOST) if direction == "read" else (Medium.HOST, Medium.REMOTE)
+    ends = (remote, host) if direction == "read" else (host, remote)
+    with worker_of(remote, host, handlers={pair: record}) as worker:
+        moved = worker.move([leg(key(i), ends[0], i, ends[1], i) for i in range(4)])
+    assert calls == [4] and moved.failures == (None,) * 4  # not a batch per mover, nor a task per leg
+
+
 @pytest.mark.parametrize(("error", "failure"), [
     (CorruptBlock("bad checksum"), Failure.CORRUPT),
     (BlockMissing("gone"), Failure.MISSING),
