@@ -104,9 +104,16 @@ def run_tier(
                 ours_first = not index % 2  # the order alternates: neither side always goes first
                 theirs = (lambda: beside(tier, index, prompt)) if beside is not None else None
                 plain: list[float] = []
-                warm = _next_to(ours_first, lambda: lm.generate(prompt, workload.answer_tokens), theirs)
-                cold = _next_to(ours_first, lambda: lm.generate(prompt, workload.answer_tokens, reuse=False, store=False),
-                                (lambda: plain.append(plain_ttft(model, prompt))) if beside is not None else None)
+
+                def ours() -> tuple[Any, Any]:
+                    # Cold, then warm, as the side beside it runs its turn: each warm run follows
+                    # a prefill of its own process, none follows a pause.
+                    cold = _next_to(ours_first, lambda: lm.generate(prompt, workload.answer_tokens, reuse=False,
+                                                                    store=False),
+                                    (lambda: plain.append(plain_ttft(model, prompt))) if beside is not None else None)
+                    return cold, lm.generate(prompt, workload.answer_tokens)
+
+                cold, warm = _next_to(ours_first, ours, theirs)
                 tally.per_turn.append(TurnFigures(len(prompt), warm.hit_tokens, cold.ttft_s, warm.ttft_s,
                                                   plain[0] if plain else None))
                 for medium in _above(tier):

@@ -96,11 +96,28 @@ class RestoredPrefix:
         kv = kv.to(device, non_blocking=True).permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, H, tokens, D]
         return kv[0], kv[1]
 
+    def write_layer(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy layer ``i``'s K and V into ``keys`` and ``values`` (``[1, kv_heads, tokens,
+        head_dim]``, any device and dtype; waits for the layer): one copy a block, no staging."""
+        self.handle.wait_layer(i, self.timeout_s)
+        start = 0
+        for b in range(self.handle.blocks):
+            kv = self.handle.block(b)[i]  # [2, block tokens, H, D]
+            span = slice(start, min(start + kv.shape[1], self.tokens))
+            start = span.stop
+            n = span.stop - span.start
+            keys[0, :, span].copy_(kv[0, :n].transpose(0, 1), non_blocking=True)
+            values[0, :, span].copy_(kv[1, :n].transpose(0, 1), non_blocking=True)
+
 
 class RestoringLayer(DynamicLayer):
     """A DynamicLayer whose next update first appends this layer of a restored span: the
     prompt's cached prefix (before anything was computed), or, in a split, the loaded blocks
-    after the computed beginning. ``prefix`` is the span still to append (None once appended)."""
+    after the computed beginning. ``prefix`` is the span still to append (None once appended).
+
+    That update lays the layer's KV out once: what it held, the restored span copied straight
+    from the loaded blocks, then the new tokens, in one tensor (a plain DynamicLayer would take
+    the span as a tensor of its own and copy it again to append the new tokens)."""
 
     def __init__(self, index: int) -> None:
         super().__init__()
@@ -111,17 +128,26 @@ class RestoringLayer(DynamicLayer):
         return super().get_seq_length() + (self.prefix.tokens if self.prefix is not None else 0)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.prefix is not None:
-            keys, values = self.prefix.layer(self.index, key_states.device)  # [1, H, tokens, D]
-            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
-            if self.is_initialized:
-                self.keys = torch.cat([self.keys, keys], dim=-2)
-                self.values = torch.cat([self.values, values], dim=-2)
-            else:
-                self.lazy_initialization(key_states, value_states)
-                self.keys, self.values = keys, values
-            self.prefix = None
-        return super().update(key_states, value_states, *args, **kwargs)
+        prefix = self.prefix
+        if prefix is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        before = self.keys.shape[-2] if self.is_initialized else 0
+        batch, heads, new, _ = key_states.shape
+        total = before + prefix.tokens + new
+        keys = key_states.new_empty(batch, heads, total, key_states.shape[-1])
+        values = value_states.new_empty(batch, heads, total, value_states.shape[-1])
+        if before:
+            keys[..., :before, :].copy_(self.keys)
+            values[..., :before, :].copy_(self.values)
+        else:
+            self.lazy_initialization(key_states, value_states)
+        prefix.write_layer(self.index, keys[..., before:before + prefix.tokens, :],
+                           values[..., before:before + prefix.tokens, :])
+        keys[..., before + prefix.tokens:, :].copy_(key_states)
+        values[..., before + prefix.tokens:, :].copy_(value_states)
+        self.keys, self.values = keys, values
+        self.prefix = None
+        return self.keys, self.values
 
 
 class KVStrataCache(Cache):

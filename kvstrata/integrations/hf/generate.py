@@ -239,9 +239,12 @@ class KVStrataLM:
         return out.logits[0, -1]
 
     def _first_layer(self, handle: LoadHandle) -> tuple[LoadHandle | None, RestoredPrefix | None]:
-        """Wait for the restore's first layer: (the handle, the restored span), the span None when
-        nothing was loaded; on a failed restore (None, None), the handle released."""
+        """Wait for the restore's first layer (on the CPU: for all of it; see the module text):
+        (the handle, the restored span), the span None when nothing was loaded; on a failed
+        restore (None, None), the handle released."""
         try:
+            if self.device.type == "cpu":
+                handle.wait(_RESTORE_WAIT_S)
             handle.wait_layer(0, _RESTORE_WAIT_S)
             loaded = handle.blocks * self.cache.layout.block_tokens
         except Exception:  # noqa: BLE001 - a failed restore is recomputed, never served
