@@ -10,10 +10,12 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from kvstrata.pool.config import ENV as POOL_ENV
 from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
@@ -47,12 +49,39 @@ class StepBar:
         self._progress.update(self._task, advance=1, description=label)
 
 
+class StepProgress(Progress):
+    """A Progress drawn as its steps advance (at most ten times a second), not from a thread of
+    its own: the benchmarks time work in this process, and a terminal's redraws (a few ms of
+    Python each, holding the interpreter's lock) would be timed with it."""
+
+    MIN_REDRAW_S = 0.1
+
+    def __init__(self, *columns: Any, **kwargs: Any) -> None:
+        super().__init__(*columns, auto_refresh=False, **kwargs)
+        self._drawn_at = 0.0
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._redraw()
+
+    def update(self, task_id: TaskID, **kwargs: Any) -> None:
+        super().update(task_id, **kwargs)
+        self._redraw()
+
+    def _redraw(self) -> None:
+        now = time.monotonic()
+        if now - self._drawn_at >= self.MIN_REDRAW_S:
+            self._drawn_at = now
+            self.refresh()
+
+
 def progress(label_width: int | None = None) -> Progress:
     """A transient progress bar on stderr (stdout stays for the table or ``--json``): the step's
-    label, padded to ``label_width`` when given, a bar, steps done of all, time elapsed."""
+    label, padded to ``label_width`` when given, a bar, steps done of all, time elapsed; drawn
+    as steps advance (:class:`StepProgress`)."""
     label = "{task.description}" if label_width is None else f"{{task.description:<{label_width}}}"
-    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True)
+    return StepProgress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True)
 
 
 def add_pool_arg(parser: argparse.ArgumentParser, otherwise: str) -> None:
