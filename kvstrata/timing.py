@@ -1,17 +1,34 @@
 """What every measurement of this host shares (calibration, validation, the benchmarks): the
-wall clock, page-cache control so a read comes from the disk (or from memory), and the error
-that voids a run.
+wall clock, page-cache control so a read comes from the disk (or from memory), the garbage
+collector held off, and the error that voids a run.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 
 class VerificationError(RuntimeError):
     """Bytes read back differ from the bytes written: the run's figures are worthless."""
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, back on after only if it was on: a
+    collection landing in a timed sample is noise, not the cost of the code, and a burst of
+    long-lived objects (a cache recovering 100K blocks) sets off collections that walk every
+    object in the process for nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def elapsed_s(fn: Callable[[], object]) -> float:

@@ -28,7 +28,6 @@ among the others in insertion order, as a long-running cache's would.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import math
 import os
@@ -46,6 +45,7 @@ from kvstrata.bench.rounds import Rounds, Spread, rotated
 from kvstrata.index.keys import KEY_BYTES, BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import PrefixIndex
 from kvstrata.media import Medium
+from kvstrata.timing import collector_paused
 
 VOCAB = 128_256  # Llama 3's vocabulary: ids need the full 17 bits, as real prompts do
 SAMPLE_S = 5e-3  # each sample calls a variant about this long in all (its median is the sample)
@@ -116,18 +116,6 @@ def _check(**values: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-@contextmanager
-def _no_gc() -> Iterator[None]:
-    """A collection landing in one sample is noise, not the cost of the code."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _calls_per_sample(fn: Callable[[], object]) -> int:
     fn()  # warm caches and lazily built state (the namespace digest) outside the timing
     start = time.perf_counter()
@@ -145,7 +133,7 @@ def _interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> Rou
     rounds = Rounds()
     names = list(variants)
     clock = time.perf_counter
-    with _no_gc():
+    with collector_paused():
         for r in range(repeats):
             order = rotated(names, r)
             spent: dict[str, list[float]] = {name: [] for name in names}

@@ -17,11 +17,9 @@ dropped from its tier and ends the match there, so wrong KV is never served.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -39,23 +37,9 @@ from kvstrata.metrics import CacheMetrics
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.plan.loadtime import promotion_s
 from kvstrata.tensors import block_tensor, check_kv
+from kvstrata.timing import collector_paused
 from kvstrata.tiers.base import Tier
 from kvstrata.transfer.worker import TransferResult, TransferWorker
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the cache opens: recovery makes a few objects
-    per block it finds (100K on a disk tier at a start), all long-lived, and the collections their
-    allocation set off walked every object in the process for nothing: a third of the time to
-    open such a cache (``kvstrata bench restart``). Turned back on after only if it was on."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class TieredCache:
@@ -66,7 +50,7 @@ class TieredCache:
         self.config = config
         self.layout = config.layout
         self.metrics = CacheMetrics()
-        with _collector_paused():
+        with collector_paused():  # recovery makes a few long-lived objects per block found
             tiers, self._remote_error = build_tiers(config) if tiers is None else (tiers, None)
             self._tiers = check_tiers(tiers, config)
             try:
