@@ -35,7 +35,9 @@ IO_ALLOWED = {
 IO_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "savefig", "mkdir", "unlink", "rmdir",
             "iterdir", "glob", "rglob", "exists", "is_file", "is_dir", "scandir", "listdir", "makedirs"}
 IO_MODULES = {"os", "shutil", "subprocess", "socket", "tempfile", "io"}
-IO_MODULE_USERS = {"sim/traceio.py"}  # the trace file reader and writer: a loader module
+# The trace file reader and writer (a loader module); the block hash, which reads a bytes object
+# through an in-memory io.BytesIO (no file: the fastest C-level cut into blocks, measured).
+IO_MODULE_USERS = {"sim/traceio.py", "index/keys.py"}
 DATA_PLANE = ("cache", "manager", "transfer", "tiers", "integrations")
 MAX_FUNCTION_LINES = 60
 FACADE = ROOT / "cache" / "tiered.py"
@@ -116,11 +118,11 @@ def test_the_pure_core_leaves_torch_unloaded():
 
 
 def test_nothing_outside_bench_imports_bench():
-    """Benchmarks are a leaf: only ``kvstrata bench`` (its CLI command) reaches into them."""
+    """Benchmarks are a leaf: only ``kvstrata bench`` (its CLI command, cli/bench*.py) reaches into them."""
     bad = []
     for path in modules(""):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] == "bench" or rel == Path("cli/bench.py"):
+        if rel.parts[0] == "bench" or (rel.parent == Path("cli") and rel.name.startswith("bench")):
             continue
         for line, name in imported(ast.parse(path.read_text()), module_name(path)):
             if name == "kvstrata.bench" or name.startswith("kvstrata.bench."):
