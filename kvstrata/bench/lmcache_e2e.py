@@ -25,8 +25,9 @@ LMCache's chunk is ``chunk_tokens``):
 
 The engine glue (a CPU "GPU connector", the broadcast stubs) comes from
 :mod:`kvstrata.bench.lmcache`. LMCache lives in a venv of its own (see that module for setup);
-the main bench, in a venv without it, calls :func:`run_in_side_venv`, which runs this module
-(``python -m kvstrata.bench.lmcache_e2e --model DIR --prompts FILE.json --tier host --json``).
+the main bench, in a venv without it, drives this module there turn by turn through
+:class:`SideSession` (``python -m kvstrata.bench.lmcache_e2e --serve ...``); standalone, it runs
+a whole list of prompts (``--model DIR --prompts FILE.json --tier host --json``).
 """
 
 from __future__ import annotations
@@ -499,56 +500,6 @@ def synthetic_turns(
 
 
 # --- from the main venv ----------------------------------------------------------------------------
-
-
-def run_in_side_venv(
-    python_exe: str | os.PathLike[str],
-    model_dir: str | os.PathLike[str],
-    prompts: Sequence[Sequence[int]],
-    tiers: Iterable[str] = TIERS,
-    max_new_tokens: int = 16,
-    chunk_tokens: int = 256,
-    disk_dir: str | os.PathLike[str] | None = None,
-    drop_page_cache: bool = True,
-    repeats: int = 1,
-    timeout_s: float = 3600.0,
-) -> tuple[dict[str, Any] | None, str]:
-    """Run :func:`lmcache_e2e_tiers` in another interpreter (the venv that has LMCache).
-
-    Returns ``(result, "")``, or ``(None, reason)`` when the interpreter is missing, LMCache does
-    not import there, or the run fails (the reason then ends with its stderr's tail).
-    """
-    exe = Path(python_exe)
-    if not exe.is_file() or not os.access(exe, os.X_OK):
-        return None, f"no Python interpreter at {exe} (LMCache's venv: see kvstrata/bench/lmcache.py)"
-    env = _side_env()
-    check = subprocess.run(
-        [str(exe), "-c", "import importlib.metadata as m; import lmcache, kvstrata; print(m.version('lmcache'))"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    if check.returncode != 0:
-        return None, f"lmcache or kvstrata does not import in {exe}: {_tail(check.stderr)}"
-    with tempfile.TemporaryDirectory(prefix="kvstrata-lmcache-e2e-io-") as io_dir:
-        prompts_file = Path(io_dir) / "prompts.json"
-        out_file = Path(io_dir) / "result.json"
-        prompts_file.write_text(json.dumps([[int(t) for t in p] for p in prompts]))
-        cmd = [
-            str(exe), "-m", "kvstrata.bench.lmcache_e2e", "--model", str(model_dir), "--prompts", str(prompts_file),
-            "--max-new-tokens", str(max_new_tokens), "--chunk-tokens", str(chunk_tokens), "--repeats", str(repeats), "--out", str(out_file),
-        ]
-        for tier in tiers:
-            cmd += ["--tier", tier]
-        if disk_dir is not None:
-            cmd += ["--disk-dir", str(disk_dir)]
-        if not drop_page_cache:
-            cmd.append("--keep-page-cache")
-        try:
-            run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None, f"the LMCache e2e run did not finish within {timeout_s:.0f} s"
-        if run.returncode != 0 or not out_file.is_file():
-            return None, f"the LMCache e2e run failed (exit {run.returncode}): {_tail(run.stderr)}"
-        return json.loads(out_file.read_text()), ""
 
 
 class SideSession:

@@ -2,7 +2,7 @@
 
 The LMCache tests need LMCache's own venv (``.venv-lmcache``; setup in kvstrata/bench/lmcache.py):
 ``.venv-lmcache/bin/python -m pytest tests/bench/test_lmcache_e2e.py -q``. Elsewhere they skip;
-the side-venv helper's refusal is tested everywhere.
+the side session's refusals are tested everywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kvstrata.bench.lmcache_e2e import run_in_side_venv, synthetic_turns
+from kvstrata.bench.lmcache_e2e import synthetic_turns
 
 BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # tiny model: layers x (K, V) x kv_heads x head_dim x bf16
 CHUNK = 64
@@ -74,28 +74,6 @@ def test_a_prompt_restored_whole_recomputes_its_last_token(tiny_model):
     res = lmcache_e2e(tiny_model, [prompt, prompt], "host", NEW_TOKENS, CHUNK, repeats=2)
     assert [t["hit_tokens"] for t in res["per_turn"]] == [0, 2 * CHUNK]
     assert res["tokens_identical"]
-
-
-@needs_lmcache
-def test_the_side_venv_entry_point_returns_the_json_result(tiny_model):
-    result, reason = run_in_side_venv(sys.executable, tiny_model, _prompts()[:2], ["host"], 2, CHUNK)
-    assert reason == "" and result is not None
-    assert set(result["tiers"]) == {"host"}
-    assert result["tiers"]["host"]["tokens_identical"]
-    assert result["tiers"]["host"]["hit_tokens"] == 128
-
-
-def test_side_venv_missing_interpreter_gives_none_and_a_reason(tmp_path):
-    result, reason = run_in_side_venv(tmp_path / "no-venv" / "bin" / "python", tmp_path, [[1, 2, 3]], ["host"])
-    assert result is None
-    assert "no Python interpreter" in reason and "no-venv" in reason
-
-
-def test_side_venv_without_lmcache_gives_none_and_a_reason(tmp_path):
-    if importlib.util.find_spec("lmcache") is not None:
-        pytest.skip("this interpreter has lmcache")
-    result, reason = run_in_side_venv(sys.executable, tmp_path, [[1, 2, 3]], ["host"])
-    assert result is None and "does not import" in reason
 
 
 def test_synthetic_turns_extend_each_conversation_and_share_the_system_prompt():
