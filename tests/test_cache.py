@@ -177,8 +177,10 @@ def test_store_returns_a_future_and_stores_each_block_once(tmp_path, caches):
 
 def test_each_layer_is_usable_while_later_layers_are_still_loading(tmp_path, caches):
     layout = layout_for(16, num_layers=4)
-    # Not a small load (those are copied in one dispatch, every layer ready at once).
-    cache, host, toks = gated_host_cache(tmp_path, caches, layout=layout, gate_from=1, small_load_bytes=0)
+    # Not a small load (those are copied in one dispatch, every layer ready at once); layer
+    # ranges asked for, as a GPU device tier has them (a CPU one copies every layer at once).
+    cache, host, toks = gated_host_cache(tmp_path, caches, layout=layout, gate_from=1, small_load_bytes=0,
+                                         layer_ranges=True)
     keys = cache.keys(toks)
 
     host.gate.clear()  # layers 1.. of every host read wait
@@ -207,6 +209,20 @@ def test_a_small_load_is_one_dispatch_whose_layers_are_ready_together(tmp_path, 
     host.gate.set()
     handle.wait_layer(0, timeout=10)
     assert handle.wait(timeout=10).blocks == 2
+    assert_loaded_bytes(cache, handle, cache.keys(toks))
+    handle.release()
+
+
+def test_a_cpu_device_tier_copies_a_large_load_in_one_dispatch(tmp_path, caches):
+    # The default on a CPU device: the copy uses the cores the engine computes with, so layer
+    # ranges on parallel threads would only contend for them.
+    layout = layout_for(16, num_layers=4)
+    cache, host, toks = gated_host_cache(tmp_path, caches, layout=layout, gate_from=1, small_load_bytes=0)
+    assert cache.config.layer_ranges is None
+    host.gate.clear()  # a read starting at layer 1 or later would wait: a one-range copy starts at 0
+    handle = cache.load(cache.lookup(toks))
+    assert handle.wait(timeout=10).blocks == 2
+    assert not host.reads_waiting.acquire(blocking=False)
     assert_loaded_bytes(cache, handle, cache.keys(toks))
     handle.release()
 

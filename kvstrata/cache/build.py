@@ -135,8 +135,12 @@ def manager_config(tiers: Mapping[Medium, Tier], config: CacheConfig) -> Manager
     """What the block manager plans for: these tiers' capacities, the config's policies, and
     the direct paths (registering memory with the pool where they need it)."""
     capacities = {medium: tier.capacity_blocks for medium, tier in tiers.items()}
+    ranges = config.layer_ranges
+    if ranges is None:
+        ranges = tiers[Medium.DEVICE].device.type == "cuda"
     return ManagerConfig(config.layout, capacities, config.eviction, config.write,
-                         direct_media(list(tiers.values()), config), config.workers, config.small_load_bytes)
+                         direct_media(list(tiers.values()), config), config.workers, config.small_load_bytes,
+                         ranges)
 
 
 def direct_media(tiers: Sequence[Tier], config: CacheConfig) -> frozenset[Medium]:

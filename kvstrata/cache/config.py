@@ -54,6 +54,11 @@ class CacheConfig:
     calibration: HostCalibration | None = None
     disk_read_gbps: float | None = None  # cap disk reads at this rate (emulates slower storage)
     small_load_bytes: int = SMALL_LOAD_BYTES  # loads up to this size: one copy dispatch, layers ready together
+    # Loads copied into the device one layer range at a time, each range usable as it lands.
+    # None: where the device tier is a GPU, whose copy engines move bytes while its cores
+    # compute. A CPU stand-in copies with the cores the engine computes with, and one copy
+    # of every layer is fastest there (ranges on parallel threads only contend for them).
+    layer_ranges: bool | None = None
     # Waiting on the pool (the defaults' reasons: kvstrata.pool.config). A call that runs past
     # pool_timeout_s puts the pool down: calls then fail at once while a background probe runs,
     # pool_backoff_s after the fault, doubling per failed probe up to pool_backoff_max_s.
@@ -91,6 +96,8 @@ class CacheConfig:
                 raise ValueError(f"cache {name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if self.disk_dir is not None and not isinstance(self.disk_dir, Path):
             raise ValueError(f"cache disk_dir must be a pathlib.Path, got {self.disk_dir!r}")
+        if self.layer_ranges is not None and not isinstance(self.layer_ranges, bool):
+            raise ValueError(f"cache layer_ranges must be True, False or None, got {self.layer_ranges!r}")
         if self.small_load_bytes < 0:
             raise ValueError(f"cache small_load_bytes must be >= 0, got {self.small_load_bytes}")
         if self.disk_read_gbps is not None and not self.disk_read_gbps > 0:

@@ -73,6 +73,7 @@ class ManagerConfig:
             slots (the others are staged in the host tier).
         workers: transfer threads (copy ranges are cut so each gets two or more).
         small_load_bytes: loads up to this size are copied as one range.
+        layer_ranges: larger loads are copied in layer ranges (else every load is one range).
     """
 
     layout: KVLayout
@@ -82,6 +83,7 @@ class ManagerConfig:
     direct: frozenset[Medium] = frozenset()
     workers: int = 2
     small_load_bytes: int = SMALL_LOAD_BYTES
+    layer_ranges: bool = True
 
     def __post_init__(self) -> None:
         if Medium.DEVICE not in self.capacities:
@@ -298,8 +300,8 @@ class BlockManager:
         ranges = self._copy_ranges.get(blocks)
         if ranges is None:
             c, layout = self.config, self.config.layout
-            ranges = copy_ranges(layout.num_layers, blocks, layout.layer_bytes, c.workers, c.small_load_bytes,
-                                 COPY_TASK_BYTES)
+            small = c.small_load_bytes if c.layer_ranges else blocks * layout.block_bytes
+            ranges = copy_ranges(layout.num_layers, blocks, layout.layer_bytes, c.workers, small, COPY_TASK_BYTES)
             self._copy_ranges[blocks] = ranges
         return ranges
 

@@ -159,6 +159,19 @@ def test_a_load_plans_each_block_by_where_it_is():
     check(m, tiers)
 
 
+@pytest.mark.parametrize("layer_ranges", [True, False])
+def test_a_large_load_is_copied_in_layer_ranges_only_where_asked(layer_ranges):
+    m = BlockManager(ManagerConfig(LAYOUT, {D: 8, H: 8}, Eviction.LRU, WriteRule(WritePolicy.WRITE_BACK, 1),
+                                   workers=2, small_load_bytes=0, layer_ranges=layer_ranges))
+    tiers, keys = Bytes(), keys_of(1, 3)
+    stored(m, tiers, keys)
+    evicted(m, tiers, D, 3)
+    plan = m.prepare_load(m.match(keys))
+    layers = [layer for span in plan.ranges for layer in span]
+    assert layers == list(range(LAYOUT.num_layers))  # every layer once, in order
+    assert len(plan.ranges) == (LAYOUT.num_layers if layer_ranges else 1)
+
+
 def test_a_direct_path_fetches_straight_into_the_device_slot():
     m, tiers = manager({D: 4, K: 4}, direct=frozenset({K})), Bytes()
     keys = keys_of(2, 2)
