@@ -115,7 +115,9 @@ def moved(cache: TieredCache) -> dict:
 
 def gated_host_cache(tmp_path, caches, blocks=2, layout=LAYOUT, gate_from=0, **changes):
     """A CPU device tier over a gated host tier (4 blocks each; ``changes`` to the config):
-    ``blocks`` blocks stored, the first two evicted to the host."""
+    ``blocks`` blocks stored, the first two evicted to the host. Loads run as into a GPU
+    (``layer_ranges``, on the workers) unless changed: a CPU device's copy runs in ``load()``."""
+    changes = {"layer_ranges": True, **changes}
     config = dataclasses.replace(make_config(tmp_path, device=4, host=4, layout=layout), **changes)
     host = GatedHostTier(layout, config.host_bytes, gate_from=gate_from)
     cache = caches(config, [DeviceTier(layout, config.device_bytes, "cpu"), host])
@@ -217,10 +219,11 @@ def test_a_cpu_device_tier_copies_a_large_load_in_one_dispatch(tmp_path, caches)
     # The default on a CPU device: the copy uses the cores the engine computes with, so layer
     # ranges on parallel threads would only contend for them.
     layout = layout_for(16, num_layers=4)
-    cache, host, toks = gated_host_cache(tmp_path, caches, layout=layout, gate_from=1, small_load_bytes=0)
-    assert cache.config.layer_ranges is None
+    cache, host, toks = gated_host_cache(tmp_path, caches, layout=layout, gate_from=1, small_load_bytes=0,
+                                         layer_ranges=None)
     host.gate.clear()  # a read starting at layer 1 or later would wait: a one-range copy starts at 0
     handle = cache.load(cache.lookup(toks))
+    assert handle.done()  # copied on this thread, in load(): no worker to hand it to and wait for
     assert handle.wait(timeout=10).blocks == 2
     assert not host.reads_waiting.acquire(blocking=False)
     assert_loaded_bytes(cache, handle, cache.keys(toks))

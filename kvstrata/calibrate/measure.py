@@ -185,6 +185,12 @@ def _memcpy_1t(s: _Scratch, nbytes: int) -> Callable[[], float]:
     return run
 
 
+def _memcpy_one(s: _Scratch, nbytes: int) -> Callable[[], float]:
+    """One ``copy_`` of every byte on torch's intra-op threads: a load into a CPU device tier."""
+    src, dst = s.pair(nbytes)
+    return lambda: elapsed_s(lambda: dst.copy_(src))
+
+
 def _memcpy_nt(s: _Scratch, nbytes: int) -> Callable[[], float]:
     """N threads, 2N tasks, each one ``torch._foreach_copy_`` of its range in COPY_PIECE_BYTES
     pieces: how the cache's load copies layer ranges of many blocks on the engine's workers."""
@@ -362,6 +368,7 @@ def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> Cali
     plans: list[tuple[str, Callable[[_Scratch, int], Callable[[], float]]]] = [
         (h.MEMCPY_1T, _memcpy_1t),
         (h.MEMCPY_NT, _memcpy_nt),
+        (h.MEMCPY_ONE, _memcpy_one),
         (h.CHECKSUM, _checksum),
         (h.CHECKSUM_NT, _threaded_checksum),
         (h.DISK_WRITE, _disk_write),
@@ -474,6 +481,8 @@ class Prober:
             return _memcpy_1t(s, nbytes)
         if path == h.MEMCPY_NT:
             return _memcpy_nt(s, nbytes)
+        if path == h.MEMCPY_ONE:
+            return _memcpy_one(s, nbytes)
         if path in (h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD):
             return _disk_blocks(s, nbytes, path == h.DISK_BLOCKS_COLD, self._layout)
         if path == h.H2D_PINNED:

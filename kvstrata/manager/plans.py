@@ -169,6 +169,11 @@ class LoadPlan:
     def device_slots(self) -> tuple[int, ...]:
         return tuple(b.device_slot for b in self.blocks)
 
+    @property
+    def one_copy(self) -> bool:
+        """No room to make, nothing to fetch, the copies in one range: one copy between memory tiers."""
+        return not self.room and len(self.ranges) == 1 and all(b.step is not Step.FETCH for b in self.blocks)
+
     def moving(self) -> Iterator[LoadBlock]:
         """Blocks that were not on the device when planned."""
         return (b for b in self.blocks if b.route != (Medium.DEVICE,))

@@ -25,6 +25,10 @@ GB = 1e9
 # Path names, as ``calibrate`` measures them and ``validate`` checks them.
 MEMCPY_1T = "memcpy 1 thread"
 MEMCPY_NT = "memcpy N threads"
+# One torch copy of all the bytes, on torch's own intra-op threads: how a load into a CPU
+# stand-in for the device copies (one dispatch: ranges on parallel threads contend for the
+# cores; see CacheConfig.layer_ranges).
+MEMCPY_ONE = "memcpy (one torch copy)"
 H2D_PINNED = "host -> device (pinned)"
 H2D_PAGEABLE = "host -> device (pageable)"
 D2H_PINNED = "device -> host (pinned)"
@@ -59,12 +63,12 @@ TIERS = tuple(RESTORE_FIXED)
 # tier's RESTORE_FIXED), so these need only a rate; a latency fitted through noisy points takes
 # time away from the sizes that matter (measured on a loaded 2-core VM: a 3.3 ms latency fitted
 # to memcpy probes whose own fixed cost is ~0.1 ms put the 64 MiB predictions ~20% low).
-RATE_PATHS = frozenset({MEMCPY_1T, MEMCPY_NT, H2D_PINNED, DISK_BLOCKS_WARM, DISK_BLOCKS_COLD, POOL_GET})
+RATE_PATHS = frozenset({MEMCPY_1T, MEMCPY_NT, MEMCPY_ONE, H2D_PINNED, DISK_BLOCKS_WARM, DISK_BLOCKS_COLD, POOL_GET})
 # Paths whose measured bytes take no measurable time: fitted as a latency alone (``fit_path``'s
 # ``fixed``), their bandwidth infinite.
 FIXED_COST_PATHS = frozenset({RESTORE_DISPATCH, *RESTORE_FIXED.values()})
 PATHS = (
-    MEMCPY_1T, MEMCPY_NT, H2D_PINNED, H2D_PAGEABLE, D2H_PINNED,
+    MEMCPY_1T, MEMCPY_NT, MEMCPY_ONE, H2D_PINNED, H2D_PAGEABLE, D2H_PINNED,
     DISK_READ_COLD, DISK_READ_WARM, DISK_READ_COLD_NT, DISK_READ_WARM_NT, DISK_WRITE,
     CHECKSUM, CHECKSUM_NT, POOL_GET, POOL_PUT, DISK_BLOCKS_COLD, DISK_BLOCKS_WARM, RESTORE_DISPATCH,
     *RESTORE_FIXED.values(),
@@ -81,7 +85,7 @@ def restore_paths(tier: str, cold: bool, cuda: bool, workers: int) -> tuple[str,
     """
     to_device = (H2D_PINNED,) if cuda else ()
     if tier == "host":
-        return (H2D_PINNED,) if cuda else (MEMCPY_NT if workers > 1 else MEMCPY_1T,)
+        return (H2D_PINNED,) if cuda else (MEMCPY_ONE,)
     if tier == "disk":
         return (DISK_BLOCKS_COLD if cold else DISK_BLOCKS_WARM, *to_device)
     if tier == "remote":
@@ -261,6 +265,8 @@ class HostCalibration:
           when calibrated.
         """
         paths = restore_paths(tier, cold, self.device.startswith("cuda"), max(1, workers))
+        if MEMCPY_ONE in paths:
+            paths = (self._cpu_copy(workers),)
         if nbytes <= 0:
             return 0.0
         fixed = self.paths.get(RESTORE_FIXED[tier])
@@ -295,7 +301,14 @@ class HostCalibration:
     def _copy_path(self, workers: int) -> PathFit:
         if self.device.startswith("cuda"):
             return self.path(H2D_PINNED)
-        return self.path(MEMCPY_NT if workers > 1 and MEMCPY_NT in self.paths else MEMCPY_1T)
+        return self.path(self._cpu_copy(workers))
+
+    def _cpu_copy(self, workers: int) -> str:
+        """The path a load into a CPU device copies on; in a profile from before those loads
+        were one copy, the closest it has."""
+        if MEMCPY_ONE in self.paths:
+            return MEMCPY_ONE
+        return MEMCPY_NT if workers > 1 and MEMCPY_NT in self.paths else MEMCPY_1T
 
     def _threaded(self, name: str, one: PathFit, workers: int, cold: bool) -> PathFit:
         """The N-thread fit of a path when measured and ``workers`` > 1, else the one-thread

@@ -42,7 +42,7 @@ def test_calibrate_cli_quick_writes_a_loadable_profile(tmp_path, capsys, monkeyp
     report = json.loads(capsys.readouterr().out)
     assert report["skipped"][h.POOL_GET]  # no pool configured here: skipped, with the reason
     cal = load_calibration(out)
-    assert {h.MEMCPY_1T, h.MEMCPY_NT, h.DISK_READ_WARM, h.DISK_READ_COLD, h.CHECKSUM} <= set(cal.paths)
+    assert {h.MEMCPY_1T, h.MEMCPY_NT, h.MEMCPY_ONE, h.DISK_READ_WARM, h.DISK_READ_COLD, h.CHECKSUM} <= set(cal.paths)
     assert {h.RESTORE_FIXED["host"], h.RESTORE_FIXED["disk"]} <= set(cal.paths)  # a fixed cost per local tier
     assert load_profile(out).name == "workstation"
     assert main(["plan", "--hardware", str(out)]) == 0
@@ -65,7 +65,7 @@ def test_validate_cli_json_rows_for_host_and_disk(tmp_path, capsys, monkeypatch)
         assert set(r) >= {"error", "spread", "paired_error", "paired_spread", "probe_spread", "profile_error",
                           "runs_s", "probe_runs_s", "fixed_runs_s", "meets_goal"}
         assert len(r["runs_s"]) == len(r["probe_runs_s"]) == len(r["fixed_runs_s"]) == 1
-    assert {h.MEMCPY_NT, h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD, h.RESTORE_FIXED["host"],
+    assert {h.MEMCPY_ONE, h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD, h.RESTORE_FIXED["host"],
             h.RESTORE_FIXED["disk"]} <= set(report["fits"])
     assert main(["validate", "--quick", "--sizes-mib", "2", "--block-tokens", "16", "--repeats", "1",
                  "--dir", str(tmp_path)]) == 0  # the table, without a profile
@@ -92,7 +92,7 @@ def test_validate_interleaves_probe_restore_and_fixed_cost_per_size_per_round(tm
     assert len(steps.labels) == steps.total
     host = [label for label in steps.labels if "host" in label or "memcpy" in label]
     one_turn = ["probe {probe}, {mib} MiB", "restore host -> device, {mib} MiB", "fixed cost host"]
-    turns = [line.format(probe=h.MEMCPY_NT, mib=mib) for mib in (2, 4) for line in one_turn]
+    turns = [line.format(probe=h.MEMCPY_ONE, mib=mib) for mib in (2, 4) for line in one_turn]
     assert host == turns * 3  # a warm-up round and two timed ones; the sizes take turns within each
     disk = [label for label in steps.labels if label not in host]
     assert disk[:3] == [f"probe {h.DISK_BLOCKS_WARM}, 2 MiB", "restore disk (page cache) -> device, 2 MiB",
@@ -104,7 +104,7 @@ def test_validate_interleaves_probe_restore_and_fixed_cost_per_size_per_round(tm
         assert len(row.runs_s) == len(row.probe_runs_s) == len(row.fixed_runs_s) == 2  # warm-up dropped
         assert len(row.paired_errors) == 2 and row.profile_s is None and row.meets_goal is None
     fits = run.calibration.paths
-    assert fits[h.MEMCPY_NT].sizes == (2 * MIB, 4 * MIB) and fits[h.DISK_BLOCKS_WARM].sizes == (2 * MIB, 4 * MIB)
+    assert fits[h.MEMCPY_ONE].sizes == (2 * MIB, 4 * MIB) and fits[h.DISK_BLOCKS_WARM].sizes == (2 * MIB, 4 * MIB)
     for tier in ("host", "disk"):  # a fixed cost per tier, the bytes free
         assert fits[h.RESTORE_FIXED[tier]].gbps == float("inf")
     # Each row's prediction is the sitting's calibration's

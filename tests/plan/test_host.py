@@ -105,8 +105,9 @@ def test_restore_composition_adds_up_per_tier():
 
 
 def test_restore_paths_per_tier():
-    assert h.restore_paths("host", False, cuda=False, workers=2) == (h.MEMCPY_NT,)
-    assert h.restore_paths("host", False, cuda=False, workers=1) == (h.MEMCPY_1T,)
+    # Into a CPU device: one torch copy, however many workers (see CacheConfig.layer_ranges).
+    assert h.restore_paths("host", False, cuda=False, workers=2) == (h.MEMCPY_ONE,)
+    assert h.restore_paths("host", False, cuda=False, workers=1) == (h.MEMCPY_ONE,)
     assert h.restore_paths("host", False, cuda=True, workers=2) == (h.H2D_PINNED,)
     assert h.restore_paths("disk", True, cuda=False, workers=2) == (h.DISK_BLOCKS_COLD,)
     assert h.restore_paths("disk", False, cuda=True, workers=2) == (h.DISK_BLOCKS_WARM, h.H2D_PINNED)
@@ -125,6 +126,9 @@ def test_restore_with_a_tier_fixed_cost_adds_the_paths_rates_only():
     n = 64 * 10**6
     assert cal.restore_s("host", n, 8, workers=2) == pytest.approx(1e-3 + n / 16e9)  # MEMCPY_NT's latency not added
     assert cal.restore_s("host", n, 8, workers=1) == pytest.approx(1e-3 + n / 10e9)
+    cal.paths[h.MEMCPY_ONE] = h.PathFit(3e-5, 12.0)  # a profile that has it: the path a CPU load takes
+    assert cal.restore_s("host", n, 8, workers=2) == pytest.approx(1e-3 + n / 12e9)
+    assert cal.restore_s("host", n, 8, workers=1) == pytest.approx(1e-3 + n / 12e9)
     assert cal.restore_s("disk", n, 8, workers=2) == pytest.approx(2e-3 + n / 8e9)
     assert cal.restore_s("disk", n, 8, workers=2, cold=True) == pytest.approx(2e-3 + n / 2e9)
     # remote: no fixed cost of its own measured: the old composition, the old dispatch
