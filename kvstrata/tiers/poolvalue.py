@@ -54,6 +54,7 @@ import hashlib
 import hmac
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ import numpy as np
 import xxhash
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -154,6 +156,7 @@ class ValueSeal:
         if secret is not None:
             self._name_key, self._mac_key, enc_key = (_derive(secret, namespace_tag, use) for use in (b"name", b"mac", b"enc"))
             self._aead = AESGCM(enc_key)
+            self._aes = algorithms.AES(enc_key)
 
     def object_name(self, key: BlockKey) -> str:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
@@ -212,12 +215,23 @@ class ValueSeal:
             raise CorruptBlock(f"remote tier: block {name} is not sealed as this deployment seals (forged?)")
         signed = bytes(head[:_SIGNED])
         if self.encrypt:
-            stored = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            # Streamed: each piece decrypted through one reused scratch buffer and copied back
+            # (AESGCM.decrypt would need the ciphertext joined, tag appended, and a new
+            # plaintext: three copies and two fresh allocations of the whole value). The
+            # pieces hold unauthenticated plaintext until finalize: a failure there raises,
+            # and the caller never serves the slot.
+            decryptor = Cipher(self._aes, modes.GCM(header.nonce, header.tag)).decryptor()
+            decryptor.authenticate_additional_data(signed)
+            for part in parts:
+                flat = part.reshape(-1)
+                scratch = _scratch(flat.size + 15)  # update_into's room for a partial AES block
+                if decryptor.update_into(flat, scratch) != flat.size:  # GCM is a stream: never short
+                    raise CorruptBlock(f"remote tier: block {name} decrypted out of step")
+                flat[:] = scratch[: flat.size]
             try:
-                plain = self._aead.decrypt(header.nonce, memoryview(stored).cast("B").tobytes() + header.tag, signed)
+                decryptor.finalize()
             except InvalidTag:
                 raise CorruptBlock(f"remote tier: block {name} fails authentication (forged or altered)") from None
-            _scatter(np.frombuffer(plain, dtype=np.uint8), parts)
             return
         mac = Poly1305(self._one_time_key(signed))
         for part in parts:
@@ -237,9 +251,11 @@ def _derive(secret: bytes, namespace_tag: str, use: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def _scatter(plain: np.ndarray, parts: Sequence[np.ndarray]) -> None:
-    at = 0
-    for part in parts:
-        flat = part.reshape(-1)
-        flat[:] = plain[at : at + flat.size]
-        at += flat.size
+_scratches = threading.local()  # per thread: one uint8 buffer, grown as needed
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    buffer = getattr(_scratches, "buffer", None)
+    if buffer is None or buffer.size < nbytes:
+        buffer = _scratches.buffer = np.empty(nbytes, dtype=np.uint8)
+    return buffer[:nbytes]

@@ -127,13 +127,14 @@ def test_a_forged_value_with_a_valid_header_and_checksum_is_a_miss(tiers, attack
         read(tier, key)
 
 
-@pytest.mark.parametrize("where", ["payload", "nonce", "key field"])
-def test_a_sealed_value_altered_anywhere_is_a_miss(tiers, attacker, where):
-    tier = tiers()
+@pytest.mark.parametrize("encrypt", [False, True], ids=["sealed", "encrypted"])
+@pytest.mark.parametrize("where", ["payload", "nonce", "key field", "last byte"])
+def test_a_sealed_value_altered_anywhere_is_a_miss(tiers, attacker, where, encrypt):
+    tier = tiers(encrypt=encrypt)
     key = key_of(4)
     store(tier, key)
     value = bytearray(raw_get(attacker, tier.object_name(key)))
-    offset = {"payload": poolvalue.HEADER_BYTES + 100, "nonce": 60, "key field": 20}[where]
+    offset = {"payload": poolvalue.HEADER_BYTES + 100, "nonce": 60, "key field": 20, "last byte": len(value) - 1}[where]
     value[offset] ^= 0x01
     if where != "payload":  # keep the header's own accident check consistent, as an attacker would
         body = bytes(value[:88])
