@@ -26,6 +26,10 @@ class Tier(abc.ABC):
     # (the pool): the worker hands them the whole group on one mover, since splitting it across
     # movers only makes the tier's calls compete with each other.
     pipelined: bool = False
+    # Reads of this tier that pay off in flight at once, each leg a task on threads of the
+    # tier's own beside the byte movers (the disk: a reader waiting on the device holds no CPU,
+    # so more readers than movers keep more I/O in flight); 0: its reads run on the movers.
+    readers: int = 0
 
     def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

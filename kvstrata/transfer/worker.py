@@ -6,7 +6,8 @@ discards, deepest tier first), copies a load's layer ranges and copies a store's
 reports per leg None or a ``Failure``; it never decides anything about a block's state.
 
 Threads: a bounded pool of ``workers`` byte movers (torch copies, file I/O and pool calls
-release the GIL); one orchestration pool that runs the cache's loads, stores and prefetches
+release the GIL); for a tier whose reads pay off in flight at once (``Tier.readers``: the disk),
+that many readers of its own, which read its blocks into memory; one orchestration pool that runs the cache's loads, stores and prefetches
 (they wait on byte movers, which never wait on them); one for write-downs and demotions, so a
 store never waits on a task queued behind it; and one timer thread for deadline prefetches.
 A batch that is one task runs on the calling thread: handing it over only adds a wait.
@@ -123,6 +124,8 @@ class TransferWorker:
         self._movers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstrata-transfer")
         self._orchestrators = ThreadPoolExecutor(max_workers=orchestrators, thread_name_prefix="kvstrata-plan")
         self._writers = ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="kvstrata-write")
+        self._readers = {medium: ThreadPoolExecutor(max_workers=tier.readers, thread_name_prefix=f"kvstrata-{medium.label}-read")
+                         for medium, tier in self.tiers.items() if tier.readers > 0}
         self._timers = Timers()
         self._streams = threading.local()  # per thread: {device: torch.cuda.Stream}
 
@@ -147,26 +150,32 @@ class TransferWorker:
         group is one batched copy, and so is a group into or out of memory by a pipelined tier
         (the pool: it overlaps its calls with its checks itself); a group whose source reads
         many blocks in one call is split in one batch per mover; any other leg (a file read or
-        write) is a task of its own, so a slow one holds up one mover, not a fixed share.
+        write) is a task of its own, so a slow one holds up one mover, not a fixed share; reads
+        into memory of a tier with readers of its own (the disk) run on those.
         Returns when all are settled."""
         _check_layers(layers)
         if not legs:
             return Moved()
         chunks: list[list[int]] = []
+        pools: list[ThreadPoolExecutor] = []
         for group in _groups(legs).values():
             first = legs[group[0]]
             src, dst = self.tiers[first.src.medium], self.tiers[first.dst.medium]
             into_view, from_view = dst.view(first.dst.index) is not None, src.view(first.src.index) is not None
+            pool = self._movers
             if _memory_pair(first) or (src.pipelined and into_view) or (dst.pipelined and from_view):
                 split = 1
             elif src.batched_reads and into_view:
                 split = min(self.workers, len(group))
             else:
                 split = len(group)
+                if into_view:
+                    pool = self._readers.get(src.medium, pool)
             chunks += [group[w::split] for w in range(split)]
+            pools += [pool] * split
         ready = self._ready_event(legs)
-        results = self._run_all([lambda c=c: self._run_handler([legs[i] for i in c], layers, ready) for c in chunks])
-        return _assemble(len(legs), chunks, results)
+        tasks = [lambda c=c: self._run_handler([legs[i] for i in c], layers, ready) for c in chunks]
+        return _assemble(len(legs), chunks, self._run_all(tasks, pools))
 
     def copy_layers(self, legs: Sequence[Leg], ranges: Sequence[range], on_range: Callable[[range], None]) -> Moved:
         """Copy ``legs`` into memory one layer range at a time (ranges in parallel); after each
@@ -230,10 +239,11 @@ class TransferWorker:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _run_all(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
+    def _run_all(self, tasks: Sequence[Callable[[], T]], pools: Sequence[ThreadPoolExecutor] | None = None) -> list[T]:
+        """Run ``tasks``, each on its pool (``pools``, in step; default: the byte movers)."""
         if len(tasks) <= 1:
             return [task() for task in tasks]
-        futures = [self._movers.submit(task) for task in tasks]
+        futures = [(pools[i] if pools else self._movers).submit(task) for i, task in enumerate(tasks)]
         return [future.result() for future in futures]
 
     def _run_handler(self, legs: Sequence[Leg], layers: slice, ready: Any) -> tuple[list, TransferResult | None]:
@@ -280,6 +290,8 @@ class TransferWorker:
         self._timers.close()
         self._orchestrators.shutdown(wait=True)
         self._writers.shutdown(wait=True)
+        for readers in self._readers.values():
+            readers.shutdown(wait=True)
         self._movers.shutdown(wait=True)
 
     def __enter__(self) -> TransferWorker:

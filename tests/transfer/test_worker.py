@@ -425,6 +425,41 @@ def test_at_most_workers_handlers_run_at_once(make_tier):
         assert all(f.result(timeout=10).failures == (None, None) for f in futures)
 
 
+
+def test_a_disk_tier_reads_into_memory_on_readers_of_its_own_and_writes_on_the_movers(make_tier):
+    disk, host = make_tier("disk"), make_tier("host")
+    assert disk.readers > 1  # the disk rewards reads in flight beside the movers
+    lock = threading.Lock()
+    running, peak, names = 0, 0, []
+    all_in = threading.Barrier(disk.readers, timeout=10)
+
+    def blocking_read(src, dst, legs, layers):
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+            names.append(threading.current_thread().name)
+        all_in.wait()  # breaks (and the test fails) unless `readers` reads run at once
+        with lock:
+            running -= 1
+        return [None] * len(legs)
+
+    writes = []
+
+    def record_write(src, dst, legs, layers):
+        writes.append(threading.current_thread().name)
+        return [None] * len(legs)
+
+    handlers = {(Medium.DISK, Medium.HOST): blocking_read, (Medium.HOST, Medium.DISK): record_write}
+    with worker_of(disk, host, workers=1, handlers=handlers) as worker:
+        moved = worker.move([leg(key(i), disk, i, host, i) for i in range(2 * disk.readers)])
+        assert moved.failures == (None,) * (2 * disk.readers)
+        worker.move([leg(key(i), host, i, disk, i) for i in range(2)])
+    assert peak == disk.readers  # more than the one mover, no more than the readers
+    assert all(name.startswith("kvstrata-disk-read") for name in names)
+    assert len(writes) == 2 and all(name.startswith("kvstrata-transfer") for name in writes)
+
+
 # --- timers -----------------------------------------------------------------------------------
 
 
