@@ -24,7 +24,7 @@ disk tier     ``DiskTier.read_into`` -> host,        (the reads above)          
 ============  =====================================  ==========================  =====================
 
 Every disk step (a store to disk, a cold read) is given the ballast first, untimed
-(``kvstrata.bench.ballast``): a file of its size read and dropped, so its page cache comes out
+(``kvstrata.calibrate.ballast``): a file of its size read and dropped, so its page cache comes out
 of memory freed a moment before whichever step ran before it. Without it, on the VM measured,
 the second cold read of a round ran ~3x slower than the first, ours or the baseline.
 
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from kvstrata.bench import lmcache as lmcache_side
-from kvstrata.bench.ballast import Ballast
+from kvstrata.calibrate.ballast import Ballast
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
 from kvstrata.bench.cache_report import CacheBenchReport, CacheRun, CacheVerified, cache_report
 from kvstrata.bench.kvdata import KVSetup, block_layout, random_kv
@@ -166,7 +166,7 @@ class Sides:
 
     def disk(self, step: Callable[[], float]) -> Callable[[], float]:
         """``step`` once the ballast has been read and dropped (untimed): its page cache comes
-        out of memory freed a moment before, whichever step ran before it (``kvstrata.bench.ballast``)."""
+        out of memory freed a moment before, whichever step ran before it (``kvstrata.calibrate.ballast``)."""
 
         def after_release() -> float:
             self.ballast.release()

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from kvstrata.calibrate.ballast import Ballast
 from kvstrata.calibrate.measure import Measurement, Prober, fit_paths
 from kvstrata.calibrate.restores import TINY_BLOCKS, TINY_LAYOUT, CacheRestores
 from kvstrata.kv.layout import KVLayout
@@ -241,6 +242,9 @@ def validate(config: ValidateConfig, progress: Progress | None = None,
         root = Path(scratch)
         (root / "probe").mkdir()
         prober = Prober(root / "probe", config.workers, device, layout, config.pool)
+        # Cold steps read into fresh page cache: each gets memory freed a moment before
+        # (kvstrata.calibrate.ballast), or the restore, always after its probe, reads slower.
+        ballast = Ballast(root / "ballast.bin", max(config.sizes)) if any(k.cold for k in kinds) else None
         tiny: dict[str, CacheRestores] = {}
         sized: dict[tuple[bool, int], CacheRestores] = {}  # (remote, size) -> its cache
         try:
@@ -255,7 +259,7 @@ def validate(config: ValidateConfig, progress: Progress | None = None,
                                                         pool=config.pool if remote else None)
             for kind in kinds:
                 benches = [sized[kind.tier == "remote", size] for size in config.sizes]
-                for bench, rounds in zip(benches, _row(kind, benches, tiny[kind.tier], prober, layout, cuda, config,
+                for bench, rounds in zip(benches, _row(kind, benches, tiny[kind.tier], prober, ballast, cuda, config,
                                                        progress), strict=True):
                     measured.append((kind, bench.size, bench.blocks, rounds))
         finally:
@@ -266,11 +270,13 @@ def validate(config: ValidateConfig, progress: Progress | None = None,
     return _result(config, layout, cuda, device, measured, profile)
 
 
-def _row(kind: RowKind, benches: list[CacheRestores], tiny: CacheRestores, prober: Prober, layout: KVLayout,
+def _row(kind: RowKind, benches: list[CacheRestores], tiny: CacheRestores, prober: Prober, ballast: Ballast | None,
          cuda: bool, config: ValidateConfig, progress: Progress) -> list[_Rounds]:
     """One row kind at every size, round by round: per round each size in turn runs its
     probes, its restore and the tier's tiny restore, back to back (the sizes take turns, so a
-    slow spell of the machine falls on all of them and the fit across sizes stays level)."""
+    slow spell of the machine falls on all of them and the fit across sizes stays level). A
+    cold row's probe and restore each start after the ballast is released (untimed)."""
+    fresh = ballast.release if kind.cold and ballast is not None else (lambda: None)
     paths = restore_paths(kind.tier, kind.cold, cuda, config.workers)
     out = [_Rounds(probes={p: [] for p in paths}) for _ in benches]
     for i in range(1 + config.repeats):
@@ -279,8 +285,11 @@ def _row(kind: RowKind, benches: list[CacheRestores], tiny: CacheRestores, probe
             probes = {}
             for path in paths:
                 progress.step(f"probe {path}, {size_mib}")
-                probes[path] = prober.step(path, bench.size)()
+                step = prober.step(path, bench.size)
+                fresh()
+                probes[path] = step()
             progress.step(f"restore {kind.label}, {size_mib}")
+            fresh()
             restore = bench.restore(kind.tier, cold=kind.cold)
             progress.step(f"fixed cost {kind.tier}")
             fixed = tiny.restore(kind.tier)

@@ -29,7 +29,7 @@ Why four readers (``readers``: the transfer worker reads a load's blocks on four
 the tier's own, whatever its byte movers): a reader of a cold block spends most of its time
 waiting for the device, not on a CPU, so more readers than the two movers keep more of the disk
 busy. Cold, 16 blocks of 32 MiB, median of 12 interleaved rounds against one plain ``readinto``
-of the same bytes, each read given freshly freed memory first (``kvstrata.bench.ballast``): two
+of the same bytes, each read given freshly freed memory first (``kvstrata.calibrate.ballast``): two
 readers 0.89x, three 1.06x, four 1.02x, six 1.06x; warm (from the page cache, CPU-bound) two
 and four read alike (0.69x and 0.67x of a plain memory copy). ``POSIX_FADV_WILLNEED`` on each
 block as it opens lost (0.44x one reader, 0.40x two), ``POSIX_FADV_SEQUENTIAL`` did nothing

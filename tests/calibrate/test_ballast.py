@@ -1,4 +1,4 @@
-"""The ballast of ``bench cache``: a file of a step's size plus headroom, read and dropped before
+"""The ballast of ``bench cache`` and ``validate``: a file of a step's size plus headroom, read and dropped before
 each disk step (``Sides.disk``), so the step's page cache comes from memory just freed."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvstrata.bench import ballast as ballast_module
-from kvstrata.bench.ballast import HEADROOM_BYTES, Ballast
 from kvstrata.bench.cache import Sides
+from kvstrata.calibrate import ballast as ballast_module
+from kvstrata.calibrate.ballast import HEADROOM_BYTES, Ballast
 from tests.test_timing import PAGE, cached_pages
 
 

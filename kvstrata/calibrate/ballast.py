@@ -1,5 +1,6 @@
 """A ballast file: memory freed just before a disk step, so every disk step of a benchmark
-starts with the same supply of fresh pages for its page cache, whichever step ran before it.
+(``bench cache``) or of ``validate`` starts with the same supply of fresh pages for its page
+cache, whichever step ran before it.
 
 Why. A buffered read or write of N bytes first takes N bytes of free memory for the page cache.
 On the VM of the benchmark (Firecracker, free page reporting at order 11, DAMON paging out idle
