@@ -6,7 +6,7 @@ times the pool's get and put paths with it. ``RawPool`` joins the pool as its ow
 thread, no timeout, no header handling) with a segment of 0 bytes, so, like the tier, it keeps
 no object in this process: every byte crosses into the pool daemon's process and back.
 
-Its objects hold exactly the bytes the tier's objects hold (the tier's 64-byte value header,
+Its objects hold exactly the bytes the tier's objects hold (the tier's 128-byte value header,
 then the block), under names of their own, and move in one batched call for all of them:
 ``batch_put_from`` from, and ``batch_get_into`` into, pre-faulted memory registered with the
 store (in SHM mode, shared memory the daemon maps, from ``alloc_from_mem_pool``).
