@@ -43,13 +43,13 @@ from typing import Any
 import torch
 
 from kvstrata.bench import lmcache as lmcache_side
-from kvstrata.calibrate.ballast import Ballast
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
 from kvstrata.bench.cache_report import CacheBenchReport, CacheRun, CacheVerified, cache_report
 from kvstrata.bench.kvdata import KVSetup, block_layout, random_kv
 from kvstrata.bench.ours import OursCache
 from kvstrata.bench.lookup import LookupTimes, hash_and_lookup_ms
 from kvstrata.bench.rounds import Environment, Rounds, check_rounds, rotated
+from kvstrata.calibrate.ballast import Ballast
 from kvstrata.kv.layout import KVLayout
 from kvstrata.progress import NoProgress, Progress
 

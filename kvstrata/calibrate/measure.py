@@ -152,7 +152,7 @@ class _Scratch:
         self._src: torch.Tensor | None = None
         self._dst: torch.Tensor | None = None
         self.disk_tiers: dict[Path, Tier] = {}  # the block-read probes' own disk tiers, by directory
-        self.readers: ThreadPoolExecutor | None = None  # as many threads as a disk tier reads on
+        self._readers: dict[int, ThreadPoolExecutor] = {}  # by thread count: as a disk tier reads
 
     def pair(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._src is None or self._src.numel() < nbytes:
@@ -167,17 +167,17 @@ class _Scratch:
         return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
 
     def disk_readers(self, count: int) -> ThreadPoolExecutor:
-        """The threads a disk tier's blocks are read on in a load (``Tier.readers``)."""
-        if self.readers is None:
-            self.readers = ThreadPoolExecutor(max_workers=count, thread_name_prefix="kvstrata-calibrate-read")
-        return self.readers
+        """``count`` threads to read disk blocks on, as a load reads a disk tier (``Tier.readers``)."""
+        if count not in self._readers:
+            self._readers[count] = ThreadPoolExecutor(max_workers=count, thread_name_prefix="kvstrata-calibrate-read")
+        return self._readers[count]
 
     def close(self) -> None:
         for tier in self.disk_tiers.values():
             tier.close()
         self.pool.shutdown(wait=True)
-        if self.readers is not None:
-            self.readers.shutdown(wait=True)
+        for readers in self._readers.values():
+            readers.shutdown(wait=True)
 
 
 def _memcpy_1t(s: _Scratch, nbytes: int) -> Callable[[], float]:
