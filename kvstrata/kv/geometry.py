@@ -21,54 +21,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kvstrata.kv.dtypes import DType
 from kvstrata.kv.fields import GeometryError, check_int, get_int, require_int
+from kvstrata.kv.groups import GroupKind, KVGroup, check_groups, heads_per_rank
 from kvstrata.kv.params import count_params
-
-
-class DType(Enum):
-    """Element type of cached K/V (or of weights)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP8 = "fp8"
-
-    @property
-    def size_bytes(self) -> int:
-        """Bytes per element."""
-        return _DTYPE_SIZE_BYTES[self]
-
-    @classmethod
-    def parse(cls, text: str) -> DType:
-        """Parse a dtype name as written by users, torch or Hugging Face configs.
-
-        Args:
-            text: e.g. ``"bf16"``, ``"bfloat16"``, ``"torch.float16"``, ``"float8_e4m3fn"``.
-
-        Returns:
-            The matching DType.
-
-        Raises:
-            GeometryError: ``text`` names no dtype we know; the message lists the allowed names.
-        """
-        key = text.strip().lower().removeprefix("torch.") if isinstance(text, str) else None
-        if key not in _DTYPE_ALIASES:
-            allowed = ", ".join(sorted(_DTYPE_ALIASES))
-            raise GeometryError(f"unknown dtype {text!r}; allowed: {allowed}")
-        return _DTYPE_ALIASES[key]
-
-
-_DTYPE_SIZE_BYTES = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
-
-_DTYPE_ALIASES = {
-    **dict.fromkeys(("fp32", "float32", "float", "f32"), DType.FP32),
-    **dict.fromkeys(("bf16", "bfloat16"), DType.BF16),
-    **dict.fromkeys(("fp16", "float16", "half", "f16"), DType.FP16),
-    **dict.fromkeys(
-        ("fp8", "float8", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"),
-        DType.FP8,
-    ),
-}
 
 
 class Attention(Enum):
@@ -117,6 +73,12 @@ class KVGeometry:
         num_attention_heads: Query heads (for the attention FLOPs term).
         kv_lora_rank: MLA latent width; None otherwise.
         qk_rope_head_dim: MLA decoupled-RoPE key width; None otherwise.
+        groups: The layers' KV groups (:mod:`kvstrata.kv.groups`). Empty: one group of every
+            layer, FULL (or MLA) attention of ``num_kv_heads`` x ``head_dim`` as ``dtype``.
+            The scalar fields above describe the attention layers' heads; the groups say
+            which layers keep what.
+        max_context: The longest context the model takes (``max_position_embeddings``); None
+            when the config does not say.
     """
 
     name: str
@@ -131,6 +93,8 @@ class KVGeometry:
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     weight_dtype: DType | None = None  # None: weights stored as the KV dtype
+    groups: tuple[KVGroup, ...] = ()
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -171,6 +135,17 @@ class KVGeometry:
                     f"is {kind.name}"
                 )
 
+        if not self.groups:
+            kind = GroupKind.MLA if self.attention is Attention.MLA else GroupKind.FULL
+            object.__setattr__(self, "groups", (KVGroup(
+                kind, tuple(range(self.num_layers)), self.dtype, self.num_kv_heads, self.head_dim,
+                label="full_attention"),))
+        if not isinstance(self.groups, tuple):
+            raise GeometryError(f"KVGeometry field 'groups' must be a tuple, got {self.groups!r}")
+        check_groups(self.groups, self.num_layers)
+        if self.max_context is not None:
+            check_int("KVGeometry field 'max_context'", self.max_context)
+
     def _check_mla(self) -> None:
         for field_name in ("kv_lora_rank", "qk_rope_head_dim"):
             check_int(f"KVGeometry field {field_name!r}", getattr(self, field_name))
@@ -187,73 +162,90 @@ class KVGeometry:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token occupies across all layers, on all GPUs together."""
-        return self._bytes_per_token_for(self.num_kv_heads)
+        """KV bytes one more token adds once past every window, on all GPUs together: the
+        layers that keep every token (FULL and MLA groups)."""
+        return self.bytes_per_token_per_gpu(1)
 
     @property
     def kv_tensors(self) -> int:
         """Tensors cached per KV head: K and V, or MLA's one latent that serves as both."""
         return 1 if self.attention is Attention.MLA else 2
 
+    @property
+    def hybrid(self) -> bool:
+        """More than one group, or a group that is not FULL/MLA attention of every layer."""
+        return len(self.groups) > 1 or not self.groups[0].kind.keeps_every_token
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that cache per-token KV (every group but STATE)."""
+        return sum(group.num_layers for group in self.groups if group.kind.per_token)
+
     def kv_heads_per_gpu(self, tp: int = 1) -> int:
-        """KV heads each GPU of a tensor-parallel group holds.
+        """KV heads of the attention layers each GPU of a tensor-parallel group holds.
+
+        MLA replicates its one latent on every rank (DeepSeek's reference code, vLLM, SGLang
+        split the query heads); more ranks than KV heads replicate each head on
+        ``tp / kv_heads`` ranks, so every rank still holds one whole head.
 
         Args:
             tp: Tensor-parallel degree.
 
         Raises:
-            GeometryError: ``tp`` is not positive, or it neither divides nor is a multiple of
-                the KV heads (for MHA/GQA/MQA).
+            GeometryError: ``tp`` is not positive, or it does not fit the heads of a group.
         """
-        check_int("'tp'", tp)
-        if self.attention is Attention.MLA:
-            # The latent is shared by every query head, so MLA TP (DeepSeek's reference code,
-            # vLLM, SGLang) splits the heads and replicates the whole latent on every rank:
-            # a rank's cache is the full per-token latent.
-            return self.num_kv_heads
-        if tp <= self.num_kv_heads:
-            if self.num_kv_heads % tp:
-                raise GeometryError(f"'tp' ({tp}) must divide the {self.num_kv_heads} KV heads")
-            return self.num_kv_heads // tp
-        if tp % self.num_kv_heads:
-            raise GeometryError(
-                f"'tp' ({tp}) exceeds the {self.num_kv_heads} KV heads and is not a multiple "
-                "of them"
-            )
-        # More ranks than KV heads: each KV head is replicated on tp / kv_heads ranks, so every
-        # rank still holds one whole head.
-        return 1
+        for group in self.groups:
+            group.heads_per_gpu(tp)
+        kind = GroupKind.MLA if self.attention is Attention.MLA else GroupKind.FULL
+        return heads_per_rank(kind, self.num_kv_heads, tp)
 
     def bytes_per_token_per_gpu(self, tp: int = 1) -> int:
-        """KV bytes one token occupies on each GPU of a tensor-parallel group.
-
-        Args:
-            tp: Tensor-parallel degree.
+        """KV bytes one more token adds (past every window) on each GPU of a TP group.
 
         Raises:
             GeometryError: as :meth:`kv_heads_per_gpu`.
         """
-        return self._bytes_per_token_for(self.kv_heads_per_gpu(tp))
+        self.kv_heads_per_gpu(tp)
+        return sum(group.token_bytes(tp) for group in self.groups if group.kind.keeps_every_token)
+
+    def block_token_bytes(self, tp: int = 1) -> int:
+        """Bytes one token occupies in every per-token group (windowed ones included) on one GPU:
+        the bytes of a paged block while the block is inside every window."""
+        self.kv_heads_per_gpu(tp)
+        return sum(group.token_bytes(tp) for group in self.groups)
 
     def bytes_per_block(self, block_tokens: int, tp: int = 1) -> int:
-        """KV bytes of one paged-cache block on one GPU.
+        """KV bytes of one paged-cache block on one GPU, every per-token group's layers.
 
         Args:
             block_tokens: Tokens per block.
             tp: Tensor-parallel degree.
         """
         check_int("'block_tokens'", block_tokens)
-        return block_tokens * self.bytes_per_token_per_gpu(tp)
+        return block_tokens * self.block_token_bytes(tp)
+
+    def state_bytes(self, tp: int = 1) -> int:
+        """Bytes of one sequence's recurrent state (STATE groups) on one GPU; 0 without any."""
+        self.kv_heads_per_gpu(tp)
+        return sum(group.state_bytes_per_gpu(tp) for group in self.groups)
 
     def kv_bytes(self, tokens: int, tp: int = 1) -> int:
-        """KV bytes of ``tokens`` tokens on one GPU (all of them when ``tp`` is 1).
+        """KV bytes one sequence of ``tokens`` tokens holds on one GPU (all of them when ``tp``
+        is 1): every token of FULL/MLA layers, at most a window of windowed ones, plus its state.
 
         Args:
             tokens: Number of tokens; zero is allowed.
             tp: Tensor-parallel degree.
         """
         check_int("'tokens'", tokens, minimum=0)
-        return tokens * self.bytes_per_token_per_gpu(tp)
+        self.kv_heads_per_gpu(tp)
+        return sum(group.bytes_for(tokens, tp) for group in self.groups)
+
+    def group_bytes(self, tokens: int, tp: int = 1) -> tuple[tuple[KVGroup, int], ...]:
+        """Each group with the bytes it holds for one sequence of ``tokens`` tokens on one GPU."""
+        check_int("'tokens'", tokens, minimum=0)
+        self.kv_heads_per_gpu(tp)
+        return tuple((group, group.bytes_for(tokens, tp)) for group in self.groups)
 
     @property
     def effective_weight_dtype(self) -> DType:
@@ -269,11 +261,11 @@ class KVGeometry:
         return self.total_params * (weight_dtype or self.effective_weight_dtype).size_bytes
 
     def with_dtype(self, dtype: DType) -> KVGeometry:
-        """The same geometry with KV stored as ``dtype``."""
-        return dataclasses.replace(self, dtype=dtype)
-
-    def _bytes_per_token_for(self, kv_heads: int) -> int:
-        return self.kv_tensors * self.num_layers * kv_heads * self.head_dim * self.dtype.size_bytes
+        """The same geometry with KV stored as ``dtype`` (every per-token group; a recurrent
+        state keeps its own type)."""
+        groups = tuple(dataclasses.replace(group, dtype=dtype) if group.kind.per_token else group
+                       for group in self.groups)
+        return dataclasses.replace(self, dtype=dtype, groups=groups)
 
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
