@@ -42,6 +42,7 @@ class CacheConfig:
     workers: int = 2
     tp_rank: int = 0
     tp_size: int = 1
+    kv_group: str = ""  # which KV group of a hybrid model this cache holds (its blocks' namespace)
     device: str | None = None  # torch device for the device tier; None: CUDA if present, else CPU
     pool: PoolConfig | None = None  # the shared remote DRAM pool; None: no remote tier
     remote_bytes: int = 0  # this instance's view of the pool (how many blocks it tracks)
@@ -115,4 +116,5 @@ class CacheConfig:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             tenant=tenant,
+            kv_group=self.kv_group,
         )

@@ -38,6 +38,7 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     tenant: str = ""  # an optional salt: tenants never see each other's blocks
+    kv_group: str = ""  # a hybrid model's KV group (kvstrata.kv.groups); "" for a one-group model
 
     def __post_init__(self) -> None:
         for field in ("model_id", "kv_dtype", "kv_layout"):
@@ -51,13 +52,17 @@ class Namespace:
                 raise ValueError(f"namespace {field} must be an integer, got {value!r}")
         if not (self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
             raise ValueError(f"namespace tp_rank/tp_size must satisfy 0 <= rank < size, got {self.tp_rank}/{self.tp_size}")
-        if not isinstance(self.tenant, str):
-            raise ValueError(f"namespace tenant must be a string, got {self.tenant!r}")
+        for field in ("tenant", "kv_group"):
+            if not isinstance(getattr(self, field), str):
+                raise ValueError(f"namespace {field} must be a string, got {getattr(self, field)!r}")
 
     @cached_property
     def digest(self) -> bytes:
         """16 bytes naming this namespace: the parent of every first block."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.kv_group:  # one-group models keep the digests they had before groups existed
+            del fields["kv_group"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(b"kvstrata-ns-v1:" + canonical.encode())
 
     @property

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvstrata.kv.fields import GeometryError, check_int
 from kvstrata.kv.geometry import DType, KVGeometry
+from kvstrata.kv.groups import KVGroup
 
 LAYOUT_NAME = "layer-major LKTHD"  # [layers, kv(2, or 1 for MLA), tokens, kv_heads, head_dim]
 
@@ -34,8 +35,28 @@ class KVLayout:
 
     @classmethod
     def from_geometry(cls, geometry: KVGeometry, block_tokens: int, tp: int = 1) -> "KVLayout":
-        heads = geometry.kv_heads_per_gpu(tp)
-        return cls(geometry.num_layers, block_tokens, heads, geometry.head_dim, geometry.dtype, geometry.kv_tensors)
+        """The layout of a one-group model's blocks.
+
+        Raises:
+            GeometryError: the model has several KV groups (each has its own layout:
+                :meth:`for_group`).
+        """
+        if len(geometry.groups) > 1:
+            raise GeometryError(f"model {geometry.name!r} has {len(geometry.groups)} KV groups, each with "
+                                "its own block layout (KVLayout.for_group)")
+        return cls.for_group(geometry.groups[0], block_tokens, tp)
+
+    @classmethod
+    def for_group(cls, group: KVGroup, block_tokens: int, tp: int = 1) -> "KVLayout":
+        """The layout of one per-token KV group's blocks: its layers, heads per GPU, width and dtype.
+
+        Raises:
+            GeometryError: the group caches a state, not per-token KV.
+        """
+        if not group.kind.per_token:
+            raise GeometryError(f"a {group.kind.value} group caches no per-token blocks")
+        return cls(group.num_layers, block_tokens, group.heads_per_gpu(tp), group.head_dim, group.dtype,
+                   group.kv_tensors)
 
     @property
     def token_bytes(self) -> int:
