@@ -39,8 +39,9 @@ def block_tensor(raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return raw.view(torch_dtype(layout.dtype)).view(layout.block_shape)
 
 
-def check_kv(kv: object, layout: KVLayout) -> None:
-    """Refuse KV that is not ``[layers, kv, tokens, kv_heads, head_dim]`` of ``layout``'s dtype.
+def check_kv(kv: object, layout: KVLayout, min_tokens: int = 0) -> None:
+    """Refuse KV that is not ``[layers, kv, tokens, kv_heads, head_dim]`` of ``layout``'s dtype,
+    with at least ``min_tokens`` tokens.
 
     Raises:
         ValueError: naming what differs.
@@ -52,3 +53,5 @@ def check_kv(kv: object, layout: KVLayout) -> None:
     expected = (layout.num_layers, layout.kv_tensors, "tokens", layout.kv_heads, layout.head_dim)
     if kv.dim() != 5 or tuple(kv.shape[i] for i in (0, 1, 3, 4)) != tuple(expected[i] for i in (0, 1, 3, 4)):
         raise ValueError(f"kv shape {tuple(kv.shape)} does not match [layers, kv, tokens, kv_heads, head_dim] = {expected}")
+    if kv.shape[2] < min_tokens:
+        raise ValueError(f"kv holds {kv.shape[2]} tokens, fewer than the {min_tokens} of the blocks to store")

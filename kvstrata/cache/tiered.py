@@ -3,7 +3,8 @@
 ``lookup(tokens)`` finds the longest cached prefix and the fastest tier of each block;
 ``load(match)`` brings those blocks into the device tier asynchronously, layer by layer, and
 returns a handle the model can wait on per layer; ``store(tokens, kv)`` saves the full blocks
-of a sequence's KV, and the write policy sends them down the tiers.
+of a sequence's KV, and the write policy sends them down the tiers. ``match(keys)`` and
+``store_keys(keys, kv)`` take any run of a prefix's keys (a window's: :mod:`kvstrata.cache.grouped`).
 
 A facade over two halves: the block manager (``kvstrata.manager``) decides, synchronously and
 without touching bytes, which blocks go where (plans), and the transfer worker
@@ -11,8 +12,7 @@ without touching bytes, which blocks go where (plans), and the transfer worker
 per leg what happened; the manager then settles every slot. Each operation here is the same
 three steps: prepare a plan, carry it out, complete it.
 
-Integrity: a block is readable only once READY in a tier; a block that fails verification is
-dropped from its tier and ends the match there, so wrong KV is never served.
+Integrity: a block is readable only once READY in a tier; one failing verification leaves its tier and ends the match.
 """
 
 from __future__ import annotations
@@ -70,10 +70,9 @@ class TieredCache:
         self._closed = False
 
     def tier(self, medium: Medium) -> Tier:
-        try:
-            return self._tiers[medium]
-        except KeyError:
-            raise ValueError(f"this cache has no {medium.label} tier") from None
+        if medium not in self._tiers:
+            raise ValueError(f"this cache has no {medium.label} tier")
+        return self._tiers[medium]
 
     @property
     def media(self) -> list[Medium]:
@@ -92,8 +91,11 @@ class TieredCache:
 
     def lookup(self, tokens: Any, tenant: str = "") -> Match:
         """The longest cached prefix of ``tokens`` (full blocks) and where each block is."""
+        return self.match(self.keys(tokens, tenant))
+
+    def match(self, keys: list[BlockKey]) -> Match:
+        """The leading cached run of ``keys`` (any run of a prefix's keys) and where each block is."""
         self._check_open()
-        keys = self.keys(tokens, tenant)
         match = self.manager.match(keys)
         if match.blocks < len(keys) and Medium.REMOTE in self._tiers and self._discover(keys[match.blocks :]):
             match = self.manager.match(keys)
@@ -172,15 +174,18 @@ class TieredCache:
             self._write_down(key)
         handle._finish(LoadResult.of(plan, moves, time.perf_counter() - start, self.layout))
 
-
     def store(self, tokens: Any, kv: torch.Tensor, tenant: str = "") -> Future:
         """Save the full blocks of ``kv`` (``[layers, kv, tokens, kv_heads, head_dim]``, the
         layout's dtype, any device) keyed by ``tokens``. Returns a Future of StoreResult."""
-        self._check_open()
         check_kv(kv, self.layout)
         ids = token_array(tokens)
         count = min(kv.shape[2], len(ids)) // self.layout.block_tokens
-        keys = self.keys(ids[: count * self.layout.block_tokens], tenant)  # [] validates the tenant too
+        return self.store_keys(self.keys(ids[: count * self.layout.block_tokens], tenant), kv)  # [] checks the tenant
+
+    def store_keys(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
+        """Save ``kv``'s first ``len(keys)`` blocks under ``keys`` (a chosen run of a prefix's blocks)."""
+        self._check_open()
+        check_kv(kv, self.layout, len(keys) * self.layout.block_tokens)
         ready = torch.cuda.current_stream(kv.device).record_event() if kv.is_cuda else None
         return self._worker.submit(self._run_store, keys, kv, ready)
 
@@ -240,7 +245,6 @@ class TieredCache:
         self._carry_out(drops)
         return landed
 
-
     def evict(self, medium: Medium, blocks: int) -> int:
         """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy)."""
         self._check_open()
@@ -259,13 +263,11 @@ class TieredCache:
         self, tokens: Any, rule: PrefetchRule | None = None, tenant: str = "", deadline_s: float | None = None
     ) -> PrefetchFuture:
         """Promote the prefix's disk/remote blocks to the host for a queued request. Waits as
-        ``rule`` says; the Future gives the number of blocks promoted.
-
-        ``deadline_s`` (``time.monotonic()``) is when the request is expected to start. With the
-        DEADLINE policy and a calibration the promotion starts as late as its predicted time
-        allows (:func:`kvstrata.policies.prefetch.schedule`, in ``PrefetchFuture.timing``) and
-        the call returns at once; without a calibration it starts at once.
-        """
+        ``rule`` says; the Future gives the number of blocks promoted. ``deadline_s``
+        (``time.monotonic()``): when the request is expected to start. With the DEADLINE policy
+        and a calibration the promotion starts as late as its predicted time allows
+        (:func:`kvstrata.policies.prefetch.schedule`, in ``PrefetchFuture.timing``) and the call
+        returns at once; without a calibration it starts at once."""
         self._check_open()
         rule = rule or PrefetchRule()
         match = self.lookup(tokens, tenant)
@@ -300,10 +302,8 @@ class TieredCache:
         return 0.0 if cal is None else promotion_s(cal, match.media, self.layout.block_bytes, self.config.workers)
 
     def _run_prefetch(self, match: Match) -> int:
-        if Medium.HOST not in self._tiers:
-            return 0
         below = [key for key, medium in zip(match.keys, match.media) if medium.value > Medium.HOST.value]
-        return self._copy(self.manager.prepare_copies(below, (Medium.HOST,)))
+        return self._copy(self.manager.prepare_copies(below, (Medium.HOST,))) if Medium.HOST in self._tiers else 0
 
     def _check_open(self) -> None:
         if self._closed:
