@@ -1,6 +1,7 @@
-"""A small Llama-architecture model with random weights and a tokenizer, built offline.
+"""Small models with random weights and a tokenizer, built offline: a Llama, and hybrids
+(:func:`make_tiny_hybrid`: Gemma 2's sliding + full attention, Qwen3-Next's linear + full).
 
-Nothing is downloaded: the weights come from a seeded ``LlamaForCausalLM`` initialisation and
+Nothing is downloaded: the weights come from a seeded initialisation of the model class and
 the tokenizer is a byte-level BPE trained here on a generated corpus (``tokenizers``), wrapped
 as a ``PreTrainedTokenizerFast``. The directory it writes is an ordinary Hugging Face model
 directory (``config.json``, ``model.safetensors``, ``tokenizer.json``), so every code path that
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 
 TINY_MARKER = "kvstrata-tiny.json"  # written beside the model: how it was made
@@ -79,34 +81,12 @@ def make_tiny(directory: str | Path, spec: TinySpec = TinySpec(), overwrite: boo
     ``overwrite``.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = Path(directory)
-    marker = out / TINY_MARKER
-    if marker.exists() and not overwrite:
-        if json.loads(marker.read_text()) == asdict(spec):
-            return out
-        raise FileExistsError(f"{out} holds a tiny model of another spec; pass overwrite to replace it")
-    if out.exists() and any(out.iterdir()) and not overwrite and not marker.exists():
-        raise FileExistsError(f"{out} is not empty and not a kvstrata tiny model; choose an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab,
-        special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(seed=spec.seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=spec.max_positions
-    )
-    fast.save_pretrained(out)
-
+    out = _prepare(Path(directory), asdict(spec), overwrite)
+    if out is None:
+        return Path(directory)
+    fast = _tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
     config = LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
@@ -124,7 +104,123 @@ def make_tiny(directory: str | Path, spec: TinySpec = TinySpec(), overwrite: boo
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    _save(out, model, asdict(spec))
+    return out
+
+
+class HybridKind(Enum):
+    """Which hybrid architecture a tiny hybrid model has."""
+
+    SLIDING = "sliding"  # Gemma 2: sliding-window attention layers alternating with full attention
+    LINEAR = "linear"  # Qwen3-Next: gated-delta-net linear attention alternating with full attention
+
+
+@dataclass(frozen=True)
+class TinyHybridSpec:
+    """A tiny hybrid model: layers alternate the kind's first layer type with full attention.
+    float32 by default: restored and recomputed runs (their prefills split differently) then
+    agree to far below the logits' margins."""
+
+    kind: HybridKind = HybridKind.SLIDING
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    vocab: int = 1024
+    window: int = 40  # SLIDING: the sliding window, tokens
+    max_positions: int = 4096
+    dtype: str = "float32"
+    seed: int = 0
+    initializer_range: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, HybridKind):
+            raise ValueError(f"tiny hybrid model kind must be a HybridKind, got {self.kind!r}")
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "window", "max_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"tiny hybrid model {name} must be a positive integer, got {value!r}")
+        if self.layers % 2 or self.heads % self.kv_heads:
+            raise ValueError(f"tiny hybrid model needs an even layer count and heads a multiple of kv_heads, got "
+                             f"layers={self.layers} heads={self.heads} kv_heads={self.kv_heads}")
+        if self.vocab < 512:
+            raise ValueError(f"tiny hybrid model vocab must be at least 512 (256 bytes + merges), got {self.vocab}")
+
+    def record(self) -> dict:
+        return {**asdict(self), "kind": self.kind.value}
+
+
+def make_tiny_hybrid(directory: str | Path, spec: TinyHybridSpec = TinyHybridSpec(), overwrite: bool = False) -> Path:
+    """Write a tiny hybrid model (see :class:`TinyHybridSpec`) and tokenizer into ``directory``,
+    reused as :func:`make_tiny` reuses its own."""
+    import torch
+    import transformers
+
+    out = _prepare(Path(directory), spec.record(), overwrite)
+    if out is None:
+        return Path(directory)
+    fast = _tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                  head_dim=spec.head_dim, max_position_embeddings=spec.max_positions,
+                  initializer_range=spec.initializer_range, bos_token_id=fast.bos_token_id,
+                  eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, dtype=spec.dtype,
+                  tie_word_embeddings=False)  # untied: tied random embeddings repeat one token
+    if spec.kind is HybridKind.SLIDING:
+        config = transformers.Gemma2Config(**common, sliding_window=spec.window,
+                                           layer_types=["sliding_attention", "full_attention"] * (spec.layers // 2))
+        model_class = transformers.Gemma2ForCausalLM
+    else:
+        config = transformers.Qwen3NextConfig(
+            **common, layer_types=["linear_attention", "full_attention"] * (spec.layers // 2),
+            linear_num_key_heads=spec.kv_heads, linear_num_value_heads=spec.heads, linear_key_head_dim=spec.head_dim,
+            linear_value_head_dim=spec.head_dim, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate // 2, shared_expert_intermediate_size=spec.intermediate // 2)
+        model_class = transformers.Qwen3NextForCausalLM
+    torch.manual_seed(spec.seed)
+    model = model_class(config).to(getattr(torch, spec.dtype))
+    _save(out, model, spec.record())
+    return out
+
+
+def _prepare(out: Path, record: dict, overwrite: bool) -> Path | None:
+    """``out`` ready to write a model of ``record`` into; None if it already holds that model."""
+    marker = out / TINY_MARKER
+    if marker.exists() and not overwrite:
+        if json.loads(marker.read_text()) == record:
+            return None
+        raise FileExistsError(f"{out} holds a tiny model of another spec; pass overwrite to replace it")
+    if out.exists() and any(out.iterdir()) and not overwrite and not marker.exists():
+        raise FileExistsError(f"{out} is not empty and not a kvstrata tiny model; choose an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _tokenizer(out: Path, vocab: int, max_positions: int, seed: int):
+    """A byte-level BPE tokenizer trained on :func:`corpus`, saved into ``out``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=max_positions
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def _save(out: Path, model, record: dict) -> None:
     model.generation_config.eos_token_id = None  # random weights: never stop early, lengths stay fixed
     model.save_pretrained(out, safe_serialization=True)
-    marker.write_text(json.dumps(asdict(spec), indent=2))
-    return out
+    (out / TINY_MARKER).write_text(json.dumps(record, indent=2))
