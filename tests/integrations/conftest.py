@@ -11,3 +11,13 @@ def tiny_model_dir(tmp_path_factory):
     from kvstrata.integrations.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dirs(tmp_path_factory):
+    """Tiny hybrids by kind: Gemma 2 (sliding + full attention), Qwen3-Next (linear + full)."""
+    pytest.importorskip("transformers")
+    from kvstrata.integrations.tiny import HybridKind, TinyHybridSpec, make_tiny_hybrid
+
+    return {kind: make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny-{kind.value}"), TinyHybridSpec(kind=kind))
+            for kind in HybridKind}
