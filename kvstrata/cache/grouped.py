@@ -196,16 +196,16 @@ class GroupedLoad:
 
     def kv(self, name: str) -> torch.Tensor:
         """A per-token group's loaded blocks as ``[layers, kv, tokens, kv_heads, head_dim]``, the
-        prefix's tokens ``[first_block * B, hit)`` (waits for the load)."""
+        prefix's tokens ``[first_block * B, hit)``, a copy (waits for the load)."""
         handle = self.handles[name]
         handle.wait()
         return torch.cat([handle.block(b) for b in range(handle.blocks)], dim=2)
 
     def state(self, name: str) -> torch.Tensor:
-        """A STATE group's snapshot as uint8 ``[layers, layer state bytes]`` (waits for the load)."""
+        """A STATE group's snapshot as uint8 ``[layers, layer state bytes]``, a copy (waits for the load)."""
         handle = self.handles[name]
         handle.wait()
-        return handle.block(0).view(torch.uint8).reshape(self._layouts[name].num_layers, -1)
+        return handle.block(0).view(torch.uint8).reshape(self._layouts[name].num_layers, -1).clone()
 
     def release(self) -> None:
         for handle in self.handles.values():

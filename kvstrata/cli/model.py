@@ -1,4 +1,5 @@
-"""``kvstrata model make-tiny DIR``: a small random-weight Llama model and tokenizer, offline."""
+"""``kvstrata model make-tiny DIR``: a small random-weight Llama (or, with ``--hybrid``, a Gemma 2
+sliding-window or Qwen3-Next linear-attention hybrid) model and tokenizer, offline."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name in ("hidden", "layers", "heads", "kv_heads", "vocab", "seed"):
         m.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=defaults.dtype)
+    m.add_argument("--hybrid", choices=("sliding", "linear"), default=None,
+                   help="a hybrid instead: Gemma 2 sliding + full attention, or Qwen3-Next linear + full attention")
     m.add_argument("--overwrite", action="store_true", help="replace a different tiny model in DIR")
     m.set_defaults(func=run_make_tiny)
 
@@ -27,6 +30,9 @@ def _Defaults():
 
 def run_make_tiny(args: argparse.Namespace) -> int:
     from kvstrata.integrations.tiny import TinySpec, make_tiny
+
+    if args.hybrid is not None:
+        return _make_tiny_hybrid(args)
 
     spec = TinySpec(
         hidden=args.hidden,
@@ -51,4 +57,19 @@ def run_make_tiny(args: argparse.Namespace) -> int:
         f"tiny Llama in {out}: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads "
         f"({spec.kv_heads} KV), vocab {spec.vocab}, {spec.dtype}, ~{params / 1e6:.1f}M parameters"
     )
+    return 0
+
+
+def _make_tiny_hybrid(args: argparse.Namespace) -> int:
+    from kvstrata.integrations.tiny import HybridKind, TinyHybridSpec, make_tiny_hybrid
+
+    try:
+        spec = TinyHybridSpec(kind=HybridKind(args.hybrid), hidden=args.hidden, layers=args.layers, heads=args.heads,
+                              kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                              intermediate=2 * args.hidden, vocab=args.vocab, seed=args.seed, dtype=args.dtype)
+        out = make_tiny_hybrid(args.dir, spec, overwrite=args.overwrite)
+    except (FileExistsError, ValueError) as e:
+        raise cli.CliError(str(e)) from None
+    cli.console().print(f"tiny {spec.kind.value} hybrid in {out}: {spec.layers} layers, hidden {spec.hidden}, "
+                        f"{spec.heads} heads ({spec.kv_heads} KV), vocab {spec.vocab}, {spec.dtype}")
     return 0

@@ -131,3 +131,16 @@ def test_a_cache_of_other_groups_is_refused(hybrid, tiny_hybrid_dirs, tmp_path):
     with make_cache(other, tmp_path) as cache:
         with pytest.raises(ValueError, match="do not fit the model"):
             HybridLM(model, cache)
+
+
+def test_make_tiny_cli_builds_a_hybrid(tmp_path, capsys):
+    from kvstrata.cli import main
+
+    out = tmp_path / "h"
+    assert main(["model", "make-tiny", str(out), "--hybrid", "sliding", "--layers", "2", "--hidden", "64",
+                 "--vocab", "600", "--dtype", "float32"]) == 0
+    assert "sliding hybrid" in capsys.readouterr().out
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.layer_types == ["sliding_attention", "full_attention"] and config.sliding_window == 40
+    assert main(["model", "make-tiny", str(out), "--hybrid", "linear"]) == 2  # another spec: refused
+    assert main(["model", "make-tiny", str(tmp_path / "odd"), "--hybrid", "linear", "--layers", "3"]) == 2

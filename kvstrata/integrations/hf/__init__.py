@@ -11,6 +11,9 @@ By role:
 * :mod:`~kvstrata.integrations.hf.generate`: :class:`KVStrataLM`, greedy generation that looks
   up, loads, recomputes or splits the cached prefix and stores what it computed, and
   :class:`Generation`, what one generation did.
+* :mod:`~kvstrata.integrations.hf.hybrid`: :class:`HybridLM`, the same for hybrid models (sliding
+  windows, linear-attention state) over a :class:`~kvstrata.cache.grouped.GroupedCache`, their
+  groups read by :func:`~kvstrata.integrations.hf.groups.hybrid_groups`.
 
 The load-time predictions behind ``strategy="auto"`` are pure and live in
 :mod:`kvstrata.plan.loadtime`.
@@ -18,15 +21,20 @@ The load-time predictions behind ``strategy="auto"`` are pure and live in
 
 from kvstrata.integrations.hf.cache import KVStrataCache, RestoredPrefix, RestoringLayer, model_layout
 from kvstrata.integrations.hf.generate import Generation, KVStrataLM
+from kvstrata.integrations.hf.groups import hybrid_groups
+from kvstrata.integrations.hf.hybrid import HybridGeneration, HybridLM
 from kvstrata.integrations.hf.streaming import StreamedKV, StreamingLayer
 
 __all__ = [
     "Generation",
+    "HybridGeneration",
+    "HybridLM",
     "KVStrataCache",
     "KVStrataLM",
     "RestoredPrefix",
     "RestoringLayer",
     "StreamedKV",
     "StreamingLayer",
+    "hybrid_groups",
     "model_layout",
 ]

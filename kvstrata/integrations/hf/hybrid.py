@@ -23,7 +23,8 @@ window's blocks at each of those boundaries can be stored; the store writes only
 (:meth:`GroupedCache.store`).
 
 The whole restore is waited for before the first layer runs (a dense model's restore overlaps
-layers: KVStrataLM). One sequence at a time (batch 1).
+layers: KVStrataLM); a restore that fails (a block failing verification, a tier down) is
+recomputed, never served. One sequence at a time (batch 1).
 """
 
 from __future__ import annotations
@@ -107,12 +108,15 @@ class HybridLM:
         hit, load, starts = 0, None, dict.fromkeys(self.groups, 0)
         if reuse and caching:
             match = self.cache.lookup(prompt[:-1], self.tenant)
-            if match.tokens:
-                with self.cache.load(match) as loaded:
-                    load = loaded.wait(_RESTORE_WAIT_S)
-                    self._restore(kv_cache, loaded, match.tokens)
-                hit = match.tokens
-                starts = {name: part.first_block * match.block_tokens for name, part in match.groups.items()}
+            try:
+                if match.tokens:
+                    with self.cache.load(match) as loaded:
+                        load = loaded.wait(_RESTORE_WAIT_S)
+                        self._restore(kv_cache, loaded, match.tokens)
+                    hit = match.tokens
+                    starts = {name: part.first_block * match.block_tokens for name, part in match.groups.items()}
+            except Exception:  # noqa: BLE001 - a failed restore is recomputed, never served
+                kv_cache, load = DynamicCache(config=self.model.config), None
         self._record_windows(kv_cache)
         block = self.cache.block_tokens if caching else 1
         computed = len(prompt) + max_new_tokens - 1  # the last token's KV is never computed
