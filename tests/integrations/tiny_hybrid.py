@@ -4,9 +4,8 @@ vLLM's hybrid KV cache manager gives such a model two KV cache groups: the full-
 and the sliding-window ones. The tokenizer is the tiny Llama's (``kvstrata.integrations.tiny``),
 copied: vLLM needs one in the directory, and token ids are all the tests feed it.
 
-Layer pattern: three sliding layers, then one full (``sliding, sliding, sliding, full``), a
-window of ``WINDOW`` tokens. vLLM groups layers into groups of equal size, so the model has
-two groups of... see ``test_vllm_hma.py`` for what vLLM makes of it.
+Layers ``sliding, full, sliding, full``, a window of ``WINDOW`` tokens: vLLM makes two groups
+of two layers each (it groups layers in groups of equal size, and two of each kind split evenly).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ def make_tiny_gemma3(directory: Path, tokenizer_dir: Path) -> Path:
     for name in _TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, directory / name)
-    tok = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     config = Gemma3TextConfig(
         vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=len(LAYER_TYPES),
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
@@ -42,7 +40,6 @@ def make_tiny_gemma3(directory: Path, tokenizer_dir: Path) -> Path:
         initializer_range=0.2, tie_word_embeddings=False, dtype="bfloat16",
         bos_token_id=0, eos_token_id=1, pad_token_id=2,
     )
-    del tok
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config).to(torch.bfloat16)
     model.generation_config.eos_token_id = None
