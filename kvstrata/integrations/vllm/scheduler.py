@@ -10,8 +10,11 @@ newly computed full prompt blocks into the step's :class:`LoadSpec` s and :class
 Per group. vLLM's block ids come per KV cache group. A sliding or chunked group holds only the
 blocks its window reaches: those before it are vLLM's null block, never loaded into or saved
 from. A load fills each group's blocks of the hit that vLLM allocated (a sliding group's: its
-window before the hit's end); a save stores each group's leading run of real blocks (in the
-step that computes a prompt block every group still has it, so all of them are stored).
+window before the hit's end); a save stores each group's leading run of real blocks. A prompt
+prefilled in one step has every block stored in every group. One prefilled in chunks stores,
+in a sliding group, only the blocks up to the first one vLLM dropped: a group's cache keys its
+blocks by a chain from the first, so a block after a gap cannot be stored (nor found) until a
+cache keeps windows rather than prefixes; the usable hit is then that shorter prefix.
 
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
