@@ -30,6 +30,7 @@ pytest.importorskip("vllm")
 
 
 CHILD = Path(__file__).with_name("vllm_child.py")
+REPO = Path(__file__).resolve().parents[2]
 CHILD_TIMEOUT_S = 300
 BLOCK = 32  # vLLM block size the child uses (kvstrata blocks are the same)
 MiB = 1024**2
@@ -48,7 +49,9 @@ def run_children(specs: dict[str, dict], tmp: Path) -> dict[str, dict]:
     def run(name: str) -> dict:
         path = tmp / f"{name}.json"
         path.write_text(json.dumps(specs[name]))
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+        # the child imports kvstrata from this checkout, not whichever one the venv installed
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false", PYTHONPATH=pythonpath)
         proc = subprocess.run(
             [sys.executable, str(CHILD), str(path)],
             capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env,

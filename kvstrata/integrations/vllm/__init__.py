@@ -11,8 +11,9 @@ Load it with::
     }
 
 Roles and processes. vLLM builds a scheduler-side connector (in the engine core) and a
-worker-side one (in each worker). The worker owns the one TieredCache of its process: it moves
-every byte. The scheduler asks it how long a prompt's cached prefix is: directly when both live
+worker-side one (in each worker). The worker owns its process's TieredCaches, one per KV cache
+group of the model (one for a dense model; a sliding-window hybrid has a full and a sliding
+group): it moves every byte. The scheduler asks it how long a prompt's cached prefix is: directly when both live
 in one process, else over a Unix socket the worker serves.
 
 By role:
@@ -23,23 +24,30 @@ By role:
   plans (:mod:`~kvstrata.integrations.vllm.metadata`).
 * :mod:`~kvstrata.integrations.vllm.worker`: the TieredCache, vLLM's paged KV, the per-layer
   loads and saves, and load failures (what is cached, byte by byte, is told there).
+* :mod:`~kvstrata.integrations.vllm.groups`: vLLM's KV cache groups as kvstrata's, and the
+  usable hit over them.
 * :mod:`~kvstrata.integrations.vllm.rpc`: the scheduler's lookup, in-process or over the socket.
 * :mod:`~kvstrata.integrations.vllm.settings`: ``kv_connector_extra_config``, parsed.
 * :mod:`~kvstrata.integrations.vllm.stats`: the worker's counters, written as JSON.
 """
 
 from kvstrata.integrations.vllm.connector import KVStrataConnector
-from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
+from kvstrata.integrations.vllm.groups import VLLMGroup, usable_hit_blocks, vllm_groups
+from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.integrations.vllm.worker import KVStrataConnectorWorker
 
 __all__ = [
     "ConnectorSettings",
+    "GroupBlocks",
     "KVStrataConnector",
     "KVStrataConnectorScheduler",
     "KVStrataConnectorWorker",
     "KVStrataMetadata",
     "LoadSpec",
     "SaveSpec",
+    "VLLMGroup",
+    "usable_hit_blocks",
+    "vllm_groups",
 ]

@@ -5,6 +5,11 @@ in each worker (see :mod:`kvstrata.integrations.vllm.rpc` for where they run). L
 connectors (``OffloadingConnector``, ``NixlConnector``), :class:`KVStrataConnector` builds
 either a :class:`KVStrataConnectorScheduler` or a :class:`KVStrataConnectorWorker` and hands
 each hook to it; the settings are parsed in both, so a bad extra config fails the start early.
+
+It declares :class:`SupportsHMA`: vLLM keeps its hybrid KV cache manager on for a hybrid model
+(one block table per KV cache group; without the declaration vLLM turns the manager off, and a
+sliding-window model then keeps every token in its sliding layers) and hands every hook the
+block ids of every group (:mod:`kvstrata.integrations.vllm.groups`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata
@@ -33,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KVStrataConnector(KVConnectorBase_V1):
+class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM V1 KV connector backed by kvstrata's TieredCache (see :mod:`kvstrata.integrations.vllm`).
 
     Attributes:
@@ -55,7 +61,7 @@ class KVStrataConnector(KVConnectorBase_V1):
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStrataConnectorWorker(
-                vllm_config, self.settings, transfer.engine_id, saves_enabled=transfer.is_kv_producer
+                vllm_config, kv_cache_config, self.settings, transfer.engine_id, saves_enabled=transfer.is_kv_producer
             )
 
     @property
@@ -107,6 +113,11 @@ class KVStrataConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output, self._kv_cache_manager)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
     # --- both -------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 vLLM builds :class:`KVStrataMetadata` in the scheduler (``build_connector_meta``), ships it to
 every worker and binds it before the forward. Each spec names kvstrata's blocks by the tokens
-they cover and vLLM's blocks by id; the worker looks the tokens up again (blocks may have left
-kvstrata since) and moves the bytes.
+they cover and vLLM's blocks by id, per KV cache group (:mod:`kvstrata.integrations.vllm.groups`);
+the worker looks the tokens up again (blocks may have left kvstrata since) and moves the bytes.
 """
 
 from __future__ import annotations
@@ -14,22 +14,44 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 @dataclass
+class GroupBlocks:
+    """One KV cache group's share of a spec: kvstrata blocks ``first_block ..`` (of the spec's
+    tokens) held in vLLM blocks ``block_ids``, one each; empty when the group moves none.
+
+    A sliding or chunked group's blocks before its window are vLLM's null block: never here.
+    """
+
+    first_block: int
+    block_ids: list[int]
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.block_ids)
+
+
+@dataclass
 class LoadSpec:
-    """Load kvstrata's blocks ``first_block ..`` of ``tokens`` into vLLM blocks ``block_ids``."""
+    """Load the hit's blocks into vLLM's: per group (vLLM's group order), ``groups[g]``."""
 
     req_id: str
     tokens: list[int]  # the prefix up to the end of the hit (full blocks)
-    first_block: int  # blocks before it are vLLM's own prefix-cache hit
-    block_ids: list[int]
+    external_tokens: int  # tokens of the hit beyond vLLM's own prefix-cache hit
+    groups: list[GroupBlocks]
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every vLLM block this load writes, in every group."""
+        return [b for group in self.groups for b in group.block_ids]
 
 
 @dataclass
 class SaveSpec:
-    """Store the full blocks of ``tokens``, held in vLLM blocks ``block_ids`` (one per block)."""
+    """Store the full blocks of ``tokens``: per group, blocks ``0 .. len(groups[g].block_ids)``
+    (a group whose leading blocks vLLM dropped stores fewer, or none)."""
 
     req_id: str
     tokens: list[int]
-    block_ids: list[int]
+    groups: list[GroupBlocks]
 
 
 @dataclass

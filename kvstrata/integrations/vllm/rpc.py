@@ -1,17 +1,18 @@
-"""The scheduler's one question to the worker's cache: how many of these tokens are cached.
+"""The scheduler's one question to the worker's caches: how many blocks of these tokens each holds.
 
-The worker owns the one TieredCache of its process; the scheduler side decides what to load
-from how long a prompt's cached prefix is, so it asks the worker. On CPU vLLM always runs the
+The worker owns its process's TieredCaches, one per KV cache group; the scheduler side decides
+what to load from how long a prompt's cached prefix is in every group, so it asks the worker. On CPU vLLM always runs the
 worker in its own process (the platform turns the uniprocess executor into the multiprocess
 one; only ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps them together), on a GPU with TP=1 they
 share the engine core process. So the answer comes two ways:
 
 * in one process, from the per-process registry (engine id -> the worker's cache);
 * across processes, over a Unix socket the worker serves (in a private per-user directory,
-  with an authkey of the engine id), one connection per scheduler, tokens in, hit tokens out.
+  with an authkey of the engine id), one connection per scheduler, tokens in, per group the
+  blocks of the cached prefix out.
 
 Only TP rank 0 answers: every rank caches the same token blocks. A scheduler whose worker's
-socket has not appeared within ``LOOKUP_WAIT_S`` counts a miss, never a guess.
+socket has not appeared within ``LOOKUP_WAIT_S`` counts a miss (no group holds a block), never a guess.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 LOOKUP_WAIT_S = 10.0  # how long the scheduler waits for its worker's lookup socket to appear
 
-_REGISTRY: dict[str, TieredCache] = {}  # engine_id -> the worker's cache (TP rank 0) in this process
+_REGISTRY: dict[str, tuple[TieredCache, ...]] = {}  # engine_id -> the worker's caches (TP rank 0), per group
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -43,15 +44,20 @@ def _authkey(engine_id: str) -> bytes:
     return f"kvstrata:{engine_id}".encode()
 
 
-class LookupServer:
-    """The worker's answers to its scheduler's lookups: registers ``cache`` in this process and
-    serves it on the engine's socket, until :meth:`close`."""
+def group_hits(caches: tuple[TieredCache, ...], tokens: list[int]) -> tuple[int, ...]:
+    """Per cache (KV group), how many blocks of ``tokens`` it holds from the first."""
+    return tuple(cache.lookup(tokens).blocks for cache in caches)
 
-    def __init__(self, engine_id: str, cache: TieredCache) -> None:
+
+class LookupServer:
+    """The worker's answers to its scheduler's lookups: registers ``caches`` (one per KV cache
+    group) in this process and serves them on the engine's socket, until :meth:`close`."""
+
+    def __init__(self, engine_id: str, caches: tuple[TieredCache, ...]) -> None:
         self._engine_id = engine_id
-        self._cache = cache
+        self._caches = caches
         with _REGISTRY_LOCK:
-            _REGISTRY[engine_id] = cache
+            _REGISTRY[engine_id] = caches
         self._path = socket_path(engine_id)
         if os.path.exists(self._path):
             os.unlink(self._path)
@@ -73,20 +79,20 @@ class LookupServer:
                     tokens = conn.recv()
                 except (EOFError, OSError):
                     return
-                conn.send(self._cache.lookup(tokens).tokens)
+                conn.send(group_hits(self._caches, tokens))
 
     def close(self) -> None:
-        """Stop serving: the socket is removed, then the registry entry (if still this cache's)."""
+        """Stop serving: the socket is removed, then the registry entry (if still these caches')."""
         self._listener.close()
         if os.path.exists(self._path):
             os.unlink(self._path)
         with _REGISTRY_LOCK:
-            if _REGISTRY.get(self._engine_id) is self._cache:
+            if _REGISTRY.get(self._engine_id) is self._caches:
                 del _REGISTRY[self._engine_id]
 
 
 class WorkerLookup:
-    """The scheduler side's view of its worker's cache: the registry's when the worker lives in
+    """The scheduler side's view of its worker's caches: the registry's when the worker lives in
     this process (checked on every call: the worker may register after the scheduler starts),
     else the socket's (connected on first use)."""
 
@@ -94,12 +100,13 @@ class WorkerLookup:
         self._engine_id = engine_id
         self._client: _LookupClient | None = None
 
-    def hit_tokens(self, tokens: list[int]) -> int:
-        """How many of ``tokens`` (full blocks) the worker's cache holds, from the first."""
+    def hit_blocks(self, tokens: list[int]) -> tuple[int, ...]:
+        """Per KV cache group, how many blocks of ``tokens`` the worker's cache holds from the
+        first; () when there is no worker cache to ask (a miss)."""
         with _REGISTRY_LOCK:
-            cache = _REGISTRY.get(self._engine_id)
-        if cache is not None:  # the worker lives in this process
-            return cache.lookup(tokens).tokens
+            caches = _REGISTRY.get(self._engine_id)
+        if caches is not None:  # the worker lives in this process
+            return group_hits(caches, tokens)
         if self._client is None:
             self._client = _LookupClient(socket_path(self._engine_id), _authkey(self._engine_id))
         return self._client.lookup(tokens)
@@ -116,13 +123,13 @@ class _LookupClient:
         self._conn: Any = None
         self._lock = threading.Lock()
 
-    def lookup(self, tokens: list[int]) -> int:
+    def lookup(self, tokens: list[int]) -> tuple[int, ...]:
         with self._lock:
             if self._conn is None:
                 deadline = time.monotonic() + LOOKUP_WAIT_S
                 while not os.path.exists(self._path):
                     if time.monotonic() > deadline:
-                        return 0  # no worker cache to ask: a miss, never a guess
+                        return ()  # no worker cache to ask: a miss, never a guess
                     time.sleep(0.05)
                 self._conn = Client(self._path, family="AF_UNIX", authkey=self._authkey)
             self._conn.send(tokens)

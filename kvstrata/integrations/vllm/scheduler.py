@@ -1,11 +1,20 @@
 """The scheduler side: how much of each prompt kvstrata holds, and each step's load and save plans.
 
 It holds no KV and moves no bytes. vLLM asks it how many tokens beyond its own prefix-cache hit
-kvstrata can supply (``get_num_new_matched_tokens``: a lookup in the worker's cache through
-:class:`~kvstrata.integrations.vllm.rpc.WorkerLookup`); once vLLM has allocated blocks for the
-grant (``update_state_after_alloc``), ``build_connector_meta`` turns the grants and each
-request's newly computed full prompt blocks into the step's :class:`LoadSpec` s and
-:class:`SaveSpec` s for the worker.
+kvstrata can supply (``get_num_new_matched_tokens``: a lookup in the worker's caches, one per
+KV cache group, through :class:`~kvstrata.integrations.vllm.rpc.WorkerLookup`; the usable hit
+is the longest prefix every group serves); once vLLM has allocated blocks for the grant
+(``update_state_after_alloc``), ``build_connector_meta`` turns the grants and each request's
+newly computed full prompt blocks into the step's :class:`LoadSpec` s and :class:`SaveSpec` s.
+
+Per group. vLLM's block ids come per KV cache group. A sliding or chunked group holds only the
+blocks its window reaches: those before it are vLLM's null block, never loaded into or saved
+from. A load fills each group's blocks of the hit that vLLM allocated (a sliding group's: its
+window before the hit's end); a save stores each group's leading run of real blocks. A prompt
+prefilled in one step has every block stored in every group. One prefilled in chunks stores,
+in a sliding group, only the blocks up to the first one vLLM dropped: a group's cache keys its
+blocks by a chain from the first, so a block after a gap cannot be stored (nor found) until a
+cache keeps windows rather than prefixes; the usable hit is then that shorter prefix.
 
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
@@ -15,7 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
+from kvstrata.integrations.vllm.groups import usable_hit_blocks
+from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.rpc import WorkerLookup
 
 if TYPE_CHECKING:
@@ -29,7 +39,7 @@ class KVStrataConnectorScheduler:
 
     Args:
         block_size: vLLM's block size in tokens (kvstrata's blocks are the same).
-        engine_id: vLLM's engine id (whose worker's cache to ask).
+        engine_id: vLLM's engine id (whose worker's caches to ask).
         loads_enabled: the role loads KV (``kv_both``, ``kv_consumer``).
         saves_enabled: the role stores KV (``kv_both``, ``kv_producer``).
     """
@@ -44,7 +54,8 @@ class KVStrataConnectorScheduler:
         self._saved_blocks: dict[str, int] = {}  # req_id -> prompt blocks already sent to save
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens kvstrata holds beyond vLLM's ``num_computed_tokens``; never loaded asynchronously."""
+        """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``; never
+        loaded asynchronously."""
         if not self._loads_enabled:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
@@ -52,7 +63,8 @@ class KVStrataConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
-        hit = self._lookup.hit_tokens(prompt[:usable])
+        group_hits = self._lookup.hit_blocks(prompt[:usable])
+        hit = usable_hit_blocks(group_hits) * self._block_size if group_hits else 0
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -64,6 +76,7 @@ class KVStrataConnectorScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
         meta = KVStrataMetadata()
+        null = kv_cache_manager.block_pool.null_block.block_id
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -71,32 +84,36 @@ class KVStrataConnectorScheduler:
             request = self._requests.get(req_id)
             if request is None:
                 continue
-            block_ids = kv_cache_manager.get_block_ids(req_id)[0]
+            block_ids = kv_cache_manager.get_block_ids(req_id)  # one list per KV cache group
             prompt = list(request.prompt_token_ids or [])
             external = self._to_load.pop(req_id, 0)
             if external:
-                meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external))
+                meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external, null))
             if self._saves_enabled:
-                save = self._save_spec(req_id, prompt, block_ids, computed[req_id] + scheduled)
+                save = self._save_spec(req_id, prompt, block_ids, computed[req_id] + scheduled, null)
                 if save is not None:
                     meta.saves.append(save)
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
         return meta
 
-    def _load_spec(self, req_id: str, prompt: list[int], block_ids: list[int], end: int, external: int) -> LoadSpec:
+    def _load_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
+                   external: int, null: int) -> LoadSpec:
         # num_computed_tokens already counts the hit: local blocks, then external ones
         bs = self._block_size
         first = (end - external) // bs
-        return LoadSpec(req_id, prompt[:end], first, block_ids[first : end // bs])
+        return LoadSpec(req_id, prompt[:end], external,
+                        [_window(ids[first : end // bs], first, null) for ids in block_ids])
 
-    def _save_spec(self, req_id: str, prompt: list[int], block_ids: list[int], end: int) -> SaveSpec | None:
+    def _save_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
+                   null: int) -> SaveSpec | None:
         """The request's full prompt blocks up to ``end`` tokens, if more than already sent to save."""
         bs = self._block_size
         full = min(end, len(prompt)) // bs
         if full <= self._saved_blocks.get(req_id, 0):
             return None
         self._saved_blocks[req_id] = full
-        return SaveSpec(req_id, prompt[: full * bs], block_ids[:full])
+        return SaveSpec(req_id, prompt[: full * bs], [GroupBlocks(0, _leading_run(ids[:full], null))
+                                                      for ids in block_ids])
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; vLLM may free its blocks now (nothing here holds them)."""
@@ -109,3 +126,22 @@ class KVStrataConnectorScheduler:
 
     def shutdown(self) -> None:
         self._lookup.close()
+
+
+def _window(ids: list[int], first: int, null: int) -> GroupBlocks:
+    """A group's blocks ``first ..`` of a load, its leading null blocks (before its window) left out.
+
+    vLLM drops a sliding or chunked group's blocks from the front only: past the first real
+    block every block of the hit is real.
+    """
+    skipped = next((i for i, b in enumerate(ids) if b != null), len(ids))
+    window = ids[skipped:]
+    if null in window:
+        raise ValueError(f"KVStrataConnector: vLLM's blocks {ids} for a load have a null block inside the window")
+    return GroupBlocks(first + skipped, window)
+
+
+def _leading_run(ids: list[int], null: int) -> list[int]:
+    """The group's blocks from the first up to its first null block (one vLLM dropped)."""
+    end = next((i for i, b in enumerate(ids) if b == null), len(ids))
+    return ids[:end]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +112,30 @@ class ConnectorSettings:
             return config
         return load_pool_config(self.pool)
 
-    def cache_config(self, layout: KVLayout, model: str, device: str, tp_rank: int, tp_size: int) -> CacheConfig:
-        """The worker's cache: these tiers, ``layout`` on ``device``, the namespace ``model_id``
-        (else vLLM's ``model``) and the TP rank."""
+    def cache_config(self, layout: KVLayout, model: str, device: str, tp_rank: int, tp_size: int,
+                     kv_group: str = "", share: Fraction = Fraction(1)) -> CacheConfig:
+        """The worker's cache of one KV group: these tiers, ``layout`` on ``device``, the
+        namespace ``model_id`` (else vLLM's ``model``), the TP rank and the group.
+
+        A hybrid model's groups split each tier's bytes: ``share`` of them is this group's
+        (its part of a block's bytes over every group, so each group holds as many blocks).
+        Its disk tier is a directory of its own (``disk_dir/kv_group``: a directory is one
+        tier's, locked); a one-group model's (``kv_group`` "") is ``disk_dir`` itself.
+        """
+        if not 0 < share <= 1:
+            raise ValueError(f"{_PREFIX} a KV group's share of the tiers must be in (0, 1], got {share}")
+        disk_dir = self.disk_dir / kv_group if self.disk_dir is not None and kv_group else self.disk_dir
         return CacheConfig(
             layout=layout,
             model_id=self.model_id or model,
-            device_bytes=self.device_bytes,
-            host_bytes=self.host_bytes,
-            disk_bytes=self.disk_bytes,
-            disk_dir=self.disk_dir,
+            device_bytes=int(self.device_bytes * share),
+            host_bytes=int(self.host_bytes * share),
+            disk_bytes=int(self.disk_bytes * share),
+            disk_dir=disk_dir,
+            kv_group=kv_group,
             device=device,
             pool=self.pool_config(),
-            remote_bytes=self.remote_bytes,
+            remote_bytes=int(self.remote_bytes * share),
             remote_mode=self.remote_mode,
             tp_rank=tp_rank,
             tp_size=tp_size,

@@ -4,6 +4,10 @@ vLLM's own metrics say how many prompt tokens an engine found cached, not what k
 these counters do (bytes per source route, seconds, failures), rewritten whole after every step
 that loaded or saved and at shutdown, atomically (a reader never sees half a file). Tests and
 benchmarks read the file; its keys are the fields below plus ``stored_bytes`` and ``media``.
+
+Per KV cache group (``groups``, vLLM's group order): what each group's cache moved, since a
+sliding group loads only its window and a hybrid model's bytes are not the hit's tokens times
+one block size. The top-level byte and block counters are the sums over the groups.
 """
 
 from __future__ import annotations
@@ -19,64 +23,98 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.media import route_text
 
 if TYPE_CHECKING:
-    from kvstrata.cache import LoadResult, TieredCache
+    from kvstrata.cache import LoadResult, StoreResult, TieredCache
+
+
+@dataclass
+class GroupStats:
+    """One KV cache group's counters (kept under :class:`WorkerStats`' lock)."""
+
+    namespace: str  # the group's kv_group ("" for a one-group model)
+    kind: str  # GroupKind value: full, sliding, chunked
+    span: int | None  # the sliding window or attention chunk, in tokens
+    layers: int
+    block_bytes: int
+    loaded_blocks: int = 0  # blocks copied into vLLM's blocks from kvstrata
+    restored_bytes: int = 0
+    load_paths: Counter = field(default_factory=Counter)
+    stored_blocks: int = 0  # full blocks offered to the group's cache
+    new_blocks: int = 0  # blocks it did not hold yet
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["load_paths"] = {route_text(r): n for r, n in self.load_paths.items()}
+        data["stored_bytes"] = self.new_blocks * self.block_bytes
+        return data
 
 
 @dataclass
 class WorkerStats:
     """The worker's counters; stores may complete on the cache's threads, hence the lock."""
 
-    block_bytes: int = 0
+    block_bytes: int = 0  # one token block over every group
     vllm_block_shape: list[int] = field(default_factory=list)  # one layer's block in vLLM's cache
     load_requests: int = 0
-    loaded_tokens: int = 0  # tokens copied into vLLM's blocks from kvstrata
+    loaded_tokens: int = 0  # hit tokens whose KV (every group's part of it) came from kvstrata
     restored_bytes: int = 0  # bytes kvstrata brought to its device tier (not already there)
     load_seconds: float = 0.0  # kvstrata's own load time (to its device tier), summed
     load_paths: Counter = field(default_factory=Counter)
     store_requests: int = 0
-    stored_blocks: int = 0  # full blocks offered to the cache
-    new_blocks: int = 0  # blocks the cache did not hold yet
+    stored_blocks: int = 0  # full blocks offered to the caches, every group's
+    new_blocks: int = 0  # blocks the caches did not hold yet
     store_seconds: float = 0.0  # copy out of vLLM + store + write-down, summed
     failed_blocks: int = 0
     last_failure: str | None = None
     remote_error: str | None = None
+    groups: list[GroupStats] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def loaded(self, tokens: int, result: LoadResult) -> None:
-        """A load whose ``tokens`` tokens were all copied into vLLM's blocks."""
+    def loaded(self, tokens: int, results: list[tuple[int, int, LoadResult]]) -> None:
+        """A load whose ``tokens`` hit tokens were copied into vLLM's blocks in every group;
+        ``results``: per group that moved any, (group, blocks copied, its cache's result)."""
         with self._lock:
             self.load_requests += 1
             self.loaded_tokens += tokens
-            self.restored_bytes += result.restored_bytes
-            self.load_seconds += result.seconds
-            self.load_paths.update(result.paths)
+            for group, blocks, result in results:
+                self.restored_bytes += result.restored_bytes
+                self.load_seconds += result.seconds
+                self.load_paths.update(result.paths)
+                stats = self.groups[group]
+                stats.loaded_blocks += blocks
+                stats.restored_bytes += result.restored_bytes
+                stats.load_paths.update(result.paths)
 
-    def stored(self, result: Any, seconds: float) -> None:
-        """A store done (``result``: the cache's StoreResult) ``seconds`` after the copy began."""
+    def stored(self, results: list[tuple[int, StoreResult]], seconds: float) -> None:
+        """A save done (``results``: per group, its cache's StoreResult) ``seconds`` after the copy began."""
         with self._lock:
             self.store_requests += 1
-            self.stored_blocks += result.blocks
-            self.new_blocks += result.new_blocks
             self.store_seconds += seconds
+            for group, result in results:
+                self.stored_blocks += result.blocks
+                self.new_blocks += result.new_blocks
+                self.groups[group].stored_blocks += result.blocks
+                self.groups[group].new_blocks += result.new_blocks
 
     def failed(self, blocks: int, why: str) -> None:
         with self._lock:
             self.failed_blocks += blocks
             self.last_failure = why
 
-    def to_json(self, cache: TieredCache | None) -> dict[str, Any]:
+    def to_json(self, caches: tuple[TieredCache, ...]) -> dict[str, Any]:
         with self._lock:
             data = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
             data["load_paths"] = {route_text(r): n for r, n in self.load_paths.items()}
-        data["stored_bytes"] = data["new_blocks"] * self.block_bytes
-        if cache is not None:
-            data["media"] = [m.label for m in cache.media]
-            data["remote_error"] = cache.remote_error  # now: the pool may have gone down, or come back
+            data["groups"] = [g.to_json() for g in self.groups]
+        data["stored_bytes"] = sum(g["stored_bytes"] for g in data["groups"])
+        if caches:
+            data["media"] = [m.label for m in caches[0].media]
+            errors = [c.remote_error for c in caches if c.remote_error is not None]
+            data["remote_error"] = errors[0] if errors else None  # now: the pool may have gone down, or come back
         return data
 
-    def write(self, path: Path, cache: TieredCache | None) -> None:
-        """Rewrite ``path`` with the counters (and ``cache``'s media), atomically."""
+    def write(self, path: Path, caches: tuple[TieredCache, ...]) -> None:
+        """Rewrite ``path`` with the counters (and the caches' media), atomically."""
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            json.dump(self.to_json(cache), f, indent=1)
+            json.dump(self.to_json(caches), f, indent=1)
         os.replace(tmp, path)

@@ -1,0 +1,167 @@
+"""vLLM (CPU) with the KVStrata connector on a hybrid model: several KV cache groups (HMA).
+
+The connector declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on and gives a
+tiny random-weight Gemma 3 (``tiny_hybrid.py``: sliding-window layers 0 and 2, full-attention
+layers 1 and 3) two KV cache groups: sliding (window 64 tokens, two blocks) and full. Each
+group has a kvstrata cache of its own; a sliding group's blocks before its window are vLLM's
+null block and never move.
+
+Engines as in ``test_vllm.py`` (children printing JSON, vLLM's prefix cache off, greedy): engine
+A computes the prompts (the reference tokens) and finds them again in its device tier; engine B
+starts fresh on A's disk directory and must produce A's tokens from KV loaded from disk, group
+by group. Then the groups' parts, without an engine: vLLM's own spec classes mapped to
+kvstrata's groups, a Mamba group refused, and how a load and a save read vLLM's block ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.integrations.test_vllm import BLOCK, PROMPTS, run_children, spec  # noqa: E402
+from tests.integrations.tiny_hybrid import WINDOW, make_tiny_gemma3  # noqa: E402
+
+MiB = 1024**2
+GROUP_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2  # a group: 2 layers x K,V x tokens x kv heads x head dim x bf16
+HITS = [96, 64]  # full blocks before each prompt's last token (100 and 70 tokens)
+
+
+def window_blocks(hit_tokens: int) -> int:
+    """Blocks of a hit vLLM keeps in a sliding group: those its window still reaches."""
+    skipped = max(0, hit_tokens - WINDOW + 1) // BLOCK  # vLLM's SlidingWindowManager.get_num_skipped_tokens
+    return hit_tokens // BLOCK - skipped
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tiny_model_dir, tmp_path_factory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), Path(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def hma_runs(hybrid_model, tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("vllm-hma")
+    disk = {"host_bytes": 16 * MiB, "disk_dir": str(tmp / "disk"), "disk_bytes": 64 * MiB}
+    a = run_children({"a": spec(hybrid_model, tmp, "a", passes=[PROMPTS, PROMPTS], **disk)}, tmp)
+    b = run_children({"b": spec(hybrid_model, tmp, "b", **disk)}, tmp)
+    return {**a, **b}
+
+
+def groups_by_kind(stats: dict) -> dict[str, dict]:
+    return {g["kind"]: g for g in stats["groups"]}
+
+
+def test_hybrid_model_has_a_sliding_and_a_full_group(hma_runs):
+    first = hma_runs["a"]["passes"][0]
+    assert first["cached"] == [0, 0]
+    groups = first["stats"]["groups"]
+    # two groups: vLLM kept its hybrid manager on (off, it makes one full-attention group)
+    assert [(g["kind"], g["span"], g["layers"], g["block_bytes"]) for g in groups] == [
+        ("sliding", WINDOW, 2, GROUP_BLOCK_BYTES), ("full", None, 2, GROUP_BLOCK_BYTES)]
+    assert [g["namespace"] for g in groups] == [f"0-sliding{WINDOW}", "1-full"]
+    # every full prompt block is stored in both groups: in the step that computes it, vLLM has
+    # dropped none of a sliding group's blocks yet
+    full_blocks = sum(len(p) // BLOCK for p in PROMPTS)
+    for g in groups:
+        assert g["new_blocks"] == full_blocks and g["stored_bytes"] == full_blocks * GROUP_BLOCK_BYTES
+    assert first["stats"]["stored_bytes"] == 2 * full_blocks * GROUP_BLOCK_BYTES
+
+
+def test_device_tier_serves_each_group_its_blocks(hma_runs):
+    first, again = hma_runs["a"]["passes"]
+    assert again["cached"] == HITS
+    assert again["tokens"] == first["tokens"]
+    stats = again["stats"]
+    assert stats["failed_blocks"] == 0 and stats["loaded_tokens"] == sum(HITS)
+    groups = groups_by_kind(stats)
+    assert groups["full"]["loaded_blocks"] == sum(HITS) // BLOCK
+    assert groups["sliding"]["loaded_blocks"] == sum(window_blocks(h) for h in HITS) < sum(HITS) // BLOCK
+    assert groups["sliding"]["load_paths"] == {"device": sum(window_blocks(h) for h in HITS)}
+    # a load's own blocks were re-offered on save: a sliding group's leading null blocks never are
+    assert groups["full"]["new_blocks"] == groups["sliding"]["new_blocks"]
+
+
+def test_disk_tier_serves_a_fresh_engine_group_by_group(hma_runs):
+    reference = hma_runs["a"]["passes"][0]["tokens"]
+    run = hma_runs["b"]["passes"][0]
+    assert run["cached"] == HITS
+    assert run["tokens"] == reference
+    stats = run["stats"]
+    assert stats["failed_blocks"] == 0 and stats["loaded_tokens"] == sum(HITS)
+    groups = groups_by_kind(stats)
+    loaded = {"full": sum(HITS) // BLOCK, "sliding": sum(window_blocks(h) for h in HITS)}
+    for kind, blocks in loaded.items():
+        assert groups[kind]["loaded_blocks"] == blocks
+        assert groups[kind]["load_paths"] == {"disk -> device": blocks}
+        assert groups[kind]["restored_bytes"] == blocks * GROUP_BLOCK_BYTES
+    assert stats["restored_bytes"] == (loaded["full"] + loaded["sliding"]) * GROUP_BLOCK_BYTES
+    assert stats["new_blocks"] == 0  # every block it saved was on disk already
+
+
+# --- the parts, without an engine ------------------------------------------------------------------
+
+
+def _config(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in layers], s) for layers, s in specs]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_vllm_groups_map_vllm_specs_to_kvstrata_groups():
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    from kvstrata.integrations.vllm import vllm_groups
+    from kvstrata.kv.dtypes import DType
+    from kvstrata.kv.groups import GroupKind
+
+    kw = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    groups = vllm_groups(_config(([2, 0], SlidingWindowSpec(**kw, sliding_window=128)),
+                                 ([1, 3], FullAttentionSpec(**kw)),
+                                 ([4], ChunkedLocalAttentionSpec(**kw, attention_chunk_size=256))), (DType.BF16,))
+    assert [(g.index, g.kind, g.group.layers, g.group.span, g.namespace) for g in groups] == [
+        (0, GroupKind.SLIDING, (0, 2), 128, "0-sliding128"),
+        (1, GroupKind.FULL, (1, 3), None, "1-full"),
+        (2, GroupKind.CHUNKED, (4,), 256, "2-chunked256")]
+    assert groups[0].layer_names == ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn")
+    # one group: the namespace a dense model's blocks had before groups existed
+    (dense,) = vllm_groups(_config(([0, 1], FullAttentionSpec(**kw))), (DType.BF16,))
+    assert dense.namespace == "" and dense.group.token_bytes() == 2 * 2 * 2 * 64 * 2
+
+
+def test_vllm_groups_refuse_what_they_cannot_cache():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    from kvstrata.integrations.vllm import vllm_groups
+    from kvstrata.kv.dtypes import DType
+
+    kw = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 128), (4, 16, 16)), dtypes=(torch.bfloat16, torch.bfloat16))
+    with pytest.raises(ValueError, match="Mamba state groups are not cached"):
+        vllm_groups(_config(([0], mamba), ([1], FullAttentionSpec(**kw))), (DType.BF16,))
+    with pytest.raises(ValueError, match="MLAAttentionSpec is not cached"):
+        vllm_groups(_config(([0], MLAAttentionSpec(**{**kw, "num_kv_heads": 1}))), (DType.BF16,))
+    with pytest.raises(ValueError, match="KV cache group 0: KV dtype torch.float8_e4m3fn is not supported"):
+        vllm_groups(_config(([0], FullAttentionSpec(**{**kw, "dtype": torch.float8_e4m3fn}))), (DType.BF16,))
+
+
+def test_loads_skip_blocks_before_the_window_and_saves_stop_at_a_dropped_block():
+    from kvstrata.integrations.vllm import GroupBlocks, usable_hit_blocks
+    from kvstrata.integrations.vllm.scheduler import _leading_run, _window
+
+    null = 0
+    # a load of blocks 1..4 (block 0: vLLM's own prefix hit): the sliding group's first two are null
+    assert _window([0, 0, 7, 8], 1, null) == GroupBlocks(3, [7, 8])
+    assert _window([5, 6, 7, 8], 1, null) == GroupBlocks(1, [5, 6, 7, 8])
+    assert _window([0, 0], 2, null) == GroupBlocks(4, [])  # the window lies past the hit: nothing to fill
+    with pytest.raises(ValueError, match="null block inside the window"):
+        _window([5, 0, 7], 0, null)
+    assert _leading_run([4, 5, 6], null) == [4, 5, 6]
+    assert _leading_run([0, 0, 6], null) == []  # blocks vLLM dropped: not saved (their keys chain from 0)
+    assert usable_hit_blocks((3, 5, 4)) == 3
+    with pytest.raises(ValueError, match="at least one group"):
+        usable_hit_blocks(())
