@@ -56,30 +56,34 @@ class GroupBytes:
         return sum(s.size_bytes for s in self.shares)
 
 
-def restore_bytes(geometry: KVGeometry, prefix_tokens: int, tp: int = 1, start: int = 0) -> GroupBytes:
-    """Bytes a restore moves for the segment ``[start, prefix_tokens)`` of a cached prefix that
-    ends at ``prefix_tokens`` (``start=0``: the whole prefix; what a request of that many tokens
-    holds).
+def restore_bytes(
+    geometry: KVGeometry, prefix_tokens: int, tp: int = 1, segment: tuple[int, int] | None = None
+) -> GroupBytes:
+    """Bytes a restore of a cached prefix ending at ``prefix_tokens`` moves, whole or for one
+    segment of it (what one tier serves when several do).
 
     Args:
         geometry: the model.
         prefix_tokens: P, where the cached prefix ends.
         tp: tensor-parallel degree; bytes are one GPU's.
-        start: where the segment starts (an earlier tier serves ``[0, start)``).
+        segment: ``(start, stop)``, the tokens ``[start, stop)`` of the prefix this part
+            serves; None: all of it, ``(0, P)``, which is what a request of P tokens holds.
 
     Raises:
-        ValueError: ``start`` outside ``[0, prefix_tokens]``.
+        ValueError: a segment outside ``[0, P]`` or reversed.
     """
-    if not 0 <= start <= prefix_tokens:
-        raise ValueError(f"segment start must be between 0 and the prefix end {prefix_tokens}, got {start}")
+    start, stop = (0, prefix_tokens) if segment is None else segment
+    if not 0 <= start <= stop <= prefix_tokens:
+        raise ValueError(f"segment ({start}, {stop}) must lie in the prefix [0, {prefix_tokens}] in order")
     shares = []
     for group in geometry.groups:
         if group.kind.per_token:
             kept_from = prefix_tokens - group.tokens_kept(prefix_tokens)
-            tokens = prefix_tokens - max(start, kept_from)
+            tokens = max(0, stop - max(start, kept_from))
             shares.append(GroupShare(group, tokens, tokens * group.token_bytes(tp)))
         else:  # the snapshot as of P travels with the segment that reaches P
-            shares.append(GroupShare(group, 0, group.state_bytes_per_gpu(tp) if prefix_tokens > start else 0))
+            reaches = stop == prefix_tokens and start < stop
+            shares.append(GroupShare(group, 0, group.state_bytes_per_gpu(tp) if reaches else 0))
     return GroupBytes(tuple(shares))
 
 

@@ -302,7 +302,7 @@ class Simulation:
         for tier, tokens in hits.items():
             path = self.arch.restore_path(tier)
             if tokens and path:
-                size = restore_bytes(self.config.geometry, end, len(inst.gpus), start).size_bytes
+                size = restore_bytes(self.config.geometry, end, len(inst.gpus), (start, start + tokens)).size_bytes
                 if size:
                     jobs.append((path, size))
             start += tokens
