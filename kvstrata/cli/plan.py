@@ -169,10 +169,11 @@ def side_by_side(r: RestoreEstimate) -> str | None:
 
 def render(console: Console, plan: Plan) -> None:
     g = plan.geometry
+    held = f" ({g.kv_bytes(plan.context_tokens) / 1e9:,.2f} GB held at this context)" if g.hybrid else ""
     console.print(
         f"[bold]{g.name}[/] ({g.attention.name}, {g.dtype.name.lower()}) on [bold]{plan.profile.name}[/]: "
         f"{plan.context_tokens:,}-token context, {plan.cached_tokens:,} cached, {plan.tp} GPU(s) "
-        f"({', '.join(plan.gpus)}); {g.bytes_per_token:,} KV bytes/token, "
+        f"({', '.join(plan.gpus)}); {g.bytes_per_token:,} KV bytes/token{held}, "
         f"{g.bytes_per_token_per_gpu(plan.tp):,} per GPU; restore {plan.restore_bytes / 1e9:,.2f} GB"
     )
     misfit = weights_misfit(plan.sizing)
@@ -198,6 +199,8 @@ def render(console: Console, plan: Plan) -> None:
     for r in plan.restore:
         if note := side_by_side(r):
             console.print(f"[dim]* {note}[/]", highlight=False)
+    if g.hybrid:
+        render_groups(console, plan)
     a = Table(title="The seven architectures: capacity, first wait, per-decode-step cost (one request)")
     for col in ("architecture", "capacity tokens", "requests", "first wait", "step: external", "step time", "bound by"):
         a.add_column(col, justify="left" if col in ("architecture", "bound by") else "right")
@@ -219,6 +222,22 @@ def render(console: Console, plan: Plan) -> None:
     console.print(
         "[dim]" + "; ".join(f"{e.arch.value}: {e.arch.title}" for e in plan.architectures) + "[/]", highlight=False
     )
+
+
+def render_groups(console: Console | HtmlPage, plan: Plan) -> None:
+    """What each KV group adds to the restore: every cached token of full layers, the window
+    before the prefix end of windowed ones, one snapshot of a recurrent state."""
+    t = Table(title="The restore by KV group (all the GPUs' shards)")
+    for col in ("group", "layers", "tokens moved", "bytes", "share"):
+        t.add_column(col, justify="left" if col == "group" else "right")
+    total = plan.restore_groups.size_bytes
+    for share in plan.restore_groups.shares:
+        group = share.group
+        name = group.kind.value + (f" {group.span:,} tok" if group.span else "")
+        moved = "1 state" if not group.kind.per_token and share.size_bytes else _n(share.tokens)
+        part = f"{share.size_bytes / total:.0%}" if total else "-"
+        t.add_row(name, str(group.num_layers), moved, f"{share.size_bytes * plan.tp / 1e9:,.3f} GB", part)
+    console.print(t)
 
 
 def render_ratios(console: Console, a: Plan, b: Plan) -> None:

@@ -4,9 +4,11 @@ Each is judged for one request of ``context`` tokens on one instance of K GPUs:
   capacity: how many tokens (and requests of this context) the scheme's KV store holds,
     after the model's weights where it is HBM;
   first wait: time before decode can start, spent moving KV to the GPUs;
-  per step: dense decode reads all of the request's KV every step (from HBM), and a scheme
-    that streams KV from DRAM moves it across PCIe every step as well. Prefix caching cuts
-    the first wait only; it never reduces the per-step reads of history.
+  per step: decode reads all of the request's kept KV every step (from HBM): every token of
+    full-attention layers, the window of windowed ones, the state of recurrent ones
+    (:mod:`kvstrata.plan.footprint`); a scheme that streams KV from DRAM moves it across PCIe
+    every step as well. Prefix caching cuts the first wait only; it never reduces the per-step
+    reads of history.
 
 Stated assumptions: 90% of HBM is usable (vLLM's default ``gpu_memory_utilization``), 80% of
 DRAM holds KV (the rest for the OS and staging buffers); a decode step of one request reads
@@ -124,9 +126,9 @@ class StepInputs:
     """What a decode step costs on this instance, shared by every architecture."""
 
     context_tokens: int
-    kv_bytes_per_gpu: int  # the request's whole KV shard on one GPU
+    kv_bytes_per_gpu: int  # the request's KV shard on one GPU: what it holds, what a step reads
     hbm_step_s: float  # weights' share + KV shard over HBM bandwidth
-    layers: int
+    stream_layers: float  # the shard over its first layer's part: a stream's first wait is 1/this of it
 
 
 def compare_architectures(
@@ -172,7 +174,7 @@ def compare_architectures(
             stream,
             external_bytes=step.kv_bytes_per_gpu,
             external_s=stream.seconds,
-            first=stream.seconds / step.layers,
+            first=stream.seconds / step.stream_layers,
         ),
         make(Architecture.NVME, capacity.nvme_tokens, RestorePath.NVME, restores[RestorePath.NVME]),
     ]

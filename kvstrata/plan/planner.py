@@ -16,6 +16,7 @@ from kvstrata.plan.architectures import (
     compare_architectures,
     hbm_step_seconds,
 )
+from kvstrata.plan.footprint import GroupBytes, first_layer_bytes, request_bytes, restore_bytes, stored_bytes
 from kvstrata.plan.restore import RestoreEstimate, RestorePath, RestorePlanner, instance_gpus
 from kvstrata.plan.sizing import InstanceSizing, size_instances
 
@@ -33,6 +34,7 @@ class Plan:
     architectures: tuple[ArchitectureEstimate, ...]
     capacity: Capacity
     sizing: InstanceSizing  # why these GPUs, and whether the weights fit on them
+    restore_groups: GroupBytes  # each KV group's part of the restore, bytes per GPU
 
     @property
     def tp(self) -> int:
@@ -59,6 +61,19 @@ class Plan:
             "bytes_per_token": g.bytes_per_token,
             "bytes_per_token_per_gpu": g.bytes_per_token_per_gpu(self.tp),
             "restore_bytes": self.restore_bytes,
+            "context_bytes": g.kv_bytes(self.context_tokens),
+            "groups": [
+                {
+                    "kind": share.group.kind.value,
+                    "label": share.group.label,
+                    "layers": share.group.num_layers,
+                    "span": share.group.span,
+                    "restore_tokens": share.tokens,
+                    "restore_bytes": share.size_bytes * self.tp,
+                    "restore_bytes_per_gpu": share.size_bytes,
+                }
+                for share in self.restore_groups.shares
+            ],
             "restore": [
                 {
                     "path": r.path.value,
@@ -110,18 +125,26 @@ def auto_gpus(geometry: KVGeometry, profile: HardwareProfile) -> int:
     return size_instances(geometry, profile, instances=1).gpus_per_instance
 
 
-def _capacity(geometry: KVGeometry, profile: HardwareProfile, gpus: list[str]) -> Capacity:
+def _capacity(geometry: KVGeometry, profile: HardwareProfile, gpus: list[str], context_tokens: int) -> Capacity:
+    """Each store's capacity in tokens of requests of ``context_tokens`` tokens.
+
+    HBM holds running requests, each :func:`~kvstrata.plan.footprint.request_bytes` per GPU;
+    an off-GPU store keeps one logical copy of each request's prefix,
+    :func:`~kvstrata.plan.footprint.stored_bytes` with one end. Tokens are whole bytes times the
+    context over a request's bytes, so whole requests are ``tokens // context_tokens``; a dense
+    model's tokens are bytes over bytes per token.
+    """
     topo = profile.topology
     tp = len(gpus)
     per_gpu_free = min(topo.node(g).capacity_bytes for g in gpus) * HBM_USABLE_FRACTION - geometry.weight_bytes() / tp
-    hbm_tokens = max(0, int(per_gpu_free // geometry.bytes_per_token_per_gpu(tp)))
-    bpt = geometry.bytes_per_token  # off-GPU stores keep one logical copy
+    hbm_tokens = max(0, int(per_gpu_free)) * context_tokens // request_bytes(geometry, context_tokens, tp)
+    stored = stored_bytes(geometry, context_tokens)
 
     def tokens(kind: NodeKind, fraction: float) -> int | None:
         nodes = [n for n in topo.of_kind(kind) if not n.name.startswith("peer.")]
         if not nodes:
             return None
-        return int(sum(n.capacity_bytes for n in nodes) * fraction // bpt)
+        return int(sum(n.capacity_bytes for n in nodes) * fraction) * context_tokens // stored
 
     return Capacity(
         hbm_tokens=hbm_tokens,
@@ -158,19 +181,21 @@ def make_plan(
     sizing = size_instances(geometry, profile, gpus, instances=1)  # checks a count asked for
     names = instance_gpus(profile, sizing.gpus_per_instance)
     tp = len(names)
-    per_gpu = geometry.bytes_per_token_per_gpu(tp)
     planner = RestorePlanner(profile, names)
-    restores = {p: planner.restore(p, [cached * per_gpu] * tp) for p in SEED_PATHS}
-    full = {
-        p: planner.restore(p, [context_tokens * per_gpu] * tp) for p in (RestorePath.LOCAL_DRAM, RestorePath.PD_HANDOFF)
-    }
+    groups = restore_bytes(geometry, cached, tp)  # the windows before the prefix end, one state snapshot
+    restores = {p: planner.restore(p, [groups.size_bytes] * tp) for p in SEED_PATHS}
+    kv_shard = request_bytes(geometry, context_tokens, tp)  # what the request holds and each step reads
+    full = {p: planner.restore(p, [kv_shard] * tp) for p in (RestorePath.LOCAL_DRAM, RestorePath.PD_HANDOFF)}
     hbm_gbps = min(profile.topology.node(g).bandwidth.effective_gbps for g in names)
-    kv_shard = context_tokens * per_gpu
     weights_share = geometry.active_params * geometry.effective_weight_dtype.size_bytes // tp
-    step = StepInputs(context_tokens, kv_shard, hbm_step_seconds(weights_share + kv_shard, hbm_gbps), geometry.num_layers)
-    capacity = _capacity(geometry, profile, names)
+    step = StepInputs(
+        context_tokens, kv_shard, hbm_step_seconds(weights_share + kv_shard, hbm_gbps),
+        kv_shard / first_layer_bytes(geometry, context_tokens, tp),
+    )
+    capacity = _capacity(geometry, profile, names, context_tokens)
     archs = compare_architectures(capacity, step, restores, full)
-    return Plan(geometry, profile, context_tokens, cached, tuple(names), tuple(restores.values()), tuple(archs), capacity, sizing)
+    return Plan(geometry, profile, context_tokens, cached, tuple(names), tuple(restores.values()), tuple(archs),
+                capacity, sizing, groups)
 
 
 def ratios(a: Plan, b: Plan) -> dict:

@@ -38,9 +38,11 @@ from kvstrata.hardware.topology import NodeKind
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.media import Medium
 from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION
+from kvstrata.plan.footprint import held_bytes, request_bytes, restore_bytes, stored_bytes
 from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
 from kvstrata.plan.sizing import size_instances
 from kvstrata.policies.write import WritePolicy
+from kvstrata.sim.batchkv import BatchKV
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.network import Network
@@ -137,7 +139,9 @@ class _Instance:
     planner: RestorePlanner
     model: TimeModel
     caches: dict[Medium, BlockLRU]
-    kv_limit_tokens: int
+    batch: BatchKV  # what the running batch holds, per KV group
+    kv_limit_bytes: int  # what the running batch may hold: per GPU in HBM, the logical copy when streaming
+    kv_limit_tp: int  # the ``tp`` the limit's bytes are counted at
     stream_bytes_per_s: float  # per GPU, DRAM -> HBM with all K GPUs streaming at once
     stream_flows: list[Flow]
     ready: deque = field(default_factory=deque)  # records waiting to prefill
@@ -146,9 +150,7 @@ class _Instance:
     decode_ready: deque = field(default_factory=deque)  # pd: handed off, waiting to join
     busy: bool = False
     prefill_busy: bool = False  # pd: the prefill group
-    running: list = field(default_factory=list)  # heap of (finish_step, seq, record)
-    context_tokens: int = 0  # KV tokens of the running batch
-    steps: int = 0
+    running: list = field(default_factory=list)  # heap of (finish_step, seq, record, batch id)
 
 
 class Simulation:
@@ -181,31 +183,37 @@ class Simulation:
         def total(kind: NodeKind) -> int:
             return sum(x.capacity_bytes for x in topo.of_kind(kind) if not x.name.startswith("peer."))
 
-        pool_tokens = overrides.get(Medium.REMOTE, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION) // g.bytes_per_token)
-        self.pool = BlockLRU(pool_tokens // BLOCK_TOKENS)
+        # A stored block keeps every per-token group's KV of its tokens and a state snapshot at
+        # its end (a hit may end at any block): footprint.stored_bytes; a dense model's block is
+        # its tokens' bytes. HBM counts per GPU, the off-GPU stores one logical copy.
+        block = stored_bytes(g, BLOCK_TOKENS)
+
+        def blocks(tier: Medium, capacity_bytes: int, block_bytes: int = block) -> int:
+            return overrides[tier] // BLOCK_TOKENS if tier in overrides else capacity_bytes // block_bytes
+
+        self.pool = BlockLRU(blocks(Medium.REMOTE, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION)))
         self.instances: list[_Instance] = []
         for i in range(n):
             gpus = [x.name for x in p.gpus[i * k : (i + 1) * k]]
             model = TimeModel.build(g, p, gpus)
             # Every weight stays resident (a MoE's idle experts too), a 1/K share per GPU.
-            hbm_free = min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION - g.weight_bytes() / k
-            hbm_tokens = max(0, int(hbm_free // model.kv_bytes_per_token_per_gpu))
+            hbm_free = max(0, int(min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION
+                                  - g.weight_bytes() / k))
+            host_bytes = int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / n)
             default = {
-                Medium.DEVICE: hbm_tokens,
-                Medium.HOST: int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / n) // g.bytes_per_token,
-                Medium.DISK: int(total(NodeKind.FLASH) / n) // g.bytes_per_token,
+                Medium.DEVICE: blocks(Medium.DEVICE, hbm_free, stored_bytes(g, BLOCK_TOKENS, tp=k)),
+                Medium.HOST: blocks(Medium.HOST, host_bytes),
+                Medium.DISK: blocks(Medium.DISK, int(total(NodeKind.FLASH) / n)),
             }
-            caches = {}
-            for tier in arch.tiers:
-                if tier is Medium.REMOTE:
-                    caches[tier] = self.pool
-                else:
-                    caches[tier] = BlockLRU(overrides.get(tier, default[tier]) // BLOCK_TOKENS)
+            caches = {tier: self.pool if tier is Medium.REMOTE else BlockLRU(default[tier]) for tier in arch.tiers}
             planner = RestorePlanner(p, gpus)
             stream = [flow_along(topo, topo.route(local_dram(p, x), x, size_bytes=1), 1) for x in gpus]
             stream_rate = min(s.gbps for s in max_min_share(stream)) * GB
-            limit = default[Medium.HOST] if arch.streaming else hbm_tokens
-            self.instances.append(_Instance(i, gpus, planner, model, caches, max(limit, 1), stream_rate, stream))
+            # The running batch lives in HBM (per GPU), or in DRAM when streaming (one logical copy).
+            limit, limit_tp = (host_bytes, 1) if arch.streaming else (hbm_free, k)
+            self.instances.append(
+                _Instance(i, gpus, planner, model, caches, BatchKV(g), limit, limit_tp, stream_rate, stream)
+            )
         self._stream_bytes: dict[str, float] = {}
         self._tier_writes: dict[Medium, int] = dict.fromkeys(arch.tiers, 0)
         self._gpus = n * k * (2 if arch.pd_handoff else 1)
@@ -279,12 +287,26 @@ class Simulation:
         self._write(inst, r.hash_ids)
         rec = RequestRecord(r, inst.index, self.now, hits)
         self.records.append(rec)
-        jobs = [(self.arch.restore_path(t), tok) for t, tok in hits.items() if tok and self.arch.restore_path(t)]
+        jobs = self._restore_jobs(inst, hits, covered)
         if not jobs:
             self._restored(inst, rec)
             return
         inst.restore_queue.append((rec, jobs))
         self._start_restores(inst)
+
+    def _restore_jobs(self, inst: _Instance, hits: dict[Medium, int], end: int) -> list[tuple[RestorePath, int]]:
+        """(path, bytes per GPU) of each tier's segment of a hit ending at ``end`` tokens, tiers in
+        search order: :func:`kvstrata.plan.footprint.restore_bytes`, so a windowed group moves only
+        what of its window lies in the segment, a state group its snapshot with the last one."""
+        jobs, start = [], 0
+        for tier, tokens in hits.items():
+            path = self.arch.restore_path(tier)
+            if tokens and path:
+                size = restore_bytes(self.config.geometry, end, len(inst.gpus), (start, start + tokens)).size_bytes
+                if size:
+                    jobs.append((path, size))
+            start += tokens
+        return jobs
 
     def _write(self, inst: _Instance, ids: Sequence[int]) -> None:
         """Insert a request's blocks per the write policy (see :mod:`kvstrata.sim.tiers`)."""
@@ -321,17 +343,17 @@ class Simulation:
                 if pending[0] == 0:
                     self._push(t, lambda: self._restore_slot_freed(inst, rec))
 
-            for path, tokens in jobs:
-                self.net.start(self.now, self._stages(inst, path, tokens), one_done)
+            for path, shard_bytes in jobs:
+                self.net.start(self.now, self._stages(inst, path, shard_bytes), one_done)
 
     def _restore_slot_freed(self, inst: _Instance, rec: RequestRecord) -> None:
         inst.restoring -= 1
         self._start_restores(inst)
         self._restored(inst, rec)
 
-    def _stages(self, inst: _Instance, path: RestorePath, tokens: int) -> list[Callable[[], list[Flow]]]:
-        """The planner's flows for ``tokens`` of KV along ``path``, stage by stage."""
-        shard = [tokens * inst.model.kv_bytes_per_token_per_gpu] * len(inst.gpus)
+    def _stages(self, inst: _Instance, path: RestorePath, shard_bytes: int) -> list[Callable[[], list[Flow]]]:
+        """The planner's flows for ``shard_bytes`` of KV per GPU along ``path``, stage by stage."""
+        shard = [shard_bytes] * len(inst.gpus)
         pl, p = inst.planner, self.config.profile
         dram = lambda g: local_dram(p, g)  # noqa: E731
         local = lambda: pl.local_flows(shard, dram)  # noqa: E731
@@ -363,8 +385,9 @@ class Simulation:
     def _fits(self, inst: _Instance, rec: RequestRecord) -> bool:
         if len(inst.running) >= self.config.max_batch:
             return False
-        need = rec.request.input_length + rec.request.output_length
-        return not inst.running or inst.context_tokens + need <= inst.kv_limit_tokens
+        # Its KV at its last token (a window caps a windowed group), on top of what the batch holds now.
+        need = request_bytes(self.config.geometry, rec.request.input_length + rec.request.output_length, inst.kv_limit_tp)
+        return not inst.running or inst.batch.bytes(inst.kv_limit_tp) + need <= inst.kv_limit_bytes
 
     def _kick(self, inst: _Instance) -> None:
         if self.arch.pd_handoff and not inst.prefill_busy and inst.ready:
@@ -392,8 +415,8 @@ class Simulation:
     def _prefilled(self, inst: _Instance, rec: RequestRecord) -> None:
         if self.arch.pd_handoff:
             inst.prefill_busy = False
-            tokens = rec.request.input_length
-            stages = self._stages(inst, RestorePath.PD_HANDOFF, tokens)
+            shard = request_bytes(self.config.geometry, rec.request.input_length, len(inst.gpus))
+            stages = self._stages(inst, RestorePath.PD_HANDOFF, shard)
             self.net.start(self.now, stages, lambda t: self._push(t, lambda: self._handed_off(inst, rec)))
             self._kick(inst)
             return
@@ -416,14 +439,15 @@ class Simulation:
 
     def _join(self, inst: _Instance, rec: RequestRecord) -> None:
         # It finishes after output_length - 1 more steps; its context grows one token a step.
-        finish_step = inst.steps + rec.request.output_length - 1
-        heapq.heappush(inst.running, (finish_step, next(self._seq), rec))
-        inst.context_tokens += rec.request.input_length + 1
+        finish_step = inst.batch.steps + rec.request.output_length - 1
+        rid = inst.batch.join(rec.request.input_length + 1)
+        heapq.heappush(inst.running, (finish_step, next(self._seq), rec, rid))
 
     def _step_s(self, inst: _Instance) -> float:
-        step = inst.model.decode_step_s(len(inst.running), inst.context_tokens)
+        held = inst.batch.held()
+        step = inst.model.decode_step_s(len(inst.running), held)
         if self.arch.streaming:
-            kv_per_gpu = inst.context_tokens * inst.model.kv_bytes_per_token_per_gpu
+            kv_per_gpu = held_bytes(self.config.geometry, held, len(inst.gpus))
             step = max(step, kv_per_gpu / inst.stream_bytes_per_s)
             for f in inst.stream_flows:  # every step re-crosses PCIe: count it on the links
                 for r, w in f.uses:
@@ -432,12 +456,11 @@ class Simulation:
 
     def _stepped(self, inst: _Instance) -> None:
         inst.busy = False
-        inst.steps += 1
-        inst.context_tokens += len(inst.running)
-        while inst.running and inst.running[0][0] <= inst.steps:
-            _, _, rec = heapq.heappop(inst.running)
+        inst.batch.step()
+        while inst.running and inst.running[0][0] <= inst.batch.steps:
+            _, _, rec, rid = heapq.heappop(inst.running)
             r = rec.request
-            inst.context_tokens -= r.input_length + r.output_length
+            inst.batch.leave(rid, r.input_length + r.output_length)
             self._finish(rec)
         self._kick(inst)
 
