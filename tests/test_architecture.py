@@ -27,6 +27,7 @@ IO_ALLOWED = {
     ("hardware/profile.py", "builtin_text"),
     ("hardware/profile.py", "builtin_profiles"),
     ("kv/presets.py", "load_config"),
+    ("kv/presets.py", "load_source"),
     ("kv/presets.py", "list_presets"),
     ("sim/traceio.py", "read_trace"),
     ("sim/traceio.py", "write_trace"),

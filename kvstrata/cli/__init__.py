@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (CliError, ValueError, FileNotFoundError) as exc:
-        # Configuration and input errors carry a message naming what was wrong.
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        # Configuration and input errors carry a message naming what was wrong: one line, unwrapped.
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         return 2
     except PoolError as exc:  # the embedded pool did not start: what its log said, and where it is
         kept = f" (its log: {exc.log})" if exc.log is not None and exc.log.exists() else ""

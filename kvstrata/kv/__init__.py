@@ -10,7 +10,7 @@ from kvstrata.kv.geometry import (
     kv_shape_from_config,
 )
 from kvstrata.kv.params import ParamCount
-from kvstrata.kv.presets import list_presets, load_config, load_geometry
+from kvstrata.kv.presets import list_presets, load_config, load_geometry, load_source
 
 __all__ = [
     "Attention",
@@ -24,4 +24,5 @@ __all__ = [
     "list_presets",
     "load_config",
     "load_geometry",
+    "load_source",
 ]

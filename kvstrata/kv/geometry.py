@@ -11,6 +11,11 @@ Bytes per token (one sequence position, summed over layers):
   both K and V are expanded from plus ``qk_rope_head_dim`` values of decoupled RoPE key:
   ``layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes``. It is modelled as a single
   "KV head" of width ``kv_lora_rank + qk_rope_head_dim`` that is stored once, not twice.
+
+Hybrid models sum that over their KV groups (:mod:`kvstrata.kv.groups`): sliding and chunked
+layers keep at most a window of tokens, Mamba and gated-delta-net layers a fixed-size state per
+sequence instead. Which layer is which, and how big a state is, follows each family's rules
+(:mod:`kvstrata.kv.families`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kvstrata.kv import families
 from kvstrata.kv.dtypes import DType
 from kvstrata.kv.fields import GeometryError, check_int, get_int, require_int
 from kvstrata.kv.groups import GroupKind, KVGroup, check_groups, heads_per_rank
@@ -79,6 +85,9 @@ class KVGeometry:
             which layers keep what.
         max_context: The longest context the model takes (``max_position_embeddings``); None
             when the config does not say.
+        uncounted_params: What the parameter counts leave out for want of config fields (the
+            fields' names, e.g. ``"vocab_size"``) or of a model of the part (``"vision_config"``):
+            the counts and weight bytes are then lower bounds. Empty: counted in full.
     """
 
     name: str
@@ -95,6 +104,7 @@ class KVGeometry:
     weight_dtype: DType | None = None  # None: weights stored as the KV dtype
     groups: tuple[KVGroup, ...] = ()
     max_context: int | None = None
+    uncounted_params: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -145,6 +155,12 @@ class KVGeometry:
         check_groups(self.groups, self.num_layers)
         if self.max_context is not None:
             check_int("KVGeometry field 'max_context'", self.max_context)
+        if not isinstance(self.uncounted_params, tuple) or not all(
+            isinstance(item, str) for item in self.uncounted_params
+        ):
+            raise GeometryError(
+                f"KVGeometry field 'uncounted_params' must be a tuple of strings, got {self.uncounted_params!r}"
+            )
 
     def _check_mla(self) -> None:
         for field_name in ("kv_lora_rank", "qk_rope_head_dim"):
@@ -271,20 +287,17 @@ class KVGeometry:
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _DTYPE_KEYS = ("torch_dtype", "dtype")
 
-# Decoders that keep a fixed-size recurrent state instead of (or beside) a per-token KV cache:
-# bytes per token would be meaningless or only part of the story, so refuse rather than guess.
+# Model types kv_shape_from_config refuses: no uniform per-token KV (a state beside or instead of
+# it). geometry_from_config sizes the hybrids among them through their KV groups.
 _RECURRENT_MODEL_TYPES = frozenset({
     "mamba", "mamba2", "falcon_mamba", "rwkv", "rwkv5", "rwkv6", "recurrent_gemma", "xlstm",
     "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid",
-    "qwen3_next", "lfm2",
+    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "minimax", "kimi_linear", "olmo_hybrid",
 })
-# Per-layer attention kinds that keep KV for every past token; anything else (sliding, chunked,
-# linear attention) caps or replaces the cache in a way this model does not capture.
-_FULL_ATTENTION_KINDS = frozenset({"full_attention", "full", "global"})
-# Per-layer kinds that keep a window of per-token KV, each token of the full layers' shape: the
-# shape can be read (only sizing refuses them). Any other kind caches something else (linear
-# attention and Mamba a fixed-size state, DeepSeek's sparse kinds a compressed or indexed cache).
-_WINDOWED_ATTENTION_KINDS = frozenset({"sliding_attention", "local", "chunked_attention"})
+# Per-layer kinds that keep per-token K and V of the one shape: all the shape reader accepts.
+_PER_TOKEN_KINDS = frozenset({families.FULL, families.SLIDING, families.CHUNKED})
+# Sub-configs of a multimodal wrapper whose weights the count leaves out (the decoder's are counted).
+_NOT_DECODER_CONFIGS = frozenset({"text_config", "quantization_config"})
 
 
 @dataclass(frozen=True)
@@ -307,11 +320,11 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
     """Read a Hugging Face decoder config's per-token KV shape: layers, heads, head width.
 
     This is the one reading of those fields; :func:`geometry_from_config` builds on it. Unlike
-    that function it sizes nothing, so it accepts what only sizing refuses: windowed or chunked
-    attention (fewer tokens are kept, each of this shape) and MoE layouts (they shape weights,
-    not KV). Recurrent and hybrid architectures, which have no uniform per-token KV, are
-    refused, as are layers of other kinds (linear attention, Mamba). Reads the top level, or
-    ``text_config`` when the top level has no layer count.
+    that function it sizes nothing, so it accepts windowed or chunked attention (fewer tokens
+    are kept, each of this shape) and MoE layouts (they shape weights, not KV). Recurrent and
+    hybrid architectures, which have no uniform per-token KV, are refused, as are layers of
+    other kinds (linear attention, Mamba): their KV groups come from :func:`geometry_from_config`.
+    Reads the top level, or ``text_config`` when the top level has no layer count.
 
     Args:
         config: A parsed ``config.json``.
@@ -321,51 +334,79 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
             are inconsistent, or the architecture is recurrent or hybrid (by model type or by
             its layers' kinds). The message names the config field.
     """
-    section = _decoder_section(_checked_mapping(config))
-    _reject_recurrent(section)
-    _reject_stateful_layers(section)
-    return _shape(section)
+    config = _checked_mapping(config)
+    section = _decoder(config)
+    model_type = section.get("model_type")
+    if model_type in _RECURRENT_MODEL_TYPES:
+        raise GeometryError(
+            f"config field 'model_type' is {model_type!r}, a recurrent or hybrid architecture "
+            "without a uniform per-token KV cache; it has no one KV shape (see its KV groups)"
+        )
+    shape = _shape(section)
+    types = families.layer_types(section, shape.num_layers)
+    other = sorted(set(types.kinds) - _PER_TOKEN_KINDS)
+    if other:
+        raise GeometryError(
+            f"config field {types.field!r} declares {other} layers, whose cache is not per-token "
+            "K and V of one shape (a fixed-size state, a compressed or indexed cache); the model "
+            "has no one KV shape"
+        )
+    return shape
 
 
 def geometry_from_config(
     config: Mapping[str, Any], *, name: str = "model", dtype: DType | str | None = None
 ) -> KVGeometry:
-    """Derive a model's KV geometry and parameter counts from its Hugging Face config.
+    """Derive a model's KV geometry (its KV groups) and parameter counts from its Hugging Face config.
 
     Reads the decoder fields from the top level, or from ``text_config`` when the top level
-    has no layer count (multimodal wrappers).
+    has no layer count (multimodal wrappers), over the defaults of the model type's config class
+    (:mod:`kvstrata.kv.families`). Each layer's kind comes from ``layer_types`` (or the family's
+    own spelling of it), else from the family's rule, as transformers derives it: full, sliding
+    and chunked attention, MLA, Mamba / Mamba-2 / gated-delta-net states, hybrid layers holding
+    both.
 
     Args:
         config: A parsed ``config.json``.
         name: Model name to carry.
-        dtype: KV dtype; wins over the config's ``torch_dtype``/``dtype``; bf16 if neither.
+        dtype: KV dtype; wins over the config's ``torch_dtype``/``dtype``; bf16 if neither. A
+            recurrent state keeps the types transformers caches it in (the conv state the model's
+            dtype, the SSM / delta-rule state fp32).
 
     Returns:
         The geometry.
 
     Raises:
         GeometryError: A required field is missing or not a positive integer, the head counts
-            are inconsistent, or the architecture (recurrent, hybrid, sliding-window, an
-            unsupported MoE layout) cannot be sized without guessing. The message names the
-            config field.
+            are inconsistent, a layer kind is not modelled (DeepSeek-V3.2's indexed attention,
+            an unknown ``layer_types`` entry), or the model has no attention layer. The message
+            names the config field.
     """
-    section = _decoder_section(_checked_mapping(config))
-    _reject_unsizable(section)
+    config = _checked_mapping(config)
+    section = _decoder(config)
+    _reject_unmodelled(section)
     shape = _shape(section)
-    params = count_params(section, shape)
+    types = families.layer_types(section, shape.num_layers)
+    families.check_modelled(types, section.get("model_type"))
+    kv_dtype = _resolve_dtype(dtype, section, config)
+    groups = _groups(section, shape, types, kv_dtype, _resolve_dtype(None, section, config))
+    params = count_params(section, shape, types.kinds)
     return KVGeometry(
         name=name,
         attention=shape.attention,
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        dtype=_resolve_dtype(dtype, section, config),
+        dtype=kv_dtype,
         total_params=params.total,
         active_params=params.active,
         num_attention_heads=shape.num_attention_heads,
         kv_lora_rank=shape.kv_lora_rank,
         qk_rope_head_dim=shape.qk_rope_head_dim,
         weight_dtype=_weight_dtype(section, config),
+        groups=groups,
+        max_context=get_int(section, "max_position_embeddings"),
+        uncounted_params=params.uncounted + _other_towers(config),
     )
 
 
@@ -375,27 +416,12 @@ def _checked_mapping(config: Any) -> Mapping[str, Any]:
     return config
 
 
-def _shape(section: Mapping[str, Any]) -> KVShape:
-    layers = require_int(section, *_LAYER_KEYS)
-    heads = require_int(section, "num_attention_heads")
-    hidden = require_int(section, "hidden_size")
-    kv_lora_rank = get_int(section, "kv_lora_rank")
-    if kv_lora_rank is None:
-        kv_heads = get_int(section, "num_key_value_heads") or heads
-        attention = attention_for_heads(heads, kv_heads, "config field 'num_key_value_heads'")
-        head_dim = get_int(section, "head_dim") or _head_dim_from_hidden(hidden, heads)
-        return KVShape(attention, layers, heads, kv_heads, head_dim, hidden)
-    rope_dim = require_int(section, "qk_rope_head_dim")
-    return KVShape(Attention.MLA, layers, heads, 1, kv_lora_rank + rope_dim, hidden, kv_lora_rank, rope_dim)
-
-
-def _weight_dtype(section: Mapping[str, Any], config: Mapping[str, Any]) -> DType:
-    """The weights' element type: fp8 under an fp8 ``quantization_config`` (DeepSeek-V3 ships
-    so), else the config's own dtype. A KV dtype override never changes it."""
-    quant = config.get("quantization_config") or section.get("quantization_config")
-    if isinstance(quant, Mapping) and str(quant.get("quant_method", "")).lower() == "fp8":
-        return DType.FP8
-    return _resolve_dtype(None, section, config)
+def _decoder(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The decoder's fields over its family's defaults, its model type resolved (a wrapper's
+    ``text_config`` that names none takes the wrapper's text model type)."""
+    section = _decoder_section(config)
+    model_type = section.get("model_type") or config.get("model_type")
+    return families.with_defaults(section, families.TEXT_MODEL_TYPES.get(model_type, model_type))
 
 
 def _decoder_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -405,54 +431,104 @@ def _decoder_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return text_config
 
 
-def _reject_recurrent(section: Mapping[str, Any]) -> None:
+def _reject_unmodelled(section: Mapping[str, Any]) -> None:
     model_type = section.get("model_type")
-    if model_type in _RECURRENT_MODEL_TYPES:
+    if model_type in families.PURE_RECURRENT_MODEL_TYPES:
         raise GeometryError(
-            f"config field 'model_type' is {model_type!r}, a recurrent or hybrid architecture "
-            "without a uniform per-token KV cache; it cannot be sized"
+            f"config field 'model_type' is {model_type!r}, a recurrent architecture without attention "
+            "layers: it caches nothing per token, and kvstrata sizes a model by its attention layers"
+        )
+    if model_type in families.UNMODELLED_MODEL_TYPES:
+        raise GeometryError(
+            f"config field 'model_type' is {model_type!r}, a hybrid whose layers (shared attention blocks, "
+            "lightning or delta attention of its own) are not modelled"
         )
 
 
-def _reject_stateful_layers(section: Mapping[str, Any]) -> None:
-    for key in ("layer_types", "attention_types", "attention_type"):
-        kinds = set(_strings_in(section.get(key))) - _FULL_ATTENTION_KINDS - _WINDOWED_ATTENTION_KINDS
-        if kinds:
-            raise GeometryError(
-                f"config field {key!r} declares {sorted(kinds)} layers, whose cache is not per-token "
-                "K and V of one shape (a fixed-size state, a compressed or indexed cache); the model "
-                "has no one KV shape"
-            )
+def _shape(section: Mapping[str, Any]) -> KVShape:
+    layers = families.derived_layer_count(section) or require_int(section, *_LAYER_KEYS)
+    heads = require_int(section, "num_attention_heads")
+    hidden = require_int(section, "hidden_size")
+    kv_lora_rank = get_int(section, "kv_lora_rank")
+    if kv_lora_rank is None:
+        kv_heads = get_int(section, "num_key_value_heads") or heads
+        attention = attention_for_heads(heads, kv_heads, "config field 'num_key_value_heads'")
+        head_dim = (families.attention_head_dim(section) or get_int(section, "head_dim")
+                    or _head_dim_from_hidden(hidden, heads))
+        return KVShape(attention, layers, heads, kv_heads, head_dim, hidden)
+    rope_dim = require_int(section, "qk_rope_head_dim")
+    return KVShape(Attention.MLA, layers, heads, 1, kv_lora_rank + rope_dim, hidden, kv_lora_rank, rope_dim)
 
 
-def _reject_unsizable(section: Mapping[str, Any]) -> None:
-    _reject_recurrent(section)
-    for key in ("layer_types", "attention_types", "attention_type"):
-        kinds = set(_strings_in(section.get(key))) - _FULL_ATTENTION_KINDS
-        if kinds:
-            raise GeometryError(
-                f"config field {key!r} declares {sorted(kinds)} attention; only full attention "
-                "is sized"
-            )
-    # Qwen2 configs carry a sliding_window value that use_sliding_window switches off.
-    if section.get("sliding_window") is not None and section.get("use_sliding_window", True):
+def _groups(
+    section: Mapping[str, Any], shape: KVShape, types: families.LayerTypes, kv_dtype: DType, model_dtype: DType
+) -> tuple[KVGroup, ...]:
+    """The layers' KV groups: one per attention kind (FULL or MLA, SLIDING, CHUNKED) and one for
+    the layers with a state, in the order their first layers come. A hybrid layer is in an
+    attention group and in the state group."""
+    attention_kind = {families.FULL: GroupKind.FULL, families.HYBRID: GroupKind.FULL,
+                      families.SLIDING: GroupKind.SLIDING, families.HYBRID_SLIDING: GroupKind.SLIDING,
+                      families.CHUNKED: GroupKind.CHUNKED}
+    mla = shape.attention is Attention.MLA
+    members: dict[GroupKind, list[int]] = {}
+    labels: dict[GroupKind, str] = {}
+    for index, (kind, label) in enumerate(zip(types.kinds, types.labels)):
+        parts = []
+        if kind in attention_kind:
+            parts.append(attention_kind[kind])
+        if kind in families.STATE_KINDS:
+            parts.append(GroupKind.STATE)
+        for part in parts:
+            members.setdefault(part, []).append(index)
+            labels.setdefault(part, label)
+    if not any(part.per_token for part in members):
         raise GeometryError(
-            f"config field 'sliding_window' is {section['sliding_window']!r}: a windowed cache "
-            "stops growing past the window, which is not modelled"
+            f"config field {types.field!r} gives the model no attention layer: nothing is cached per token, "
+            "and kvstrata sizes a model by its attention layers"
         )
-    if section.get("attention_chunk_size") is not None:
+    if mla and set(members) - {GroupKind.FULL}:
+        windowed = sorted(part.value for part in members if part is not GroupKind.FULL)
         raise GeometryError(
-            "config field 'attention_chunk_size' is set: chunked attention is not modelled"
+            f"config field {types.field!r} declares {windowed} layers in an MLA model (kv_lora_rank), "
+            "which is not modelled"
         )
+    groups = []
+    for part, layers in members.items():
+        label = labels[part]
+        if part is GroupKind.STATE:
+            size = families.state_size(section, types.kinds[layers[0]], model_dtype)
+            groups.append(KVGroup(part, tuple(layers), size.dtype, state_bytes=size.state_bytes,
+                                  state_heads=size.heads, label=label))
+        elif part is GroupKind.FULL and mla:
+            groups.append(KVGroup(GroupKind.MLA, tuple(layers), kv_dtype, 1, shape.head_dim, label=label))
+        else:
+            span = None
+            if part is GroupKind.SLIDING:
+                span = families.sliding_span(section)
+            elif part is GroupKind.CHUNKED:
+                span = families.chunk_span(section)
+            groups.append(KVGroup(part, tuple(layers), kv_dtype, shape.num_kv_heads, shape.head_dim,
+                                  span=span, label=label))
+    return tuple(groups)
 
 
-def _strings_in(value: Any) -> list[str]:
-    """Every string inside a possibly nested list (GPT-Neo nests its attention_types)."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return [text for item in value for text in _strings_in(item)]
-    return []
+def _other_towers(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """A multimodal wrapper's other sub-configs (a vision tower, an audio encoder): their weights
+    are not counted."""
+    if _decoder_section(config) is config:
+        return ()
+    return tuple(sorted(key for key, value in config.items()
+                        if key.endswith("_config") and key not in _NOT_DECODER_CONFIGS
+                        and isinstance(value, Mapping)))
+
+
+def _weight_dtype(section: Mapping[str, Any], config: Mapping[str, Any]) -> DType:
+    """The weights' element type: fp8 under an fp8 ``quantization_config`` (DeepSeek-V3 ships
+    so), else the config's own dtype. A KV dtype override never changes it."""
+    quant = config.get("quantization_config") or section.get("quantization_config")
+    if isinstance(quant, Mapping) and str(quant.get("quant_method", "")).lower() == "fp8":
+        return DType.FP8
+    return _resolve_dtype(None, section, config)
 
 
 def _head_dim_from_hidden(hidden: int, heads: int) -> int:

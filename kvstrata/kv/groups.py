@@ -179,20 +179,26 @@ def heads_per_rank(kind: GroupKind, heads: int, tp: int) -> int:
 
 
 def check_groups(groups: tuple[KVGroup, ...], num_layers: int) -> None:
-    """Every decoder layer is in exactly one group, or in none (a layer that caches nothing).
+    """Every decoder layer is in at most one per-token group and at most one STATE group, or in
+    none (a layer that caches nothing). A layer in both is a hybrid one: Falcon-H1 runs attention
+    and a Mamba-2 mixer side by side in every layer, caching K and V and a state.
 
     Raises:
-        GeometryError: groups are empty, or a layer is in two groups or past ``num_layers``.
+        GeometryError: groups are empty, or a layer is in two per-token (or two state) groups,
+            or past ``num_layers``.
     """
     if not groups:
         raise GeometryError("a model needs at least one KV group")
-    seen: set[int] = set()
+    seen: dict[bool, set[int]] = {True: set(), False: set()}
     for group in groups:
         if not isinstance(group, KVGroup):
             raise GeometryError(f"KV groups must be KVGroup, got {group!r}")
-        overlap = seen.intersection(group.layers)
+        taken = seen[group.kind.per_token]
+        overlap = taken.intersection(group.layers)
         if overlap:
-            raise GeometryError(f"layer {min(overlap)} is in two KV groups")
-        seen.update(group.layers)
-    if max(seen) >= num_layers:
-        raise GeometryError(f"KV group layer {max(seen)} is past the model's {num_layers} layers")
+            what = "per-token" if group.kind.per_token else "state"
+            raise GeometryError(f"layer {min(overlap)} is in two {what} KV groups")
+        taken.update(group.layers)
+    last = max(seen[True] | seen[False])
+    if last >= num_layers:
+        raise GeometryError(f"KV group layer {last} is past the model's {num_layers} layers")

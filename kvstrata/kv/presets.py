@@ -31,14 +31,21 @@ def list_presets() -> list[str]:
 
 
 def load_config(model: str) -> tuple[str, dict[str, Any]]:
-    """Load a model config from a path or a preset name.
+    """Load a model config from a path or a preset name (see :func:`load_source`)."""
+    name, config, _ = load_source(model)
+    return name, config
+
+
+def load_source(model: str) -> tuple[str, dict[str, Any], str]:
+    """Load a model config from a path or a preset name, saying where it came from.
 
     Args:
         model: A ``config.json`` file, a model directory holding one, or a preset name.
 
     Returns:
-        ``(name, config)``: the model's name (the directory name for a ``config.json``, else the
-        file stem or preset name) and the parsed config.
+        ``(name, config, source)``: the model's name (the directory name for a ``config.json``,
+        else the file stem or preset name), the parsed config, and where it was read (the file's
+        path, or ``preset 'name'``) for messages.
 
     Raises:
         FileNotFoundError: ``model`` looks like a path (or is a directory without
@@ -53,10 +60,11 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
             raise FileNotFoundError(f"model directory {model!r} has no config.json")
     if path.is_file():
         name = path.parent.resolve().name if path.name == "config.json" else path.stem
-        return name, _parse_json(path.read_text(encoding="utf-8"), str(path))
+        return name, _parse_json(path.read_text(encoding="utf-8"), str(path)), str(path)
     if model in list_presets():
         text = _preset_dir().joinpath(model + _PRESET_SUFFIX).read_text(encoding="utf-8")
-        return model, _parse_json(text, f"preset {model!r}")
+        source = f"preset {model!r}"
+        return model, _parse_json(text, source), source
     available = ", ".join(list_presets())
     if path.suffix == _PRESET_SUFFIX or len(path.parts) > 1:
         raise FileNotFoundError(f"no such model config file: {model!r} (presets: {available})")
@@ -72,9 +80,18 @@ def load_geometry(model: str, dtype: DType | str | None = None) -> KVGeometry:
     Args:
         model: A ``config.json`` file, a model directory holding one, or a preset name.
         dtype: KV dtype; defaults to the config's own, else bf16.
+
+    Raises:
+        GeometryError: as :func:`load_config`, or the config cannot be sized; the message
+            starts with the file (or preset) and names the field.
     """
-    name, config = load_config(model)
-    return geometry_from_config(config, name=name, dtype=dtype)
+    if isinstance(dtype, str):
+        dtype = DType.parse(dtype)  # the caller's value: its error is not the file's
+    name, config, source = load_source(model)
+    try:
+        return geometry_from_config(config, name=name, dtype=dtype)
+    except GeometryError as exc:
+        raise GeometryError(f"{source}: {exc}") from None
 
 
 def _parse_json(text: str, source: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvstrata.kv import Attention, DType, GeometryError, KVGeometry, geometry_from_config, kv_shape_from_config
 from kvstrata.kv.geometry import attention_for_heads
+from kvstrata.kv.groups import GroupKind
 from kvstrata.kv.presets import load_config, load_geometry
 
 
@@ -221,13 +222,21 @@ def test_weight_bytes():
 # --- rejected configs -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "field",
-    ["num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "intermediate_size"],
-)
+@pytest.mark.parametrize("field", ["num_hidden_layers", "num_attention_heads", "hidden_size"])
 def test_missing_required_field_is_named(field):
     with pytest.raises(GeometryError, match=f"'{field}' is missing"):
         geometry_from_config(llama_config(**{field: None}))
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "intermediate_size"])
+def test_a_missing_weight_field_is_named_not_fatal(field):
+    # KV never depends on the weight fields: the count leaves that part out and says so.
+    full = geometry_from_config(llama_config())
+    partial = geometry_from_config(llama_config(**{field: None}))
+    assert partial.uncounted_params == (field,)
+    assert partial.bytes_per_token == full.bytes_per_token
+    assert 0 < partial.total_params < full.total_params
+    assert full.uncounted_params == ()
 
 
 @pytest.mark.parametrize("field", ["qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"])
@@ -263,30 +272,47 @@ def test_unknown_dtype_names_value_and_allowed_ones():
         geometry_from_config(llama_config(torch_dtype="int4"))
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50280},
-        llama_config(model_type="jamba"),
-    ],
-)
-def test_recurrent_and_hybrid_models_are_rejected(config):
-    with pytest.raises(GeometryError, match="'model_type'"):
+def test_a_pure_recurrent_model_is_refused():
+    config = {"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50280}
+    with pytest.raises(GeometryError, match="'model_type' is 'mamba', a recurrent architecture without attention"):
         geometry_from_config(config)
 
 
+def test_a_hybrid_model_is_sized_by_its_groups():
+    # JambaConfig's defaults fill the Mamba fields: attention where layer % 8 == 4 (layer 4 of 6),
+    # Mamba on the other five, each a conv state of (2 * 512) x 4 bf16 and an SSM state of
+    # (2 * 512) x 16 fp32: 8,192 + 65,536 = 73,728 bytes.
+    geometry = geometry_from_config(llama_config(model_type="jamba"))
+    state, full = geometry.groups
+    assert (state.kind, state.layers, state.state_bytes) == (GroupKind.STATE, (0, 1, 2, 3, 5), 73_728)
+    assert (full.kind, full.layers) == (GroupKind.FULL, (4,))
+    assert geometry.bytes_per_token == 2 * 1 * 2 * 64 * 2
+    assert geometry.state_bytes() == 5 * 73_728
+    assert geometry.kv_bytes(1000) == 1000 * 512 + 5 * 73_728
+
+
 @pytest.mark.parametrize(
-    ("overrides", "field"),
+    ("overrides", "full_layers", "windowed", "span"),
     [
-        ({"sliding_window": 4096}, "sliding_window"),
-        ({"layer_types": ["sliding_attention", "full_attention"] * 3}, "layer_types"),
-        ({"attention_types": [[["global", "local"], 3]]}, "attention_types"),
-        ({"attention_chunk_size": 8192}, "attention_chunk_size"),
+        # Every layer sliding (transformers' cache: a sliding_window and no layer_types).
+        ({"sliding_window": 4096}, 0, (GroupKind.SLIDING, 6), 4096),
+        ({"layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": 1024}, 3,
+         (GroupKind.SLIDING, 3), 1024),
+        # GPT-Neo's attention_types; its window_size defaults to 256.
+        ({"attention_types": [[["global", "local"], 3]]}, 3, (GroupKind.SLIDING, 3), 256),
+        ({"attention_chunk_size": 8192}, 0, (GroupKind.CHUNKED, 6), 8192),
     ],
 )
-def test_windowed_attention_is_rejected(overrides, field):
-    with pytest.raises(GeometryError, match=f"'{field}'"):
-        geometry_from_config(llama_config(**overrides))
+def test_windowed_attention_is_sized(overrides, full_layers, windowed, span):
+    geometry = geometry_from_config(llama_config(**overrides))
+    layer = 2 * 2 * 64 * 2  # K and V of 2 heads x 64, bf16: 512 bytes per token per layer
+    kind, layers = windowed
+    (group,) = [group for group in geometry.groups if group.kind is kind]
+    assert (group.num_layers, group.span) == (layers, span)
+    assert geometry.bytes_per_token == full_layers * layer
+    tokens = 10_000
+    assert geometry.kv_bytes(tokens) == tokens * full_layers * layer + span * layers * layer
+    assert geometry.kv_bytes(100) == 100 * 6 * layer  # inside every window: every layer keeps every token
 
 
 def test_switched_off_window_and_all_full_layers_are_accepted():
@@ -296,9 +322,16 @@ def test_switched_off_window_and_all_full_layers_are_accepted():
     assert geometry_from_config(config).bytes_per_token == 2 * 6 * 2 * 64 * 2
 
 
-def test_unsupported_moe_layout_is_rejected():
-    with pytest.raises(GeometryError, match="'num_experts'"):
-        geometry_from_config(llama_config(num_experts=60, num_experts_per_tok=4))
+def test_qwen_style_moe_is_counted():
+    # num_experts (Qwen2/3-MoE): every layer routes among experts of moe_intermediate_size
+    # (else intermediate_size); the KV is the dense model's.
+    dense = geometry_from_config(llama_config())
+    moe = geometry_from_config(llama_config(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=256))
+    expert = 3 * 512 * 256
+    dense_mlp = 3 * 512 * 1024
+    assert moe.bytes_per_token == dense.bytes_per_token
+    assert moe.total_params - dense.total_params == 6 * (512 * 60 + 60 * expert - dense_mlp)
+    assert moe.total_params - moe.active_params == 6 * 56 * expert
 
 
 def test_more_experts_per_token_than_experts_is_rejected():
@@ -332,7 +365,7 @@ def test_the_shape_is_the_geometrys(preset):
         {"num_experts": 60, "num_experts_per_tok": 4},
     ],
 )
-def test_the_shape_is_read_where_only_sizing_is_refused(overrides):
+def test_the_shape_is_read_where_layers_keep_fewer_tokens(overrides):
     shape = kv_shape_from_config(llama_config(**overrides))
     assert (shape.attention, shape.num_layers, shape.num_kv_heads, shape.head_dim) == (Attention.GQA, 6, 2, 64)
 
