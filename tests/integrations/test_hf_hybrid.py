@@ -144,3 +144,20 @@ def test_make_tiny_cli_builds_a_hybrid(tmp_path, capsys):
     assert config.layer_types == ["sliding_attention", "full_attention"] and config.sliding_window == 40
     assert main(["model", "make-tiny", str(out), "--hybrid", "linear"]) == 2  # another spec: refused
     assert main(["model", "make-tiny", str(tmp_path / "odd"), "--hybrid", "linear", "--layers", "3"]) == 2
+
+
+def test_a_bf16_linear_hybrid_keeps_its_recurrent_state_in_fp32(tiny_hybrid_dirs, tmp_path):
+    """transformers' torch gated delta rule computes, and so keeps, the recurrent state in fp32
+    whatever the model's dtype: the core's state size and the packed snapshot say the same."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_hybrid_dirs[HybridKind.LINEAR], dtype=torch.bfloat16).eval()
+    state = next(g for g in hybrid_groups(model.config, model.dtype) if g.kind is GroupKind.STATE)
+    assert state.state_bytes == 128 * 4 * 2 + 4 * 16 * 16 * 4  # conv bf16, recurrent fp32
+    ids = list(range(5, 80))
+    cold = HybridLM(model, None).generate(ids, 6)
+    with make_cache(model, tmp_path) as cache:
+        lm = HybridLM(model, cache)
+        lm.generate(ids, 6)
+        warm = lm.generate(ids, 6)
+    assert warm.hit_tokens == 64 and warm.tokens == cold.tokens
+    assert warm.load.loaded_bytes[cache.config.names[0]] == state.num_layers * state.state_bytes

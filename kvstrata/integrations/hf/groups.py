@@ -4,13 +4,13 @@ transformers names each decoder layer's kind in ``config.layer_types``: ``"full_
 ``"sliding_attention"`` (K and V of the last ``sliding_window`` tokens; transformers'
 ``DynamicSlidingWindowLayer`` keeps ``sliding_window - 1`` of them between forwards, all a
 next token attends to besides itself) and ``"linear_attention"`` (Qwen3-Next's gated delta
-net: a causal-conv state of the last ``linear_conv_kernel_dim`` inputs and a recurrent state
-per value head, both in the model's dtype). :func:`hybrid_groups` makes one
-:class:`~kvstrata.kv.groups.KVGroup` per kind, in order of first appearance.
+net: a causal-conv state of the last ``linear_conv_kernel_dim`` inputs in the model's dtype, and
+a recurrent state per value head in fp32, as its torch path computes it). :func:`hybrid_groups`
+is the core reading of the config (:func:`kvstrata.kv.geometry.geometry_from_config`, one
+group per kind) checked against the tensors this integration packs.
 
 A STATE group's snapshot packs each layer's state into one row of bytes, the conv state then
-the recurrent state (:class:`LinearState`). Until :mod:`kvstrata.kv.geometry` reads hybrid
-configs, this is the integration's own reading of them.
+the recurrent state (:class:`LinearState`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvstrata.kv.dtypes import DType
+from kvstrata.kv.geometry import geometry_from_config
 from kvstrata.kv.groups import GroupKind, KVGroup
 from kvstrata.tensors import kv_dtype, torch_dtype
 
@@ -32,12 +33,14 @@ _MODEL_DTYPES = (DType.BF16, DType.FP16, DType.FP32)
 
 @dataclass(frozen=True)
 class LinearState:
-    """One linear-attention layer's state (batch 1): ``conv`` ``[1, conv_dim, kernel]`` and
-    ``recurrent`` ``[1, value_heads, key_head_dim, value_head_dim]``, both of ``dtype``."""
+    """One linear-attention layer's state (batch 1): ``conv`` ``[1, conv_dim, kernel]`` of ``dtype``
+    and ``recurrent`` ``[1, value_heads, key_head_dim, value_head_dim]`` of ``recurrent_dtype``
+    (transformers' torch gated delta rule casts its inputs, and so its state, to fp32)."""
 
     conv: tuple[int, ...]
     recurrent: tuple[int, ...]
     dtype: DType
+    recurrent_dtype: DType = DType.FP32
 
     @property
     def kernel(self) -> int:
@@ -45,7 +48,7 @@ class LinearState:
 
     @property
     def layer_bytes(self) -> int:
-        return (prod(self.conv) + prod(self.recurrent)) * self.dtype.size_bytes
+        return prod(self.conv) * self.dtype.size_bytes + prod(self.recurrent) * self.recurrent_dtype.size_bytes
 
     def pack(self, conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
         """The two states as one uint8 row (a copy: the model updates its states in place).
@@ -53,8 +56,9 @@ class LinearState:
         Raises:
             ValueError: a state of another shape or dtype than the config says.
         """
-        want = torch_dtype(self.dtype)
-        for name, tensor, shape in (("conv", conv, self.conv), ("recurrent", recurrent, self.recurrent)):
+        for name, tensor, shape, dtype in (("conv", conv, self.conv, self.dtype),
+                                           ("recurrent", recurrent, self.recurrent, self.recurrent_dtype)):
+            want = torch_dtype(dtype)
             if tuple(tensor.shape) != shape or tensor.dtype != want:
                 raise ValueError(f"linear-attention {name} state is {tuple(tensor.shape)} {tensor.dtype}, the config "
                                  f"says {shape} {want}")
@@ -63,9 +67,8 @@ class LinearState:
     def unpack(self, row: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed row's (conv, recurrent) states on ``device``."""
         split = prod(self.conv) * self.dtype.size_bytes
-        dtype = torch_dtype(self.dtype)
-        conv = row[:split].to(device).view(dtype).reshape(self.conv)
-        recurrent = row[split:].to(device).view(dtype).reshape(self.recurrent)
+        conv = row[:split].to(device).view(torch_dtype(self.dtype)).reshape(self.conv)
+        recurrent = row[split:].to(device).view(torch_dtype(self.recurrent_dtype)).reshape(self.recurrent)
         return conv, recurrent
 
 
@@ -97,24 +100,19 @@ def linear_state(config: Any, dtype: torch.dtype) -> LinearState:
 
 
 def hybrid_groups(config: Any, dtype: torch.dtype) -> tuple[KVGroup, ...]:
-    """One KV group per layer kind of ``config.layer_types``, in order of first appearance.
+    """The model's KV groups as the core reads its config, for a model run in ``dtype``.
 
     Raises:
-        ValueError: not a hybrid config, or one with a kind this integration does not cache.
+        ValueError: not a hybrid config, one with a kind this integration does not cache, or a
+            state the core sizes otherwise than the tensors :class:`LinearState` packs.
     """
     kinds = layer_kinds(config)
-    element = kv_dtype(dtype, _MODEL_DTYPES)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    groups = []
-    for label in dict.fromkeys(kinds):
-        layers = tuple(i for i, k in enumerate(kinds) if k == label)
-        kind = _KINDS[label]
-        if kind is GroupKind.STATE:
-            state = linear_state(config, dtype)
-            groups.append(KVGroup(kind, layers, element, state_bytes=state.layer_bytes,
-                                  state_heads=config.linear_num_value_heads, label=label))
-        else:
-            span = config.sliding_window if kind is GroupKind.SLIDING else None
-            groups.append(KVGroup(kind, layers, element, kv_heads=config.num_key_value_heads, head_dim=head_dim,
-                                  span=span, label=label))
-    return tuple(groups)
+    groups = geometry_from_config(config.to_dict(), dtype=kv_dtype(dtype, _MODEL_DTYPES)).groups
+    for group in groups:
+        if group.kind is GroupKind.STATE and group.state_bytes != linear_state(config, dtype).layer_bytes:
+            raise ValueError(f"the {group.label} state of {group.state_bytes} bytes a layer is not the "
+                             f"{linear_state(config, dtype).layer_bytes} bytes of the conv + recurrent "
+                             "state this integration packs")
+    if sorted(layer for group in groups for layer in group.layers) != list(range(len(kinds))):
+        raise ValueError("the config's layer kinds do not give each layer one KV group")
+    return groups
