@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kvstrata.hardware.profile import HardwareProfile
 from kvstrata.kv.fields import GeometryError
 from kvstrata.kv.geometry import KVGeometry
+from kvstrata.kv.groups import GroupKind
 from kvstrata.plan.architectures import HBM_USABLE_FRACTION
 
 # Share of each GPU's usable HBM the default keeps for KV after the weights. At a half, KV
@@ -147,12 +148,28 @@ def check_tp(geometry: KVGeometry, gpus: int, node_gpus: int | None = None) -> N
     kv = geometry.num_kv_heads
     if gpus in tp_degrees(geometry, gpus):
         return
+    states = {group.state_heads for group in geometry.groups if group.kind is GroupKind.STATE}
     why = f"{geometry.name}'s {kv} KV heads do not split over {gpus} GPUs (a GPU holds whole heads)"
-    if node_gpus is not None:
-        listed = ", ".join(map(str, tp_degrees(geometry, node_gpus)))
-        raise GeometryError(f"{why}; on the node's {_gpus(node_gpus)} it runs on {listed}")
+    if states and _heads_split(geometry, gpus):  # the attention heads fit: a state does not
+        heads = ", ".join(map(str, sorted(states)))
+        why = f"{geometry.name}'s recurrent state ({heads} heads) does not split over {gpus} GPUs"
+    if node_gpus is not None or states:
+        listed = ", ".join(map(str, tp_degrees(geometry, node_gpus or gpus)))
+        where = f"on the node's {_gpus(node_gpus)}" if node_gpus is not None else f"up to {_gpus(gpus)}"
+        raise GeometryError(f"{why}; {where} it runs on {listed}")
     listed = ", ".join(map(str, tp_degrees(geometry, kv)))
     raise GeometryError(f"{why}; it runs on {listed} or a multiple of {kv} GPUs")
+
+
+def _heads_split(geometry: KVGeometry, gpus: int) -> bool:
+    """Every per-token group's KV heads split over ``gpus`` (a STATE group may still refuse)."""
+    try:
+        for group in geometry.groups:
+            if group.kind.per_token:
+                group.heads_per_gpu(gpus)
+    except GeometryError:
+        return False
+    return True
 
 
 def size_instances(

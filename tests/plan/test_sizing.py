@@ -10,7 +10,7 @@ from kvstrata.kv.geometry import Attention, DType, KVGeometry
 from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.architectures import HBM_USABLE_FRACTION
 from kvstrata.plan.planner import make_plan
-from kvstrata.plan.sizing import KV_MARGIN_FRACTION, Basis, WeightsDoNotFit, size_instances, tp_degrees
+from kvstrata.plan.sizing import KV_MARGIN_FRACTION, Basis, WeightsDoNotFit, check_tp, size_instances, tp_degrees
 from kvstrata.sim.engine import SimConfig
 
 GB = 10**9
@@ -124,3 +124,12 @@ def test_a_degree_the_kv_heads_refuse_names_the_ones_that_work():
     assert "'tp'" not in str(info.value)
     with pytest.raises(ValueError, match="9 GPUs per instance, but the node has only 8 GPUs"):
         size_instances(g, p, 9)
+
+
+def test_a_tp_degree_the_state_refuses_names_the_state_not_the_heads():
+    geometry = load_geometry("qwen3-next-80b-a3b")  # 2 KV heads (replicated past 2), 16 key heads of state
+    check_tp(geometry, 8)
+    with pytest.raises(GeometryError, match=r"recurrent state \(16 heads\) does not split over 32 GPUs.*1, 2, 4, 8, 16$"):
+        check_tp(geometry, 32)
+    with pytest.raises(GeometryError, match="2 KV heads do not split over 3 GPUs"):
+        check_tp(geometry, 3)
