@@ -125,6 +125,8 @@ def sizing_text(s: InstanceSizing) -> str:
         f"of each {s.gpu_model}'s {s.usable_hbm_bytes_per_gpu / gb:,.1f} GB usable HBM, "
         f"leaving {max(s.kv_room_bytes_per_gpu, 0) / gb:,.1f} GB for KV"
     )
+    if s.uncounted:
+        share += f" (a lower bound: assumed none in {', '.join(s.uncounted)}, which the config gives no fields to count)"
     if s.basis is Basis.REQUESTED:
         return f"{k} GPU(s) per instance, as asked: {share}"
     if s.basis is Basis.KV_MARGIN:

@@ -57,6 +57,7 @@ class Plan:
             "gpus": list(self.gpus),
             "gpus_basis": self.sizing.basis.value,
             "weight_bytes": self.sizing.weight_bytes,
+            "weights_uncounted": list(g.uncounted_params),  # the weight bytes are at least weight_bytes
             "dtype": g.dtype.name.lower(),
             "bytes_per_token": g.bytes_per_token,
             "bytes_per_token_per_gpu": g.bytes_per_token_per_gpu(self.tp),

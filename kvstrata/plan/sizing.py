@@ -64,6 +64,8 @@ class InstanceSizing:
         basis: why K.
         fewest_that_fit: the fewest GPUs of a degree the default considers that hold the
             weights; None when none does.
+        uncounted: weights the config gave no fields to count (``KVGeometry.uncounted_params``):
+            the sizing assumes there are none, so ``weight_bytes`` is a lower bound.
     """
 
     model: str
@@ -76,6 +78,7 @@ class InstanceSizing:
     hbm_bytes_per_gpu: int
     basis: Basis
     fewest_that_fit: int | None
+    uncounted: tuple[str, ...] = ()
 
     @property
     def usable_hbm_bytes_per_gpu(self) -> int:
@@ -244,6 +247,7 @@ def size_instances(
         hbm_bytes_per_gpu=hbm(k),
         basis=basis,
         fewest_that_fit=fewest_fit,
+        uncounted=geometry.uncounted_params,
     )
 
 

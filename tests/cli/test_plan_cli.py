@@ -231,3 +231,12 @@ def test_errors_name_the_flag_the_user_passed(capsys, argv, says):
     err = " ".join(plan_error(capsys, *argv).split())
     assert says in err
     assert "'tp'" not in err and "gpus=" not in err
+
+
+def test_the_plan_says_which_weights_it_could_not_count(capsys):
+    """gemma-3-27b's config sizes its text decoder but not its vision tower: the plan says the
+    weight figure is a lower bound and why; a fully counted model says nothing of the kind."""
+    assert plan_json(capsys, "--model", "gemma-3-27b", "--context", "8192")["weights_uncounted"] == ["vision_config"]
+    assert main(["plan", "--model", "gemma-3-27b", "--context", "8192"]) == 0
+    assert "a lower bound: assumed none in vision_config" in " ".join(capsys.readouterr().out.split())
+    assert plan_json(capsys, "--model", "llama-3-8b", "--context", "8192")["weights_uncounted"] == []
