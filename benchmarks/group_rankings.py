@@ -5,8 +5,9 @@ each model at a few contexts on one profile, each architecture ranked by its fir
 requests its store holds, by its decode step, and under the simulator's SLOs (first wait within
 the TTFT p90 SLO and step within the TPOT p99 SLO first, then by requests held); then the
 simulator's own ranking (``kvstrata simulate``) of the seven on one synthetic agent-heavy
-trace. The hybrid shapes come from
-``tests/hybrid_support.py`` until their presets land in ``kvstrata/kv/presets``.
+trace. The models are the presets: gemma-3-27b (sliding window), qwen3-next-80b-a3b (gated
+delta net + full attention), each beside its all-full twin (every layer full attention of the
+same heads), and the dense llama-3-70b and llama-3-8b.
 
     python benchmarks/group_rankings.py [--hardware h200-cx7-gen5] [--json]
 """
@@ -14,24 +15,24 @@ trace. The hybrid shapes come from
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from hybrid_support import dense_twin, gemma3_27b, qwen3_next_80b  # noqa: E402
-
-from kvstrata.cli.plan import resolve_profile  # noqa: E402
-from kvstrata.kv.presets import load_geometry  # noqa: E402
-from kvstrata.plan.planner import make_plan  # noqa: E402
-from kvstrata.plan.architectures import Architecture  # noqa: E402
-from kvstrata.sim.engine import SimConfig  # noqa: E402
-from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S  # noqa: E402
-from kvstrata.sim.run import simulate  # noqa: E402
-from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate  # noqa: E402
+from kvstrata.cli.plan import resolve_profile
+from kvstrata.kv.presets import load_geometry
+from kvstrata.plan.planner import make_plan
+from kvstrata.plan.architectures import Architecture
+from kvstrata.sim.engine import SimConfig
+from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
+from kvstrata.sim.run import simulate
+from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate
 
 CONTEXTS = (32_768, 131_072)
+
+
+def dense_twin(geometry):
+    """``geometry`` with one FULL group over every layer: what it would hold without windows or states."""
+    return dataclasses.replace(geometry, name=f"{geometry.name} (all full)", groups=(), max_context=None)
 
 
 def rows(geometry, profile, context):
@@ -64,7 +65,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     profile = resolve_profile(args.hardware)
-    gemma, qwen = gemma3_27b(), qwen3_next_80b()
+    gemma, qwen = load_geometry("gemma-3-27b"), load_geometry("qwen3-next-80b-a3b")
     models = [gemma, dense_twin(gemma), qwen, dense_twin(qwen), load_geometry("llama-3-70b"), load_geometry("llama-3-8b")]
     out = [rows(g, profile, n) for g in models for n in CONTEXTS]
     trace = generate(SyntheticConfig(requests=300, rate=1.0, seed=3, mix=Mix(chat=1, system=1, agent=2)))
