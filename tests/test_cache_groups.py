@@ -77,6 +77,22 @@ def test_capacities_split_in_proportion_to_block_bytes(tmp_path):
         GroupedConfig("m", GROUPS, BT, device_bytes=one - 1, host_bytes=0)
 
 
+def test_capacities_split_for_a_context_give_a_window_only_its_blocks():
+    """Split for sequences of 40 tokens (10 blocks): the full group takes 10 blocks a sequence,
+    the 8-token window 3 (ceil(8/4) + 1), the state 2 snapshots; every tier holds whole sequences."""
+    config = GroupedConfig("m", GROUPS, BT, device_bytes=100_000, host_bytes=0, context_tokens=40)
+    assert config.sequence_blocks() == {F: 10, S: 3, R: 2}
+    layouts, configs = config.layouts(), config.configs()
+    sequence = sum(config.sequence_blocks()[n] * layouts[n].block_bytes for n in layouts)
+    for name, group_config in configs.items():
+        assert group_config.device_bytes == 100_000 // sequence * config.sequence_blocks()[name] * layouts[name].block_bytes
+    assert sum(c.device_bytes for c in configs.values()) <= 100_000
+    even = GroupedConfig("m", GROUPS, BT, device_bytes=100_000, host_bytes=0).configs()
+    assert configs[F].device_bytes > even[F].device_bytes and configs[S].device_bytes < even[S].device_bytes
+    with pytest.raises(ValueError, match="context_tokens"):
+        GroupedConfig("m", GROUPS, BT, device_bytes=100_000, host_bytes=0, context_tokens=0)
+
+
 def test_out_of_window_blocks_are_never_written_to_any_tier(tmp_path):
     with make(tmp_path) as cache:
         full, sliding = kv_of(FULL, 40), kv_of(SLIDING, 40, seed=1)

@@ -21,9 +21,14 @@ A lookup's usable hit is the longest ``P`` for which every group has what it nee
 carries one :class:`GroupMatch` per group, and :meth:`GroupedCache.load` loads each group's blocks
 (and the snapshots) through its own TieredCache, reporting bytes per group.
 
-Capacities: each tier's bytes are split between the groups in proportion to their block bytes
-(a STATE group's block is one snapshot), so every group holds the same number of blocks in a
-tier: ``tier bytes // (sum of one block of each group)``.
+Capacities: each tier's bytes are split between the groups as one stored sequence uses them.
+Without ``GroupedConfig.context_tokens`` that is one block of each group (a STATE group's block
+is one snapshot), so every group holds the same number of blocks in a tier: ``tier bytes //
+(sum of one block of each group)``. With it, a sequence of that length: every block of a
+FULL/MLA group, the blocks of a window (``ceil(span / B) + 1``) of a windowed one and two
+snapshots (the two points :class:`~kvstrata.integrations.hf.hybrid.HybridLM` stores), so a
+sliding-window model's tiers hold as many sequences as their full layers allow (the planner's
+rule: :func:`kvstrata.plan.footprint.stored_bytes`).
 """
 
 from __future__ import annotations
@@ -96,13 +101,26 @@ class GroupedConfig:
     workers: int = 2
     write: WriteRule = field(default_factory=WriteRule)
     eviction: Eviction = Eviction.LRU
+    context_tokens: int | None = None  # the sequence length tiers are split for (module text); None: a block each
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, tuple) or not self.groups or not all(isinstance(g, KVGroup) for g in self.groups):
             raise ValueError(f"grouped cache groups must be a non-empty tuple of KVGroup, got {self.groups!r}")
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens < 1:
             raise ValueError(f"grouped cache block_tokens must be a positive integer, got {self.block_tokens!r}")
+        if self.context_tokens is not None and (isinstance(self.context_tokens, bool)
+                                                or not isinstance(self.context_tokens, int) or self.context_tokens < 1):
+            raise ValueError(f"grouped cache context_tokens must be a positive integer or None, got {self.context_tokens!r}")
         self.configs()  # a capacity too small for one block of every group fails here
+
+    def sequence_blocks(self) -> dict[str, int]:
+        """Per group name, the blocks one stored sequence uses (1 each without ``context_tokens``)."""
+        if self.context_tokens is None:
+            return dict.fromkeys(self.names, 1)
+        blocks = -(-self.context_tokens // self.block_tokens)
+        return {name: (2 if not g.kind.per_token else
+                       min(blocks, -(-g.span // self.block_tokens) + 1) if g.kind.windowed else blocks)
+                for name, g in zip(self.names, self.groups)}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -117,18 +135,22 @@ class GroupedConfig:
         """Each group's CacheConfig, by name: its layout, namespace and share of every tier."""
         layouts = self.layouts()
         one_of_each = sum(layout.block_bytes for layout in layouts.values())
-        shares = {}
+        per_sequence = self.sequence_blocks()
+        sequence = sum(per_sequence[name] * layout.block_bytes for name, layout in layouts.items())
+        shares: dict[str, dict[str, int]] = {name: {} for name in layouts}
         for tier in _TIERS:
             total = getattr(self, tier)
             if total and total < one_of_each:
                 raise ValueError(f"grouped cache {tier} ({total}) must be 0 or hold one block of every group "
                                  f"({one_of_each} bytes)")
-            shares[tier] = total // one_of_each
+            for name, layout in layouts.items():  # whole sequences first, then a block each at least
+                blocks = total // sequence * per_sequence[name] if total >= sequence else 0
+                shares[name][tier] = max(blocks, 1 if total else 0) * layout.block_bytes
         return {name: CacheConfig(
-            layout, self.model_id, device_bytes=shares["device_bytes"] * layout.block_bytes,
-            host_bytes=shares["host_bytes"] * layout.block_bytes, disk_bytes=shares["disk_bytes"] * layout.block_bytes,
+            layout, self.model_id, device_bytes=shares[name]["device_bytes"],
+            host_bytes=shares[name]["host_bytes"], disk_bytes=shares[name]["disk_bytes"],
             disk_dir=self.disk_dir / name if self.disk_dir is not None else None, pool=self.pool,
-            remote_bytes=shares["remote_bytes"] * layout.block_bytes, device=self.device, tp_rank=self.tp_rank,
+            remote_bytes=shares[name]["remote_bytes"], device=self.device, tp_rank=self.tp_rank,
             tp_size=self.tp_size, workers=self.workers, write=self.write, eviction=self.eviction, kv_group=name,
         ) for name, layout in layouts.items()}
 

@@ -9,10 +9,13 @@ A model's KV is a tuple of groups (:mod:`kvstrata.kv.groups`). For a sequence of
   group moves only the ``min(P, span)`` tokens before ``P`` and a state group one snapshot (the
   state after token ``P``). A restore from several tiers splits the prefix into segments; a
   segment moves what of that falls inside it, and the snapshot travels with the last one;
-* stored, by an off-GPU prefix store: every per-token group's KV of every stored token, windows
-  included, since a later, shorter hit needs the window before its own end, and one state
-  snapshot for each place a hit may end (a whole request's prefix in the planner, every block in
-  the simulator's block stores). A dense model stores exactly what it restores.
+* stored, by an off-GPU prefix store, for each place a hit may end: what a restore from there
+  moves. The data plane (:mod:`kvstrata.cache.grouped`) writes a windowed group's blocks only
+  where some end's window needs them and drops the rest, and takes one state snapshot per end:
+  a windowed group keeps at most ``ends * span`` tokens. The planner's store keeps each
+  request's prefix with one end, so it stores what it restores; the simulator's block stores
+  let a hit end at any block, and a block (shorter than any window) keeps every group's KV of
+  its tokens and a snapshot at its end.
 
 Token granular: a paged engine holds a windowed group in whole pages, at most
 ``ceil(span / page) + 1`` of them per request, i.e. under two pages more than ``span`` tokens;
@@ -94,8 +97,11 @@ def request_bytes(geometry: KVGeometry, tokens: int, tp: int = 1) -> int:
 
 def stored_bytes(geometry: KVGeometry, tokens: int, ends: int = 1, tp: int = 1) -> int:
     """Bytes a prefix store keeps for ``tokens`` tokens that a hit may end in ``ends`` places:
-    every per-token group's KV of every token, and a state snapshot per end (see the module text)."""
-    return tokens * geometry.block_token_bytes(tp) + ends * geometry.state_bytes(tp)
+    every token of FULL/MLA groups, the windows before the ends of windowed ones (at most
+    ``ends * span`` tokens), and a state snapshot per end (see the module text)."""
+    kept = sum(group.token_bytes(tp) * (min(tokens, ends * group.span) if group.kind.windowed else tokens)
+               for group in geometry.groups if group.kind.per_token)
+    return kept + ends * geometry.state_bytes(tp)
 
 
 def held_bytes(geometry: KVGeometry, held: tuple[int, ...], tp: int = 1) -> int:
