@@ -161,3 +161,10 @@ def test_a_bf16_linear_hybrid_keeps_its_recurrent_state_in_fp32(tiny_hybrid_dirs
         warm = lm.generate(ids, 6)
     assert warm.hit_tokens == 64 and warm.tokens == cold.tokens
     assert warm.load.loaded_bytes[cache.config.names[0]] == state.num_layers * state.state_bytes
+
+
+def test_a_mamba_hybrid_is_refused_in_one_line_naming_what_is_not_packed():
+    config = transformers.JambaConfig(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1)
+    with pytest.raises(ValueError, match=r"'jamba' has linear_attention layers without 'linear_num_key_heads'.*"
+                                         r"gated-delta-net state only"):
+        hybrid_groups(config, torch.float32)

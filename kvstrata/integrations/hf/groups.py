@@ -29,6 +29,8 @@ from kvstrata.tensors import kv_dtype, torch_dtype
 _KINDS = {"full_attention": GroupKind.FULL, "sliding_attention": GroupKind.SLIDING,
           "linear_attention": GroupKind.STATE}
 _MODEL_DTYPES = (DType.BF16, DType.FP16, DType.FP32)
+_GATED_DELTA_FIELDS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                       "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,17 @@ def layer_kinds(config: Any) -> list[str]:
 
 
 def linear_state(config: Any, dtype: torch.dtype) -> LinearState:
-    """The state of one of the config's linear-attention layers (Qwen3-Next's fields)."""
+    """The state of one of the config's linear-attention layers (Qwen3-Next's fields).
+
+    Raises:
+        ValueError: the config's linear-attention layers are not a gated delta net (Mamba in
+            Jamba, Bamba, Falcon-H1, ...): the core sizes their state, this integration does not pack it.
+    """
+    missing = [name for name in _GATED_DELTA_FIELDS if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(f"config of model type {getattr(config, 'model_type', '?')!r} has linear_attention layers "
+                         f"without {missing[0]!r}: the transformers integration packs Qwen3-Next's gated-delta-net "
+                         "state only, not a Mamba mixer's")
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     value_heads = config.linear_num_value_heads
     conv_dim = 2 * key_dim + value_heads * config.linear_value_head_dim
