@@ -302,45 +302,12 @@ class GroupedCache:
         return block_keys(ids, replace(cache.config.namespace(tenant), block_size=self.block_tokens))
 
     def lookup(self, tokens: Any, tenant: str = "") -> GroupedMatch:
-        """The longest block-aligned prefix every group can resume from (see the module text).
-
-        Each candidate is probed from the longest down: FULL/MLA groups by one match of their
-        run; windowed groups by a match of their window's blocks; STATE groups by whether the
-        snapshot is indexed. (Snapshots that other instances put in a shared pool are not
-        discovered; windowed and full blocks are, as in TieredCache.lookup.)
-        """
+        """The longest block-aligned prefix of ``tokens`` every group can resume from (:func:`longest_hit`)."""
         ids = token_array(tokens)
         B = self.block_tokens
-        total = len(ids) // B
-        ids = ids[: total * B]
+        ids = ids[: len(ids) // B * B]
         keys = {name: self._keys(name, ids, tenant) for name in self.groups}
-        full = {name: self.caches[name].match(keys[name]) for name, g in self.groups.items()
-                if g.kind.keeps_every_token}
-        top = min([total] + [m.blocks for m in full.values()])
-        for blocks in range(top, 0, -1):
-            parts = self._parts(blocks, keys, full)
-            if parts is not None:
-                return GroupedMatch(blocks * B, B, total, parts)
-        return GroupedMatch(0, B, total, {})
-
-    def _parts(self, blocks: int, keys: Mapping[str, list[BlockKey]], full: Mapping[str, Match]
-               ) -> dict[str, GroupMatch] | None:
-        """Each group's match for a hit of ``blocks`` blocks, or None if some group lacks what it needs."""
-        states = [name for name, g in self.groups.items() if g.kind is GroupKind.STATE]
-        if any(not self.caches[name].manager.where(keys[name][blocks - 1]) for name in states):
-            return None  # cheap first: an index probe, no lookup
-        parts: dict[str, GroupMatch] = {}
-        for name, group in self.groups.items():
-            if name in full:
-                m = full[name]
-                parts[name] = GroupMatch(0, Match(m.keys[:blocks], m.media[:blocks], m.block_size, m.total_blocks))
-                continue
-            need = needed_blocks(group, blocks * self.block_tokens, self.block_tokens)
-            match = self.caches[name].match(keys[name][need.start:need.stop])
-            if match.blocks < len(need):
-                return None
-            parts[name] = GroupMatch(need.start, match)
-        return parts
+        return longest_hit(self.groups, self.caches, keys, B)
 
     def load(self, match: GroupedMatch) -> GroupedLoad:
         """Load every group's part of ``match`` (each through its own TieredCache)."""
@@ -420,6 +387,44 @@ class GroupedCache:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def longest_hit(groups: Mapping[str, KVGroup], caches: Mapping[str, TieredCache],
+                keys: Mapping[str, list[BlockKey]], block_tokens: int) -> GroupedMatch:
+    """The longest block-aligned prefix every group can resume from (see the module text).
+
+    Args:
+        groups: each group by name.
+        caches: each group's TieredCache by name.
+        keys: each group's keys of every full block of the sequence (a STATE group's at
+            ``block_tokens``), all of one length.
+        block_tokens: tokens per block.
+
+    Each candidate is probed from the longest down: FULL/MLA groups by one match of their run;
+    windowed groups by a match of their window's blocks; STATE groups by whether the snapshot is
+    indexed. (Snapshots that other instances put in a shared pool are not discovered; windowed
+    and full blocks are, as in TieredCache.lookup.)
+    """
+    total = min(len(k) for k in keys.values())
+    full = {name: caches[name].match(keys[name]) for name, g in groups.items() if g.kind.keeps_every_token}
+    states = [name for name, g in groups.items() if g.kind is GroupKind.STATE]
+    for blocks in range(min([total] + [m.blocks for m in full.values()]), 0, -1):
+        if any(not caches[name].manager.where(keys[name][blocks - 1]) for name in states):
+            continue  # cheap first: an index probe, no lookup
+        parts: dict[str, GroupMatch] = {}
+        for name, group in groups.items():
+            if name in full:
+                m = full[name]
+                parts[name] = GroupMatch(0, Match(m.keys[:blocks], m.media[:blocks], m.block_size, m.total_blocks))
+                continue
+            need = needed_blocks(group, blocks * block_tokens, block_tokens)
+            match = caches[name].match(keys[name][need.start:need.stop])
+            if match.blocks < len(need):
+                break
+            parts[name] = GroupMatch(need.start, match)
+        else:
+            return GroupedMatch(blocks * block_tokens, block_tokens, total, parts)
+    return GroupedMatch(0, block_tokens, total, {})
 
 
 def _runs(blocks: Sequence[int]) -> list[range]:

@@ -15,6 +15,7 @@ kvstrata's groups, a Mamba group refused, and how a load and a save read vLLM's 
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,17 @@ from tests.integrations.tiny_hybrid import WINDOW, make_tiny_gemma3  # noqa: E40
 
 MiB = 1024**2
 GROUP_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2  # a group: 2 layers x K,V x tokens x kv heads x head dim x bf16
-HITS = [96, 64]  # full blocks before each prompt's last token (100 and 70 tokens)
+# test_vllm's two prompts (100 and 70 tokens) and one of 200, longer than the window plus two blocks
+LONG = [random.Random(12).randrange(10, 4000) for _ in range(200)]
+HMA_PROMPTS = [*PROMPTS, LONG]
+HITS = [96, 64, 192]  # full blocks before each prompt's last token
+
+
+def saved_window_blocks(prompt_tokens: int) -> int:
+    """Blocks of a prompt the sliding group stores: those overlapping the window before the last
+    full block's end or one block short of it (where the prompt asked again hits)."""
+    full = prompt_tokens // BLOCK
+    return full - max(0, (full - 1) * BLOCK - WINDOW) // BLOCK
 
 
 def window_blocks(hit_tokens: int) -> int:
@@ -44,8 +55,8 @@ def hybrid_model(tiny_model_dir, tmp_path_factory) -> Path:
 def hma_runs(hybrid_model, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("vllm-hma")
     disk = {"host_bytes": 16 * MiB, "disk_dir": str(tmp / "disk"), "disk_bytes": 64 * MiB}
-    a = run_children({"a": spec(hybrid_model, tmp, "a", passes=[PROMPTS, PROMPTS], **disk)}, tmp)
-    b = run_children({"b": spec(hybrid_model, tmp, "b", **disk)}, tmp)
+    a = run_children({"a": spec(hybrid_model, tmp, "a", passes=[HMA_PROMPTS, HMA_PROMPTS], **disk)}, tmp)
+    b = run_children({"b": spec(hybrid_model, tmp, "b", passes=[HMA_PROMPTS], **disk)}, tmp)
     return {**a, **b}
 
 
@@ -55,18 +66,21 @@ def groups_by_kind(stats: dict) -> dict[str, dict]:
 
 def test_hybrid_model_has_a_sliding_and_a_full_group(hma_runs):
     first = hma_runs["a"]["passes"][0]
-    assert first["cached"] == [0, 0]
+    assert first["cached"] == [0, 0, 0]
     groups = first["stats"]["groups"]
     # two groups: vLLM kept its hybrid manager on (off, it makes one full-attention group)
     assert [(g["kind"], g["span"], g["layers"], g["block_bytes"]) for g in groups] == [
         ("sliding", WINDOW, 2, GROUP_BLOCK_BYTES), ("full", None, 2, GROUP_BLOCK_BYTES)]
     assert [g["namespace"] for g in groups] == [f"0-sliding{WINDOW}", "1-full"]
-    # every full prompt block is stored in both groups: in the step that computes it, vLLM has
-    # dropped none of a sliding group's blocks yet
-    full_blocks = sum(len(p) // BLOCK for p in PROMPTS)
-    for g in groups:
-        assert g["new_blocks"] == full_blocks and g["stored_bytes"] == full_blocks * GROUP_BLOCK_BYTES
-    assert first["stats"]["stored_bytes"] == 2 * full_blocks * GROUP_BLOCK_BYTES
+    # the full group stores every full prompt block; the sliding group only its windows: blocks
+    # before both windows a later lookup needs are never written
+    full_blocks = sum(len(p) // BLOCK for p in HMA_PROMPTS)
+    window = sum(saved_window_blocks(len(p)) for p in HMA_PROMPTS)
+    assert window == full_blocks - 3  # the 200-token prompt's blocks 0-2 lie before both windows
+    sliding, full = groups
+    assert full["new_blocks"] == full_blocks and full["stored_bytes"] == full_blocks * GROUP_BLOCK_BYTES
+    assert sliding["new_blocks"] == window and sliding["stored_bytes"] == window * GROUP_BLOCK_BYTES
+    assert first["stats"]["stored_bytes"] == (full_blocks + window) * GROUP_BLOCK_BYTES
 
 
 def test_device_tier_serves_each_group_its_blocks(hma_runs):
@@ -79,8 +93,10 @@ def test_device_tier_serves_each_group_its_blocks(hma_runs):
     assert groups["full"]["loaded_blocks"] == sum(HITS) // BLOCK
     assert groups["sliding"]["loaded_blocks"] == sum(window_blocks(h) for h in HITS) < sum(HITS) // BLOCK
     assert groups["sliding"]["load_paths"] == {"device": sum(window_blocks(h) for h in HITS)}
-    # a load's own blocks were re-offered on save: a sliding group's leading null blocks never are
-    assert groups["full"]["new_blocks"] == groups["sliding"]["new_blocks"]
+    # a load's own blocks were re-offered on save and are already held: nothing new in either
+    # group since the first pass (the counters are the engine's)
+    before = groups_by_kind(first["stats"])
+    assert [groups[k]["new_blocks"] for k in ("full", "sliding")] == [before[k]["new_blocks"] for k in ("full", "sliding")]
 
 
 def test_disk_tier_serves_a_fresh_engine_group_by_group(hma_runs):
@@ -149,9 +165,9 @@ def test_vllm_groups_refuse_what_they_cannot_cache():
         vllm_groups(_config(([0], FullAttentionSpec(**{**kw, "dtype": torch.float8_e4m3fn}))), (DType.BF16,))
 
 
-def test_loads_skip_blocks_before_the_window_and_saves_stop_at_a_dropped_block():
-    from kvstrata.integrations.vllm import GroupBlocks, usable_hit_blocks
-    from kvstrata.integrations.vllm.scheduler import _leading_run, _window
+def test_loads_skip_blocks_before_the_window_and_saves_keep_only_windows():
+    from kvstrata.integrations.vllm import GroupBlocks
+    from kvstrata.integrations.vllm.scheduler import _saved, _window
 
     null = 0
     # a load of blocks 1..4 (block 0: vLLM's own prefix hit): the sliding group's first two are null
@@ -160,8 +176,11 @@ def test_loads_skip_blocks_before_the_window_and_saves_stop_at_a_dropped_block()
     assert _window([0, 0], 2, null) == GroupBlocks(4, [])  # the window lies past the hit: nothing to fill
     with pytest.raises(ValueError, match="null block inside the window"):
         _window([5, 0, 7], 0, null)
-    assert _leading_run([4, 5, 6], null) == [4, 5, 6]
-    assert _leading_run([0, 0, 6], null) == []  # blocks vLLM dropped: not saved (their keys chain from 0)
-    assert usable_hit_blocks((3, 5, 4)) == 3
-    with pytest.raises(ValueError, match="at least one group"):
-        usable_hit_blocks(())
+    # a full group saves every block, up to one vLLM dropped
+    assert _saved([4, 5, 6], None, 16, null) == GroupBlocks(0, [4, 5, 6])
+    assert _saved([4, 0, 6], None, 16, null) == GroupBlocks(0, [4])
+    # a 32-token window over 8 blocks of 16: the windows before token 128 and 112 cover blocks 5..7
+    assert _saved([1, 2, 3, 4, 5, 6, 7, 8], 32, 16, null) == GroupBlocks(5, [6, 7, 8])
+    # vLLM already dropped blocks 0..5 (a chunked prefill): the windows' blocks it still holds
+    assert _saved([0, 0, 0, 0, 0, 0, 7, 8], 32, 16, null) == GroupBlocks(6, [7, 8])
+    assert _saved([0, 0], 32, 16, null) == GroupBlocks(0, [])

@@ -32,7 +32,7 @@ By role:
 """
 
 from kvstrata.integrations.vllm.connector import KVStrataConnector
-from kvstrata.integrations.vllm.groups import VLLMGroup, usable_hit_blocks, vllm_groups
+from kvstrata.integrations.vllm.groups import VLLMGroup, group_spans, vllm_groups
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
 from kvstrata.integrations.vllm.settings import ConnectorSettings
@@ -48,6 +48,6 @@ __all__ = [
     "LoadSpec",
     "SaveSpec",
     "VLLMGroup",
-    "usable_hit_blocks",
+    "group_spans",
     "vllm_groups",
 ]

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvstrata.integrations.vllm.groups import group_spans
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata
 from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
 from kvstrata.integrations.vllm.settings import ConnectorSettings
@@ -58,6 +59,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_scheduler = KVStrataConnectorScheduler(
                 vllm_config.cache_config.block_size, transfer.engine_id,
                 loads_enabled=transfer.is_kv_consumer, saves_enabled=transfer.is_kv_producer,
+                spans=group_spans(kv_cache_config),
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStrataConnectorWorker(

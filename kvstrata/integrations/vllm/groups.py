@@ -13,9 +13,9 @@ head size. A Mamba state group is refused: vLLM 0.32's CPU build cannot run a Ma
 (see ``tests/integrations/test_vllm_hma.py``), so there is nothing here to store its state
 snapshots against.
 
-A prompt's usable hit is the longest prefix every group can serve. Each group's cache is
-looked up from the first block, so a group serves a prefix of ``n`` blocks when it holds all
-``n``; a sliding group then holds its window before ``n`` too. The hit is the least of them.
+A prompt's usable hit is the longest prefix every group can serve: every block of a full
+group, the window before the prefix's end of a windowed one
+(:func:`kvstrata.cache.grouped.longest_hit`, the grouped cache's own rule).
 """
 
 from __future__ import annotations
@@ -117,8 +117,12 @@ def _kind(spec: KVCacheSpec) -> GroupKind:
                      "chunked local attention are)")
 
 
-def usable_hit_blocks(group_hits: tuple[int, ...]) -> int:
-    """The longest prefix, in blocks, every group serves (``group_hits``: each group's prefix)."""
-    if not group_hits:
-        raise ValueError(f"{_PREFIX} a hit needs at least one group's answer")
-    return min(group_hits)
+def group_spans(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]:
+    """Per KV cache group (vLLM's order), its window or chunk in tokens; None for full attention."""
+    spans = []
+    for spec_group in kv_cache_config.kv_cache_groups:
+        spec = spec_group.kv_cache_spec
+        kind = _kind(spec)
+        spans.append(spec.sliding_window if kind is GroupKind.SLIDING else
+                     spec.attention_chunk_size if kind is GroupKind.CHUNKED else None)
+    return tuple(spans)

@@ -46,8 +46,8 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Store the full blocks of ``tokens``: per group, blocks ``0 .. len(groups[g].block_ids)``
-    (a group whose leading blocks vLLM dropped stores fewer, or none)."""
+    """Store full blocks of ``tokens``: per group, blocks ``groups[g].first_block ..`` (a full
+    group's from 0; a windowed group's only its windows before the prefix's end)."""
 
     req_id: str
     tokens: list[int]

@@ -1,18 +1,19 @@
-"""The scheduler's one question to the worker's caches: how many blocks of these tokens each holds.
+"""The scheduler's one question to the worker's caches: how many blocks of these tokens they serve.
 
 The worker owns its process's TieredCaches, one per KV cache group; the scheduler side decides
-what to load from how long a prompt's cached prefix is in every group, so it asks the worker. On CPU vLLM always runs the
+what to load from how long a prompt's usable cached prefix is (the longest every group serves),
+so it asks the worker. On CPU vLLM always runs the
 worker in its own process (the platform turns the uniprocess executor into the multiprocess
 one; only ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps them together), on a GPU with TP=1 they
 share the engine core process. So the answer comes two ways:
 
 * in one process, from the per-process registry (engine id -> the worker's cache);
 * across processes, over a Unix socket the worker serves (in a private per-user directory,
-  with an authkey of the engine id), one connection per scheduler, tokens in, per group the
-  blocks of the cached prefix out.
+  with an authkey of the engine id), one connection per scheduler, tokens in, the blocks of
+  the usable prefix out.
 
 Only TP rank 0 answers: every rank caches the same token blocks. A scheduler whose worker's
-socket has not appeared within ``LOOKUP_WAIT_S`` counts a miss (no group holds a block), never a guess.
+socket has not appeared within ``LOOKUP_WAIT_S`` counts a miss (0 blocks), never a guess.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Client, Listener
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvstrata.cache import TieredCache
+Answer = Callable[[list[int]], int]  # tokens -> blocks of their usable cached prefix
 
 LOOKUP_WAIT_S = 10.0  # how long the scheduler waits for its worker's lookup socket to appear
 
-_REGISTRY: dict[str, tuple[TieredCache, ...]] = {}  # engine_id -> the worker's caches (TP rank 0), per group
+_REGISTRY: dict[str, Answer] = {}  # engine_id -> the worker's (TP rank 0) answer
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -44,20 +45,15 @@ def _authkey(engine_id: str) -> bytes:
     return f"kvstrata:{engine_id}".encode()
 
 
-def group_hits(caches: tuple[TieredCache, ...], tokens: list[int]) -> tuple[int, ...]:
-    """Per cache (KV group), how many blocks of ``tokens`` it holds from the first."""
-    return tuple(cache.lookup(tokens).blocks for cache in caches)
-
-
 class LookupServer:
-    """The worker's answers to its scheduler's lookups: registers ``caches`` (one per KV cache
-    group) in this process and serves them on the engine's socket, until :meth:`close`."""
+    """The worker's answers to its scheduler's lookups: registers ``answer`` in this process
+    and serves it on the engine's socket, until :meth:`close`."""
 
-    def __init__(self, engine_id: str, caches: tuple[TieredCache, ...]) -> None:
+    def __init__(self, engine_id: str, answer: Answer) -> None:
         self._engine_id = engine_id
-        self._caches = caches
+        self._answer = answer
         with _REGISTRY_LOCK:
-            _REGISTRY[engine_id] = caches
+            _REGISTRY[engine_id] = answer
         self._path = socket_path(engine_id)
         if os.path.exists(self._path):
             os.unlink(self._path)
@@ -79,7 +75,7 @@ class LookupServer:
                     tokens = conn.recv()
                 except (EOFError, OSError):
                     return
-                conn.send(group_hits(self._caches, tokens))
+                conn.send(self._answer(tokens))
 
     def close(self) -> None:
         """Stop serving: the socket is removed, then the registry entry (if still these caches')."""
@@ -87,7 +83,7 @@ class LookupServer:
         if os.path.exists(self._path):
             os.unlink(self._path)
         with _REGISTRY_LOCK:
-            if _REGISTRY.get(self._engine_id) is self._caches:
+            if _REGISTRY.get(self._engine_id) is self._answer:
                 del _REGISTRY[self._engine_id]
 
 
@@ -100,13 +96,13 @@ class WorkerLookup:
         self._engine_id = engine_id
         self._client: _LookupClient | None = None
 
-    def hit_blocks(self, tokens: list[int]) -> tuple[int, ...]:
-        """Per KV cache group, how many blocks of ``tokens`` the worker's cache holds from the
-        first; () when there is no worker cache to ask (a miss)."""
+    def hit_blocks(self, tokens: list[int]) -> int:
+        """Blocks of ``tokens`` the worker's caches serve in every group; 0 when there is no
+        worker cache to ask (a miss)."""
         with _REGISTRY_LOCK:
-            caches = _REGISTRY.get(self._engine_id)
-        if caches is not None:  # the worker lives in this process
-            return group_hits(caches, tokens)
+            answer = _REGISTRY.get(self._engine_id)
+        if answer is not None:  # the worker lives in this process
+            return answer(tokens)
         if self._client is None:
             self._client = _LookupClient(socket_path(self._engine_id), _authkey(self._engine_id))
         return self._client.lookup(tokens)
@@ -123,13 +119,13 @@ class _LookupClient:
         self._conn: Any = None
         self._lock = threading.Lock()
 
-    def lookup(self, tokens: list[int]) -> tuple[int, ...]:
+    def lookup(self, tokens: list[int]) -> int:
         with self._lock:
             if self._conn is None:
                 deadline = time.monotonic() + LOOKUP_WAIT_S
                 while not os.path.exists(self._path):
                     if time.monotonic() > deadline:
-                        return ()  # no worker cache to ask: a miss, never a guess
+                        return 0  # no worker cache to ask: a miss, never a guess
                     time.sleep(0.05)
                 self._conn = Client(self._path, family="AF_UNIX", authkey=self._authkey)
             self._conn.send(tokens)

@@ -10,11 +10,13 @@ newly computed full prompt blocks into the step's :class:`LoadSpec` s and :class
 Per group. vLLM's block ids come per KV cache group. A sliding or chunked group holds only the
 blocks its window reaches: those before it are vLLM's null block, never loaded into or saved
 from. A load fills each group's blocks of the hit that vLLM allocated (a sliding group's: its
-window before the hit's end); a save stores each group's leading run of real blocks. A prompt
-prefilled in one step has every block stored in every group. One prefilled in chunks stores,
-in a sliding group, only the blocks up to the first one vLLM dropped: a group's cache keys its
-blocks by a chain from the first, so a block after a gap cannot be stored (nor found) until a
-cache keeps windows rather than prefixes; the usable hit is then that shorter prefix.
+window before the hit's end). A save stores every block of a full group, and of a windowed
+group only the blocks of the windows before the two ends a later lookup may hit: the saved
+prefix's end and one block short of it (a prompt asked again stops before its last token).
+Blocks out of those windows are never written down (:mod:`kvstrata.cache.grouped`'s rule; a
+block's key chains from the first block's tokens, not from stored blocks, so a window stands
+alone), which also lets a prompt prefilled in chunks, whose early sliding blocks vLLM dropped,
+store its windows.
 
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.integrations.vllm.groups import usable_hit_blocks
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.rpc import WorkerLookup
 
@@ -44,8 +45,10 @@ class KVStrataConnectorScheduler:
         saves_enabled: the role stores KV (``kv_both``, ``kv_producer``).
     """
 
-    def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool) -> None:
+    def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool,
+                 spans: tuple[int | None, ...] = (None,)) -> None:
         self._block_size = block_size
+        self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
         self._lookup = WorkerLookup(engine_id)
         self._loads_enabled = loads_enabled
         self._saves_enabled = saves_enabled
@@ -63,8 +66,7 @@ class KVStrataConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
-        group_hits = self._lookup.hit_blocks(prompt[:usable])
-        hit = usable_hit_blocks(group_hits) * self._block_size if group_hits else 0
+        hit = self._lookup.hit_blocks(prompt[:usable]) * self._block_size
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -112,8 +114,8 @@ class KVStrataConnectorScheduler:
         if full <= self._saved_blocks.get(req_id, 0):
             return None
         self._saved_blocks[req_id] = full
-        return SaveSpec(req_id, prompt[: full * bs], [GroupBlocks(0, _leading_run(ids[:full], null))
-                                                      for ids in block_ids])
+        return SaveSpec(req_id, prompt[: full * bs], [_saved(ids[:full], span, bs, null)
+                                                      for ids, span in zip(block_ids, self._spans)])
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; vLLM may free its blocks now (nothing here holds them)."""
@@ -141,7 +143,13 @@ def _window(ids: list[int], first: int, null: int) -> GroupBlocks:
     return GroupBlocks(first + skipped, window)
 
 
-def _leading_run(ids: list[int], null: int) -> list[int]:
-    """The group's blocks from the first up to its first null block (one vLLM dropped)."""
-    end = next((i for i, b in enumerate(ids) if b == null), len(ids))
-    return ids[:end]
+def _saved(ids: list[int], span: int | None, block_size: int, null: int) -> GroupBlocks:
+    """The blocks of a group to save of a prefix of ``len(ids)`` blocks: all of a full group's
+    (up to a block vLLM dropped), a windowed group's (``span`` tokens) overlapping the window
+    before the prefix's end or one block short of it, of those vLLM still holds."""
+    if span is None:
+        end = next((i for i, b in enumerate(ids) if b == null), len(ids))
+        return GroupBlocks(0, ids[:end])
+    first = max(0, (len(ids) - 1) * block_size - span) // block_size
+    held = _window(ids[first:], first, null)
+    return held if held.block_ids else GroupBlocks(0, [])

@@ -21,7 +21,9 @@ it writes reported through ``get_block_ids_with_load_errors``; vLLM recomputes t
 
 Saves. Each layer's hook, after the layer's attention, copies that layer of the blocks to save
 into its group's staging tensor; ``wait_for_save`` takes any layer no hook ran for and stores
-each group's blocks in its cache.
+each group's blocks in its cache under their keys (a windowed group's run starts at its window:
+:mod:`kvstrata.integrations.vllm.scheduler`). The scheduler's lookups are answered here, by
+:func:`kvstrata.cache.grouped.longest_hit` over the groups' caches.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.cache import TieredCache
-from kvstrata.index.prefix import Match
+from kvstrata.cache.grouped import longest_hit
 from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.rpc import LookupServer
@@ -156,8 +158,15 @@ class KVStrataConnectorWorker:
         self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
                                          g.cache.layout.block_bytes) for g in self._groups]
         if tp_rank == 0:  # the scheduler asks rank 0; every rank caches the same token blocks
-            self._server = LookupServer(self._engine_id, self._caches)
+            self._server = LookupServer(self._engine_id, self.hit_blocks)
         self._write_stats()
+
+    def hit_blocks(self, tokens: list[int]) -> int:
+        """Blocks of ``tokens`` every group's cache serves: the scheduler's lookup (full blocks)."""
+        groups = {str(g.spec.index): g.spec.group for g in self._groups}
+        caches = {str(g.spec.index): g.cache for g in self._groups}
+        keys = {str(g.spec.index): g.cache.keys(tokens) for g in self._groups}
+        return longest_hit(groups, caches, keys, self._block_size).blocks
 
     def _layout(self, spec: VLLMGroup, layers: list[torch.Tensor]) -> KVLayout:
         """kvstrata's opaque layout of one group's vLLM block (``layers``: its paged KV)."""
@@ -184,14 +193,13 @@ class KVStrataConnectorWorker:
                 if not blocks.block_ids:
                     active.handles.append(None)
                     continue
-                match = group.cache.lookup(spec.tokens)
-                if match.blocks < blocks.end_block:
+                # only the blocks vLLM asks for: not those before a window, nor its own prefix hit
+                keys = group.cache.keys(spec.tokens)[blocks.first_block : blocks.end_block]
+                part = group.cache.match(keys)
+                if part.blocks < len(keys):
                     self._fail_load(active, f"group {group.spec.index}'s blocks left kvstrata after the "
                                     "scheduler's lookup")
                     break
-                # only the blocks vLLM asks for: not those before a window, nor its own prefix hit
-                part = Match(match.keys[blocks.first_block : blocks.end_block],
-                             match.media[blocks.first_block : blocks.end_block], match.block_size, match.total_blocks)
                 active.handles.append(group.cache.load(part))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -285,7 +293,9 @@ class KVStrataConnectorWorker:
                 for layer, done in enumerate(staged):
                     if not done:  # no per-layer hook ran for it: take it now (the forward is over)
                         self._stage_layer(kv, layer, group.layers[layer], block_ids)
-                futures.append((g, group.cache.store(spec.tokens[: len(block_ids) * self._block_size], kv)))
+                first = spec.groups[g].first_block
+                keys = group.cache.keys(spec.tokens)[first : first + len(block_ids)]
+                futures.append((g, group.cache.store_keys(keys, kv)))
             if futures:
                 pending.append((_PendingSave(self._stats, start, len(futures)), futures))
         self._staged.clear()
