@@ -402,15 +402,15 @@ def longest_hit(groups: Mapping[str, KVGroup], caches: Mapping[str, TieredCache]
 
     Each candidate is probed from the longest down: FULL/MLA groups by one match of their run;
     windowed groups by a match of their window's blocks; STATE groups by whether the snapshot is
-    indexed. (Snapshots that other instances put in a shared pool are not discovered; windowed
-    and full blocks are, as in TieredCache.lookup.)
+    known, here or in a shared pool (a snapshot another instance put there is discovered as any
+    block is, by TieredCache.match).
     """
     total = min(len(k) for k in keys.values())
     full = {name: caches[name].match(keys[name]) for name, g in groups.items() if g.kind.keeps_every_token}
     states = [name for name, g in groups.items() if g.kind is GroupKind.STATE]
     for blocks in range(min([total] + [m.blocks for m in full.values()]), 0, -1):
-        if any(not caches[name].manager.where(keys[name][blocks - 1]) for name in states):
-            continue  # cheap first: an index probe, no lookup
+        if any(not caches[name].match(keys[name][blocks - 1 : blocks]).blocks for name in states):
+            continue  # cheap first: one block's lookup
         parts: dict[str, GroupMatch] = {}
         for name, group in groups.items():
             if name in full:

@@ -168,3 +168,28 @@ def test_a_mamba_hybrid_is_refused_in_one_line_naming_what_is_not_packed():
     with pytest.raises(ValueError, match=r"'jamba' has linear_attention layers without 'linear_num_key_heads'.*"
                                          r"gated-delta-net state only"):
         hybrid_groups(config, torch.float32)
+
+
+def test_another_instance_resumes_from_the_pool_snapshot_and_window_included(hybrid, tmp_path, pool):
+    """Instance A stores a prompt and pushes it down to the shared pool; instance B, empty, finds
+    every group's part there (the state snapshot and the window too) and gives the cold tokens."""
+    kind, model, tokenizer = hybrid
+    ids = prompt(tokenizer, seed=5)
+    plain = HybridLM(model, None).generate(ids, NEW_TOKENS)
+    groups = hybrid_groups(model.config, model.dtype)
+    one = sum(layout.block_bytes for layout in GroupedConfig("m", groups, BLOCK, 1 << 30, 0).layouts().values())
+    shared = f"tiny-hybrid-shared-{uuid.uuid4().hex[:8]}"
+
+    def instance(name):
+        return GroupedCache(GroupedConfig(shared, groups, BLOCK, device_bytes=64 * one, host_bytes=0, device="cpu",
+                                          pool=pool, remote_bytes=64 * one, disk_dir=tmp_path / name))
+
+    with instance("a") as a:
+        HybridLM(model, a).generate(ids, NEW_TOKENS)
+        for name in a.caches:
+            a.cache(name).evict(Medium.DEVICE, 10_000)  # written down to the pool
+        with instance("b") as b:
+            warm = HybridLM(model, b).generate(ids, NEW_TOKENS, store=False)
+    assert warm.hit_tokens == (len(ids) - 1) // BLOCK * BLOCK
+    assert warm.tokens == plain.tokens
+    assert {route[0] for load in warm.load.loads.values() for route in load.paths} == {Medium.REMOTE}
