@@ -116,6 +116,24 @@ def test_disk_tier_serves_a_fresh_engine_group_by_group(hma_runs):
     assert stats["new_blocks"] == 0  # every block it saved was on disk already
 
 
+def test_a_prompt_prefilled_in_chunks_stores_its_windows_and_hits(hybrid_model, hma_runs, tmp_path):
+    """64 tokens a step: vLLM prefills the 200-token prompt in four chunks and drops the sliding
+    group's early blocks between them; the windows stored at each step's end still serve the
+    whole 192-token hit, and the tokens are those of the prompt computed in one step."""
+    reference = hma_runs["a"]["passes"][0]["tokens"][HMA_PROMPTS.index(LONG)]
+    chunked = {**spec(hybrid_model, tmp_path, "c", passes=[[LONG], [LONG]], host_bytes=16 * MiB),
+               "max_num_batched_tokens": 64}
+    runs = run_children({"c": chunked}, tmp_path)
+    first, again = runs["c"]["passes"]
+    assert first["cached"] == [0] and again["cached"] == [HITS[-1]]
+    assert first["tokens"] == again["tokens"] == [reference]
+    # each chunk's end stored its own windows (ends 64, 128, 192: blocks 0-1, 1-3, 3-5), where the
+    # prompt computed in one step stores only the last ones
+    assert groups_by_kind(first["stats"])["sliding"]["new_blocks"] == 6 > saved_window_blocks(len(LONG)) == 3
+    groups = groups_by_kind(again["stats"])
+    assert groups["sliding"]["loaded_blocks"] == window_blocks(HITS[-1]) and again["stats"]["failed_blocks"] == 0
+
+
 # --- the parts, without an engine ------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@
 Usage: ``python vllm_child.py SPEC.json``. SPEC: model (a model directory), kv_role,
 extra (kv_connector_extra_config), passes (a list of prompt batches, each a list of token id
 lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
-multiprocessing (vLLM's engine core and worker in processes of their own; default true).
+multiprocessing (vLLM's engine core and worker in processes of their own; default true),
+max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks).
 Prints one JSON line last: per pass the output token ids and vLLM's cached-token counts,
 the connector's worker stats (from extra.stats_path) and the engine's start/generate seconds.
 """
@@ -32,6 +33,8 @@ def main(spec: dict) -> dict:
         kv_cache_memory_bytes=64 * 1024**2,  # else vLLM sizes it from host RAM
         max_model_len=1024,
         max_num_seqs=4,
+        # fewer tokens per step than a prompt: vLLM prefills it in chunks (None: vLLM's default)
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         enable_prefix_caching=spec.get("prefix_caching", False),
         seed=0,
         kv_transfer_config={
