@@ -37,10 +37,8 @@ class TinySpec:
     initializer_range: float = 0.2
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "max_positions"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"tiny model {name} must be a positive integer, got {value!r}")
+        _check_positive("tiny model", self, ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
+                                             "max_positions"))
         if self.hidden % self.heads:
             raise ValueError(f"tiny model hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
@@ -49,6 +47,13 @@ class TinySpec:
             raise ValueError(f"tiny model dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.vocab < 512:
             raise ValueError(f"tiny model vocab must be at least 512 (256 bytes + merges), got {self.vocab}")
+
+
+def _check_positive(what: str, spec: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{what} {name} must be a positive integer, got {value!r}")
 
 
 _WORDS = (
@@ -138,10 +143,8 @@ class TinyHybridSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, HybridKind):
             raise ValueError(f"tiny hybrid model kind must be a HybridKind, got {self.kind!r}")
-        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "window", "max_positions"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"tiny hybrid model {name} must be a positive integer, got {value!r}")
+        _check_positive("tiny hybrid model", self, ("hidden", "layers", "heads", "kv_heads", "head_dim",
+                                                    "intermediate", "window", "max_positions"))
         if self.layers % 2 or self.heads % self.kv_heads:
             raise ValueError(f"tiny hybrid model needs an even layer count and heads a multiple of kv_heads, got "
                              f"layers={self.layers} heads={self.heads} kv_heads={self.kv_heads}")
