@@ -192,11 +192,6 @@ class KVGeometry:
         """More than one group, or a group that is not FULL/MLA attention of every layer."""
         return len(self.groups) > 1 or not self.groups[0].kind.keeps_every_token
 
-    @property
-    def attention_layers(self) -> int:
-        """Layers that cache per-token KV (every group but STATE)."""
-        return sum(group.num_layers for group in self.groups if group.kind.per_token)
-
     def kv_heads_per_gpu(self, tp: int = 1) -> int:
         """KV heads of the attention layers each GPU of a tensor-parallel group holds.
 
@@ -256,12 +251,6 @@ class KVGeometry:
         check_int("'tokens'", tokens, minimum=0)
         self.kv_heads_per_gpu(tp)
         return sum(group.bytes_for(tokens, tp) for group in self.groups)
-
-    def group_bytes(self, tokens: int, tp: int = 1) -> tuple[tuple[KVGroup, int], ...]:
-        """Each group with the bytes it holds for one sequence of ``tokens`` tokens on one GPU."""
-        check_int("'tokens'", tokens, minimum=0)
-        self.kv_heads_per_gpu(tp)
-        return tuple((group, group.bytes_for(tokens, tp)) for group in self.groups)
 
     @property
     def effective_weight_dtype(self) -> DType:
