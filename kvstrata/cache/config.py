@@ -113,8 +113,8 @@ class CacheConfig:
             kv_dtype=self.layout.dtype.name.lower(),
             kv_layout=self.layout.describe(),
             block_size=self.layout.block_tokens,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
+            tp_rank=None if self.layout.head_sliced else self.tp_rank,  # a slice is the same at every TP
+            tp_size=None if self.layout.head_sliced else self.tp_size,
             tenant=tenant,
             kv_group=self.kv_group,
         )

@@ -2,8 +2,9 @@
 
 Key of block i = xxh3_128(key of block i-1 || token ids of block i as little-endian uint32),
 and block 0's parent is the namespace digest. So a key stands for the whole prefix up to and
-including its block, and two namespaces (model, KV dtype, layout, block size, TP rank/size,
-tenant) never produce the same key. Keys are stable across processes and Python hash seeds.
+including its block, and two namespaces (model, KV dtype, layout, block size, TP rank/size
+unless head-sliced, tenant) never produce the same key. A head-sliced block's slices have keys
+of their own, each derived from the block's key (:func:`slice_keys`). Keys are stable across processes and Python hash seeds.
 
 Only full blocks are keyed: a partial tail (``len(tokens) % block_size`` tokens) has no key,
 is never cached, and is recomputed by the model (vLLM and SGLang do the same).
@@ -35,8 +36,8 @@ class Namespace:
     kv_dtype: str
     kv_layout: str
     block_size: int
-    tp_rank: int = 0
-    tp_size: int = 1
+    tp_rank: int | None = 0  # None, both: head-sliced blocks, the same at every TP (kvstrata.kv.heads)
+    tp_size: int | None = 1
     tenant: str = ""  # an optional salt: tenants never see each other's blocks
     kv_group: str = ""  # a hybrid model's KV group (kvstrata.kv.groups); "" for a one-group model
 
@@ -48,13 +49,18 @@ class Namespace:
             raise ValueError(f"namespace block_size must be a positive integer, got {self.block_size!r}")
         for field in ("tp_rank", "tp_size"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"namespace {field} must be an integer, got {value!r}")
-        if not (self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
+            if (isinstance(value, bool) or not isinstance(value, int)) and not (value is None and self.tp_free):
+                raise ValueError(f"namespace {field} must be an integer (or both None: head-sliced), got {value!r}")
+        if not self.tp_free and not (self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
             raise ValueError(f"namespace tp_rank/tp_size must satisfy 0 <= rank < size, got {self.tp_rank}/{self.tp_size}")
         for field in ("tenant", "kv_group"):
             if not isinstance(getattr(self, field), str):
                 raise ValueError(f"namespace {field} must be a string, got {getattr(self, field)!r}")
+
+    @property
+    def tp_free(self) -> bool:
+        """Blocks of this namespace are head-sliced: any TP size reads them."""
+        return self.tp_rank is None and self.tp_size is None
 
     @cached_property
     def digest(self) -> bytes:
@@ -62,6 +68,8 @@ class Namespace:
         fields = asdict(self)
         if not self.kv_group:  # one-group models keep the digests they had before groups existed
             del fields["kv_group"]
+        if self.tp_free:
+            del fields["tp_rank"], fields["tp_size"]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(b"kvstrata-ns-v1:" + canonical.encode())
 
@@ -116,3 +124,12 @@ def block_keys(tokens: Any, namespace: Namespace) -> list[BlockKey]:
     digest = xxhash.xxh3_128_digest
     parent = namespace.digest
     return [parent := digest(parent + block) for block in map(read, itertools.repeat(namespace.block_size * 4, blocks))]
+
+
+def slice_keys(keys: list[BlockKey], slices: range) -> list[BlockKey]:
+    """The keys of slices ``slices`` of each of ``keys``' head-sliced blocks, block by block
+    (``[b0 s0, b0 s1, ..., b1 s0, ...]``): xxh3_128 of the block's key and the slice's index,
+    so a slice's key stands for its prefix and its heads, at whatever TP it was written."""
+    digest = xxhash.xxh3_128_digest
+    tags = [b"kvstrata-slice:" + j.to_bytes(4, "little") for j in slices]
+    return [digest(key + tag) for key in keys for tag in tags]

@@ -4,6 +4,10 @@ A block covers ``block_tokens`` tokens of every layer on one GPU (one tensor-par
 Blocks are layer-major, ``[layers, kv, block_tokens, kv_heads, head_dim]``, so a restore can
 hand layer 0 to the model while later layers are still on their way. Tiers treat a block as
 ``block_bytes`` opaque bytes viewed as ``[layers, layer_bytes]``.
+
+A head-sliced layout (:meth:`KVLayout.head_slice`) is the same shape over one slice's heads
+(``granularity`` of them, :mod:`kvstrata.kv.heads`): a block of it is one slice, the same bytes
+whatever TP size wrote it, and its namespace names no TP size.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from dataclasses import dataclass
 from kvstrata.kv.fields import GeometryError, check_int
 from kvstrata.kv.geometry import DType, KVGeometry
 from kvstrata.kv.groups import KVGroup
+from kvstrata.kv.heads import HeadSlicing
 
 LAYOUT_NAME = "layer-major LKTHD"  # [layers, kv(2, or 1 for MLA), tokens, kv_heads, head_dim]
+HEAD_SLICED_NAME = "head-sliced LKTHD"  # the same, over one slice's heads: any TP size reads it
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,22 @@ class KVLayout:
             raise GeometryError(f"a {group.kind.value} group caches no per-token blocks")
         return cls(group.num_layers, block_tokens, group.heads_per_gpu(tp), group.head_dim, group.dtype,
                    group.kv_tensors)
+
+    @classmethod
+    def head_slice(cls, group: KVGroup, block_tokens: int, granularity: int = 1) -> "KVLayout":
+        """The layout of one head slice of a per-token group's blocks (MLA: its whole latent).
+
+        Raises:
+            GeometryError: the group caches a state, or ``granularity`` does not divide its heads.
+        """
+        slicing = HeadSlicing.for_group(group, granularity)
+        return cls(group.num_layers, block_tokens, slicing.granularity, group.head_dim, group.dtype,
+                   group.kv_tensors, HEAD_SLICED_NAME)
+
+    @property
+    def head_sliced(self) -> bool:
+        """A block of this layout is one head slice, named by no TP size."""
+        return self.name == HEAD_SLICED_NAME
 
     @property
     def token_bytes(self) -> int:
