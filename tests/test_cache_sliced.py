@@ -44,10 +44,11 @@ def seq(seed: int, blocks: int) -> list[int]:
     return [seed * 100_000 + i for i in range(blocks * BLOCK)]
 
 
-def config(group: KVGroup, tmp_path=None, blocks: int = 512, disk: int = 0, **changes) -> CacheConfig:
+def config(group: KVGroup, tmp_path=None, blocks: int = 512, disk: int = 0, model_id: str = "tiny-sliced",
+           **changes) -> CacheConfig:
     layout = KVLayout.head_slice(group, BLOCK)
     b = layout.block_bytes
-    return CacheConfig(layout, "tiny-sliced", device_bytes=blocks * b, host_bytes=blocks * b,
+    return CacheConfig(layout, model_id, device_bytes=blocks * b, host_bytes=blocks * b,
                        disk_bytes=disk * b, disk_dir=tmp_path if disk else None,
                        write=WriteRule(WritePolicy.WRITE_THROUGH), **changes)
 
@@ -145,3 +146,41 @@ def test_a_rank_that_holds_part_of_a_slice_is_refused_in_one_line():
         HeadSlicing(8, 3)
     with TieredCache(config(GQA8)) as cache, pytest.raises(ValueError, match="slices hold 1 KV heads"):
         SlicedRank(cache, HeadSlicing(8, 2), 2, 0)
+
+
+def test_slices_in_the_shared_pool_serve_fresh_ranks_of_other_tp_sizes(pool):
+    """Each rank is its own cache (as in its own process), all on one pool: TP=4 ranks write,
+    TP=2 and TP=8 ranks (caches that never saw the blocks) find their slices there."""
+    import uuid
+
+    group, blocks = GQA8, 3
+    toks, kv = seq(11, blocks), model_kv(group, blocks, 11)
+    model = f"sliced-{uuid.uuid4().hex[:12]}"
+
+    def rank_caches(tp: int) -> list[tuple[TieredCache, SlicedRank]]:
+        out = []
+        for r in range(tp):
+            cache = TieredCache(config(group, blocks=32, model_id=model, pool=pool,
+                                       remote_bytes=256 * KVLayout.head_slice(group, BLOCK).block_bytes))
+            out.append((cache, SlicedRank(cache, HeadSlicing.for_group(group), tp, r)))
+        return out
+
+    writers = rank_caches(4)
+    try:
+        for _, rank in writers:
+            rank.store(toks, kv[:, :, :, rank.heads.start:rank.heads.stop].clone()).result()
+    finally:
+        for cache, _ in writers:
+            cache.close()
+    for tp in (2, 8):
+        readers = rank_caches(tp)
+        try:
+            matches = instance_matches([r for _, r in readers], readers[0][1].keys(toks))
+            for (_, rank), match in zip(readers, matches):
+                assert match.blocks == blocks and set(match.match.media) == {Medium.REMOTE}
+                with rank.load(match) as load:
+                    assert load.wait(10).blocks == blocks
+                    assert same_bytes(load.kv(), kv[:, :, :, rank.heads.start:rank.heads.stop])
+        finally:
+            for cache, _ in readers:
+                cache.close()
