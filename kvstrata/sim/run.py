@@ -71,7 +71,7 @@ def simulate(
         for name in archs:
             spec = parse_arch(name, write)
             if sharing is not None:
-                spec = replace(spec, name=f"{spec.name} [{sharing.value}]")
+                spec = replace(spec, name=f"{spec.name} ({sharing.value})")
             cb = (lambda d, t, n=spec.name: progress(n, d, t)) if progress else None
             outcomes.append(Simulation(requests, setting, spec, cb).run())
     return rank([summarise(o) for o in outcomes]), outcomes
