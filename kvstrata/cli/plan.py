@@ -14,8 +14,9 @@ from kvstrata.hardware.profile import HardwareProfile, load_profile
 from kvstrata.hardware.whatif import apply_upgrades
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.kv.presets import load_geometry
-from kvstrata.plan.planner import Plan, make_plan, ratios
+from kvstrata.plan.planner import Plan, make_plan, pool_capacity_bytes, ratios
 from kvstrata.plan.restore import RestoreEstimate
+from kvstrata.plan.sharing import FleetSharing, KVSharing, fleet_sharing
 from kvstrata.plan.sizing import KV_MARGIN_FRACTION, Basis, InstanceSizing, WeightsDoNotFit, check_tp
 
 if TYPE_CHECKING:
@@ -37,8 +38,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vs", default=None, help="other profile, or upgrades like +cx8, +gen6, +socket-direct")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw restore time vs context per path")
     cli.add_html_arg(p, "the tables and the restore-time plot")
+    p.add_argument("--fleet-tp", default=None, metavar="TP,...",
+                   help="a fleet sharing one pool, one TP size per instance (8,4,2,1 or 2x8,4x2): "
+                        "a prefix's pool bytes and copies TP-matched vs head-sliced")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
+
+
+def parse_fleet_tp(text: str, geometry: KVGeometry, profile: HardwareProfile, flag: str = "--fleet-tp") -> tuple[int, ...]:
+    """One TP size per instance from ``8,4,2,1`` or ``COUNTxTP`` items (``2x8,4x2``), each a
+    degree the node and the model's KV heads allow; a bad one is a one-line error naming ``flag``."""
+    sizes: list[int] = []
+    for item in text.split(","):
+        count, times, tp = item.strip().lower().rpartition("x")
+        if not tp.isdigit() or (times and not count.isdigit()):
+            raise cli.CliError(f"{flag} {text!r}: {item.strip()!r} is not a TP size (expected sizes like 8,4,2,1 "
+                               "or COUNTxTP items like 2x8,4x2)")
+        n = int(count) if times else 1
+        if int(tp) < 1 or n < 1:
+            raise cli.CliError(f"{flag} {text!r}: {item.strip()!r}: a TP size and a count must be at least 1")
+        try:
+            check_tp(geometry, int(tp), len(profile.gpus))
+        except ValueError as exc:
+            raise cli.CliError(f"{flag} {text!r}: TP {tp}: {exc}") from None
+        sizes += [int(tp)] * n
+    return tuple(sizes)
 
 
 def resolve_profile(text: str, base: HardwareProfile | None = None, flag: str = "--hardware") -> HardwareProfile:
@@ -60,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if args.cached is not None and not 0 <= args.cached <= args.context:
         raise cli.CliError(f"--cached must be between 0 and --context ({args.context:,}) tokens, got {args.cached}")
     checked_gpus(geometry, profile, args.gpus, "--gpus")
+    fleet = None
+    if args.fleet_tp is not None:
+        sizes = parse_fleet_tp(args.fleet_tp, geometry, profile)
+        fleet = fleet_sharing(geometry, sizes, args.context, pool_capacity_bytes(profile))
     plan = make_plan(geometry, profile, args.context, args.cached, args.gpus)
     other = None
     if args.vs:
@@ -72,9 +100,13 @@ def run(args: argparse.Namespace) -> int:
         doc = plan.to_json()
         if other:
             doc["vs"] = other.to_json() | {"ratios": ratios(plan, other)}
+        if fleet:
+            doc["fleet"] = fleet.to_json()
         print(json.dumps(doc, indent=2, allow_nan=False))
     else:
         render_all(cli.console(), plan, other)
+        if fleet:
+            render_fleet(cli.console(), fleet)
     if args.plot or args.html:
         _pictures(args, geometry, plan, other)
     return 0
@@ -223,6 +255,30 @@ def render(console: Console, plan: Plan) -> None:
     console.print(a)
     console.print(
         "[dim]" + "; ".join(f"{e.arch.value}: {e.arch.title}" for e in plan.architectures) + "[/]", highlight=False
+    )
+
+
+def render_fleet(console: Console | HtmlPage, fleet: FleetSharing) -> None:
+    """Per TP size, one prefix's pool bytes TP-matched vs head-sliced; then a prefix every size has
+    seen: its copies and how many such prefixes the pool holds in each mode."""
+    gb = 1e9
+    t = Table(title=f"A {fleet.context_tokens:,}-token prefix in the shared pool, per TP size of the fleet")
+    for col in ("TP", "instances", "TP-matched", "head-sliced", "copies matched"):
+        t.add_column(col, justify="right")
+    for size in fleet.sizes:
+        t.add_row(str(size.tp), str(size.instances), f"{size.matched_bytes / gb:,.3f} GB",
+                  f"{size.sliced_bytes / gb:,.3f} GB", f"{size.replication:.3g}")
+    console.print(t)
+    held = {m: fleet.prefixes(m) for m in KVSharing}
+    if fleet.pool_capacity_bytes is None:
+        where = "the hardware has no pool"
+    else:
+        where = (f"the pool's {fleet.pool_capacity_bytes / gb:,.0f} GB holds {_n(held[KVSharing.MATCHED])} "
+                 f"TP-matched, {_n(held[KVSharing.SLICED])} head-sliced")
+    console.print(
+        f"a prefix every TP size has seen: {fleet.matched_copies:.3g} copies ({fleet.matched_bytes / gb:,.3f} GB) "
+        f"TP-matched, 1 ({fleet.sliced_bytes / gb:,.3f} GB) head-sliced; {where}",
+        highlight=False,
     )
 
 

@@ -13,10 +13,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.cli.plan import checked_gpus, resolve_profile, sizing_text
+from kvstrata.cli.plan import checked_gpus, parse_fleet_tp, resolve_profile, sizing_text
 from kvstrata.kv.presets import load_geometry
+from kvstrata.media import Medium
+from kvstrata.plan.sharing import KVSharing
 from kvstrata.plan.sizing import InstanceSizing, WeightsDoNotFit, size_instances
-from kvstrata.sim.engine import SimConfig
+from kvstrata.sim.engine import Routing, SimConfig, pack_servers
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
 from kvstrata.sim.run import offered_load, scale_time, simulate, trace_span_s
 from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES
@@ -39,6 +41,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
     p.add_argument("--write", choices=tuple(WRITE_NAMES), default="through", help="tier write policy")
     p.add_argument("--restore-slots", type=int, default=4, help="requests restoring at once per instance")
+    p.add_argument("--fleet-tp", default=None, metavar="TP,...",
+                   help="a fleet of mixed TP sizes on one shared pool, one size per instance (8,4,2,1 or 2x8,4x2), "
+                        "instead of --instances/--gpus-per-instance")
+    p.add_argument("--kv-sharing", choices=(*(m.value for m in KVSharing), "both"), default=None,
+                   help="pool blocks TP-matched (per TP size, replicated heads per rank) or head-sliced (one copy "
+                        "any TP loads), or both side by side (default with --fleet-tp: both; without: as before, "
+                        "one copy, no pool report)")
+    p.add_argument("--route", choices=tuple(r.value for r in Routing), default=Routing.SESSION.value,
+                   help="session: hash_ids[0] mod instances (requests sharing a first block meet on one instance); "
+                        "round-robin: arrival order")
+    p.add_argument("--pool-tokens", type=int, default=None, help="the pool's capacity in tokens (default: the profile's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here (ttft_cdf.png, tpot_cdf.png)")
     cli.add_html_arg(p, "the ranking table and the CDF plots")
@@ -64,24 +77,94 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.restore_slots < 1:
         raise cli.CliError(f"--restore-slots must be at least 1, got {args.restore_slots}")
     geometry, profile = load_geometry(args.model), resolve_profile(args.hardware)
-    sizing = _sizing(geometry, profile, args)
-    config = SimConfig(geometry, profile, sizing.gpus_per_instance, sizing.instances, restore_slots=args.restore_slots)
+    sharings = _sharings(args)
+    extra = {"tier_tokens": _pool_tokens(args), "routing": Routing(args.route), "restore_slots": args.restore_slots}
+    if args.fleet_tp is not None:
+        sizing, fleet = None, _fleet(geometry, profile, args)
+        config = SimConfig(geometry, profile, fleet_tp=fleet, **extra)
+        setting = fleet_text(config)
+    else:
+        sizing = _sizing(geometry, profile, args)
+        config = SimConfig(geometry, profile, sizing.gpus_per_instance, sizing.instances, **extra)
+        setting = sizing_text(sizing)
     load = offered_load(requests, config) if trace_span_s(requests) > 0 else None
     with Progress(console=Console(stderr=True), transient=True) as bar:
-        tasks = {a: bar.add_task(f"simulating {a}", total=len(requests)) for a in archs}
-        summaries, outcomes = simulate(
-            requests, config, archs, lambda a, d, t: bar.update(tasks[a], completed=d), write=WRITE_NAMES[args.write]
-        )
+        tasks: dict[str, int] = {}
+
+        def step(a: str, done: int, total: int) -> None:
+            if a not in tasks:
+                tasks[a] = bar.add_task(f"simulating {a}", total=total)
+            bar.update(tasks[a], completed=done)
+
+        summaries, outcomes = simulate(requests, config, archs, step, write=WRITE_NAMES[args.write], sharings=sharings)
     if args.json:
-        doc = {"gpus_per_instance": config.gpus_per_instance, "instances": config.instances,
-               "gpus_basis": sizing.basis.value, "offered_load": load,
-               "architectures": [s.to_json() for s in summaries]}
+        doc = {"gpus_per_instance": config.gpus_per_instance, "instances": config.instance_count,
+               "gpus_basis": sizing.basis.value if sizing else "fleet", "offered_load": load}
+        if sharings:
+            doc |= {"fleet_tp": list(config.instance_tps), "routing": config.routing.value,
+                    "kv_sharing": [m.value for m in sharings]}
+        doc["architectures"] = [s.to_json(pool=bool(sharings)) for s in summaries]
         print(json.dumps(doc, indent=2))
     else:
-        render(cli.console(), requests, summaries, load, sizing_text(sizing), config.instance_count)
+        render(cli.console(), requests, summaries, load, setting, config.instance_count)
+        if sharings:
+            render_pool(cli.console(), summaries)
     if args.plot or args.html:
-        _pictures(args, config, requests, summaries, outcomes, load, sizing_text(sizing))
+        _pictures(args, config, requests, summaries, outcomes, load, setting)
     return 0
+
+
+def _sharings(args: argparse.Namespace) -> list[KVSharing]:
+    """The sharing modes to run side by side; none (the pool as before, no pool report) unless asked
+    for or a fleet is given."""
+    if args.kv_sharing == "both" or (args.kv_sharing is None and args.fleet_tp is not None):
+        return list(KVSharing)
+    return [KVSharing(args.kv_sharing)] if args.kv_sharing else []
+
+
+def _pool_tokens(args: argparse.Namespace) -> tuple[tuple[Medium, int], ...]:
+    if args.pool_tokens is None:
+        return ()
+    if args.pool_tokens < 0:
+        raise cli.CliError(f"--pool-tokens must be at least 0, got {args.pool_tokens}")
+    return ((Medium.REMOTE, args.pool_tokens),)
+
+
+def _fleet(geometry, profile, args: argparse.Namespace) -> tuple[int, ...]:
+    """``--fleet-tp``'s sizes, each one the node holds the weights on; errors name the flag."""
+    for flag, value in (("--instances", args.instances), ("--gpus-per-instance", args.gpus_per_instance)):
+        if value is not None:
+            raise cli.CliError(f"--fleet-tp sets every instance's GPUs: drop {flag}")
+    sizes = parse_fleet_tp(args.fleet_tp, geometry, profile)
+    for tp in dict.fromkeys(sizes):
+        try:
+            size_instances(geometry, profile, tp, 1).check_fits()
+        except WeightsDoNotFit as exc:
+            raise cli.CliError(f"--fleet-tp {args.fleet_tp!r}: TP {tp}: {exc}") from None
+    return sizes
+
+
+def fleet_text(config: SimConfig) -> str:
+    """The fleet's instances and servers, in one sentence."""
+    tps = config.instance_tps
+    servers = pack_servers(tps, len(config.profile.gpus))[-1][0] + 1
+    return (f"a fleet of TP {','.join(map(str, tps))} ({sum(tps)} GPUs on {servers} server(s) of "
+            f"{config.profile.name}, one shared pool); routing: {config.routing.value}")
+
+
+def render_pool(out: Console | HtmlPage, summaries) -> None:
+    """The shared pool per architecture and sharing mode: its own hit ratio, copies, bytes."""
+    t = Table(title="The shared pool: its own hits (leading blocks present), copies per distinct block "
+                    "(mean/max at the end, mean over arrivals), GB and distinct blocks at the end")
+    for col in ("arch", "hit blocks", "hit tokens", "copies", "copies avg", "GB used", "blocks", "TTFT p50/p90 s"):
+        t.add_column(col, justify="left" if col == "arch" else "right")
+    for s in sorted((s for s in summaries if s.pool), key=lambda s: s.arch):
+        p = s.pool
+        t.add_row(s.arch, f"{p.block_hit_ratio:.1%}", f"{p.token_hit_ratio:.1%}",
+                  f"{p.copies_mean:.2f}/{p.copies_max:.2f}", f"{p.copies_mean_time_avg:.2f}",
+                  f"{p.used_bytes / 1e9:,.0f}/{p.capacity_bytes / 1e9:,.0f}", f"{p.distinct_blocks:,}",
+                  f"{s.ttft_s['p50']:.2f}/{s.ttft_s['p90']:.2f}")
+    out.print(t)
 
 
 def render(out: Console | HtmlPage, requests, summaries, load: float | None, sizing: str, instances: int) -> None:
@@ -140,8 +223,9 @@ def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, 
     from kvstrata.plots import png_bytes, save_png
     from kvstrata.plots.cdf import simulation_figures
 
-    setting = (f"{config.geometry.name} on {config.profile.name}, {config.instance_count} instance(s) x "
-               f"{config.gpus_per_instance} GPU(s)")
+    shape = (f"TP {','.join(map(str, config.fleet_tp))}" if config.fleet_tp
+             else f"{config.instance_count} instance(s) x {config.gpus_per_instance} GPU(s)")
+    setting = f"{config.geometry.name} on {config.profile.name}, {shape}"
     figures = simulation_figures(outcomes, f"{Path(args.trace).name}: {setting}, {len(requests):,} requests")
     pngs = {name: png_bytes(fig) for name, fig in figures.items()}
     if args.plot:
@@ -150,6 +234,8 @@ def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, 
     if args.html:
         page = HtmlPage(f"kvstrata simulate: {Path(args.trace).name}, {setting}")
         render(page, requests, summaries, load, sizing, config.instance_count)
+        if any(s.pool for s in summaries):
+            render_pool(page, summaries)
         for name, fig in figures.items():
             page.image(pngs[name], fig.axes[0].get_title().replace("\n", ": ", 1))
         cli.wrote("report", page.write(args.html), args.json)

@@ -99,9 +99,20 @@ def stored_bytes(geometry: KVGeometry, tokens: int, ends: int = 1, tp: int = 1) 
     """Bytes a prefix store keeps for ``tokens`` tokens that a hit may end in ``ends`` places:
     every token of FULL/MLA groups, the windows before the ends of windowed ones (at most
     ``ends * span`` tokens), and a state snapshot per end (see the module text)."""
-    kept = sum(group.token_bytes(tp) * (min(tokens, ends * group.span) if group.kind.windowed else tokens)
-               for group in geometry.groups if group.kind.per_token)
-    return kept + ends * geometry.state_bytes(tp)
+    geometry.kv_heads_per_gpu(tp)
+    return stored_groups(geometry, tokens, ends, tp).size_bytes
+
+
+def stored_groups(geometry: KVGeometry, tokens: int, ends: int = 1, tp: int = 1) -> GroupBytes:
+    """:func:`stored_bytes` split by KV group (a state group's share is its ``ends`` snapshots)."""
+    shares = []
+    for group in geometry.groups:
+        if group.kind.per_token:
+            kept = min(tokens, ends * group.span) if group.kind.windowed else tokens
+            shares.append(GroupShare(group, kept, kept * group.token_bytes(tp)))
+        else:
+            shares.append(GroupShare(group, 0, ends * group.state_bytes_per_gpu(tp)))
+    return GroupBytes(tuple(shares))
 
 
 def held_bytes(geometry: KVGeometry, held: tuple[int, ...], tp: int = 1) -> int:

@@ -156,6 +156,13 @@ def _capacity(geometry: KVGeometry, profile: HardwareProfile, gpus: list[str], c
     )
 
 
+def pool_capacity_bytes(profile: HardwareProfile) -> int | None:
+    """The pool's KV capacity (``DRAM_KV_FRACTION`` of its DRAM, as :func:`_capacity` counts it);
+    None where the hardware has no pool."""
+    nodes = [n for n in profile.topology.of_kind(NodeKind.REMOTE_DRAM) if not n.name.startswith("peer.")]
+    return int(sum(n.capacity_bytes for n in nodes) * DRAM_KV_FRACTION) if nodes else None
+
+
 def make_plan(
     geometry: KVGeometry,
     profile: HardwareProfile,

@@ -11,8 +11,17 @@ GPUs) and the decode group, which only decodes; the prompt's KV crosses the netw
 them, and the first token counts from its arrival at the decode group.
 
 Requests go to instance ``hash_ids[0] % instances`` (session affinity: a session's first
-block never changes), or round robin when a request has no ids. Cache look-ups and inserts
-happen at arrival, in arrival order, so hits do not depend on timing.
+block never changes), or round robin when a request has no ids; :attr:`Routing.ROUND_ROBIN`
+sends every request to the next instance in turn (so requests sharing a prefix reach several
+instances). Cache look-ups and inserts happen at arrival, in arrival order, so hits do not
+depend on timing.
+
+A fleet (:attr:`SimConfig.fleet_tp`) runs instances of different TP sizes on one shared pool,
+its blocks keyed and sized by :class:`kvstrata.plan.sharing.KVSharing` (see
+:mod:`kvstrata.sim.pool`). Instances are packed onto servers of the profile in the order
+listed, each on consecutive GPUs of one server, a new server when the next does not fit the one
+being filled; each server is a copy of the profile, its links and memories its own, and the
+pool (every resource with a pool end) the one all share.
 
 Restores queue per instance: at most ``restore_slots`` requests restore at once (as a load
 queue in a serving engine does); the rest wait in arrival order. Without the bound an
@@ -26,13 +35,14 @@ machines); :attr:`SimOutcome.gpus` says how many a run used, so throughput per G
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from kvstrata.hardware.flows import GB, Flow, flow_along, max_min_share
+from kvstrata.hardware.flows import GB, Flow, Resource, flow_along, max_min_share
 from kvstrata.hardware.profile import HardwareProfile
 from kvstrata.hardware.topology import NodeKind
 from kvstrata.kv.geometry import KVGeometry
@@ -40,14 +50,23 @@ from kvstrata.media import Medium
 from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION
 from kvstrata.plan.footprint import held_bytes, request_bytes, restore_bytes, stored_bytes
 from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
+from kvstrata.plan.sharing import KVSharing, pool_bytes
 from kvstrata.plan.sizing import size_instances
 from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.batchkv import BatchKV
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.network import Network
+from kvstrata.sim.pool import PoolStats, SharedPool
 from kvstrata.sim.tiers import ArchSpec
 from kvstrata.sim.trace import BLOCK_TOKENS, Request, sort_by_time
+
+
+class Routing(enum.Enum):
+    """Which instance a request goes to (see the module text)."""
+
+    SESSION = "session"  # hash_ids[0] % instances
+    ROUND_ROBIN = "round-robin"  # arrival index % instances
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,11 @@ class SimConfig:
         max_batch: most requests decoding together on one instance.
         restore_slots: most requests restoring at once on one instance.
         record_events: keep every event's time (for tests).
+        fleet_tp: one TP size per instance of a mixed fleet (then ``gpus_per_instance`` and
+            ``instances`` stay None); empty: ``instances`` of ``gpus_per_instance`` GPUs.
+        sharing: how pool blocks are keyed and sized; head-sliced (one copy per block id, which
+            any instance hits) is what the pool modelled before fleets.
+        routing: which instance each request goes to.
     """
 
     geometry: KVGeometry
@@ -74,13 +98,22 @@ class SimConfig:
     max_batch: int = 256
     restore_slots: int = 4
     record_events: bool = False
+    fleet_tp: tuple[int, ...] = ()
+    sharing: KVSharing = KVSharing.SLICED
+    routing: Routing = Routing.SESSION
 
     def __post_init__(self) -> None:
         # A model whose weights overflow its GPUs' HBM is refused, never simulated.
-        sizing = size_instances(self.geometry, self.profile, self.gpus_per_instance, self.instances)
-        sizing.check_fits()
-        object.__setattr__(self, "gpus_per_instance", sizing.gpus_per_instance)  # resolved defaults
-        object.__setattr__(self, "instances", sizing.instances)
+        if self.fleet_tp:
+            if self.gpus_per_instance is not None or self.instances is not None:
+                raise ValueError("a fleet sets each instance's GPUs: give fleet_tp or gpus_per_instance/instances")
+            for tp in dict.fromkeys(self.fleet_tp):
+                size_instances(self.geometry, self.profile, tp, 1).check_fits()
+        else:
+            sizing = size_instances(self.geometry, self.profile, self.gpus_per_instance, self.instances)
+            sizing.check_fits()
+            object.__setattr__(self, "gpus_per_instance", sizing.gpus_per_instance)  # resolved defaults
+            object.__setattr__(self, "instances", sizing.instances)
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.restore_slots < 1:
@@ -88,7 +121,38 @@ class SimConfig:
 
     @property
     def instance_count(self) -> int:
-        return self.instances
+        return len(self.fleet_tp) or self.instances
+
+    @property
+    def instance_tps(self) -> tuple[int, ...]:
+        """Each instance's TP size (GPUs), in instance order."""
+        return self.fleet_tp or (self.gpus_per_instance,) * self.instances
+
+
+def pack_servers(tps: Sequence[int], node_gpus: int) -> list[tuple[int, int]]:
+    """(server, first GPU) of each instance: packed in order onto servers of ``node_gpus`` GPUs,
+    a new server when the next instance does not fit the rest of the current one."""
+    out, server, used = [], 0, 0
+    for tp in tps:
+        if used + tp > node_gpus:
+            server, used = server + 1, 0
+        out.append((server, used))
+        used += tp
+    return out
+
+
+def on_server(flows: list[Flow], server: int) -> list[Flow]:
+    """``flows`` on copy ``server`` of the profile's node: each resource re-keyed as that server's,
+    but those with a pool end (the pool's memory and NICs, which every server shares)."""
+    if server == 0:
+        return flows
+
+    def own(r: Resource) -> Resource:
+        if "pool." in r.key:
+            return r
+        return Resource(f"s{server}/{r.key}", f"server {server}: {r.label}", r.gbps)
+
+    return [replace(f, uses=tuple((own(r), w) for r, w in f.uses)) for f in flows]
 
 
 @dataclass
@@ -130,11 +194,14 @@ class SimOutcome:
     gpus: int = 0
     tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
     event_times: list[float] = field(default_factory=list)
+    pool: PoolStats | None = None  # what the shared pool held and served; None: no pool tier
+    sharing: KVSharing = KVSharing.SLICED
 
 
 @dataclass
 class _Instance:
     index: int
+    server: int  # which copy of the profile's node (see on_server)
     gpus: list[str]
     planner: RestorePlanner
     model: TimeModel
@@ -175,9 +242,10 @@ class Simulation:
         self.event_times: list[float] = []
         self._done = 0
         self._wake_version = -1  # the network version a pending wake-up was scheduled for
-        g, p, k = config.geometry, config.profile, config.gpus_per_instance
+        g, p, tps = config.geometry, config.profile, config.instance_tps
         overrides = dict(config.tier_tokens)
-        n = config.instance_count
+        placed = pack_servers(tps, len(p.gpus))
+        per_server = Counter(server for server, _ in placed)  # instances on a server share its DRAM and drives
         topo = p.topology
 
         def total(kind: NodeKind) -> int:
@@ -191,32 +259,36 @@ class Simulation:
         def blocks(tier: Medium, capacity_bytes: int, block_bytes: int = block) -> int:
             return overrides[tier] // BLOCK_TOKENS if tier in overrides else capacity_bytes // block_bytes
 
-        self.pool = BlockLRU(blocks(Medium.REMOTE, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION)))
+        pool_blocks = blocks(Medium.REMOTE, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION))
+        self.pool = SharedPool(pool_blocks * block, block)
         self.instances: list[_Instance] = []
-        for i in range(n):
-            gpus = [x.name for x in p.gpus[i * k : (i + 1) * k]]
+        for i, (k, (server, first)) in enumerate(zip(tps, placed)):
+            gpus = [x.name for x in p.gpus[first : first + k]]
             model = TimeModel.build(g, p, gpus)
             # Every weight stays resident (a MoE's idle experts too), a 1/K share per GPU.
             hbm_free = max(0, int(min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION
                                   - g.weight_bytes() / k))
-            host_bytes = int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / n)
+            host_bytes = int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / per_server[server])
             default = {
                 Medium.DEVICE: blocks(Medium.DEVICE, hbm_free, stored_bytes(g, BLOCK_TOKENS, tp=k)),
                 Medium.HOST: blocks(Medium.HOST, host_bytes),
-                Medium.DISK: blocks(Medium.DISK, int(total(NodeKind.FLASH) / n)),
+                Medium.DISK: blocks(Medium.DISK, int(total(NodeKind.FLASH) / per_server[server])),
             }
-            caches = {tier: self.pool if tier is Medium.REMOTE else BlockLRU(default[tier]) for tier in arch.tiers}
+            # TP-matched: an instance hits only its TP size's blocks, which cost every rank's copy.
+            pool = self.pool.view(k if config.sharing is KVSharing.MATCHED else None,
+                                  pool_bytes(g, BLOCK_TOKENS, k, config.sharing))
+            caches = {tier: pool if tier is Medium.REMOTE else BlockLRU(default[tier]) for tier in arch.tiers}
             planner = RestorePlanner(p, gpus)
-            stream = [flow_along(topo, topo.route(local_dram(p, x), x, size_bytes=1), 1) for x in gpus]
+            stream = on_server([flow_along(topo, topo.route(local_dram(p, x), x, size_bytes=1), 1) for x in gpus], server)
             stream_rate = min(s.gbps for s in max_min_share(stream)) * GB
             # The running batch lives in HBM (per GPU), or in DRAM when streaming (one logical copy).
             limit, limit_tp = (host_bytes, 1) if arch.streaming else (hbm_free, k)
             self.instances.append(
-                _Instance(i, gpus, planner, model, caches, BatchKV(g), limit, limit_tp, stream_rate, stream)
+                _Instance(i, server, gpus, planner, model, caches, BatchKV(g), limit, limit_tp, stream_rate, stream)
             )
         self._stream_bytes: dict[str, float] = {}
         self._tier_writes: dict[Medium, int] = dict.fromkeys(arch.tiers, 0)
-        self._gpus = n * k * (2 if arch.pd_handoff else 1)
+        self._gpus = sum(tps) * (2 if arch.pd_handoff else 1)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -266,6 +338,8 @@ class Simulation:
             self._gpus,
             dict(self._tier_writes),
             self.event_times,
+            self.pool.stats() if Medium.REMOTE in self.arch.tiers else None,
+            self.config.sharing,
         )
 
     def _net_wake(self, version: int) -> None:
@@ -277,14 +351,18 @@ class Simulation:
 
     def _arrive(self, r: Request, index: int) -> None:
         n = len(self.instances)
-        inst = self.instances[(r.hash_ids[0] if r.hash_ids else index) % n]
+        session = r.hash_ids and self.config.routing is Routing.SESSION
+        inst = self.instances[(r.hash_ids[0] if session else index) % n]
         covered, hits = 0, {}
         for tier in self.arch.tiers:
             run = inst.caches[tier].leading_run(r.hash_ids)
             tokens = min(run * BLOCK_TOKENS, r.input_length)
             hits[tier] = max(0, tokens - covered)
             covered = max(covered, tokens)
+            if tier is Medium.REMOTE:
+                self.pool.looked_up(len(r.hash_ids), run, r.input_length, tokens)
         self._write(inst, r.hash_ids)
+        self.pool.sample()
         rec = RequestRecord(r, inst.index, self.now, hits)
         self.records.append(rec)
         jobs = self._restore_jobs(inst, hits, covered)
@@ -351,7 +429,7 @@ class Simulation:
         self._start_restores(inst)
         self._restored(inst, rec)
 
-    def _stages(self, inst: _Instance, path: RestorePath, shard_bytes: int) -> list[Callable[[], list[Flow]]]:
+    def _path_stages(self, inst: _Instance, path: RestorePath, shard_bytes: int) -> list[Callable[[], list[Flow]]]:
         """The planner's flows for ``shard_bytes`` of KV per GPU along ``path``, stage by stage."""
         shard = [shard_bytes] * len(inst.gpus)
         pl, p = inst.planner, self.config.profile
@@ -374,6 +452,13 @@ class Simulation:
             ]
 
         return [from_drive, local]
+
+    def _stages(self, inst: _Instance, path: RestorePath, shard_bytes: int) -> list[Callable[[], list[Flow]]]:
+        """:meth:`_path_stages` on the instance's server (see :func:`on_server`)."""
+        stages = self._path_stages(inst, path, shard_bytes)
+        if inst.server == 0:
+            return stages
+        return [lambda stage=stage: on_server(stage(), inst.server) for stage in stages]
 
     def _restored(self, inst: _Instance, rec: RequestRecord) -> None:
         rec.restore_s = self.now - rec.arrival_s

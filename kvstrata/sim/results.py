@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstrata.media import Medium
+from kvstrata.plan.sharing import KVSharing
 from kvstrata.sim.engine import SimOutcome
+from kvstrata.sim.pool import PoolStats
 from kvstrata.sim.tiers import HARDWARE_NAME
 
 TTFT_P90_SLO_S = 2.0
@@ -39,12 +41,16 @@ class Summary:
     meets_slo: bool
     gpus: int = 0
     tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
+    pool: PoolStats | None = None  # the shared pool's own hits and copies; None: no pool tier
+    sharing: KVSharing = KVSharing.SLICED
 
     @property
     def throughput_per_gpu(self) -> float:
         return self.throughput_tok_s / self.gpus if self.gpus else math.nan
 
-    def to_json(self) -> dict:
+    def to_json(self, pool: bool = False) -> dict:
+        """The summary; ``pool``: with the sharing mode and the pool's figures (a fleet's report)."""
+
         def clean(x: float) -> float | None:
             return None if math.isnan(x) else x
 
@@ -60,7 +66,7 @@ class Summary:
             "link_bytes": self.link_bytes,
             "link_utilisation": self.link_utilisation,
             "meets_slo": self.meets_slo,
-        }
+        } | ({"kv_sharing": self.sharing.value, "pool": self.pool.to_json()} if pool and self.pool else {})
 
 
 def summarise(outcome: SimOutcome) -> Summary:
@@ -97,6 +103,8 @@ def summarise(outcome: SimOutcome) -> Summary:
         bool(meets),
         outcome.gpus,
         dict(outcome.tier_writes),
+        outcome.pool,
+        outcome.sharing,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from kvstrata.plan.sharing import KVSharing
 from kvstrata.sim.engine import SimConfig, SimOutcome, Simulation
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.results import Summary, rank, summarise
@@ -17,7 +18,9 @@ def offered_load(requests: Sequence[Request], config: SimConfig) -> float:
     """Prefill seconds the trace asks for with no reuse, per instance-second of the trace.
 
     Above 1 the instances cannot keep up without prefix hits: queues, and so TTFT, grow for as
-    long as the trace lasts. A stated, cheap check to print beside simulated percentiles.
+    long as the trace lasts. A stated, cheap check to print beside simulated percentiles. A fleet
+    of mixed TP sizes gives each instance an even share of the trace: its load is that of the
+    slowest instance, which overloads first.
 
     Raises:
         ValueError: no requests, or all arrive at once (:func:`trace_span_s` is 0): no rate.
@@ -25,10 +28,12 @@ def offered_load(requests: Sequence[Request], config: SimConfig) -> float:
     span_s = trace_span_s(requests)
     if span_s <= 0:
         raise ValueError("a trace whose requests all arrive at once (or none) has no arrival rate")
-    gpus = [g.name for g in config.profile.gpus[: config.gpus_per_instance]]
-    model = TimeModel.build(config.geometry, config.profile, gpus)
-    demand = sum(model.prefill_s(r.input_length) for r in requests)
-    return demand / (config.instance_count * span_s)
+    slowest = 0.0
+    for tp in dict.fromkeys(config.instance_tps):
+        gpus = [g.name for g in config.profile.gpus[:tp]]
+        model = TimeModel.build(config.geometry, config.profile, gpus)
+        slowest = max(slowest, sum(model.prefill_s(r.input_length) for r in requests))
+    return slowest / (config.instance_count * span_s)
 
 
 def trace_span_s(requests: Sequence[Request]) -> float:
@@ -50,8 +55,10 @@ def simulate(
     archs: Sequence[str],
     progress: Callable[[str, int, int], None] | None = None,
     write: WritePolicy = WritePolicy.WRITE_THROUGH,
+    sharings: Sequence[KVSharing] = (),
 ) -> tuple[list[Summary], list[SimOutcome]]:
-    """Run each architecture; summaries ranked (see :func:`kvstrata.sim.results.rank`).
+    """Run each architecture (in each of ``sharings``, labelled by it, when given; else in
+    ``config.sharing``); summaries ranked (see :func:`kvstrata.sim.results.rank`).
 
     Raises:
         ValueError: no requests (their percentiles would be undefined).
@@ -59,8 +66,12 @@ def simulate(
     if not requests:
         raise ValueError("no requests to simulate")
     outcomes = []
-    for name in archs:
-        spec = parse_arch(name, write)
-        cb = (lambda d, t, n=name: progress(n, d, t)) if progress else None
-        outcomes.append(Simulation(requests, config, spec, cb).run())
+    for sharing in sharings or (None,):
+        setting = config if sharing is None else replace(config, sharing=sharing)
+        for name in archs:
+            spec = parse_arch(name, write)
+            if sharing is not None:
+                spec = replace(spec, name=f"{spec.name} ({sharing.value})")
+            cb = (lambda d, t, n=spec.name: progress(n, d, t)) if progress else None
+            outcomes.append(Simulation(requests, setting, spec, cb).run())
     return rank([summarise(o) for o in outcomes]), outcomes
