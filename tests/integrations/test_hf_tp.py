@@ -140,3 +140,29 @@ def test_kv_stored_at_one_tp_size_restores_at_another(tiny_model_dir, pool):
         for r, rank in enumerate(ranks):
             assert rank["stored_read_blocks"] == b_hit
             assert np.array_equal(b_kv[:, :, :, r:r + 1], rank["stored_kv"])
+
+
+def test_a_head_sliced_cache_serves_every_strategy_in_one_process(tiny_model_dir, tmp_path):
+    from kvstrata.cache import CacheConfig, TieredCache
+    from kvstrata.integrations.hf import TensorParallel, model_layout
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=DTYPE)
+    ids = prompt(4, 6 * BLOCK + 7)
+    hit = (len(ids) - 1) // BLOCK * BLOCK
+    with make_cache(model, f"tiny-sliced-{uuid.uuid4().hex[:8]}", None) as cache:
+        lm = KVStrataLM(model, cache)
+        cold = lm.generate(ids, NEW_TOKENS, reuse=False)
+        cache.evict(Medium.DEVICE, 10_000)  # from the host tier: slices copied back one by one
+        for kwargs, restored in (({}, hit), ({"streaming": True}, hit),
+                                 ({"strategy": "split", "split_tokens": 2 * BLOCK}, hit - 2 * BLOCK)):
+            warm = lm.generate(ids, NEW_TOKENS, store=False, **kwargs)
+            assert (warm.tokens, warm.hit_tokens) == (cold.tokens, restored), kwargs
+    # A TP-matched cache is one rank's: a cache naming another rank is refused, in one line.
+    layout = model_layout(model.config, BLOCK, DTYPE, tp=2)
+    assert layout.kv_heads == 1
+    config = CacheConfig(layout, "x", device_bytes=4 * layout.block_bytes, host_bytes=0, device="cpu",
+                         tp_rank=0, tp_size=2)
+    with TieredCache(config) as cache:
+        with pytest.raises(ValueError, match="is not the model's rank 1 of 2"):
+            KVStrataLM(model, cache, tp=TensorParallel(2, 1))
+        assert KVStrataLM(model, cache, tp=TensorParallel(2, 0)).kv is cache
