@@ -128,6 +128,11 @@ class LoadHandle:
         """The device copy of the i-th loaded block, shaped ``layout.block_shape``."""
         return self._block(self._slots[i])
 
+    def pieces(self) -> list[tuple[int, int, torch.Tensor]]:
+        """``(block, first head, device block)`` of every loaded block: the whole block's heads,
+        as a head-sliced load (:class:`~kvstrata.cache.sliced.SlicedLoad`) gives its slices."""
+        return [(i, 0, self.block(i)) for i in range(self.blocks)]
+
     def release(self) -> None:
         """Unpin the loaded device blocks; they may be evicted from now on. Waits for a load
         still in flight (its pins are taken as it goes). Idempotent."""

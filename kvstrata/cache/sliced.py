@@ -57,6 +57,12 @@ class SlicedMatch:
         m = self.match
         return SlicedMatch(Match(m.keys[:n], m.media[:n], m.block_size, m.total_blocks), self.slices, self.block_size)
 
+    def after(self, blocks: int) -> "SlicedMatch":
+        """This match less its first ``blocks`` blocks (what a split loads while those compute)."""
+        n = min(blocks, self.blocks) * self.slices
+        m = self.match
+        return SlicedMatch(Match(m.keys[n:], m.media[n:], m.block_size, m.total_blocks), self.slices, self.block_size)
+
 
 class SlicedLoad:
     """A rank's load in flight; :meth:`kv` is its slices put back together as the rank's KV."""

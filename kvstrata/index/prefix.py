@@ -45,6 +45,14 @@ class Match:
     def tokens(self) -> int:
         return self.blocks * self.block_size
 
+    def cut(self, blocks: int) -> "Match":
+        """The first ``blocks`` blocks of this match (what every rank of an instance has)."""
+        return Match(self.keys[:blocks], self.media[:blocks], self.block_size, self.total_blocks)
+
+    def after(self, blocks: int) -> "Match":
+        """This match less its first ``blocks`` blocks (what a split loads while those compute)."""
+        return Match(self.keys[blocks:], self.media[blocks:], self.block_size, self.total_blocks)
+
     def count(self, medium: Medium) -> int:
         return self.counts.get(medium, 0)
 

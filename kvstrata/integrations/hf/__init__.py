@@ -4,7 +4,11 @@ By role:
 
 * :mod:`~kvstrata.integrations.hf.cache`: the transformers ``Cache`` adapter
   (:class:`KVStrataCache`, whose :class:`RestoringLayer` s append a :class:`RestoredPrefix`
-  layer by layer as it arrives) and :func:`model_layout`, a model's kvstrata block layout.
+  layer by layer as it arrives), :func:`model_layout`, a model's kvstrata block layout (a
+  rank's whole blocks), and :func:`model_slice_layout`, that of one head slice of them (one
+  stored copy for every tensor-parallel size).
+* :mod:`~kvstrata.integrations.hf.tp`: :class:`TensorParallel`, a rank of a model under
+  transformers' own tensor parallelism, and the ranks' agreement on what they restore.
 * :mod:`~kvstrata.integrations.hf.streaming`: per-step DRAM streaming decode
   (:class:`StreamedKV`, :class:`StreamingLayer`): the KV lives in host memory and each layer's
   crosses to the device just before the layer runs.
@@ -19,11 +23,13 @@ The load-time predictions behind ``strategy="auto"`` are pure and live in
 :mod:`kvstrata.plan.loadtime`.
 """
 
-from kvstrata.integrations.hf.cache import KVStrataCache, RestoredPrefix, RestoringLayer, model_layout
+from kvstrata.integrations.hf.cache import (KVStrataCache, RestoredPrefix, RestoringLayer, model_layout,
+                                            model_slice_layout)
 from kvstrata.integrations.hf.generate import Generation, KVStrataLM
 from kvstrata.integrations.hf.groups import hybrid_groups
 from kvstrata.integrations.hf.hybrid import HybridGeneration, HybridLM
 from kvstrata.integrations.hf.streaming import StreamedKV, StreamingLayer
+from kvstrata.integrations.hf.tp import TensorParallel
 
 __all__ = [
     "Generation",
@@ -35,6 +41,8 @@ __all__ = [
     "RestoringLayer",
     "StreamedKV",
     "StreamingLayer",
+    "TensorParallel",
     "hybrid_groups",
     "model_layout",
+    "model_slice_layout",
 ]

@@ -7,9 +7,11 @@ blocks only, so layer *i* computes while later layers are still arriving. In a s
 computed for the prompt's beginning. :meth:`KVStrataCache.kv` gives everything cached back as
 the ``[layers, 2, tokens, kv_heads, head_dim]`` tensor ``TieredCache.store`` takes.
 
-:func:`model_layout` is the block layout of a transformers model: its config read by
-:func:`kvstrata.kv.geometry.kv_shape_from_config` (the one reading of a config's heads and
-widths), its dtype mapped by :mod:`kvstrata.tensors`.
+:func:`model_layout` is the block layout of a transformers model (a rank's whole blocks: TP=1,
+or TP-matched): its config read by :func:`kvstrata.kv.geometry.kv_shape_from_config` (the one
+reading of a config's heads and widths), its dtype mapped by :mod:`kvstrata.tensors`.
+:func:`model_slice_layout` is the layout of one head slice of its blocks, which ranks of any
+tensor-parallel size share (:mod:`kvstrata.kv.heads`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvstrata.kv.fields import GeometryError
 from kvstrata.kv.geometry import Attention, DType, kv_shape_from_config
+from kvstrata.kv.groups import GroupKind, KVGroup
+from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.tensors import kv_dtype
 
 if TYPE_CHECKING:
     from kvstrata.cache import LoadHandle
+    from kvstrata.cache.sliced import SlicedLoad
     from kvstrata.integrations.hf.streaming import StreamedKV
 
 # The model's dtype is the cache's KV dtype (FP8 KV is an engine's choice, not a model's).
@@ -45,26 +50,53 @@ def cache_arg(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def model_layout(config: Any, block_tokens: int, dtype: torch.dtype) -> KVLayout:
-    """The kvstrata block layout of a Hugging Face decoder (MHA/GQA/MQA; batch 1, no TP).
+def model_layout(config: Any, block_tokens: int, dtype: torch.dtype, tp: int = 1) -> KVLayout:
+    """The kvstrata block layout of a Hugging Face decoder (MHA/GQA/MQA; batch 1): one rank's
+    whole blocks, the KV heads a rank of a ``tp``-way model holds (TP-matched).
 
     Args:
         config: the model's transformers config (``model.config``).
         block_tokens: tokens per block.
         dtype: the model's dtype, which is its KV's: bf16, fp16 or fp32.
+        tp: the model's tensor-parallel size (its heads split as transformers splits them).
 
     Raises:
         GeometryError: the config has no uniform per-token KV (a recurrent or hybrid model), a
-            field is missing or inconsistent (named), or the model uses MLA.
+            field is missing or inconsistent (named), the model uses MLA, or ``tp`` fits its
+            KV heads in neither way.
         ValueError: an unsupported dtype.
     """
+    group = _model_group(config, dtype)
+    heads = HeadSlicing.for_group(group).rank_heads(tp, 0)
+    return KVLayout(group.num_layers, block_tokens, len(heads), group.head_dim, group.dtype)
+
+
+def model_slice_layout(config: Any, block_tokens: int, dtype: torch.dtype, granularity: int = 1) -> KVLayout:
+    """The layout of one head slice (``granularity`` KV heads) of the model's blocks: a cache of
+    it holds each block as ``kv_heads / granularity`` objects that ranks of every TP size read
+    (its namespace names no TP size; :class:`~kvstrata.cache.sliced.SlicedRank`).
+
+    Raises:
+        GeometryError: as :func:`model_layout`, or ``granularity`` does not divide the KV heads.
+        ValueError: an unsupported dtype.
+    """
+    return KVLayout.head_slice(_model_group(config, dtype), block_tokens, granularity)
+
+
+def model_heads(config: Any, dtype: torch.dtype) -> int:
+    """The model's KV heads, all ranks together."""
+    return _model_group(config, dtype).kv_heads
+
+
+def _model_group(config: Any, dtype: torch.dtype) -> KVGroup:
     shape = kv_shape_from_config(_config_dict(config))
     if shape.attention is Attention.MLA:
         # transformers' DeepSeek modules cache K and V expanded per head (of different widths),
         # not the latent kvstrata's MLA layout holds: the two do not fit.
         raise GeometryError("config fields 'kv_lora_rank'/'qk_rope_head_dim' make it an MLA model: the "
                             "transformers integration caches K and V per KV head and does not support MLA")
-    return KVLayout(shape.num_layers, block_tokens, shape.num_kv_heads, shape.head_dim, kv_dtype(dtype, _MODEL_DTYPES))
+    return KVGroup(GroupKind.FULL, tuple(range(shape.num_layers)), kv_dtype(dtype, _MODEL_DTYPES),
+                   kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
@@ -82,9 +114,10 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 class RestoredPrefix:
     """``tokens`` tokens' KV (the prompt's first, or in a split those after the computed
-    beginning), arriving layer by layer from a :class:`LoadHandle`."""
+    beginning), arriving layer by layer from a load: a :class:`LoadHandle` of whole blocks, or a
+    :class:`~kvstrata.cache.sliced.SlicedLoad` of a rank's head slices (both give ``pieces()``)."""
 
-    def __init__(self, handle: LoadHandle, tokens: int, timeout_s: float = 120.0) -> None:
+    def __init__(self, handle: LoadHandle | SlicedLoad, tokens: int, timeout_s: float = 120.0) -> None:
         self.handle = handle
         self.tokens = tokens
         self.timeout_s = timeout_s
@@ -92,22 +125,31 @@ class RestoredPrefix:
     def layer(self, i: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K and V as ``[1, kv_heads, tokens, head_dim]`` on ``device`` (waits for it)."""
         self.handle.wait_layer(i, self.timeout_s)
-        kv = torch.cat([self.handle.block(b)[i] for b in range(self.handle.blocks)], dim=1)  # [2, tokens, H, D]
-        kv = kv.to(device, non_blocking=True).permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, H, tokens, D]
-        return kv[0], kv[1]
+        pieces = self.handle.pieces()
+        heads = max(h + piece.shape[3] for _, h, piece in pieces)
+        first = pieces[0][2]
+        keys = torch.empty(1, heads, self.tokens, first.shape[-1], dtype=first.dtype, device=device)
+        values = torch.empty_like(keys)
+        self._write(pieces, i, keys, values)
+        return keys, values
 
     def write_layer(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy layer ``i``'s K and V into ``keys`` and ``values`` (``[1, kv_heads, tokens,
-        head_dim]``, any device and dtype; waits for the layer): one copy a block, no staging."""
+        head_dim]``, any device and dtype; waits for the layer): one copy a piece, no staging."""
         self.handle.wait_layer(i, self.timeout_s)
-        start = 0
-        for b in range(self.handle.blocks):
-            kv = self.handle.block(b)[i]  # [2, block tokens, H, D]
-            span = slice(start, min(start + kv.shape[1], self.tokens))
-            start = span.stop
-            n = span.stop - span.start
-            keys[0, :, span].copy_(kv[0, :n].transpose(0, 1), non_blocking=True)
-            values[0, :, span].copy_(kv[1, :n].transpose(0, 1), non_blocking=True)
+        self._write(self.handle.pieces(), i, keys, values)
+
+    def _write(self, pieces: list[tuple[int, int, torch.Tensor]], i: int, keys: torch.Tensor,
+               values: torch.Tensor) -> None:
+        for b, h, piece in pieces:
+            kv = piece[i]  # [2, block tokens, piece heads, D]
+            start = b * kv.shape[1]
+            n = min(kv.shape[1], self.tokens - start)
+            if n <= 0:
+                continue  # past the tokens the ranks agreed on
+            heads = slice(h, h + kv.shape[2])
+            keys[0, heads, start:start + n].copy_(kv[0, :n].transpose(0, 1), non_blocking=True)
+            values[0, heads, start:start + n].copy_(kv[1, :n].transpose(0, 1), non_blocking=True)
 
 
 class RestoringLayer(DynamicLayer):

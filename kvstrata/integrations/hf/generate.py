@@ -15,6 +15,14 @@ computed KV in each layer, then the rest of the prompt is computed (Cake's split
 ``"auto"``, is :func:`kvstrata.plan.recompute.choose` on this host's calibration, its load times
 from :mod:`kvstrata.plan.loadtime`).
 
+Tensor parallelism: under transformers' own TP (:mod:`kvstrata.integrations.hf.tp`) each
+process is one rank and its model's KV cache holds its KV heads. Its cache is either head-sliced
+(a TieredCache of :func:`~kvstrata.integrations.hf.cache.model_slice_layout`, looked at through
+a :class:`~kvstrata.cache.sliced.SlicedRank`: the rank stores and loads its heads' slices, which
+ranks of every TP size share) or TP-matched (of :func:`model_layout` at the model's TP, its
+namespace naming the rank). The ranks agree on every count that decides their forwards (the
+cached prefix, the split) by an all-reduce of the least.
+
 One sequence at a time (batch 1): this integration proves bytes and timing, a serving engine
 batches (see :mod:`kvstrata.integrations.vllm`).
 """
@@ -28,9 +36,13 @@ from typing import Any
 import torch
 
 from kvstrata.cache import LoadHandle, LoadResult, TieredCache
+from kvstrata.cache.sliced import SlicedLoad, SlicedMatch, SlicedRank
 from kvstrata.index.prefix import Match
-from kvstrata.integrations.hf.cache import KVStrataCache, RestoredPrefix, cache_arg, model_layout
+from kvstrata.integrations.hf.cache import (KVStrataCache, RestoredPrefix, cache_arg, model_heads, model_layout,
+                                            model_slice_layout)
 from kvstrata.integrations.hf.streaming import StreamedKV
+from kvstrata.integrations.hf.tp import TensorParallel
+from kvstrata.kv.heads import HeadSlicing
 from kvstrata.plan.host import HostCalibration, PrefillFit
 from kvstrata.plan.loadtime import calibrated_contention, calibrated_load_time
 from kvstrata.plan.recompute import PlanKind, RecomputePlan, Strategy, choose
@@ -73,8 +85,11 @@ class Generation:
 class KVStrataLM:
     """Greedy generation with a transformers causal LM whose prefix KV comes from kvstrata.
 
-    The TieredCache's layout must be :func:`model_layout` of the model (checked), so blocks
-    stored by one model never load into another (the namespace carries model id and layout).
+    The TieredCache's layout must be the model's (checked), so blocks stored by one model never
+    load into another (the namespace carries model id and layout): :func:`model_layout` at the
+    model's TP size (whole blocks of this rank's heads; at TP > 1 the cache's ``tp_rank`` and
+    ``tp_size`` must be this rank's), or :func:`model_slice_layout` (head slices, shared by
+    every TP size). ``tp`` defaults to the model's own (:meth:`TensorParallel.of_model`).
 
     ``calibration`` and ``prefill`` feed ``strategy="auto"``: load times come from the
     calibration's paths (:meth:`HostCalibration.restore_s` per source tier), prefill time from
@@ -90,6 +105,7 @@ class KVStrataLM:
         *,
         calibration: HostCalibration | None = None,
         prefill: PrefillFit | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.model = model
         self._cache_arg = cache_arg(model)  # "cache" (transformers >= 5.2x) or "past_key_values"
@@ -100,10 +116,27 @@ class KVStrataLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = model.config.num_hidden_layers
-        if cache is not None:
-            want = model_layout(model.config, cache.layout.block_tokens, self.dtype)
-            if cache.layout != want:
-                raise ValueError(f"cache layout {cache.layout.describe()} does not fit the model's {want.describe()}")
+        self.tp = tp if tp is not None else TensorParallel.of_model(model)
+        # What this rank stores and loads through: the cache itself (whole blocks of its heads)
+        # or, head-sliced, its SlicedRank (the same calls, over its heads' slices).
+        self.kv: TieredCache | SlicedRank | None = self._rank_kv(cache) if cache is not None else None
+
+    def _rank_kv(self, cache: TieredCache) -> TieredCache | SlicedRank:
+        layout, tp = cache.layout, self.tp
+        if layout.head_sliced:
+            want = model_slice_layout(self.model.config, layout.block_tokens, self.dtype, layout.kv_heads)
+            if layout != want:
+                raise ValueError(f"cache layout {layout.describe()} does not fit the model's {want.describe()}")
+            slicing = HeadSlicing(model_heads(self.model.config, self.dtype), layout.kv_heads)
+            return SlicedRank(cache, slicing, tp.size, tp.rank)
+        want = model_layout(self.model.config, layout.block_tokens, self.dtype, tp.size)
+        if layout != want:
+            raise ValueError(f"cache layout {layout.describe()} does not fit the model's {want.describe()}")
+        if (cache.config.tp_rank, cache.config.tp_size) != (tp.rank, tp.size):
+            raise ValueError(f"cache config tp_rank/tp_size {cache.config.tp_rank}/{cache.config.tp_size} is not "
+                             f"the model's rank {tp.rank} of {tp.size}: a TP-matched cache names its rank (or use "
+                             "a head-sliced cache, model_slice_layout)")
+        return cache
 
     @torch.inference_mode()
     def generate(
@@ -165,9 +198,9 @@ class KVStrataLM:
         steps = max_new_tokens - 1
         per_step = (stream.bytes_moved - moved_before) / steps if stream is not None and steps else 0.0
         stored = 0
-        if store and self.cache is not None:
+        if store and self.kv is not None:
             computed = list(prompt) + tokens[:-1]  # the last token's KV is never computed
-            stored = self.cache.store(computed, kv_cache.kv(), self.tenant).result().new_blocks
+            stored = self.kv.store(computed, kv_cache.kv(), self.tenant).result().new_blocks
         return tokens, per_step, stored
 
     def _generate_planned(
@@ -176,9 +209,11 @@ class KVStrataLM:
     ) -> Generation:
         """Every strategy (see :meth:`generate`); load is the split at k = 0."""
         start = time.perf_counter()
-        match = self.cache.lookup(prompt[:-1], self.tenant) if reuse and self.cache is not None else None
+        match = self._lookup(prompt[:-1]) if reuse and self.kv is not None else None
         hit = match.tokens if match is not None else 0
         k, decision = self._compute_tokens(match, len(prompt), strategy, split_tokens)
+        if strategy is Strategy.AUTO:
+            k = self.tp.agree(k, self.device)  # ranks' predictions may differ: the least is a plan for all
         kind = PlanKind.LOAD if k == 0 else PlanKind.RECOMPUTE if k == hit else PlanKind.SPLIT
         stream = StreamedKV(self.num_layers, torch.device("cpu"), self.device.type == "cuda") if streaming else None
         kv_cache = KVStrataCache(self.num_layers, stream)
@@ -187,9 +222,7 @@ class KVStrataLM:
             done = 0  # tokens whose KV is in kv_cache
             if kind is not PlanKind.RECOMPUTE and hit:
                 # Start loading [k, hit), then compute [0, k) while it loads (nothing when k = 0).
-                block = self.cache.layout.block_tokens
-                handle = self.cache.load(Match(match.keys[k // block:], match.media[k // block:], block,
-                                               match.total_blocks))
+                handle = self.kv.load(match.after(k // self.cache.layout.block_tokens))
                 if k:
                     self._forward(prompt[:k], kv_cache)
                 handle, prefix = self._first_layer(handle)
@@ -213,8 +246,13 @@ class KVStrataLM:
                           hit_tokens=prefix.tokens if prefix is not None else 0, load=load, stored_blocks=stored,
                           stream_bytes_per_step=per_step, plan=kind, compute_tokens=k, decision=decision)
 
+    def _lookup(self, tokens: list[int]) -> Match | SlicedMatch:
+        """The cached prefix of ``tokens`` every rank has (a block one rank lacks is a miss for all)."""
+        match = self.kv.lookup(tokens, self.tenant)
+        return match.cut(self.tp.agree(match.blocks, self.device))
+
     def _compute_tokens(
-        self, match: Match | None, prompt_tokens: int, strategy: Strategy, split_tokens: int | None
+        self, match: Match | SlicedMatch | None, prompt_tokens: int, strategy: Strategy, split_tokens: int | None
     ) -> tuple[int, RecomputePlan | None]:
         """k, the cached prefix's tokens to compute rather than load, and with "auto" the decision."""
         hit = match.tokens if match is not None else 0
@@ -238,16 +276,20 @@ class KVStrataLM:
                          use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]
 
-    def _first_layer(self, handle: LoadHandle) -> tuple[LoadHandle | None, RestoredPrefix | None]:
+    def _first_layer(self, handle: LoadHandle | SlicedLoad) -> tuple[LoadHandle | SlicedLoad | None,
+                                                                      RestoredPrefix | None]:
         """Wait for the restore's first layer (on the CPU: for all of it; see the module text):
         (the handle, the restored span), the span None when nothing was loaded; on a failed
-        restore (None, None), the handle released."""
+        restore (None, None), the handle released. Under TP the span is what every rank loaded."""
         try:
             if self.device.type == "cpu":
                 handle.wait(_RESTORE_WAIT_S)
             handle.wait_layer(0, _RESTORE_WAIT_S)
             loaded = handle.blocks * self.cache.layout.block_tokens
         except Exception:  # noqa: BLE001 - a failed restore is recomputed, never served
+            loaded = -1
+        loaded = self.tp.agree(loaded, self.device)  # every rank calls it, failed or not
+        if loaded < 0:
             handle.release()
             return None, None
         return handle, (RestoredPrefix(handle, loaded) if loaded else None)
@@ -266,14 +308,16 @@ class KVStrataLM:
                              f"{self.cache.config.model_id!r}")
         return calibration, prefill
 
-    def _decide(self, match: Match | None, tail_tokens: int) -> RecomputePlan:
+    def _decide(self, match: Match | SlicedMatch | None, tail_tokens: int) -> RecomputePlan:
         calibration, prefill = self._auto_inputs()
-        layout = self.cache.layout
+        stored = self.cache.layout  # what one stored object holds: a block, or a slice of one
         hit = match.tokens if match is not None else 0
-        media = match.media if match is not None else ()
-        load = calibrated_load_time(calibration, media, layout.block_bytes, self.cache.config.workers)
-        contention = calibrated_contention(calibration, media, layout.block_bytes, load, self.device.type == "cpu")
-        return choose(hit, tail_tokens, layout.block_tokens, layout.block_bytes // layout.block_tokens, load, prefill,
+        objects = match.match if isinstance(match, SlicedMatch) else match  # the stored objects' match
+        media = objects.media if objects is not None else ()
+        load = calibrated_load_time(calibration, media, stored.block_bytes, self.cache.config.workers)
+        contention = calibrated_contention(calibration, media, stored.block_bytes, load, self.device.type == "cpu")
+        rank = self.kv.layout  # the rank's KV of a block: all its slices
+        return choose(hit, tail_tokens, rank.block_tokens, rank.block_bytes // rank.block_tokens, load, prefill,
                       contention)
 
 
