@@ -47,7 +47,7 @@ def report(measured):
 
 def test_the_table_has_a_row_per_tier_and_tp_and_the_lookups(measured, capsys):
     _print_cache(measured[0])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the console's line breaks undone
     assert "head-sliced vs TP-matched restores" in out and "hash+lookup of 128K tokens by an instance" in out
     for label in ("host, TP=1", "disk, cold, TP=2", "disk, warm, TP=8", "block 256, TP=8", "block 16, TP=8"):
         assert label in out, label
