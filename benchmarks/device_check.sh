@@ -4,11 +4,13 @@
 # rich, prometheus-client, matplotlib, pytest and hypothesis; it has no network, no Mooncake
 # (pool tests skip) and no vLLM (its wheel is over the 64 MiB a run may carry).
 #
-#   run(command="bash benchmarks/device_check.sh", timeout_s=540)
+#   run(command="bash benchmarks/device_check.sh", timeout_s=600)
 #
 # Writes under $OUT (what comes back): the environment, the CUDA-path tests, calibrate's
 # pinned/pageable H2D and D2H GB/s (against the PCIe ceiling in `kvstrata hardware links`),
-# validate's predicted vs measured restores, and bench cache's device/host/disk ratios.
+# validate's predicted vs measured restores, bench cache's device/host/disk ratios, and bench
+# cache --tp-readers: head-sliced vs TP-matched restores into the GPU at reader TP 1, 2, 4, 8 (all
+# ranks on the one GPU, one after another) and the TP=8 / TP=1 instance lookup.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvstrata-device}
 mkdir -p "$OUT"
@@ -39,4 +41,9 @@ echo "validate rc=$?"
 step "bench cache (device tier on CUDA: pinned copies, per-thread streams)"
 timeout 150 "$PY" -m kvstrata bench cache --size-mib 1024 --no-lmcache --json > "$OUT/bench_cache.json" 2> "$OUT/bench_cache.err"
 echo "bench cache rc=$?"
+
+step "bench cache --tp-readers (head-sliced vs TP-matched restores into CUDA, TP 1/2/4/8)"
+timeout 150 "$PY" -m kvstrata bench cache --size-mib 256 --repeats 3 --no-lmcache --tp-readers 1,2,4,8 --json \
+  > "$OUT/bench_tp_readers.json" 2> "$OUT/bench_tp_readers.err"
+echo "bench cache --tp-readers rc=$?"
 step done

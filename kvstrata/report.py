@@ -8,7 +8,8 @@ sees are made here (JSON) or at the CLI (tables), never used as keys in between:
   name or the key :func:`key` gives it; a field whose metadata is :data:`FLATTEN` or
   :func:`flatten` (a dataclass) has its keys merged into the parent's (prefixed or renamed
   there, so one figure type serves reports whose keys were named apart), one whose metadata is
-  :data:`OMIT` is left out (bulk data kept for the caller, e.g. prompts);
+  :data:`OMIT` is left out (bulk data kept for the caller, e.g. prompts), one whose metadata is
+  :data:`OMIT_NONE` is left out while it is None (a part of a report that only an option adds);
 * a :class:`~kvstrata.media.Medium`: its label (``"host"``), as a value or as a key;
 * a route (a non-empty tuple of media): its text (``"remote -> host -> device"``), as a value
   or as a key;
@@ -30,6 +31,7 @@ from typing import Any
 from kvstrata.media import Medium, route_text
 
 OMIT = {"json": "omit"}
+OMIT_NONE = {"json": "omit_none"}
 
 
 def flatten(prefix: str = "", **keys: str) -> dict[str, Any]:
@@ -86,6 +88,8 @@ def _fields(obj: Any) -> dict[str, Any]:
         if how == "omit":
             continue
         value = getattr(obj, f.name)
+        if how == "omit_none" and value is None:
+            continue
         if how == "flatten":
             if not dataclasses.is_dataclass(value):
                 raise TypeError(f"{type(obj).__name__}.{f.name}: only a dataclass can be flattened")

@@ -29,6 +29,10 @@ of memory freed a moment before whichever step ran before it. Without it, on the
 the second cold read of a round ran ~3x slower than the first, ours or the baseline.
 
 Where there is no CUDA the device tier, and the "device" side of every copy, is CPU memory.
+
+``tp_readers`` (``--tp-readers 1,2,4,8``): after the rounds above, the same KV restored at each
+reader TP size as head-sliced and as TP-matched blocks, and the hash+lookup of a 128K-token
+prompt by TP=1 and TP=t head-sliced instances (``kvstrata.bench.tpread``).
 """
 
 from __future__ import annotations
@@ -36,22 +40,25 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvstrata.bench import lmcache as lmcache_side
+from kvstrata.bench import tpread
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
 from kvstrata.bench.cache_report import CacheBenchReport, CacheRun, CacheVerified, cache_report
 from kvstrata.bench.kvdata import KVSetup, block_layout, random_kv
 from kvstrata.bench.ours import OursCache
 from kvstrata.bench.lookup import LookupTimes, hash_and_lookup_ms
 from kvstrata.bench.rounds import Environment, Rounds, check_rounds, rotated
+from kvstrata.bench.tpread_report import tp_report
 from kvstrata.calibrate.ballast import Ballast
 from kvstrata.kv.layout import KVLayout
 from kvstrata.progress import NoProgress, Progress
+from kvstrata.report import OMIT
 
 MIB = 1 << 20
 LOOKUP_TOKENS = 131_072
@@ -74,6 +81,8 @@ class CacheBenchConfig:
             None: the system's temporary directory.
         lmcache: measure LMCache too, when it imports.
         lookup_repeats: timed rounds of the hash+lookup variants (interleaved: ``kvstrata.bench.lookup``).
+        tp_readers: reader TP sizes to restore head-sliced blocks at, beside TP-matched ones
+            (``kvstrata.bench.tpread``); empty: not measured. In the report's ``tp_readers``, not its config.
     """
 
     size_bytes: int = 512 * MIB
@@ -84,9 +93,13 @@ class CacheBenchConfig:
     directory: str | None = None
     lmcache: bool = True
     lookup_repeats: int = 50
+    tp_readers: tuple[int, ...] = field(default=(), metadata=OMIT)
 
     def __post_init__(self) -> None:
         check_rounds(self, "bench cache", ("size_bytes", "blocks", "workers", "lookup_repeats"))
+        bad = [tp for tp in self.tp_readers if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1]
+        if bad or len(set(self.tp_readers)) != len(self.tp_readers):
+            raise ValueError(f"bench cache: tp_readers must be distinct TP sizes >= 1, got {list(self.tp_readers)}")
 
 
 def bench_layout(config: CacheBenchConfig) -> KVLayout:
@@ -106,9 +119,11 @@ def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) 
     """
     progress = progress or NoProgress()
     layout = bench_layout(config)
+    slicing = tpread.check_readers(config.model, config.tp_readers) if config.tp_readers else None
     lmcache_ok, lmcache_note = lmcache_side.availability() if config.lmcache else (False, "not requested")
     rounds_total = config.repeats + 1
-    progress.start(rounds_total * len(PHASES) + len(LOOKUP_BLOCK_SIZES) + 1)
+    tp_steps = tpread.progress_steps(config.tp_readers, config.repeats, LOOKUP_BLOCK_SIZES) if slicing else 0
+    progress.start(rounds_total * len(PHASES) + len(LOOKUP_BLOCK_SIZES) + 1 + tp_steps)
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     # kv_bytes: [layers, kv, tokens, kv_heads, head_dim * itemsize], random.
@@ -139,6 +154,14 @@ def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) 
             lookups[block_size] = hash_and_lookup_ms(LOOKUP_TOKENS, block_size, config.lookup_repeats)
             progress.step(f"hash+lookup, block {block_size}")
         verified = CacheVerified(ours.verified_bytes, lmc.verified_bytes if lmc else 0)
+        tp = None
+        if slicing is not None:
+            ours.close()  # its tiers' memory back before the ranks' caches take theirs
+            data = tpread.TPData(tpread.model_group(config.model), slicing, layout.block_tokens, tokens, kv_bytes)
+            tp_run = tpread.run_tp_readers(data, config.tp_readers, config.repeats, config.workers,
+                                           config.lookup_repeats, LOOKUP_BLOCK_SIZES, LOOKUP_TOKENS, scratch,
+                                           sides.ballast, device, progress)
+            tp = tp_report(data, config.tp_readers, tp_run)
     finally:
         if lmc is not None:
             lmc.close()
@@ -147,7 +170,7 @@ def run_cache_bench(config: CacheBenchConfig, progress: Progress | None = None) 
         shutil.rmtree(scratch, ignore_errors=True)
 
     run = CacheRun(config, KVSetup.of(layout, device), Environment.here())
-    return cache_report(run, rounds, lookups, verified, lmcache_note if lmcache_ok else None, lmcache_note)
+    return cache_report(run, rounds, lookups, verified, lmcache_note if lmcache_ok else None, lmcache_note, tp)
 
 
 # --- phases -------------------------------------------------------------------------------------

@@ -22,10 +22,11 @@ from kvstrata.bench.goals import (
 from kvstrata.bench.lookup import LookupTimes
 from kvstrata.bench.kvdata import KVSetup
 from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
-from kvstrata.report import FLATTEN, flatten
+from kvstrata.report import FLATTEN, OMIT_NONE, flatten
 
 if TYPE_CHECKING:
     from kvstrata.bench.cache import CacheBenchConfig
+    from kvstrata.bench.tpread_report import TPReaders
 
 UNITS = "GB/s, 1 GB = 1e9 bytes; ratio = median over rounds of ours / baseline in the same round"
 
@@ -161,14 +162,16 @@ class CacheBenchReport:
     lookup_128k_ms: dict[int, float]  # ours, per block size
     lookup_128k: dict[int, LookupTimes]
     verified: CacheVerified
-    goals: tuple[Goal, ...]
+    goals: tuple[Goal, ...]  # the tp_readers' goals too, when it ran
+    tp_readers: TPReaders | None = field(default=None, metadata=OMIT_NONE)  # --tp-readers: head-sliced vs TP-matched
 
 
 def cache_report(
     run: CacheRun, rounds: Rounds, lookups: dict[int, LookupTimes], verified: CacheVerified, lmcache_version: str | None,
-    lmcache_note: str,
+    lmcache_note: str, tp_readers: TPReaders | None = None,
 ) -> CacheBenchReport:
-    """The report of the rounds (``lmcache_version`` None: LMCache did not run, ``lmcache_note`` says why)."""
+    """The report of the rounds (``lmcache_version`` None: LMCache did not run, ``lmcache_note`` says why;
+    ``tp_readers``: the head-sliced rows, when they ran)."""
     size = run.config.size_bytes
 
     def gbps(name: str) -> float:
@@ -218,7 +221,8 @@ def cache_report(
         lookup_128k_ms=lookup_ms,
         lookup_128k=dict(lookups),
         verified=verified,
-        goals=cache_goals(tiers, lmcache, lookups),
+        goals=cache_goals(tiers, lmcache, lookups) + (tp_readers.goals if tp_readers is not None else ()),
+        tp_readers=tp_readers,
     )
 
 

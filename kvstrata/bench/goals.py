@@ -7,7 +7,9 @@ when LMCache did not run.
 
 A goal names the figure it judges with the benchmark's own key: a member of
 :class:`CacheFigure`, :class:`LookupFigure` or :class:`RemoteFigure` (the JSON holds its value), or for ``bench sim``,
-whose figures are data (a trace and an architecture), a ``"<trace> <arch>"`` id.
+whose figures are data (a trace and an architecture), a ``"<trace> <arch>"`` id; for the head-sliced
+rows of ``bench cache --tp-readers`` (a tier and a TP size), the id :func:`sliced_restore_figure`
+or :func:`sliced_lookup_figure` makes.
 """
 
 from __future__ import annotations
@@ -94,6 +96,18 @@ REMOTE_OF_RAW = 0.90  # the remote tier's restore and store, of raw Mooncake cal
 SEALED_OF_UNSEALED = 0.90  # restores of authenticated pool values, of unauthenticated ones
 LOOKUP_OF_EXISTS = 1.5  # a lookup that asks the pool, at most this times the raw batch_is_exist (a time ratio)
 SIM_WALL_S = 5.0  # one simulation of a trace, one architecture, on one core (kvstrata bench sim)
+SLICED_OF_MATCHED = 0.90  # a head-sliced restore at any reader TP, of a TP-matched one of the same bytes (rate)
+SLICED_LOOKUP_TP_OF_TP1 = 1.5  # hash+lookup of 128K tokens by a TP=8 head-sliced instance, of TP=1 (time, at most)
+
+
+def sliced_restore_figure(source: str, tp: int) -> str:
+    """The id of the goal of a ``bench cache --tp-readers`` restore row (``source``: its tier, in words)."""
+    return f"head-sliced restore, {source}, TP={tp}"
+
+
+def sliced_lookup_figure(block_size: int, tp: int) -> str:
+    """The id of the goal of a ``bench cache --tp-readers`` lookup row."""
+    return f"head-sliced hash+lookup 128K, block {block_size}, TP={tp} of TP=1"
 
 
 def goals_for(figure: CacheFigure | LookupFigure | RemoteFigure, judged: tuple[Goal, ...]) -> list[Goal]:

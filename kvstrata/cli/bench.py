@@ -67,6 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _rounds_args(cache, repeats=5, per="", workers_help="the cache's transfer threads (default: 2)")
     _dir_arg(cache)
     cache.add_argument("--no-lmcache", action="store_true", help="skip LMCache even if it imports")
+    cache.add_argument("--tp-readers", metavar="TPS", type=_tp_sizes,
+                       help="also restore the KV as head-sliced blocks at each of these reader TP sizes "
+                       "(comma-separated, e.g. 1,2,4,8) beside TP-matched blocks of the same bytes, from the host and "
+                       "the disk tier; and hash+lookup of 128K tokens by TP=1 and the largest TP (goals: >=0.9x, <=1.5x)")
     cli.add_json_arg(cache)
 
     remote = bench(
@@ -148,6 +152,17 @@ def _rounds_args(p: argparse.ArgumentParser, repeats: int, per: str, workers_hel
                    help=f"timed rounds{per} after one warm-up, >= 3 (default: {repeats})")
     if workers_help is not None:
         p.add_argument("--workers", type=int, default=2, help=workers_help)
+
+
+def _tp_sizes(text: str) -> tuple[int, ...]:
+    """``1,2,4,8`` as TP sizes: distinct integers >= 1."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"expected distinct TP sizes >= 1, comma-separated (e.g. 1,2,4,8), got {text!r}")
+    return sizes
 
 
 def _dir_arg(p: argparse.ArgumentParser) -> None:
@@ -232,7 +247,12 @@ def run_cache(args: argparse.Namespace) -> int:
         workers=args.workers,
         directory=args.dir,
         lmcache=not args.no_lmcache,
+        tp_readers=args.tp_readers or (),
     )
+    if config.tp_readers:  # a TP size the model's heads do not split over fails now, not after the other rounds
+        from kvstrata.bench.tpread import check_readers
+
+        check_readers(config.model, config.tp_readers)
     return _run_and_report(args, lambda bar: run_cache_bench(config, bar), _print_cache)
 
 
@@ -306,6 +326,57 @@ def _print_cache(report: CacheBenchReport) -> None:
         f"{verified.lmcache_bytes / 1e9:.2f} GB by LMCache. GB = 1e9 bytes; ratio = median over rounds "
         "of ours / baseline within a round (lowest-highest round in brackets).",
         highlight=False,
+    )
+    if report.tp_readers is not None:
+        _print_tp_readers(report)
+
+
+def _print_tp_readers(report: CacheBenchReport) -> None:
+    from kvstrata.bench.goals import sliced_lookup_figure, sliced_restore_figure
+
+    tp, c = report.tp_readers, report.config
+    assert tp is not None
+
+    def verdicts(figure: str) -> tuple[str, str]:
+        return _verdicts([g for g in report.goals if g.figure == figure])
+
+    mib = 1 << 20
+    title = (
+        f"head-sliced vs TP-matched restores: {c.config.size_bytes / MIB:g} MiB of {c.config.model} KV "
+        f"({tp.kv_heads} KV heads, {tp.slices} slices a block), {tp.blocks} blocks of {tp.block_tokens} tokens, "
+        f"device {c.kv.device}; each of TP ranks: load() + copy into its KV; median of {c.config.repeats} rounds, "
+        "GB/s of all ranks' bytes"
+    )
+    table = _figure_table(title, (("tier, reader TP", "left"), ("objects/rank", "right"),
+                                  ("TP-matched", "right"), ("head-sliced", "right"), ("ratio", "right"),
+                                  ("load alone", "right"), ("goal", "left"), ("pass", "left")))
+    for row in tp.restores:
+        objects = (f"{row.matched_objects} x {row.matched_object_bytes / mib:g} MiB\n"
+                   f"{row.sliced_objects} x {row.sliced_object_bytes / mib:g} MiB")
+        table.add_row(f"{row.source.value}, TP={row.tp}", objects,
+                      _gbps(row.rate.baseline), _gbps(row.rate.ours), _xc(row.rate), _xc(row.load),
+                      *verdicts(sliced_restore_figure(row.source.value, row.tp)))
+    out = cli.console()
+    out.print(table)
+    lookups = _figure_table(
+        "hash+lookup of 128K tokens by an instance, every block in the host tier: the block keys once, then every "
+        "rank's match (its slice keys + the match); ms, medians",
+        (("block, TP=t", "left"), ("matched TP=1", "right"), ("sliced TP=1", "right"), ("sliced TP=t", "right"),
+         ("TP=t / TP=1", "right"), ("goal", "left"), ("pass", "left")))
+    where = []
+    for bs, lk in tp.lookups.items():
+        lookups.add_row(f"block {bs}, TP={lk.tp}", f"{lk.matched_tp1_ms:.2f}", f"{lk.sliced_tp1_ms:.2f}",
+                        f"{lk.sliced_tp_ms:.2f}", spread_x(lk.tp_of_tp1), *verdicts(sliced_lookup_figure(bs, lk.tp)))
+        where.append(f"block {bs}: sliced TP=1 {spread_x(lk.sliced_of_matched)} matched TP=1; of it the block keys "
+                     f"{lk.hash_ms:.2f} ms, the slice keys {lk.slice_keys_tp1_ms:.2f} ms (TP={lk.tp}: "
+                     f"{lk.slice_keys_tp_ms:.2f} ms), the matches the rest")
+    out.print(lookups)
+    out.print("Where the sliced lookup's time goes: " + "; ".join(where) + ".", highlight=False)
+    met = sum(g.passed for g in tp.goals)
+    out.print(
+        f"head-sliced goals met: {met} of {len(tp.goals)}. verified bit-exact: {tp.verified_bytes / 1e9:.2f} GB restored "
+        f"(both layouts). objects/rank: TP-matched blocks, then head slices. {tp.note}.",
+        highlight=False, markup=False,
     )
 
 

@@ -46,6 +46,7 @@ def test_json_has_every_tier_and_figure(report):
     for times in data["lookup_128k"].values():  # judged as a paired ratio to the bare xxh3 loop
         assert 0 < times["ours_of_xxh3"]["min"] <= times["ours_of_xxh3"]["median"] <= times["ours_of_xxh3"]["max"]
     assert len(host["runs_gbps"]["ours.host.restore"]) == 5  # 5 repeats; the warm-up round is not kept
+    assert "tp_readers" not in data and "tp_readers" not in data["config"]  # only --tp-readers adds its rows
 
 
 def test_the_geometry_is_llama_3_8b_split_into_16_blocks(report):

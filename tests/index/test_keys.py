@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.index.keys import KEY_BYTES, Namespace, block_keys, token_bytes
+from kvstrata.index.keys import KEY_BYTES, Namespace, block_keys, slice_keys, token_bytes
 
 NS = Namespace("meta-llama/Llama-3.1-8B", "bfloat16", "layer-major LKTHD:32x2x16x8x128:bfloat16", 16)
 
@@ -313,3 +313,14 @@ def test_two_sequences_share_exactly_their_common_full_block_prefix(a, b, block_
     keys_a, keys_b = block_keys(a, namespace), block_keys(b, namespace)
     assert keys_a[:shared] == keys_b[:shared]
     assert set(keys_a) & set(keys_b) == set(keys_a[:shared])
+
+
+def test_a_slice_key_is_xxh3_of_the_block_key_and_the_slice_whichever_slices_are_asked_for():
+    """One slice at a time (a rank holding one head) and all at once give the same keys."""
+    keys = block_keys(np.arange(64, dtype=np.uint32), Namespace("m", "bf16", "x", 16))
+    every = slice_keys(keys, range(8))
+    assert every[8 * 2 + 5] == xxhash.xxh3_128_digest(keys[2] + b"kvstrata-slice:" + (5).to_bytes(4, "little"))
+    for j in range(8):
+        assert slice_keys(keys, range(j, j + 1)) == every[j::8]
+    assert slice_keys(keys, range(2, 4)) == [k for pair in zip(every[2::8], every[3::8]) for k in pair]
+    assert len(set(every)) == 32 and slice_keys([], range(3)) == []
