@@ -210,7 +210,7 @@ class TinyMLASpec:
     shared_experts: int = 1
     experts_per_token: int = 2
     first_dense_layers: int = 1
-    vocab: int = 1024
+    vocab: int = 4096
     max_positions: int = 4096
     dtype: str = "bfloat16"
     seed: int = 0

@@ -10,8 +10,8 @@ size loads exactly its heads' slices of what another stored; the first rank hold
 replicated head (MLA's latent: rank 0) writes it, the others share that copy. This reads vLLM's
 block layout, checked at registration: vLLM 0.32's CPU attention keeps
 ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` per layer (per head: K's tokens, then V's),
-its MLA ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (one latent, the same on every
-rank). Both are viewed as ``[num_blocks, heads, kv, block_size, head_dim]`` and copied with one
+its MLA ``[num_blocks, 1, block_size, kv_lora_rank + rope_dim]`` (one latent, the same on
+every rank; ``[num_blocks, block_size, ...]`` is taken too). Both are viewed as ``[num_blocks, heads, kv, block_size, head_dim]`` and copied with one
 index op per layer (saves) or one ``torch._foreach_copy_`` per layer (loads).
 
 Both answer the same calls: ``keys``, ``match`` (in blocks), ``load`` (None when not every block
@@ -151,10 +151,10 @@ def _head_view(spec: VLLMGroup, paged: torch.Tensor, layout: KVLayout) -> torch.
         ValueError: the tensor is not laid out as vLLM 0.32's CPU attention or MLA keeps it.
     """
     n, bs, heads, dim = paged.shape[0], layout.block_tokens, layout.kv_heads, layout.head_dim
-    if layout.kv_tensors == 1 and tuple(paged.shape) == (n, bs, dim):  # MLA: one latent per token
+    if layout.kv_tensors == 1 and tuple(paged.shape) in ((n, bs, dim), (n, 1, bs, dim)):  # MLA: one latent per token
         return paged.view(n, 1, 1, bs, dim)
     if layout.kv_tensors == 2 and tuple(paged.shape) == (n, heads, bs, 2 * dim) and paged.is_contiguous():
         return paged.view(n, heads, 2, bs, dim)  # per head: K's block_size rows, then V's
-    expected = (f"[blocks, {bs}, {dim}]" if layout.kv_tensors == 1 else f"[blocks, {heads}, {bs}, {2 * dim}]")
+    expected = (f"[blocks, (1,) {bs}, {dim}]" if layout.kv_tensors == 1 else f"[blocks, {heads}, {bs}, {2 * dim}]")
     raise ValueError(f"{_PREFIX} KV cache group {spec.index}: vLLM's paged KV of shape {tuple(paged.shape)} is not "
                      f"{expected}, the layout head-sliced blocks copy from (use kv_sharing='tp-matched')")
