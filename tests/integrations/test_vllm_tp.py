@@ -52,20 +52,25 @@ def tp_runs(tiny_model_dir, tiny_mla_dir, pool, tmp_path_factory) -> dict:
     llama, mla_ns = {**remote, "model_id": f"vllm-tp-{ns}"}, {**remote, "model_id": f"vllm-tp-mla-{ns}"}
     disk = {"disk_dir": str(tmp / "disk"), "disk_bytes": 64 * MiB}
     tp2 = {"tensor_parallel_size": 2}
+    fp32 = {"dtype": "float32"}  # TP=1's and TP=2's sums part near-ties in bf16 (measured), not in fp32
+    # cold references that store nothing (consumers, in namespaces nothing is stored under)
+    cold = {**remote, "role": "kv_consumer"}
     runs = run_children({
-        "l1": spec(model, tmp, "l1", **llama),
-        "l2": {**spec(model, tmp, "l2", passes=[FILLER], **llama, **disk), **tp2},
+        "l1": {**spec(model, tmp, "l1", **llama), **fp32},
+        "l1_cold": {**spec(model, tmp, "l1_cold", passes=[FILLER], **cold, model_id=f"vllm-tp-cold-{ns}"), **fp32},
+        "m2_cold": {**spec(mla, tmp, "m2_cold", **cold, model_id=f"vllm-tp-mla-cold-{ns}"), **MLA_ENGINE, **tp2},
+        "l2": {**spec(model, tmp, "l2", passes=[FILLER], **llama, **disk), **tp2, **fp32},
         "m1": {**spec(mla, tmp, "m1", **mla_ns), **MLA_ENGINE},
     }, tmp)
     shutil.rmtree(tmp / "disk" / "rank1")  # rank 1's slices of FILLER: gone from disk
     runs |= run_children({
-        "l2_from_1": {**spec(model, tmp, "l2_from_1", **llama), **tp2},
-        "l1_from_2": spec(model, tmp, "l1_from_2", passes=[FILLER], **llama),
+        "l2_from_1": {**spec(model, tmp, "l2_from_1", **llama), **tp2, **fp32},
+        "l1_from_2": {**spec(model, tmp, "l1_from_2", passes=[FILLER], **llama), **fp32},
         "m2": {**spec(mla, tmp, "m2", **mla_ns), **MLA_ENGINE, **tp2},
     }, tmp)
     runs |= run_children({
         "l2_missing": {**spec(model, tmp, "l2_missing", passes=[FILLER], model_id=f"vllm-tp-{ns}",
-                              host_bytes=16 * MiB, **disk), **tp2},
+                              host_bytes=16 * MiB, **disk), **tp2, **fp32},
     }, tmp)
     for name, run in runs.items():
         print(f"{name}: start {run['start_s']:.1f} s, generate {sum(p['seconds'] for p in run['passes']):.1f} s")
@@ -78,7 +83,7 @@ def test_tp2_loads_what_tp1_stored_and_tp1_what_tp2_stored(tp_runs):
     assert cold_prompts["cached"] == [0, 0] and cold_filler["cached"] == [0, 0]
     # TP=2's ranks each wrote their own head's slice: one copy of each head, none twice
     assert [rank_stats(runs["l2"], tmp, "l2", r)["new_blocks"] for r in (0, 1)] == [6, 6]
-    assert [rank_stats(runs["l2"], tmp, "l2", r)["block_bytes"] for r in (0, 1)] == [4 * 2 * BLOCK * 64 * 2] * 2
+    assert [rank_stats(runs["l2"], tmp, "l2", r)["block_bytes"] for r in (0, 1)] == [4 * 2 * BLOCK * 64 * 4] * 2  # one head, fp32
     restored = runs["l2_from_1"]["passes"][0]
     assert restored["cached"] == HIT_TOKENS and restored["tokens"] == cold_prompts["tokens"]
     for rank in (0, 1):  # both ranks loaded their head of every hit block, from the pool
@@ -86,7 +91,8 @@ def test_tp2_loads_what_tp1_stored_and_tp1_what_tp2_stored(tp_runs):
         assert stats["loaded_tokens"] == sum(HIT_TOKENS) and stats["failed_blocks"] == 0
         assert stats["load_paths"] == {"remote -> device": sum(HIT_TOKENS) // BLOCK}
     back = runs["l1_from_2"]["passes"][0]
-    assert back["cached"] == FILLER_HITS and back["tokens"] == cold_filler["tokens"]
+    assert back["cached"] == FILLER_HITS and back["tokens"] == runs["l1_cold"]["passes"][0]["tokens"]
+    print(f"TP=2 cold vs TP=1 cold tokens of FILLER: {cold_filler['tokens']} vs {runs['l1_cold']['passes'][0]['tokens']}")
     assert back["stats"]["load_paths"] == {"remote -> device": sum(FILLER_HITS) // BLOCK}
 
 
@@ -102,7 +108,10 @@ def test_mla_at_tp2_loads_the_one_copy_tp1_stored(tp_runs):
     for stats in ranks:  # each rank read the same stored copy of every hit block
         assert stats["loaded_tokens"] == sum(HIT_TOKENS) and stats["failed_blocks"] == 0
         assert stats["load_paths"] == {"remote -> device": sum(HIT_TOKENS) // MLA_BLOCK}
-    print(f"MLA TP=2 restored vs TP=1 cold tokens: {restored['tokens']} vs {stored['tokens']}")
+    # Tokens are not compared: vLLM CPU's MLA at TP=2 computes other tokens than at TP=1 from
+    # the first one on, cold (m2_cold vs m1), so no latent TP=1 stored could give TP=2's.
+    cold = runs["m2_cold"]["passes"][0]["tokens"]
+    print(f"MLA TP=2 restored vs TP=2 cold vs TP=1 cold tokens: {restored['tokens']} vs {cold} vs {stored['tokens']}")
 
 
 def test_a_rank_missing_its_slices_reports_load_errors_and_vllm_recomputes(tp_runs):
