@@ -6,7 +6,8 @@ same on every TP rank) in one KV cache group of an ``MLAAttentionSpec``; head-sl
 (the connector's default) keep it as one slice per block, stored once whatever the TP size. Its
 CPU backend forces 16-token blocks and turns vLLM's prefix caching off. Engine A computes the
 prompts (the reference tokens, from scratch) and stores them on disk; engine B starts fresh on
-A's directory and must produce A's tokens from the latent it loads.
+A's directory and must produce A's next token from the latent it loads (see the test for why
+not all eight).
 """
 
 from __future__ import annotations

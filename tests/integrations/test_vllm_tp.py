@@ -7,9 +7,10 @@ the pool (every rank's slices) and rank 0's disk directory (a rank r > 0 has ``d
 Round one: a TP=1 engine stores PROMPTS, a TP=2 engine stores FILLER (into the pool and its
 ranks' disk directories), a TP=1 MLA engine stores PROMPTS' latents. Then rank 1's disk
 directory is emptied. Round two: TP=2 loads what TP=1 stored and TP=1 what TP=2 stored, from
-the pool, each with the tokens of the cold run (the tiny Llama's greedy tokens are the same at
-TP=1 and 2); the MLA model at TP=2 loads the one stored copy of each latent block on both
-ranks; and a TP=2 engine on the disk directories alone, where rank 0 finds its slices and rank
+the pool, each with the tokens of a cold run at its own TP size (in fp32: in bf16, KV summed
+over two ranks parts near-ties from KV summed on one a few tokens in); the MLA model at TP=2
+loads the one stored copy of each latent block on both ranks (its tokens are printed, not
+compared: vLLM CPU's MLA at TP=2 gives other tokens than at TP=1 even cold); and a TP=2 engine on the disk directories alone, where rank 0 finds its slices and rank
 1 none, reports rank 1's blocks as load errors, so vLLM recomputes them: the cold tokens again.
 """
 
