@@ -1,5 +1,6 @@
 """``kvstrata model make-tiny DIR``: a small random-weight Llama (or, with ``--hybrid``, a Gemma 2
-sliding-window or Qwen3-Next linear-attention hybrid) model and tokenizer, offline."""
+sliding-window or Qwen3-Next linear-attention hybrid; with ``--mla``, a DeepSeek-V2-Lite-shaped
+MLA model) model and tokenizer, offline."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=defaults.dtype)
     m.add_argument("--hybrid", choices=("sliding", "linear"), default=None,
                    help="a hybrid instead: Gemma 2 sliding + full attention, or Qwen3-Next linear + full attention")
+    m.add_argument("--mla", action="store_true",
+                   help="a DeepSeek-V2-Lite-shaped MLA + MoE model instead (its latent: 512 + 64, as vLLM's CPU MLA takes)")
     m.add_argument("--overwrite", action="store_true", help="replace a different tiny model in DIR")
     m.set_defaults(func=run_make_tiny)
 
@@ -33,6 +36,8 @@ def run_make_tiny(args: argparse.Namespace) -> int:
 
     if args.hybrid is not None:
         return _make_tiny_hybrid(args)
+    if args.mla:
+        return _make_tiny_mla(args)
 
     spec = TinySpec(
         hidden=args.hidden,
@@ -72,4 +77,19 @@ def _make_tiny_hybrid(args: argparse.Namespace) -> int:
         raise cli.CliError(str(e)) from None
     cli.console().print(f"tiny {spec.kind.value} hybrid in {out}: {spec.layers} layers, hidden {spec.hidden}, "
                         f"{spec.heads} heads ({spec.kv_heads} KV), vocab {spec.vocab}, {spec.dtype}")
+    return 0
+
+
+def _make_tiny_mla(args: argparse.Namespace) -> int:
+    from kvstrata.integrations.tiny import TinyMLASpec, make_tiny_mla
+
+    try:
+        spec = TinyMLASpec(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
+                           seed=args.seed, dtype=args.dtype)
+        out = make_tiny_mla(args.dir, spec, overwrite=args.overwrite)
+    except (FileExistsError, ValueError) as e:
+        raise cli.CliError(str(e)) from None
+    cli.console().print(f"tiny MLA model in {out}: {spec.layers} layers ({spec.first_dense_layers} dense), hidden "
+                        f"{spec.hidden}, {spec.heads} heads, latent {spec.kv_lora_rank} + {spec.qk_rope_head_dim}, "
+                        f"{spec.routed_experts} experts (top {spec.experts_per_token}), vocab {spec.vocab}, {spec.dtype}")
     return 0

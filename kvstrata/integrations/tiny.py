@@ -1,5 +1,6 @@
-"""Small models with random weights and a tokenizer, built offline: a Llama, and hybrids
-(:func:`make_tiny_hybrid`: Gemma 2's sliding + full attention, Qwen3-Next's linear + full).
+"""Small models with random weights and a tokenizer, built offline: a Llama, hybrids
+(:func:`make_tiny_hybrid`: Gemma 2's sliding + full attention, Qwen3-Next's linear + full), and
+an MLA model shaped as DeepSeek-V2-Lite (:func:`make_tiny_mla`).
 
 Nothing is downloaded: the weights come from a seeded initialisation of the model class and
 the tokenizer is a byte-level BPE trained here on a generated corpus (``tokenizers``), wrapped
@@ -184,6 +185,77 @@ def make_tiny_hybrid(directory: str | Path, spec: TinyHybridSpec = TinyHybridSpe
         model_class = transformers.Qwen3NextForCausalLM
     torch.manual_seed(spec.seed)
     model = model_class(config).to(getattr(torch, spec.dtype))
+    _save(out, model, spec.record())
+    return out
+
+
+@dataclass(frozen=True)
+class TinyMLASpec:
+    """A tiny DeepSeek-V2-Lite-shaped model (``DeepseekV2ForCausalLM``): multi-head latent
+    attention without a query LoRA, a first dense layer, then MoE layers with shared experts
+    and greedy top-k routing, as V2-Lite has them, all tiny. The latent keeps V2-Lite's
+    ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64: vLLM's CPU MLA kernel takes only a
+    576-wide latent."""
+
+    hidden: int = 128
+    layers: int = 3
+    heads: int = 4
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    intermediate: int = 256  # the dense layer's MLP
+    moe_intermediate: int = 64
+    routed_experts: int = 4
+    shared_experts: int = 1
+    experts_per_token: int = 2
+    first_dense_layers: int = 1
+    vocab: int = 4096
+    max_positions: int = 4096
+    dtype: str = "bfloat16"
+    seed: int = 0
+    initializer_range: float = 0.2
+
+    def __post_init__(self) -> None:
+        _check_positive("tiny MLA model", self, ("hidden", "layers", "heads", "kv_lora_rank", "qk_rope_head_dim",
+                                                 "qk_nope_head_dim", "v_head_dim", "intermediate", "moe_intermediate",
+                                                 "routed_experts", "shared_experts", "experts_per_token",
+                                                 "max_positions"))
+        if self.experts_per_token > self.routed_experts:
+            raise ValueError(f"tiny MLA model experts_per_token {self.experts_per_token} exceeds routed_experts "
+                             f"{self.routed_experts}")
+        if self.vocab < 512:
+            raise ValueError(f"tiny MLA model vocab must be at least 512 (256 bytes + merges), got {self.vocab}")
+
+    def record(self) -> dict:
+        return {**asdict(self), "arch": "deepseek_v2"}
+
+
+def make_tiny_mla(directory: str | Path, spec: TinyMLASpec = TinyMLASpec(), overwrite: bool = False) -> Path:
+    """Write a tiny MLA model (see :class:`TinyMLASpec`) and tokenizer into ``directory``,
+    reused as :func:`make_tiny` reuses its own."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out = _prepare(Path(directory), spec.record(), overwrite)
+    if out is None:
+        return Path(directory)
+    fast = _tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
+    config = DeepseekV2Config(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+        max_position_embeddings=spec.max_positions, initializer_range=spec.initializer_range,
+        q_lora_rank=None, kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
+        head_dim=spec.qk_rope_head_dim,  # transformers' rotary embedding spans the rope part
+        n_routed_experts=spec.routed_experts, n_shared_experts=spec.shared_experts,
+        num_experts_per_tok=spec.experts_per_token, moe_intermediate_size=spec.moe_intermediate,
+        first_k_dense_replace=spec.first_dense_layers, topk_method="greedy", n_group=1, topk_group=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0,
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False, dtype=spec.dtype)
+    torch.manual_seed(spec.seed)
+    model = DeepseekV2ForCausalLM(config).to(getattr(torch, spec.dtype))
     _save(out, model, spec.record())
     return out
 

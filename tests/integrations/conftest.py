@@ -21,3 +21,12 @@ def tiny_hybrid_dirs(tmp_path_factory):
 
     return {kind: make_tiny_hybrid(tmp_path_factory.mktemp(f"tiny-{kind.value}"), TinyHybridSpec(kind=kind))
             for kind in HybridKind}
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_dir(tmp_path_factory):
+    """A tiny DeepSeek-V2-Lite-shaped MLA model (random weights, built offline)."""
+    pytest.importorskip("transformers")
+    from kvstrata.integrations.tiny import make_tiny_mla
+
+    return make_tiny_mla(tmp_path_factory.mktemp("tiny-mla"))

@@ -110,6 +110,9 @@ def round_one(model, tmp, pool_file, namespaces) -> dict[str, dict]:
         "host": spec(model, tmp, "host", passes=[PROMPTS, FILLER, PROMPTS], device_bytes=6 * BLOCK_BYTES,
                      host_bytes=16 * MiB, multiprocessing=True),
         "disk_a": spec(model, tmp, "disk_a", host_bytes=16 * MiB, disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB),
+        # TP-matched: each rank's paged block as opaque bytes (head-sliced is the default)
+        "tm_a": spec(model, tmp, "tm_a", host_bytes=16 * MiB, disk_dir=str(tmp / "disk-tm"), disk_bytes=64 * MiB,
+                     kv_sharing="tp-matched"),
     }
     if pool_file is not None:
         specs["remote_a"] = spec(model, tmp, "remote_a", host_bytes=0, pool=str(pool_file),
@@ -123,6 +126,8 @@ def round_one(model, tmp, pool_file, namespaces) -> dict[str, dict]:
 def round_two(round_one, model, tmp, pool_file, namespaces) -> dict[str, dict]:
     specs = {
         "disk_b": spec(model, tmp, "disk_b", host_bytes=16 * MiB, disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB),
+        "tm_b": spec(model, tmp, "tm_b", host_bytes=16 * MiB, disk_dir=str(tmp / "disk-tm"), disk_bytes=64 * MiB,
+                     kv_sharing="tp-matched"),
     }
     if pool_file is not None:
         specs["remote_b"] = spec(model, tmp, "remote_b", host_bytes=0, pool=str(pool_file),
@@ -167,6 +172,14 @@ def test_disk_tier_serves_a_fresh_engine(round_one, round_two, reference):
     assert first["cached"] == [0, 0] and first["tokens"] == reference
     assert first["stats"]["new_blocks"] == sum(HIT_TOKENS) // BLOCK
     assert_served_by_kvstrata(round_two["disk_b"]["passes"][0], reference, "disk -> device")
+
+
+def test_disk_tier_serves_a_fresh_engine_with_tp_matched_blocks(round_one, round_two, reference, tmp):
+    assert round_one["tm_a"]["passes"][0]["tokens"] == reference
+    assert_served_by_kvstrata(round_two["tm_b"]["passes"][0], reference, "disk -> device")
+    # one opaque object per block, against one per KV head (2) for the head-sliced disk_a
+    blocks = sum(HIT_TOKENS) // BLOCK
+    assert (len(list((tmp / "disk-tm").rglob("*.kvb"))), len(list((tmp / "disk").rglob("*.kvb")))) == (blocks, 2 * blocks)
 
 
 def test_remote_tier_serves_a_fresh_engine(round_one, round_two, reference, pool_file):

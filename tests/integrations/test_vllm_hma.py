@@ -168,17 +168,22 @@ def test_vllm_groups_map_vllm_specs_to_kvstrata_groups():
 
 def test_vllm_groups_refuse_what_they_cannot_cache():
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, HiddenStateCacheSpec, MambaSpec, MLAAttentionSpec
 
     from kvstrata.integrations.vllm import vllm_groups
     from kvstrata.kv.dtypes import DType
+    from kvstrata.kv.groups import GroupKind
 
     kw = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
     mamba = MambaSpec(block_size=BLOCK, shapes=((3, 128), (4, 16, 16)), dtypes=(torch.bfloat16, torch.bfloat16))
     with pytest.raises(ValueError, match="Mamba state groups are not cached"):
         vllm_groups(_config(([0], mamba), ([1], FullAttentionSpec(**kw))), (DType.BF16,))
-    with pytest.raises(ValueError, match="MLAAttentionSpec is not cached"):
-        vllm_groups(_config(([0], MLAAttentionSpec(**{**kw, "num_kv_heads": 1}))), (DType.BF16,))
+    with pytest.raises(ValueError, match="HiddenStateCacheSpec is not cached"):  # an MLA subclass: not a latent
+        vllm_groups(_config(([0], HiddenStateCacheSpec(**{**kw, "num_kv_heads": 1}))), (DType.BF16,))
+    # MLA's latent is taken: one "head" of kv_lora_rank + rope_dim, no V
+    (mla,) = vllm_groups(_config(([0, 1], MLAAttentionSpec(**{**kw, "num_kv_heads": 1, "head_size": 576}))),
+                         (DType.BF16,))
+    assert (mla.kind, mla.group.kv_heads, mla.group.head_dim, mla.group.kv_tensors) == (GroupKind.MLA, 1, 576, 1)
     with pytest.raises(ValueError, match="KV cache group 0: KV dtype torch.float8_e4m3fn is not supported"):
         vllm_groups(_config(([0], FullAttentionSpec(**{**kw, "dtype": torch.float8_e4m3fn}))), (DType.BF16,))
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstrata.integrations.vllm import ConnectorSettings  # noqa: E402
+from kvstrata.integrations.vllm import ConnectorSettings, KVSharing  # noqa: E402
 from kvstrata.kv.geometry import DType  # noqa: E402
 from kvstrata.kv.layout import KVLayout  # noqa: E402
 from kvstrata.pool.config import RemoteMode  # noqa: E402
@@ -30,6 +30,8 @@ def test_json_values_become_typed_settings():
     assert s.disk_bytes == 8_000_000_000 and isinstance(s.disk_bytes, int)
     assert s.remote_mode is RemoteMode.SHM
     assert (s.model_id, s.sync_save) == ("m", False)
+    assert s.kv_sharing is KVSharing.HEAD_SLICED  # the default: any TP size reads the blocks
+    assert ConnectorSettings.from_extra({"kv_sharing": "tp-matched"}).kv_sharing is KVSharing.TP_MATCHED
 
 
 def test_empty_strings_mean_not_given():
@@ -49,6 +51,7 @@ def test_empty_strings_mean_not_given():
         ({"disk_dir": 5}, "disk_dir must be a path, got 5"),
         ({"pool": ""}, "pool must be a non-empty string"),
         ({"sync_save": "yes"}, "sync_save must be true or false"),
+        ({"kv_sharing": "sliced"}, "kv_sharing must be one of \\['head-sliced', 'tp-matched'\\], got 'sliced'"),
         ({"pool_timeout_s": 0}, "pool_timeout_s must be a number of seconds > 0, got 0"),
         ({"pool_backoff_s": 5, "pool_backoff_max_s": 1}, "pool_backoff_max_s must be >= pool_backoff_s, got 1 < 5"),
     ],
@@ -64,7 +67,8 @@ def test_the_cache_config_carries_the_settings(tmp_path):
     s = ConnectorSettings.from_extra({"host_bytes": 16 * MiB, "disk_dir": str(tmp_path), "disk_bytes": 64 * MiB})
     config = s.cache_config(layout, "vllm-model", "cpu", tp_rank=1, tp_size=2)
     assert (config.model_id, config.host_bytes, config.disk_bytes) == ("vllm-model", 16 * MiB, 64 * MiB)
-    assert config.disk_dir == tmp_path and config.pool is None
+    assert config.disk_dir == tmp_path / "rank1" and config.pool is None  # a rank is a process: a directory each
+    assert s.cache_config(layout, "vllm-model", "cpu", tp_rank=0, tp_size=2).disk_dir == tmp_path
     assert (config.layout, config.device, config.tp_rank, config.tp_size) == (layout, "cpu", 1, 2)
     assert config.remote_mode is RemoteMode.TCP
     named = ConnectorSettings(model_id="mine").cache_config(layout, "vllm-model", "cpu", 0, 1)

@@ -4,7 +4,10 @@ Usage: ``python vllm_child.py SPEC.json``. SPEC: model (a model directory), kv_r
 extra (kv_connector_extra_config), passes (a list of prompt batches, each a list of token id
 lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
 multiprocessing (vLLM's engine core and worker in processes of their own; default true),
-max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks).
+max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks),
+dtype (default bfloat16), block_size (default 32; vLLM's CPU MLA forces 16), tensor_parallel_size (default 1; more runs
+vLLM's CPU workers over gloo/shm, one process each, their OpenMP threads left unbound: the
+automatic binding wants a NUMA node per rank).
 Prints one JSON line last: per pass the output token ids and vLLM's cached-token counts,
 the connector's worker stats (from extra.stats_path) and the engine's start/generate seconds.
 """
@@ -21,15 +24,20 @@ def main(spec: dict) -> dict:
     # False: the engine core and its worker run in this process (vLLM's uniprocess executor),
     # so the scheduler-side connector finds the worker's cache in the per-process registry;
     # True (vLLM's default on CPU): three processes, and it asks over the worker's socket.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing", True) else "0"
+    tp = spec.get("tensor_parallel_size", 1)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing", True) or tp > 1 else "0"
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(
         model=spec["model"],
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         enforce_eager=True,  # no torch.compile / graphs on CPU
-        block_size=32,  # the CPU attention backend needs a multiple of 32
+        block_size=spec.get("block_size", 32),  # the CPU attention backend needs a multiple of 32
+        tensor_parallel_size=tp,
         kv_cache_memory_bytes=64 * 1024**2,  # else vLLM sizes it from host RAM
         max_model_len=1024,
         max_num_seqs=4,

@@ -7,9 +7,10 @@ group (a tuple of lists), and a sliding or chunked group's blocks that fell out 
 are vLLM's null block. The connector keeps one kvstrata cache per group (its own namespace),
 so each group's blocks are stored, found and evicted by themselves.
 
-Which specs are taken is decided by the spec's exact type (a subclass such as MLA's or
-R-SWA's caches something else): full, sliding and chunked attention whose K and V have one
-head size. A Mamba state group is refused: vLLM 0.32's CPU build cannot run a Mamba hybrid
+Which specs are taken is decided by the spec's exact type (a subclass such as R-SWA's caches
+something else): full, sliding and chunked attention whose K and V have one head size, and
+MLA's latent (``MLAAttentionSpec``: one "head" of ``kv_lora_rank + rope_dim``, the same on
+every TP rank; vLLM's CPU build runs it). A Mamba state group is refused: vLLM 0.32's CPU build cannot run a Mamba hybrid
 (see ``tests/integrations/test_vllm_hma.py``), so there is nothing here to store its state
 snapshots against.
 
@@ -63,7 +64,7 @@ def vllm_groups(kv_cache_config: KVCacheConfig, dtypes: tuple[DType, ...]) -> tu
         dtypes: the KV dtypes the connector copies.
 
     Raises:
-        ValueError: a group kvstrata cannot cache (a Mamba state, MLA, cross attention, a
+        ValueError: a group kvstrata cannot cache (a Mamba state, cross attention, a
             KV dtype outside ``dtypes``, a group vLLM does not transfer), in one line.
     """
     from vllm.model_executor.models.utils import extract_layer_index
@@ -79,7 +80,7 @@ def vllm_groups(kv_cache_config: KVCacheConfig, dtypes: tuple[DType, ...]) -> tu
         kind = _kind(spec)
         if not spec_group.enable_kv_transfer:
             raise ValueError(f"{_PREFIX} KV cache group {index} ({type(spec).__name__}) is not transferable")
-        if spec.head_size_v != spec.head_size:
+        if kind is not GroupKind.MLA and spec.head_size_v != spec.head_size:
             raise ValueError(f"{_PREFIX} KV cache group {index}: K and V head sizes differ "
                              f"({spec.head_size} vs {spec.head_size_v})")
         try:
@@ -102,19 +103,20 @@ def _kind(spec: KVCacheSpec) -> GroupKind:
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         MambaSpec,
+        MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
     kinds = {FullAttentionSpec: GroupKind.FULL, SlidingWindowSpec: GroupKind.SLIDING,
-             ChunkedLocalAttentionSpec: GroupKind.CHUNKED}
-    kind = kinds.get(type(spec))  # exact types: a subclass (MLA, R-SWA, sinks) caches something else
+             ChunkedLocalAttentionSpec: GroupKind.CHUNKED, MLAAttentionSpec: GroupKind.MLA}
+    kind = kinds.get(type(spec))  # exact types: a subclass (R-SWA, sinks, sparse MLA) caches something else
     if kind is not None:
         return kind
     if isinstance(spec, MambaSpec):
         raise ValueError(f"{_PREFIX} Mamba state groups are not cached: vLLM's CPU build cannot run a Mamba "
                          "hybrid to test state snapshots against")
     raise ValueError(f"{_PREFIX} KV cache spec {type(spec).__name__} is not cached (full, sliding window and "
-                     "chunked local attention are)")
+                     "chunked local attention and MLA are)")
 
 
 def group_spans(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from enum import Enum
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,19 @@ MiB = 1024**2
 _PREFIX = "KVStrataConnector:"
 
 
+class KVSharing(Enum):
+    """How a group's blocks are stored across tensor-parallel ranks.
+
+    ``HEAD_SLICED``: one object per KV head slice of a block, in a namespace without a TP
+    size, so an instance of any TP size finds what one of another stored
+    (:mod:`kvstrata.kv.heads`); MLA's latent is stored once. ``TP_MATCHED``: each rank stores
+    its whole block, namespaced by its TP rank and size (only the same TP size finds it).
+    """
+
+    HEAD_SLICED = "head-sliced"
+    TP_MATCHED = "tp-matched"
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """``kv_connector_extra_config``: which tiers the cache has. Capacities in bytes.
@@ -52,6 +66,8 @@ class ConnectorSettings:
             down the tiers), so a finished request's KV is in kvstrata when its output is out.
         pool_timeout_s, pool_connect_timeout_s, pool_backoff_s, pool_backoff_max_s: how long
             the cache waits on the pool (``CacheConfig``'s budgets of the same names).
+        kv_sharing: head-sliced blocks (any TP size reads them) or TP-matched ones
+            (``"head-sliced"`` or ``"tp-matched"`` in the extra config).
     """
 
     device_bytes: int = 64 * MiB
@@ -68,6 +84,7 @@ class ConnectorSettings:
     pool_connect_timeout_s: float = CONNECT_TIMEOUT_S
     pool_backoff_s: float = BACKOFF_S
     pool_backoff_max_s: float = BACKOFF_MAX_S
+    kv_sharing: KVSharing = KVSharing.HEAD_SLICED
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -97,6 +114,8 @@ class ConnectorSettings:
                 raise ValueError(f"{_PREFIX} {name} must be a non-empty string or None, got {value!r}")
         if not isinstance(self.remote_mode, RemoteMode):
             raise ValueError(f"{_PREFIX} remote_mode must be a RemoteMode, got {self.remote_mode!r}")
+        if not isinstance(self.kv_sharing, KVSharing):
+            raise ValueError(f"{_PREFIX} kv_sharing must be a KVSharing, got {self.kv_sharing!r}")
         if not isinstance(self.sync_save, bool):
             raise ValueError(f"{_PREFIX} sync_save must be true or false, got {self.sync_save!r}")
         check_budgets(_PREFIX, **{name: getattr(self, name) for name in _BUDGETS})
@@ -120,11 +139,15 @@ class ConnectorSettings:
         A hybrid model's groups split each tier's bytes: ``share`` of them is this group's
         (its part of a block's bytes over every group, so each group holds as many blocks).
         Its disk tier is a directory of its own (``disk_dir/kv_group``: a directory is one
-        tier's, locked); a one-group model's (``kv_group`` "") is ``disk_dir`` itself.
+        tier's, locked); a one-group model's (``kv_group`` "") is ``disk_dir`` itself. TP rank
+        0's is that directory, rank r's (each rank is a process) ``.../rank{r}`` within it:
+        across TP sizes, rank 0's slices are on disk; every rank's are in the pool.
         """
         if not 0 < share <= 1:
             raise ValueError(f"{_PREFIX} a KV group's share of the tiers must be in (0, 1], got {share}")
         disk_dir = self.disk_dir / kv_group if self.disk_dir is not None and kv_group else self.disk_dir
+        if disk_dir is not None and tp_rank > 0:
+            disk_dir = disk_dir / f"rank{tp_rank}"
         return CacheConfig(
             layout=layout,
             model_id=self.model_id or model,
@@ -169,6 +192,15 @@ def _model_id(name: str, value: Any) -> Any:
     return None if value == "" else value  # empty: vLLM's model name, as when it is not given
 
 
+def _kv_sharing(name: str, value: Any) -> KVSharing:
+    if isinstance(value, KVSharing):
+        return value
+    choices = [k.value for k in KVSharing]
+    if value not in choices:
+        raise ValueError(f"{_PREFIX} kv_sharing must be one of {choices}, got {value!r}")
+    return KVSharing(value)
+
+
 def _remote_mode(name: str, value: Any) -> RemoteMode:
     if isinstance(value, RemoteMode):
         return value
@@ -186,5 +218,6 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "disk_dir": _path,
     "stats_path": _path,
     "remote_mode": _remote_mode,
+    "kv_sharing": _kv_sharing,
     "model_id": _model_id,
 }

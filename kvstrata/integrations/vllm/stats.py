@@ -66,6 +66,8 @@ class WorkerStats:
     failed_blocks: int = 0
     last_failure: str | None = None
     remote_error: str | None = None
+    tp: list[int] = field(default_factory=lambda: [0, 1])  # this worker's TP rank and size
+    writes: bool = True  # head-sliced: this rank writes its heads (not a replica of an earlier rank's)
     groups: list[GroupStats] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

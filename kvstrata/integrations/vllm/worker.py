@@ -3,13 +3,13 @@
 What is cached. Only full blocks of prompt tokens, per KV cache group
 (:mod:`kvstrata.integrations.vllm.groups`): each group has a TieredCache of its own, its blocks
 keyed by kvstrata's chained block hashes in a namespace of the model, vLLM's block size, the KV
-dtype, the TP rank, a layout named after vLLM's device backend and the group (a one-group
-model's namespace is what it was before groups). A group's block is vLLM's per-layer block of
-that group's layers copied as opaque bytes (vLLM 0.32's CPU backend keeps
-``[kv_heads, block_size, 2 * head_dim]`` per layer and block; nothing here depends on the order
-inside): kvstrata block ``[layers, 2, block_tokens, kv_heads, head_dim]`` holds, per layer of
-the group, the flat elements of vLLM's block for that layer. The sizes are vLLM's own (the
-group's KV cache spec: this TP rank's KV heads, its head size), and the element count is checked.
+dtype, a layout and the group (a one-group model's namespace is what it was before groups).
+How a block's bytes are kept is ``kv_sharing`` (:mod:`kvstrata.integrations.vllm.paged`):
+head-sliced (the default), one object per KV head in a namespace without a TP size, so an
+instance of any TP size loads what one of another stored, and MLA's latent is stored once
+(rank 0 writes it); or TP-matched, this rank's vLLM block as opaque bytes, namespaced by the TP
+rank and size. The sizes are vLLM's own (the group's KV cache spec: this TP rank's KV heads,
+its head size; the model's total KV heads for the slicing), checked against vLLM's tensors.
 
 Loads. ``start_load_kv`` starts, per :class:`LoadSpec`, one kvstrata load per group that has
 blocks to fill, of exactly those blocks (a sliding group: its window; blocks vLLM found in its
@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,10 +40,13 @@ from kvstrata.cache import TieredCache
 from kvstrata.cache.grouped import longest_hit
 from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
+from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
 from kvstrata.integrations.vllm.rpc import LookupServer
-from kvstrata.integrations.vllm.settings import ConnectorSettings
+from kvstrata.integrations.vllm.settings import ConnectorSettings, KVSharing
 from kvstrata.integrations.vllm.stats import GroupStats, WorkerStats
 from kvstrata.kv.geometry import DType
+from kvstrata.kv.groups import KVGroup
+from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -52,25 +55,16 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvstrata.cache import LoadHandle, StoreResult
+    from kvstrata.cache import StoreResult
 
 # vLLM's KV dtype is the cache's (FP8 KV caches: not yet).
 _VLLM_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 
 
 @dataclass
-class _Group:
-    """One KV cache group on this worker: vLLM's layers of it and kvstrata's cache of it."""
-
-    spec: VLLMGroup
-    cache: TieredCache
-    layers: list[torch.Tensor]  # vLLM's paged KV per layer of the group, [num_blocks, *block]
-
-
-@dataclass
 class _ActiveLoad:
     spec: LoadSpec
-    handles: list[LoadHandle | None]  # per group; None: the group fills no blocks
+    handles: list[Any]  # per group, a LoadHandle or SlicedLoad; None: the group fills no blocks
     layers_done: list[int]  # per group, layers copied
     failed: bool = False
 
@@ -113,13 +107,14 @@ class KVStrataConnectorWorker:
         self._group_specs = vllm_groups(kv_cache_config, _VLLM_DTYPES)  # a group it cannot cache fails the start
         self._engine_id = engine_id
         self._saves_enabled = saves_enabled
-        self._groups: list[_Group] = []
+        self._groups: list[OpaqueGroup | SlicedGroup] = []
         self._server: LookupServer | None = None
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, layer within the group)
         self._active: list[_ActiveLoad] = []
         self._staged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]] = {}  # (req, group) -> kv, staged
         self._failed_blocks: set[int] = set()
         self._stats = WorkerStats()
+        self._stats_path = settings.stats_path
 
     @property
     def _caches(self) -> tuple[TieredCache, ...]:
@@ -138,13 +133,20 @@ class KVStrataConnectorWorker:
                 raise ValueError(f"KVStrataConnector: vLLM registered no KV cache for layer {missing[0]} "
                                  f"of KV cache group {spec.index}")
             paged.append([kv_caches[n] for n in spec.layer_names])
-        layouts = [self._layout(spec, layers) for spec, layers in zip(self._group_specs, paged)]
+        sliced = self.settings.kv_sharing is KVSharing.HEAD_SLICED
+        layouts = [self._layout(spec, layers, sliced) for spec, layers in zip(self._group_specs, paged)]
         total = sum(layout.block_bytes for layout in layouts)
         try:
             for spec, layers, layout in zip(self._group_specs, paged, layouts):
                 config = self.settings.cache_config(layout, model, str(layers[0].device), tp_rank, tp_size,
                                                     kv_group=spec.namespace, share=Fraction(layout.block_bytes, total))
-                self._groups.append(_Group(spec, TieredCache(config), layers))
+                cache = TieredCache(config)
+                try:
+                    self._groups.append(SlicedGroup(spec, cache, layers, self._slicing(spec), tp_size, tp_rank)
+                                        if sliced else OpaqueGroup(spec, cache, layers))
+                except BaseException:
+                    cache.close()
+                    raise
         except BaseException:
             self._close_caches()
             self._groups = []
@@ -153,34 +155,41 @@ class KVStrataConnectorWorker:
                           for i, name in enumerate(group.spec.layer_names)}
         errors = [c.remote_error for c in self._caches if c.remote_error is not None]
         self._stats.remote_error = errors[0] if errors else None
-        self._stats.block_bytes = total
+        self._stats.block_bytes = sum(g.layout.block_bytes for g in self._groups)  # this rank's share of a block
         self._stats.vllm_block_shape = list(paged[0][0].shape[1:])
         self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
-                                         g.cache.layout.block_bytes) for g in self._groups]
-        if tp_rank == 0:  # the scheduler asks rank 0; every rank caches the same token blocks
+                                         g.layout.block_bytes) for g in self._groups]
+        self._stats.tp = [tp_rank, tp_size]
+        self._stats.writes = all(g.writes for g in self._groups)
+        if tp_rank > 0 and self._stats_path is not None:  # each rank its own file: rank 0's is stats_path
+            self._stats_path = self._stats_path.with_name(f"{self._stats_path.stem}.rank{tp_rank}{self._stats_path.suffix}")
+        # The scheduler asks rank 0: every rank caches the same token blocks (head-sliced: its own
+        # heads' slices of them). A rank that then misses its part of a granted hit reports those
+        # blocks as load errors (start_load_kv), and vLLM recomputes them.
+        if tp_rank == 0:
             self._server = LookupServer(self._engine_id, self.hit_blocks)
         self._write_stats()
 
     def hit_blocks(self, tokens: list[int]) -> int:
         """Blocks of ``tokens`` every group's cache serves: the scheduler's lookup (full blocks)."""
         groups = {str(g.spec.index): g.spec.group for g in self._groups}
-        caches = {str(g.spec.index): g.cache for g in self._groups}
-        keys = {str(g.spec.index): g.cache.keys(tokens) for g in self._groups}
+        caches: Any = {str(g.spec.index): g for g in self._groups}  # match() in blocks, as a TieredCache's
+        keys = {str(g.spec.index): g.keys(tokens) for g in self._groups}
         return longest_hit(groups, caches, keys, self._block_size).blocks
 
-    def _layout(self, spec: VLLMGroup, layers: list[torch.Tensor]) -> KVLayout:
-        """kvstrata's opaque layout of one group's vLLM block (``layers``: its paged KV)."""
+    def _layout(self, spec: VLLMGroup, layers: list[torch.Tensor], sliced: bool) -> KVLayout:
+        """The layout of one group's cache: one head slice, or this rank's opaque vLLM block."""
         from vllm.platforms import current_platform
 
-        first, group = layers[0], spec.group
-        per_block = first[0].numel()
-        if per_block != 2 * self._block_size * group.kv_heads * group.head_dim:
-            raise ValueError(
-                f"KVStrataConnector: vLLM block of shape {tuple(first.shape[1:])} ({first.dtype}) in KV cache group "
-                f"{spec.index} is not K and V of {self._block_size} tokens x {group.kv_heads} heads x {group.head_dim}"
-            )
-        return KVLayout(group.num_layers, self._block_size, group.kv_heads, group.head_dim, group.dtype,
-                        name=f"vllm-{current_platform.device_type} opaque")
+        if sliced:
+            return KVLayout.head_slice(self._whole(spec), self._block_size)
+        return OpaqueGroup.layout_of(spec, layers, self._block_size, current_platform.device_type)
+
+    def _slicing(self, spec: VLLMGroup) -> HeadSlicing:
+        return HeadSlicing.for_group(self._whole(spec))
+
+    def _whole(self, spec: VLLMGroup) -> KVGroup:
+        return SlicedGroup.whole_group(spec, self._vllm_config.model_config.get_total_num_kv_heads())
 
     # --- loads ----------------------------------------------------------------------------------
 
@@ -194,13 +203,13 @@ class KVStrataConnectorWorker:
                     active.handles.append(None)
                     continue
                 # only the blocks vLLM asks for: not those before a window, nor its own prefix hit
-                keys = group.cache.keys(spec.tokens)[blocks.first_block : blocks.end_block]
-                part = group.cache.match(keys)
-                if part.blocks < len(keys):
+                keys = group.keys(spec.tokens)[blocks.first_block : blocks.end_block]
+                load = group.load(keys)
+                if load is None:  # left since the lookup, or (TP > 1) this rank's slices were never there
                     self._fail_load(active, f"group {group.spec.index}'s blocks left kvstrata after the "
                                     "scheduler's lookup")
                     break
-                active.handles.append(group.cache.load(part))
+                active.handles.append(load)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: copy that layer of every load into vLLM's blocks."""
@@ -224,10 +233,7 @@ class KVStrataConnectorWorker:
         if handle.blocks < len(block_ids):
             self._fail_load(active, "the load stopped early")
             return
-        paged = self._groups[group].layers[layer]
-        for j, block_id in enumerate(block_ids):
-            dst = paged[block_id]
-            dst.copy_(handle.block(j)[layer].view(dst.shape))
+        self._groups[group].copy_layer(handle, layer, block_ids)
         active.layers_done[group] += 1
 
     def _finish_loads(self) -> None:
@@ -239,7 +245,7 @@ class KVStrataConnectorWorker:
                 if handle is None:
                     continue
                 try:
-                    results.append((g, len(active.spec.groups[g].block_ids), handle.wait()))
+                    results.append((g, len(active.spec.groups[g].block_ids), self._groups[g].paths(handle.wait())))
                 except Exception as exc:  # noqa: BLE001 - reported here or in wait_for_layer_load
                     if not active.failed:
                         self._fail_load(active, f"load failed: {exc}")
@@ -271,11 +277,13 @@ class KVStrataConnectorWorker:
         if where is None or not self._saves_enabled:
             return
         group, layer = where
+        if not self._groups[group].writes:  # an earlier rank stores these heads
+            return
         for spec in meta.saves:
             block_ids = spec.groups[group].block_ids
             if block_ids:
                 kv, staged = self._staging(spec, group)
-                self._stage_layer(kv, layer, kv_layer, block_ids)
+                self._groups[group].stage_layer(kv, layer, block_ids)  # kv_layer: the paged KV registered
                 staged[layer] = True
 
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
@@ -287,15 +295,15 @@ class KVStrataConnectorWorker:
             start = time.perf_counter()
             for g, group in enumerate(self._groups):
                 block_ids = spec.groups[g].block_ids
-                if not block_ids:
+                if not block_ids or not group.writes:
                     continue
                 kv, staged = self._staging(spec, g)
                 for layer, done in enumerate(staged):
                     if not done:  # no per-layer hook ran for it: take it now (the forward is over)
-                        self._stage_layer(kv, layer, group.layers[layer], block_ids)
+                        group.stage_layer(kv, layer, block_ids)
                 first = spec.groups[g].first_block
-                keys = group.cache.keys(spec.tokens)[first : first + len(block_ids)]
-                futures.append((g, group.cache.store_keys(keys, kv)))
+                keys = group.keys(spec.tokens)[first : first + len(block_ids)]
+                futures.append((g, group.store_keys(keys, kv)))
             if futures:
                 pending.append((_PendingSave(self._stats, start, len(futures)), futures))
         self._staged.clear()
@@ -312,21 +320,13 @@ class KVStrataConnectorWorker:
     def _staging(self, spec: SaveSpec, group: int) -> tuple[torch.Tensor, list[bool]]:
         staged = self._staged.get((spec.req_id, group))
         if staged is None:
-            layout = self._groups[group].cache.layout
+            layout = self._groups[group].layout
             tokens = len(spec.groups[group].block_ids) * self._block_size
-            # kv: [layers, 2, tokens, kv_heads, head_dim], the shape TieredCache.store takes
-            kv = torch.empty((layout.num_layers, 2, tokens, layout.kv_heads, layout.head_dim),
+            # kv: [layers, kv, tokens, this rank's kv_heads, head_dim], the shape the group stores
+            kv = torch.empty((layout.num_layers, layout.kv_tensors, tokens, layout.kv_heads, layout.head_dim),
                              dtype=self._groups[group].layers[0].dtype)
             staged = self._staged[(spec.req_id, group)] = (kv, [False] * layout.num_layers)
         return staged
-
-    def _stage_layer(self, kv: torch.Tensor, layer: int, paged: torch.Tensor, block_ids: list[int]) -> None:
-        _, _, _, kv_heads, head_dim = kv.shape
-        n = len(block_ids)
-        blocks = paged[torch.tensor(block_ids, device=paged.device)]  # [n, *vLLM block], a copy
-        # vLLM's block j of this layer, as flat elements, becomes kv[layer, :, j*bs:(j+1)*bs]
-        src = blocks.reshape(n, 2, self._block_size, kv_heads, head_dim).transpose(0, 1)
-        kv[layer].view(2, n, self._block_size, kv_heads, head_dim).copy_(src)
 
     # --- lifetime -------------------------------------------------------------------------------
 
@@ -345,5 +345,5 @@ class KVStrataConnectorWorker:
             group.cache.close()  # waits for stores in flight
 
     def _write_stats(self) -> None:
-        if self.settings.stats_path:
-            self._stats.write(self.settings.stats_path, self._caches)
+        if self._stats_path:
+            self._stats.write(self._stats_path, self._caches)

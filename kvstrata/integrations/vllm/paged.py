@@ -1,0 +1,160 @@
+"""One KV cache group's bytes between vLLM's paged KV and its kvstrata cache, two ways.
+
+:class:`OpaqueGroup` (``kv_sharing="tp-matched"``): a kvstrata block is this rank's vLLM block
+of each layer as flat elements, in a namespace of the TP rank and size; only an instance of the
+same TP size finds it. Nothing depends on the order inside vLLM's block.
+
+:class:`SlicedGroup` (``kv_sharing="head-sliced"``): a block is stored as one object per KV
+head (:mod:`kvstrata.cache.sliced`), in a namespace without a TP size, so an instance of any TP
+size loads exactly its heads' slices of what another stored; the first rank holding a
+replicated head (MLA's latent: rank 0) writes it, the others share that copy. This reads vLLM's
+block layout, checked at registration: vLLM 0.32's CPU attention keeps
+``[num_blocks, kv_heads, block_size, 2 * head_dim]`` per layer (per head: K's tokens, then V's),
+its MLA ``[num_blocks, 1, block_size, kv_lora_rank + rope_dim]`` (one latent, the same on
+every rank; ``[num_blocks, block_size, ...]`` is taken too). Both are viewed as ``[num_blocks, heads, kv, block_size, head_dim]`` and copied with one
+index op per layer (saves) or one ``torch._foreach_copy_`` per layer (loads).
+
+Both answer the same calls: ``keys``, ``match`` (in blocks), ``load`` (None when not every block
+is there), ``copy_layer``, ``stage_layer``, ``store_keys``; ``layout`` is this rank's KV of a
+block, ``[layers, kv, block_tokens, its heads, head_dim]``, the staging tensor's shape.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kvstrata.cache import TieredCache
+from kvstrata.cache.sliced import SlicedLoad, SlicedRank
+from kvstrata.index.keys import BlockKey
+from kvstrata.index.prefix import Match
+from kvstrata.integrations.vllm.groups import VLLMGroup
+from kvstrata.kv.groups import GroupKind, KVGroup
+from kvstrata.kv.heads import HeadSlicing
+from kvstrata.kv.layout import KVLayout
+
+_PREFIX = "KVStrataConnector:"
+
+
+class OpaqueGroup:
+    """A group's blocks as this rank's opaque vLLM blocks (TP-matched)."""
+
+    def __init__(self, spec: VLLMGroup, cache: TieredCache, layers: list[torch.Tensor]) -> None:
+        self.spec, self.cache, self.layers = spec, cache, layers
+        self.layout = cache.layout
+        self.writes = True  # every rank stores its own blocks
+
+    @staticmethod
+    def layout_of(spec: VLLMGroup, layers: list[torch.Tensor], block_size: int, device_type: str) -> KVLayout:
+        group, first = spec.group, layers[0]
+        if first[0].numel() != group.kv_tensors * block_size * group.kv_heads * group.head_dim:
+            raise ValueError(f"{_PREFIX} vLLM block of shape {tuple(first.shape[1:])} ({first.dtype}) in KV cache "
+                             f"group {spec.index} is not {group.kv_tensors} x {block_size} tokens x "
+                             f"{group.kv_heads} heads x {group.head_dim}")
+        return KVLayout(group.num_layers, block_size, group.kv_heads, group.head_dim, group.dtype,
+                        group.kv_tensors, name=f"vllm-{device_type} opaque")
+
+    def keys(self, tokens: list[int]) -> list[BlockKey]:
+        return self.cache.keys(tokens)
+
+    def match(self, keys: list[BlockKey]) -> Match:
+        return self.cache.match(keys)
+
+    def load(self, keys: list[BlockKey]) -> Any:
+        part = self.cache.match(keys)
+        return self.cache.load(part) if part.blocks == len(keys) else None
+
+    def copy_layer(self, handle: Any, layer: int, block_ids: list[int]) -> None:
+        paged = self.layers[layer]
+        dst = [paged[b] for b in block_ids]
+        torch._foreach_copy_(dst, [handle.block(j)[layer].view(d.shape) for j, d in enumerate(dst)])
+
+    def stage_layer(self, kv: torch.Tensor, layer: int, block_ids: list[int]) -> None:
+        _, kvt, _, heads, dim = kv.shape
+        n, bs = len(block_ids), self.layout.block_tokens
+        paged = self.layers[layer]
+        blocks = paged[torch.tensor(block_ids, device=paged.device)]  # [n, *vLLM block], a copy
+        # vLLM's block j of this layer, as flat elements, becomes kv[layer, :, j*bs:(j+1)*bs]
+        kv[layer].view(kvt, n, bs, heads, dim).copy_(blocks.reshape(n, kvt, bs, heads, dim).transpose(0, 1))
+
+    def store_keys(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
+        return self.cache.store_keys(keys, kv)
+
+    def paths(self, result: Any) -> Any:
+        return result
+
+
+class SlicedGroup:
+    """A group's blocks as head slices (see the module text): rank ``tp_rank`` of ``tp_size``."""
+
+    def __init__(self, spec: VLLMGroup, cache: TieredCache, layers: list[torch.Tensor], slicing: HeadSlicing,
+                 tp_size: int, tp_rank: int) -> None:
+        self.spec, self.cache, self.layers = spec, cache, layers
+        self.rank = SlicedRank(cache, slicing, tp_size, tp_rank)
+        self.layout = self.rank.layout
+        self.writes = self.rank.writes  # False: an earlier rank stores these heads
+        if len(self.rank.heads) != spec.group.kv_heads:
+            raise ValueError(f"{_PREFIX} KV cache group {spec.index}: vLLM holds {spec.group.kv_heads} KV heads on "
+                             f"TP rank {tp_rank} of {tp_size}, the head split of {slicing.kv_heads} gives "
+                             f"{len(self.rank.heads)}")
+        self._heads = [_head_view(spec, t, self.layout) for t in layers]  # [num_blocks, heads, kv, bs, dim]
+
+    @staticmethod
+    def whole_group(spec: VLLMGroup, total_kv_heads: int) -> KVGroup:
+        """The group over every rank's KV heads, the model's ``total_kv_heads`` (vLLM's spec
+        has this rank's); MLA's one latent as it is."""
+        return spec.group if spec.kind is GroupKind.MLA else replace(spec.group, kv_heads=total_kv_heads)
+
+    def keys(self, tokens: list[int]) -> list[BlockKey]:
+        return self.rank.keys(tokens)
+
+    def match(self, keys: list[BlockKey]) -> Match:
+        """The leading blocks of ``keys`` of which every slice this rank holds is cached."""
+        m = self.rank.match(keys)
+        return Match(tuple(keys[: m.blocks]), m.match.media[:: m.slices][: m.blocks], m.block_size, len(keys))
+
+    def load(self, keys: list[BlockKey]) -> SlicedLoad | None:
+        m = self.rank.match(keys)
+        return self.rank.load(m) if m.blocks == len(keys) else None
+
+    def copy_layer(self, load: SlicedLoad, layer: int, block_ids: list[int]) -> None:
+        heads, g = self._heads[layer], self.rank.slicing.granularity
+        pieces = load.pieces()
+        # a piece is [layers, kv, bs, g, dim]; vLLM's heads of a block [g, kv, bs, dim]
+        torch._foreach_copy_([heads[block_ids[b], h : h + g] for b, h, _ in pieces],
+                             [piece[layer].permute(2, 0, 1, 3) for _, _, piece in pieces])
+
+    def stage_layer(self, kv: torch.Tensor, layer: int, block_ids: list[int]) -> None:
+        _, kvt, _, heads, dim = kv.shape
+        n, bs = len(block_ids), self.layout.block_tokens
+        view = self._heads[layer]
+        blocks = view[torch.tensor(block_ids, device=view.device)]  # [n, heads, kv, bs, dim], a copy
+        kv[layer].view(kvt, n, bs, heads, dim).copy_(blocks.permute(2, 0, 3, 1, 4))
+
+    def store_keys(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
+        return self.rank.store_keys(keys, kv)
+
+    def paths(self, result: Any) -> Any:
+        """``result`` with its routes counted in blocks, not slices (a block's slices share it)."""
+        s = len(self.rank.slices)
+        return replace(result, paths=Counter({r: n // s if n % s == 0 else n / s for r, n in result.paths.items()}))
+
+
+def _head_view(spec: VLLMGroup, paged: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """vLLM's paged KV of one layer as ``[num_blocks, heads, kv, block_size, head_dim]`` (a view).
+
+    Raises:
+        ValueError: the tensor is not laid out as vLLM 0.32's CPU attention or MLA keeps it.
+    """
+    n, bs, heads, dim = paged.shape[0], layout.block_tokens, layout.kv_heads, layout.head_dim
+    if layout.kv_tensors == 1 and tuple(paged.shape) in ((n, bs, dim), (n, 1, bs, dim)):  # MLA: one latent per token
+        return paged.view(n, 1, 1, bs, dim)
+    if layout.kv_tensors == 2 and tuple(paged.shape) == (n, heads, bs, 2 * dim) and paged.is_contiguous():
+        return paged.view(n, heads, 2, bs, dim)  # per head: K's block_size rows, then V's
+    expected = (f"[blocks, (1,) {bs}, {dim}]" if layout.kv_tensors == 1 else f"[blocks, {heads}, {bs}, {2 * dim}]")
+    raise ValueError(f"{_PREFIX} KV cache group {spec.index}: vLLM's paged KV of shape {tuple(paged.shape)} is not "
+                     f"{expected}, the layout head-sliced blocks copy from (use kv_sharing='tp-matched')")

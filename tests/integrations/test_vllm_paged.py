@@ -1,0 +1,101 @@
+"""The connector's head-sliced copies, byte for byte, without an engine: vLLM CPU's paged KV
+(attention ``[blocks, heads, block, 2*head_dim]``, MLA ``[blocks, 1, block, latent]``) staged
+and stored by the ranks of one TP size, loaded into other block ids by the ranks of another,
+through one real cache; and a paged tensor of another layout refused in one line."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
+from kvstrata.integrations.vllm.groups import VLLMGroup  # noqa: E402
+from kvstrata.integrations.vllm.paged import SlicedGroup  # noqa: E402
+from kvstrata.kv.geometry import DType  # noqa: E402
+from kvstrata.kv.groups import GroupKind, KVGroup  # noqa: E402
+from kvstrata.kv.heads import HeadSlicing  # noqa: E402
+from kvstrata.kv.layout import KVLayout  # noqa: E402
+
+BLOCK, LAYERS, NUM_BLOCKS = 4, 2, 6
+HEADS, DIM, LATENT = 4, 8, 24
+
+
+def whole(kind: GroupKind) -> KVGroup:
+    if kind is GroupKind.MLA:
+        return KVGroup(kind, tuple(range(LAYERS)), DType.BF16, kv_heads=1, head_dim=LATENT)
+    return KVGroup(kind, tuple(range(LAYERS)), DType.BF16, kv_heads=HEADS, head_dim=DIM)
+
+
+def paged(kind: GroupKind, heads: int, gen: torch.Generator | None) -> list[torch.Tensor]:
+    """vLLM CPU's paged KV of each layer for ``heads`` heads: random, or zeros."""
+    shape = (NUM_BLOCKS, 1, BLOCK, LATENT) if kind is GroupKind.MLA else (NUM_BLOCKS, heads, BLOCK, 2 * DIM)
+    if gen is None:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def rank_groups(cache: TieredCache, kind: GroupKind, tp: int, gen: torch.Generator | None) -> list[SlicedGroup]:
+    group = whole(kind)
+    slicing = HeadSlicing.for_group(group)
+    out = []
+    for r in range(tp):
+        heads = len(slicing.rank_heads(tp, r))
+        spec = VLLMGroup(0, replace(group, kv_heads=heads) if kind is not GroupKind.MLA else group,
+                         tuple(f"model.layers.{i}.attn" for i in range(LAYERS)), "")
+        out.append(SlicedGroup(spec, cache, paged(kind, heads, gen), slicing, tp, r))
+    return out
+
+
+@pytest.mark.parametrize("kind", [GroupKind.FULL, GroupKind.MLA])
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(1, 2), (2, 1), (4, 2), (1, 8)])
+def test_blocks_staged_at_one_tp_load_into_another_tps_blocks(kind, writer_tp, reader_tp):
+    group = whole(kind)
+    layout = KVLayout.head_slice(group, BLOCK)
+    config = CacheConfig(layout, "paged-test", device_bytes=64 * layout.block_bytes, host_bytes=0, device="cpu")
+    tokens = list(range(1000, 1000 + 2 * BLOCK))
+    with TieredCache(config) as cache:
+        writers = rank_groups(cache, kind, writer_tp, torch.Generator().manual_seed(1))
+        src_ids = [4, 1]  # vLLM's blocks of the prefix in the writer...
+        for w in writers:
+            keys = w.keys(tokens)
+            kv = torch.empty((LAYERS, w.layout.kv_tensors, 2 * BLOCK, w.layout.kv_heads, w.layout.head_dim),
+                             dtype=torch.bfloat16)
+            for layer in range(LAYERS):
+                w.stage_layer(kv, layer, src_ids)
+            w.store_keys(keys, kv).result()
+        readers = rank_groups(cache, kind, reader_tp, None)
+        dst_ids = [0, 5]  # ... and the reader's
+        for rd in readers:
+            load = rd.load(rd.keys(tokens))
+            assert load is not None and rd.match(rd.keys(tokens)).blocks == 2
+            for layer in range(LAYERS):
+                load.wait_layer(layer)
+                rd.copy_layer(load, layer, dst_ids)
+            load.release()
+    for layer in range(LAYERS):
+        for s, d in zip(src_ids, dst_ids):
+            # the block's every head as the writers hold them (a replica's rank writes nothing)
+            every = torch.cat([w.layers[layer][s] for w in writers if w.writes])
+            for rd in readers:
+                h = rd.rank.heads
+                assert torch.equal(rd.layers[layer][d], every[h.start : h.stop]), (layer, s, rd.rank.tp_rank)
+                untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
+                assert not rd.layers[layer][untouched].any()  # only the blocks asked for were written
+
+
+def test_a_paged_layout_head_slices_cannot_read_is_refused_in_one_line():
+    group = whole(GroupKind.FULL)
+    layout = KVLayout.head_slice(group, BLOCK)
+    config = CacheConfig(layout, "paged-test", device_bytes=8 * layout.block_bytes, host_bytes=0, device="cpu")
+    spec = VLLMGroup(3, group, ("model.layers.0.attn", "model.layers.1.attn"), "")
+    other = [torch.zeros((NUM_BLOCKS, 2 * BLOCK, HEADS, DIM), dtype=torch.bfloat16)] * LAYERS  # heads innermost
+    with TieredCache(config) as cache:
+        with pytest.raises(ValueError, match=r"^KVStrataConnector: KV cache group 3: vLLM's paged KV of shape "
+                                             r"\(6, 8, 4, 8\) is not \[blocks, 4, 4, 16\]") as info:
+            SlicedGroup(spec, cache, other, HeadSlicing.for_group(group), 1, 0)
+    assert "\n" not in str(info.value)
