@@ -17,9 +17,17 @@ Pure: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from kvstrata.kv.fields import GeometryError, check_int
 from kvstrata.kv.groups import GroupKind, KVGroup
+
+
+class KVSharing(Enum):
+    """How a group's blocks are stored across tensor-parallel ranks."""
+
+    MATCHED = "tp-matched"  # each rank's whole block, namespaced by its TP rank and size
+    SLICED = "head-sliced"  # one object per head slice of a block, in a namespace without a TP size
 
 
 @dataclass(frozen=True)

@@ -19,20 +19,12 @@ Pure arithmetic: no I/O.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstrata.kv.geometry import KVGeometry
-from kvstrata.kv.heads import HeadSlicing
+from kvstrata.kv.heads import HeadSlicing, KVSharing
 from kvstrata.plan.footprint import stored_groups
-
-
-class KVSharing(enum.Enum):
-    """How a pool block is keyed and what it costs (see the module text)."""
-
-    MATCHED = "matched"  # keyed by the writer's TP size, replicated heads stored per rank
-    SLICED = "sliced"  # keyed by the prefix alone, one copy of every head
 
 
 def pool_bytes(geometry: KVGeometry, tokens: int, tp: int, sharing: KVSharing, ends: int = 1) -> int:
@@ -118,8 +110,8 @@ class FleetSharing:
                  "sliced_bytes": s.sliced_bytes, "replication": s.replication}
                 for s in self.sizes
             ],
-            "prefix_bytes": {"matched": self.matched_bytes, "sliced": self.sliced_bytes},
-            "copies": {"matched": self.matched_copies, "sliced": 1},
+            "prefix_bytes": {KVSharing.MATCHED.value: self.matched_bytes, KVSharing.SLICED.value: self.sliced_bytes},
+            "copies": {KVSharing.MATCHED.value: self.matched_copies, KVSharing.SLICED.value: 1},
             "prefixes_in_pool": {m.value: self.prefixes(m) for m in KVSharing},
         }
 

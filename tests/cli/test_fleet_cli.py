@@ -20,21 +20,21 @@ def test_plan_fleet_counts_one_copy_per_tp_size_matched_and_one_sliced(capsys):
     doc = plan_json(capsys, "--model", "llama-3-8b", "--context", "32768", "--fleet-tp", "8,4,2,1")
     fleet = doc["fleet"]
     assert [s["tp"] for s in fleet["sizes"]] == [8, 4, 2, 1]
-    assert fleet["copies"] == {"matched": 4, "sliced": 1}
-    sliced = fleet["prefix_bytes"]["sliced"]
-    assert sliced == 32768 * doc["bytes_per_token"] and fleet["prefix_bytes"]["matched"] == 4 * sliced
+    assert fleet["copies"] == {"tp-matched": 4, "head-sliced": 1}
+    sliced = fleet["prefix_bytes"]["head-sliced"]
+    assert sliced == 32768 * doc["bytes_per_token"] and fleet["prefix_bytes"]["tp-matched"] == 4 * sliced
     held = fleet["prefixes_in_pool"]
-    assert held["sliced"] == fleet["pool_capacity_bytes"] // sliced
-    assert held["matched"] == fleet["pool_capacity_bytes"] // (4 * sliced)
-    assert doc["capacity"]["pool_tokens"] // 32768 == held["sliced"]  # the planner's own pool capacity
+    assert held["head-sliced"] == fleet["pool_capacity_bytes"] // sliced
+    assert held["tp-matched"] == fleet["pool_capacity_bytes"] // (4 * sliced)
+    assert doc["capacity"]["pool_tokens"] // 32768 == held["head-sliced"]  # the planner's own pool capacity
 
 
 def test_plan_fleet_counts_replicated_heads_and_the_mla_latent(capsys):
     tiny = plan_json(capsys, "--model", "tiny-llama", "--fleet-tp", "2x8,2")["fleet"]
     assert [(s["tp"], s["instances"], s["replication"]) for s in tiny["sizes"]] == [(8, 2, 4), (2, 1, 1)]
-    assert tiny["copies"]["matched"] == 5  # two TP=8 instances share one namespace
+    assert tiny["copies"]["tp-matched"] == 5  # two TP=8 instances share one namespace
     ds = plan_json(capsys, "--model", "deepseek-v3", "--fleet-tp", "8")["fleet"]
-    assert ds["copies"] == {"matched": 8, "sliced": 1}
+    assert ds["copies"] == {"tp-matched": 8, "head-sliced": 1}
 
 
 def test_plan_fleet_table_and_no_fleet_key_without_it(capsys):
@@ -74,13 +74,13 @@ def test_simulate_fleet_runs_both_modes_and_sliced_hits_at_least_as_much(tmp_pat
     out = simulate(tmp_path, capsys, "--fleet-tp", "8,4,2,1", "--route", "round-robin", "--pool-tokens", "16384",
                    "--json").out
     doc = json.loads(out)
-    assert doc["fleet_tp"] == [8, 4, 2, 1] and doc["kv_sharing"] == ["matched", "sliced"] and doc["gpus_basis"] == "fleet"
+    assert doc["fleet_tp"] == [8, 4, 2, 1] and doc["kv_sharing"] == ["tp-matched", "head-sliced"] and doc["gpus_basis"] == "fleet"
     pools = {a["kv_sharing"]: a["pool"] for a in doc["architectures"]}
-    assert {a["arch"] for a in doc["architectures"]} == {"remote-gdr (matched)", "remote-gdr (sliced)"}
-    assert pools["sliced"]["hit_ratio_tokens"] > pools["matched"]["hit_ratio_tokens"]
-    assert pools["sliced"]["copies_mean_time_avg"] == 1 < pools["matched"]["copies_mean_time_avg"]
+    assert {a["arch"] for a in doc["architectures"]} == {"remote-gdr (tp-matched)", "remote-gdr (head-sliced)"}
+    assert pools["head-sliced"]["hit_ratio_tokens"] > pools["tp-matched"]["hit_ratio_tokens"]
+    assert pools["head-sliced"]["copies_mean_time_avg"] == 1 < pools["tp-matched"]["copies_mean_time_avg"]
     assert all(a["gpus"] == 15 for a in doc["architectures"])
-    text = " ".join(simulate(tmp_path, capsys, "--fleet-tp", "8,4,2,1", "--kv-sharing", "sliced").out.split())
+    text = " ".join(simulate(tmp_path, capsys, "--fleet-tp", "8,4,2,1", "--kv-sharing", "head-sliced").out.split())
     assert "a fleet of TP 8,4,2,1 (15 GPUs on 2 server(s)" in text and "The shared pool" in text
 
 

@@ -30,8 +30,8 @@ def test_json_values_become_typed_settings():
     assert s.disk_bytes == 8_000_000_000 and isinstance(s.disk_bytes, int)
     assert s.remote_mode is RemoteMode.SHM
     assert (s.model_id, s.sync_save) == ("m", False)
-    assert s.kv_sharing is KVSharing.HEAD_SLICED  # the default: any TP size reads the blocks
-    assert ConnectorSettings.from_extra({"kv_sharing": "tp-matched"}).kv_sharing is KVSharing.TP_MATCHED
+    assert s.kv_sharing is KVSharing.SLICED  # the default: any TP size reads the blocks
+    assert ConnectorSettings.from_extra({"kv_sharing": "tp-matched"}).kv_sharing is KVSharing.MATCHED
 
 
 def test_empty_strings_mean_not_given():
@@ -51,7 +51,7 @@ def test_empty_strings_mean_not_given():
         ({"disk_dir": 5}, "disk_dir must be a path, got 5"),
         ({"pool": ""}, "pool must be a non-empty string"),
         ({"sync_save": "yes"}, "sync_save must be true or false"),
-        ({"kv_sharing": "sliced"}, "kv_sharing must be one of \\['head-sliced', 'tp-matched'\\], got 'sliced'"),
+        ({"kv_sharing": "sliced"}, "kv_sharing must be one of \\['tp-matched', 'head-sliced'\\], got 'sliced'"),
         ({"pool_timeout_s": 0}, "pool_timeout_s must be a number of seconds > 0, got 0"),
         ({"pool_backoff_s": 5, "pool_backoff_max_s": 1}, "pool_backoff_max_s must be >= pool_backoff_s, got 1 < 5"),
     ],

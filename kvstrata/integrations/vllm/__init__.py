@@ -35,7 +35,8 @@ from kvstrata.integrations.vllm.connector import KVStrataConnector
 from kvstrata.integrations.vllm.groups import VLLMGroup, group_spans, vllm_groups
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
-from kvstrata.integrations.vllm.settings import ConnectorSettings, KVSharing
+from kvstrata.integrations.vllm.settings import ConnectorSettings
+from kvstrata.kv.heads import KVSharing
 from kvstrata.integrations.vllm.worker import KVStrataConnectorWorker
 
 __all__ = [

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
+from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.config import (
     BACKOFF_MAX_S,
@@ -32,19 +33,6 @@ from kvstrata.pool.config import (
 
 MiB = 1024**2
 _PREFIX = "KVStrataConnector:"
-
-
-class KVSharing(Enum):
-    """How a group's blocks are stored across tensor-parallel ranks.
-
-    ``HEAD_SLICED``: one object per KV head slice of a block, in a namespace without a TP
-    size, so an instance of any TP size finds what one of another stored
-    (:mod:`kvstrata.kv.heads`); MLA's latent is stored once. ``TP_MATCHED``: each rank stores
-    its whole block, namespaced by its TP rank and size (only the same TP size finds it).
-    """
-
-    HEAD_SLICED = "head-sliced"
-    TP_MATCHED = "tp-matched"
 
 
 @dataclass(frozen=True)
@@ -84,7 +72,7 @@ class ConnectorSettings:
     pool_connect_timeout_s: float = CONNECT_TIMEOUT_S
     pool_backoff_s: float = BACKOFF_S
     pool_backoff_max_s: float = BACKOFF_MAX_S
-    kv_sharing: KVSharing = KVSharing.HEAD_SLICED
+    kv_sharing: KVSharing = KVSharing.SLICED
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -192,22 +180,16 @@ def _model_id(name: str, value: Any) -> Any:
     return None if value == "" else value  # empty: vLLM's model name, as when it is not given
 
 
-def _kv_sharing(name: str, value: Any) -> KVSharing:
-    if isinstance(value, KVSharing):
-        return value
-    choices = [k.value for k in KVSharing]
-    if value not in choices:
-        raise ValueError(f"{_PREFIX} kv_sharing must be one of {choices}, got {value!r}")
-    return KVSharing(value)
-
-
-def _remote_mode(name: str, value: Any) -> RemoteMode:
-    if isinstance(value, RemoteMode):
-        return value
-    modes = [m.value for m in RemoteMode]
-    if value not in modes:
-        raise ValueError(f"{_PREFIX} remote_mode must be one of {modes}, got {value!r}")
-    return RemoteMode(value)
+def _choice(kind: type[Enum]) -> Callable[[str, Any], Any]:
+    """The parser of a field that takes one of ``kind``'s values."""
+    def parse(name: str, value: Any) -> Enum:
+        if isinstance(value, kind):
+            return value
+        choices = [k.value for k in kind]
+        if value not in choices:
+            raise ValueError(f"{_PREFIX} {name} must be one of {choices}, got {value!r}")
+        return kind(value)
+    return parse
 
 
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
@@ -217,7 +199,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "remote_bytes": _bytes,
     "disk_dir": _path,
     "stats_path": _path,
-    "remote_mode": _remote_mode,
-    "kv_sharing": _kv_sharing,
+    "remote_mode": _choice(RemoteMode),
+    "kv_sharing": _choice(KVSharing),
     "model_id": _model_id,
 }

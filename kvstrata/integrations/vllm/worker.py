@@ -42,7 +42,8 @@ from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
 from kvstrata.integrations.vllm.rpc import LookupServer
-from kvstrata.integrations.vllm.settings import ConnectorSettings, KVSharing
+from kvstrata.integrations.vllm.settings import ConnectorSettings
+from kvstrata.kv.heads import KVSharing
 from kvstrata.integrations.vllm.stats import GroupStats, WorkerStats
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.groups import KVGroup
@@ -133,7 +134,7 @@ class KVStrataConnectorWorker:
                 raise ValueError(f"KVStrataConnector: vLLM registered no KV cache for layer {missing[0]} "
                                  f"of KV cache group {spec.index}")
             paged.append([kv_caches[n] for n in spec.layer_names])
-        sliced = self.settings.kv_sharing is KVSharing.HEAD_SLICED
+        sliced = self.settings.kv_sharing is KVSharing.SLICED
         layouts = [self._layout(spec, layers, sliced) for spec, layers in zip(self._group_specs, paged)]
         total = sum(layout.block_bytes for layout in layouts)
         try:
