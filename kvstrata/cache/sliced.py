@@ -53,15 +53,11 @@ class SlicedMatch:
 
     def cut(self, blocks: int) -> "SlicedMatch":
         """The first ``blocks`` blocks of this match (the instance's common prefix)."""
-        n = min(blocks, self.blocks) * self.slices
-        m = self.match
-        return SlicedMatch(Match(m.keys[:n], m.media[:n], m.block_size, m.total_blocks), self.slices, self.block_size)
+        return SlicedMatch(self.match.cut(min(blocks, self.blocks) * self.slices), self.slices, self.block_size)
 
     def after(self, blocks: int) -> "SlicedMatch":
         """This match less its first ``blocks`` blocks (what a split loads while those compute)."""
-        n = min(blocks, self.blocks) * self.slices
-        m = self.match
-        return SlicedMatch(Match(m.keys[n:], m.media[n:], m.block_size, m.total_blocks), self.slices, self.block_size)
+        return SlicedMatch(self.match.after(min(blocks, self.blocks) * self.slices), self.slices, self.block_size)
 
 
 class SlicedLoad:
