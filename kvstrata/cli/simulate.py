@@ -110,7 +110,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if sharings:
             render_pool(cli.console(), summaries)
     if args.plot or args.html:
-        _pictures(args, config, requests, summaries, outcomes, load, setting)
+        _pictures(args, config, requests, summaries, outcomes, load, setting, bool(sharings))
     return 0
 
 
@@ -217,8 +217,9 @@ def _sizing(geometry, profile, args: argparse.Namespace) -> InstanceSizing:
 
 
 def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, outcomes, load: float | None,
-              sizing: str) -> None:
-    """``--plot DIR`` and ``--html FILE``: the TTFT and TPOT CDFs, and the page of table and CDFs."""
+              sizing: str, pool_table: bool) -> None:
+    """``--plot DIR`` and ``--html FILE``: the TTFT and TPOT CDFs, and the page of table and CDFs
+    (and the shared pool's table where sharing modes were compared, as on the terminal)."""
     from kvstrata.page import HtmlPage
     from kvstrata.plots import png_bytes, save_png
     from kvstrata.plots.cdf import simulation_figures
@@ -234,7 +235,7 @@ def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, 
     if args.html:
         page = HtmlPage(f"kvstrata simulate: {Path(args.trace).name}, {setting}")
         render(page, requests, summaries, load, sizing, config.instance_count)
-        if any(s.pool for s in summaries):
+        if pool_table:
             render_pool(page, summaries)
         for name, fig in figures.items():
             page.image(pngs[name], fig.axes[0].get_title().replace("\n", ": ", 1))

@@ -103,3 +103,10 @@ def test_simulate_bad_fleet_settings_are_one_line(tmp_path, capsys, argv, says):
     err = simulate(tmp_path, capsys, *argv, code=2).err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert says in " ".join(err.split())
+
+
+def test_the_html_page_has_the_shared_pool_table_only_where_modes_were_compared(tmp_path, capsys):
+    fleet, plain = tmp_path / "fleet.html", tmp_path / "plain.html"
+    simulate(tmp_path, capsys, "--fleet-tp", "4,1", "--html", str(fleet))
+    simulate(tmp_path, capsys, "--html", str(plain))
+    assert "The shared pool" in fleet.read_text() and "The shared pool" not in plain.read_text()
