@@ -123,7 +123,7 @@ def _calls_per_sample(fn: Callable[[], object]) -> int:
     return max(1, min(MAX_CALLS, math.ceil(SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
 
 
-def _interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> Rounds:
+def interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> Rounds:
     """``repeats`` rounds; a variant's sample in a round is the median of its calls' seconds.
     A round makes as many passes as the variant with the most calls to make needs; each pass
     calls every variant once, in an order that rotates from round to round (ours, baseline,
@@ -152,7 +152,8 @@ def _median_ms(rounds: Rounds, name: str) -> float:
     return statistics.median(rounds.seconds[name]) * 1e3
 
 
-def _ids(tokens: int) -> np.ndarray:
+def token_ids(tokens: int) -> np.ndarray:
+    """``tokens`` random token ids (seeded: every run hashes the same prompt)."""
     return np.random.default_rng(0).integers(0, VOCAB, size=tokens, dtype=np.uint32)
 
 
@@ -172,7 +173,7 @@ def hash_and_lookup_ms(tokens: int = 131072, block_size: int = 256, repeats: int
     if tokens < block_size:
         raise ValueError(f"tokens ({tokens}) must cover at least one block of {block_size}")
 
-    ids = _ids(tokens)
+    ids = token_ids(tokens)
     ids_list = ids.tolist()
     namespace = _namespace(block_size)
 
@@ -186,7 +187,7 @@ def hash_and_lookup_ms(tokens: int = 131072, block_size: int = 256, repeats: int
         raise RuntimeError("benchmark index is not the all-present worst case")
 
     with _all_present_cache(ids, block_size) as cache:
-        rounds = _interleaved({
+        rounds = interleaved({
             "ours": lambda: index.match(block_keys(ids, namespace), block_size),
             "hash_only": lambda: block_keys(ids, namespace),
             "cache": lambda: cache.lookup(ids),
@@ -244,7 +245,7 @@ def index_scaling(
         ValueError: ``small`` is below the prompt's blocks, or ``large`` below ``small``.
     """
     _check(tokens=tokens, block_size=block_size, small=small, large=large, repeats=repeats)
-    ids = _ids(tokens)
+    ids = token_ids(tokens)
     namespace = _namespace(block_size)
     keys = block_keys(ids, namespace)
     if not keys or small < len(keys) or large < small:
@@ -258,7 +259,7 @@ def index_scaling(
     def match(index: PrefixIndex, pool: Iterator[list[BlockKey]]) -> Callable[[], object]:
         return lambda: index.match(next(pool), block_size)
 
-    rounds = _interleaved({
+    rounds = interleaved({
         "lookup.small": lookup(indexes[small]),
         "lookup.large": lookup(indexes[large]),
         "match.small": match(indexes[small], fresh[small]),

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kvstrata.bench.baselines import synchronize
-from kvstrata.bench.lookup import _ids, _interleaved
+from kvstrata.bench.lookup import interleaved, token_ids
 from kvstrata.bench.rounds import Rounds, rotated
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.cache.sliced import SlicedRank, instance_matches
@@ -381,7 +381,7 @@ def lookup_rounds(data: TPData, tp: int, block_size: int, tokens: int, repeats: 
     parts: ``hash`` (the block keys alone) and ``slice_keys.tp<n>`` (every rank's slice keys
     of ready block keys). Each rank has its cache (its process); blocks are adopted without
     bytes (a one-layer layout of the model's heads, 8 elements each: the bytes are not read)."""
-    ids = _ids(tokens)
+    ids = token_ids(tokens)
     kind = GroupKind.MLA if data.group.kind is GroupKind.MLA else GroupKind.FULL
     group = KVGroup(kind, (0,), DType.BF16, kv_heads=data.group.kv_heads, head_dim=8)
     blocks = tokens // block_size
@@ -413,7 +413,7 @@ def lookup_rounds(data: TPData, tp: int, block_size: int, tokens: int, repeats: 
         for size, ranks in instances.items():
             variants[f"sliced.tp{size}"] = _instance_lookup(ranks, ids)
             variants[f"slice_keys.tp{size}"] = _slice_keys_of(ranks, keys)
-        rounds = _interleaved(variants, repeats)
+        rounds = interleaved(variants, repeats)
     finally:
         for c in caches:
             c.close()
