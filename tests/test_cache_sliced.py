@@ -121,7 +121,13 @@ def test_slices_written_to_disk_by_one_tp_serve_fresh_caches_of_another(tmp_path
     with TieredCache(config(group, tmp_path, disk=64)) as cache:
         write(cache, group, 8, toks, kv)
     with TieredCache(config(group, tmp_path, disk=64)) as cache:  # a new process's cache: the files only
-        assert set(ranks(cache, group, 1)[0].lookup(toks).match.media) == {Medium.DISK}
+        tp1 = ranks(cache, group, 1)[0]
+        assert set(tp1.lookup(toks).match.media) == {Medium.DISK}
+        with tp1.load(tp1.lookup(toks)) as load:  # routes and blocks counted in blocks, not 8 slices each
+            result = load.wait(10)
+            assert result.blocks == blocks and result.paths == {(Medium.DISK, Medium.DEVICE): blocks}
+        for medium in (Medium.DEVICE, Medium.HOST):
+            cache.evict(medium, 64)
         for rank, loaded, got in read(cache, group, 2, toks):
             assert got == blocks and same_bytes(loaded, kv[:, :, :, rank.heads.start:rank.heads.stop])
 

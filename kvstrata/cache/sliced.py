@@ -69,10 +69,12 @@ class SlicedLoad:
 
     def wait(self, timeout: float | None = None) -> LoadResult:
         """The load's result, counted in whole blocks (a block some slice of which did not load
-        is not loaded)."""
+        is not loaded); its routes too (a block whose slices came by two routes counts half on
+        each, with two slices)."""
         result = self.handle.wait(timeout)
-        blocks = self.blocks
-        return dataclasses.replace(result, blocks=blocks, tokens=blocks * self._rank.layout.block_tokens)
+        blocks, s = self.blocks, len(self._rank.slices)
+        paths = {route: n // s if n % s == 0 else n / s for route, n in result.paths.items()}
+        return dataclasses.replace(result, blocks=blocks, tokens=blocks * self._rank.layout.block_tokens, paths=paths)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         self.handle.wait_layer(layer, timeout)

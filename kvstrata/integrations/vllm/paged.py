@@ -21,7 +21,6 @@ block, ``[layers, kv, block_tokens, its heads, head_dim]``, the staging tensor's
 
 from __future__ import annotations
 
-from collections import Counter
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
@@ -84,9 +83,6 @@ class OpaqueGroup:
     def store_keys(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
         return self.cache.store_keys(keys, kv)
 
-    def paths(self, result: Any) -> Any:
-        return result
-
 
 class SlicedGroup:
     """A group's blocks as head slices (see the module text): rank ``tp_rank`` of ``tp_size``."""
@@ -138,10 +134,6 @@ class SlicedGroup:
     def store_keys(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
         return self.rank.store_keys(keys, kv)
 
-    def paths(self, result: Any) -> Any:
-        """``result`` with its routes counted in blocks, not slices (a block's slices share it)."""
-        s = len(self.rank.slices)
-        return replace(result, paths=Counter({r: n // s if n % s == 0 else n / s for r, n in result.paths.items()}))
 
 
 def _head_view(spec: VLLMGroup, paged: torch.Tensor, layout: KVLayout) -> torch.Tensor:

@@ -246,7 +246,7 @@ class KVStrataConnectorWorker:
                 if handle is None:
                     continue
                 try:
-                    results.append((g, len(active.spec.groups[g].block_ids), self._groups[g].paths(handle.wait())))
+                    results.append((g, len(active.spec.groups[g].block_ids), handle.wait()))
                 except Exception as exc:  # noqa: BLE001 - reported here or in wait_for_layer_load
                     if not active.failed:
                         self._fail_load(active, f"load failed: {exc}")
