@@ -190,3 +190,12 @@ def test_slices_in_the_shared_pool_serve_fresh_ranks_of_other_tp_sizes(pool):
         finally:
             for cache, _ in readers:
                 cache.close()
+
+
+def test_a_load_of_nothing_is_empty_kv_of_the_layouts_dtype():
+    with TieredCache(config(GQA8)) as cache:
+        rank = ranks(cache, GQA8, 2)[1]
+        with rank.load(rank.lookup(seq(99, 2))) as load:
+            assert load.wait(10).blocks == 0
+            kv = load.kv()
+            assert kv.shape == (2, 2, 0, 4, 16) and kv.dtype == torch.bfloat16

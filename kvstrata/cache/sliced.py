@@ -28,7 +28,7 @@ from kvstrata.index.keys import BlockKey, slice_keys, token_array
 from kvstrata.index.prefix import Match
 from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
-from kvstrata.tensors import check_kv
+from kvstrata.tensors import check_kv, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,8 @@ class SlicedLoad:
         tokens = self.blocks * layout.block_tokens
         if out is None:
             shape = (layout.num_layers, layout.kv_tensors, tokens, layout.kv_heads, layout.head_dim)
-            first = self.handle.block(0) if tokens else None
-            out = torch.empty(shape, dtype=first.dtype if first is not None else torch.float32,
-                              device=first.device if first is not None else "cpu")
+            out = torch.empty(shape, dtype=torch_dtype(layout.dtype),
+                              device=self.handle.block(0).device if tokens else "cpu")
         else:
             check_kv(out, layout, tokens)
         t, g = layout.block_tokens, self._rank.slicing.granularity
