@@ -122,7 +122,7 @@ def test_slices_written_to_disk_by_one_tp_serve_fresh_caches_of_another(tmp_path
         write(cache, group, 8, toks, kv)
     with TieredCache(config(group, tmp_path, disk=64)) as cache:  # a new process's cache: the files only
         tp1 = ranks(cache, group, 1)[0]
-        assert set(tp1.lookup(toks).match.media) == {Medium.DISK}
+        assert set(tp1.lookup(toks).media) == {Medium.DISK}
         with tp1.load(tp1.lookup(toks)) as load:  # routes and blocks counted in blocks, not 8 slices each
             result = load.wait(10)
             assert result.blocks == blocks and result.paths == {(Medium.DISK, Medium.DEVICE): blocks}
@@ -183,7 +183,7 @@ def test_slices_in_the_shared_pool_serve_fresh_ranks_of_other_tp_sizes(pool):
         try:
             matches = instance_matches([r for _, r in readers], readers[0][1].keys(toks))
             for (_, rank), match in zip(readers, matches):
-                assert match.blocks == blocks and set(match.match.media) == {Medium.REMOTE}
+                assert match.blocks == blocks and set(match.media) == {Medium.REMOTE}
                 with rank.load(match) as load:
                     assert load.wait(10).blocks == blocks
                     assert same_bytes(load.kv(), kv[:, :, :, rank.heads.start:rank.heads.stop])

@@ -4,7 +4,8 @@ Key of block i = xxh3_128(key of block i-1 || token ids of block i as little-end
 and block 0's parent is the namespace digest. So a key stands for the whole prefix up to and
 including its block, and two namespaces (model, KV dtype, layout, block size, TP rank/size
 unless head-sliced, tenant) never produce the same key. A head-sliced block's slices have keys
-of their own, each derived from the block's key (:func:`slice_keys`). Keys are stable across processes and Python hash seeds.
+of their own, each derived from the block's key (:func:`slice_keys`), and so does a rank's pack of
+its slices of a block (:func:`pack_keys`). Keys are stable across processes and Python hash seeds.
 
 Only full blocks are keyed: a partial tail (``len(tokens) % block_size`` tokens) has no key,
 is never cached, and is recomputed by the model (vLLM and SGLang do the same).
@@ -136,3 +137,11 @@ def slice_keys(keys: list[BlockKey], slices: range) -> list[BlockKey]:
     if len(tags) == 1:  # a rank of one slice (TP = KV heads): one C ``map``, 0.7x the comprehension's time
         return list(map(digest, map(operator.add, keys, itertools.repeat(tags[0]))))
     return [digest(key + tag) for key in keys for tag in tags]
+
+
+def pack_keys(keys: list[BlockKey], slices: range) -> list[BlockKey]:
+    """The key of one object per block of ``keys`` holding slices ``slices`` of it together (a
+    rank's pack, :mod:`kvstrata.cache.sliced`): xxh3_128 of the block's key and the range, so a
+    pack stands for its prefix and its heads, and differs from any one slice's key."""
+    tag = b"kvstrata-pack:" + slices.start.to_bytes(4, "little") + slices.stop.to_bytes(4, "little")
+    return list(map(xxhash.xxh3_128_digest, map(operator.add, keys, itertools.repeat(tag))))
