@@ -157,6 +157,21 @@ def test_a_head_sliced_cache_serves_every_strategy_in_one_process(tiny_model_dir
                                  ({"strategy": "split", "split_tokens": 2 * BLOCK}, hit - 2 * BLOCK)):
             warm = lm.generate(ids, NEW_TOKENS, store=False, **kwargs)
             assert (warm.tokens, warm.hit_tokens) == (cold.tokens, restored), kwargs
+    # With packs (the rank's own tiers): a restore of what another process stored comes as slices
+    # and is packed on release; the next is one object a block. The same tokens each time.
+    from kvstrata.cache.sliced import pack_layout
+
+    with make_cache(model, f"tiny-packs-{uuid.uuid4().hex[:8]}", None) as cache:
+        cold = KVStrataLM(model, cache).generate(ids, NEW_TOKENS, reuse=False)  # the slices alone
+        own = pack_layout(cache.layout, 2)  # the tiny model's 2 KV heads: at TP=1 the rank holds both
+        with TieredCache(CacheConfig(own, cache.config.model_id, device_bytes=64 * own.block_bytes,
+                                     host_bytes=64 * own.block_bytes, device="cpu")) as packs:
+            lm = KVStrataLM(model, cache, packs=packs)
+            for packed in (False, True):
+                assert [s.packed for s in lm.kv.match(lm.kv.keys(ids)).segments] == [packed]
+                warm = lm.generate(ids, NEW_TOKENS, store=False)
+                assert (warm.tokens, warm.hit_tokens) == (cold.tokens, hit)
+                lm.kv.flush(10)
     # A TP-matched cache is one rank's: a cache naming another rank is refused, in one line.
     layout = model_layout(model.config, BLOCK, DTYPE, tp=2)
     assert layout.kv_heads == 1

@@ -5,6 +5,7 @@ through one real cache; and a paged tensor of another layout refused in one line
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
+from kvstrata.cache.sliced import SlicedRank, pack_layout  # noqa: E402
 from kvstrata.integrations.vllm.groups import VLLMGroup  # noqa: E402
 from kvstrata.integrations.vllm.paged import SlicedGroup  # noqa: E402
 from kvstrata.kv.geometry import DType  # noqa: E402
@@ -39,7 +41,10 @@ def paged(kind: GroupKind, heads: int, gen: torch.Generator | None) -> list[torc
     return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
 
 
-def rank_groups(cache: TieredCache, kind: GroupKind, tp: int, gen: torch.Generator | None) -> list[SlicedGroup]:
+def rank_groups(cache: TieredCache, kind: GroupKind, tp: int, gen: torch.Generator | None,
+                packs: dict | None = None) -> list[SlicedGroup]:
+    """The ``tp`` ranks' groups over the shared slices in ``cache``; with ``packs`` ((tp, rank) ->
+    TieredCache, filled as needed: a rank's own tiers, kept for the same rank later) packs too."""
     group = whole(kind)
     slicing = HeadSlicing.for_group(group)
     out = []
@@ -47,19 +52,31 @@ def rank_groups(cache: TieredCache, kind: GroupKind, tp: int, gen: torch.Generat
         heads = len(slicing.rank_heads(tp, r))
         spec = VLLMGroup(0, replace(group, kv_heads=heads) if kind is not GroupKind.MLA else group,
                          tuple(f"model.layers.{i}.attn" for i in range(LAYERS)), "")
-        out.append(SlicedGroup(spec, cache, paged(kind, heads, gen), slicing, tp, r))
+        own = None
+        if packs is not None:
+            if (tp, r) not in packs:
+                layout = pack_layout(cache.layout, heads)
+                packs[tp, r] = TieredCache(CacheConfig(layout, "paged-test", device_bytes=64 * layout.block_bytes,
+                                                       host_bytes=64 * layout.block_bytes, device="cpu"))
+            own = packs[tp, r]
+        out.append(SlicedGroup(spec, SlicedRank(cache, slicing, tp, r, packs=own), paged(kind, heads, gen)))
     return out
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["slices", "packs"])
 @pytest.mark.parametrize("kind", [GroupKind.FULL, GroupKind.MLA])
-@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(1, 2), (2, 1), (4, 2), (1, 8)])
-def test_blocks_staged_at_one_tp_load_into_another_tps_blocks(kind, writer_tp, reader_tp):
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(1, 2), (2, 1), (4, 2), (1, 8), (2, 2)])
+def test_blocks_staged_at_one_tp_load_into_another_tps_blocks(kind, writer_tp, reader_tp, packed):
+    """Readers of another TP size load the writers' slices; with packs, those of the writers' own
+    TP size (the same ranks, their own tiers) load their packs, whole rank blocks."""
     group = whole(kind)
     layout = KVLayout.head_slice(group, BLOCK)
     config = CacheConfig(layout, "paged-test", device_bytes=64 * layout.block_bytes, host_bytes=0, device="cpu")
     tokens = list(range(1000, 1000 + 2 * BLOCK))
-    with TieredCache(config) as cache:
-        writers = rank_groups(cache, kind, writer_tp, torch.Generator().manual_seed(1))
+    packs: dict | None = {} if packed else None
+    with TieredCache(config) as cache, contextlib.ExitStack() as stack:
+        stack.callback(lambda: [c.close() for c in (packs or {}).values()])
+        writers = rank_groups(cache, kind, writer_tp, torch.Generator().manual_seed(1), packs)
         src_ids = [4, 1]  # vLLM's blocks of the prefix in the writer...
         for w in writers:
             keys = w.keys(tokens)
@@ -68,11 +85,13 @@ def test_blocks_staged_at_one_tp_load_into_another_tps_blocks(kind, writer_tp, r
             for layer in range(LAYERS):
                 w.stage_layer(kv, layer, src_ids)
             w.store_keys(keys, kv).result()
-        readers = rank_groups(cache, kind, reader_tp, None)
+        readers = rank_groups(cache, kind, reader_tp, None, packs)
         dst_ids = [0, 5]  # ... and the reader's
         for rd in readers:
             load = rd.load(rd.keys(tokens))
             assert load is not None and rd.match(rd.keys(tokens)).blocks == 2
+            own = packed and reader_tp == writer_tp and rd.writes  # its own packs, else the shared slices
+            assert [s.packed for s in load.match.segments] == [own]
             for layer in range(LAYERS):
                 load.wait_layer(layer)
                 rd.copy_layer(load, layer, dst_ids)
@@ -97,5 +116,5 @@ def test_a_paged_layout_head_slices_cannot_read_is_refused_in_one_line():
     with TieredCache(config) as cache:
         with pytest.raises(ValueError, match=r"^KVStrataConnector: KV cache group 3: vLLM's paged KV of shape "
                                              r"\(6, 8, 4, 8\) is not \[blocks, 4, 4, 16\]") as info:
-            SlicedGroup(spec, cache, other, HeadSlicing.for_group(group), 1, 0)
+            SlicedGroup(spec, SlicedRank(cache, HeadSlicing.for_group(group), 1, 0), other)
     assert "\n" not in str(info.value)

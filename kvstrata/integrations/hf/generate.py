@@ -90,6 +90,8 @@ class KVStrataLM:
     model's TP size (whole blocks of this rank's heads; at TP > 1 the cache's ``tp_rank`` and
     ``tp_size`` must be this rank's), or :func:`model_slice_layout` (head slices, shared by
     every TP size). ``tp`` defaults to the model's own (:meth:`TensorParallel.of_model`).
+    With a head-sliced cache, ``packs`` is this rank's own tiers, which keep its slices of a
+    block as one object (:mod:`kvstrata.cache.sliced`; ``pack_layout`` of the rank's heads).
 
     ``calibration`` and ``prefill`` feed ``strategy="auto"``: load times come from the
     calibration's paths (:meth:`HostCalibration.restore_s` per source tier), prefill time from
@@ -106,6 +108,7 @@ class KVStrataLM:
         calibration: HostCalibration | None = None,
         prefill: PrefillFit | None = None,
         tp: TensorParallel | None = None,
+        packs: TieredCache | None = None,
     ) -> None:
         self.model = model
         self._cache_arg = cache_arg(model)  # "cache" (transformers >= 5.2x) or "past_key_values"
@@ -119,19 +122,21 @@ class KVStrataLM:
         self.tp = tp if tp is not None else TensorParallel.of_model(model)
         # What this rank stores and loads through: the cache itself (whole blocks of its heads)
         # or, head-sliced, its SlicedRank (the same calls, over its heads' slices).
-        self.kv: TieredCache | SlicedRank | None = self._rank_kv(cache) if cache is not None else None
+        self.kv: TieredCache | SlicedRank | None = self._rank_kv(cache, packs) if cache is not None else None
 
-    def _rank_kv(self, cache: TieredCache) -> TieredCache | SlicedRank:
+    def _rank_kv(self, cache: TieredCache, packs: TieredCache | None) -> TieredCache | SlicedRank:
         layout, tp = cache.layout, self.tp
         if layout.head_sliced:
             want = model_slice_layout(self.model.config, layout.block_tokens, self.dtype, layout.kv_heads)
             if layout != want:
                 raise ValueError(f"cache layout {layout.describe()} does not fit the model's {want.describe()}")
             slicing = HeadSlicing(model_heads(self.model.config, self.dtype), layout.kv_heads)
-            return SlicedRank(cache, slicing, tp.size, tp.rank)
+            return SlicedRank(cache, slicing, tp.size, tp.rank, packs=packs)
         want = model_layout(self.model.config, layout.block_tokens, self.dtype, tp.size)
         if layout != want:
             raise ValueError(f"cache layout {layout.describe()} does not fit the model's {want.describe()}")
+        if packs is not None:
+            raise ValueError("packs= takes a head-sliced cache's rank packs; this cache is TP-matched")
         if (cache.config.tp_rank, cache.config.tp_size) != (tp.rank, tp.size):
             raise ValueError(f"cache config tp_rank/tp_size {cache.config.tp_rank}/{cache.config.tp_size} is not "
                              f"the model's rank {tp.rank} of {tp.size}: a TP-matched cache names its rank (or use "
@@ -310,12 +315,13 @@ class KVStrataLM:
 
     def _decide(self, match: Match | SlicedMatch | None, tail_tokens: int) -> RecomputePlan:
         calibration, prefill = self._auto_inputs()
-        stored = self.cache.layout  # what one stored object holds: a block, or a slice of one
         hit = match.tokens if match is not None else 0
-        objects = match.match if isinstance(match, SlicedMatch) else match  # the stored objects' match
-        media = objects.media if objects is not None else ()
-        load = calibrated_load_time(calibration, media, stored.block_bytes, self.cache.config.workers)
-        contention = calibrated_contention(calibration, media, stored.block_bytes, load, self.device.type == "cpu")
+        # What a load moves, block by block: a block of the rank's heads (head-sliced: a pack,
+        # or its slices, taken here as one object of the pack's bytes) from its slowest medium.
+        size = self.kv.layout.block_bytes if isinstance(self.kv, SlicedRank) else self.cache.layout.block_bytes
+        media = match.media if match is not None else ()
+        load = calibrated_load_time(calibration, media, size, self.cache.config.workers)
+        contention = calibrated_contention(calibration, media, size, load, self.device.type == "cpu")
         rank = self.kv.layout  # the rank's KV of a block: all its slices
         return choose(hit, tail_tokens, rank.block_tokens, rank.block_bytes // rank.block_tokens, load, prefill,
                       contention)

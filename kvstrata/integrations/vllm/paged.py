@@ -7,8 +7,10 @@ same TP size finds it. Nothing depends on the order inside vLLM's block.
 :class:`SlicedGroup` (``kv_sharing="head-sliced"``): a block is stored as one object per KV
 head (:mod:`kvstrata.cache.sliced`), in a namespace without a TP size, so an instance of any TP
 size loads exactly its heads' slices of what another stored; the first rank holding a
-replicated head (MLA's latent: rank 0) writes it, the others share that copy. This reads vLLM's
-block layout, checked at registration: vLLM 0.32's CPU attention keeps
+replicated head (MLA's latent: rank 0) writes it, the others share that copy. The rank's own
+tiers (device, host, disk) keep its slices of a block packed in one object, the pool the slices
+(:meth:`SlicedRank.open`). This reads vLLM's block layout, checked at registration: vLLM 0.32's
+CPU attention keeps
 ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` per layer (per head: K's tokens, then V's),
 its MLA ``[num_blocks, 1, block_size, kv_lora_rank + rope_dim]`` (one latent, the same on
 every rank; ``[num_blocks, block_size, ...]`` is taken too). Both are viewed as ``[num_blocks, heads, kv, block_size, head_dim]`` and copied with one
@@ -33,7 +35,6 @@ from kvstrata.index.keys import BlockKey
 from kvstrata.index.prefix import Match
 from kvstrata.integrations.vllm.groups import VLLMGroup
 from kvstrata.kv.groups import GroupKind, KVGroup
-from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
 
 _PREFIX = "KVStrataConnector:"
@@ -44,6 +45,7 @@ class OpaqueGroup:
 
     def __init__(self, spec: VLLMGroup, cache: TieredCache, layers: list[torch.Tensor]) -> None:
         self.spec, self.cache, self.layers = spec, cache, layers
+        self.caches = (cache,)
         self.layout = cache.layout
         self.writes = True  # every rank stores its own blocks
 
@@ -87,11 +89,11 @@ class OpaqueGroup:
 class SlicedGroup:
     """A group's blocks as head slices (see the module text): rank ``tp_rank`` of ``tp_size``."""
 
-    def __init__(self, spec: VLLMGroup, cache: TieredCache, layers: list[torch.Tensor], slicing: HeadSlicing,
-                 tp_size: int, tp_rank: int) -> None:
-        self.spec, self.cache, self.layers = spec, cache, layers
-        self.rank = SlicedRank(cache, slicing, tp_size, tp_rank)
+    def __init__(self, spec: VLLMGroup, rank: SlicedRank, layers: list[torch.Tensor]) -> None:
+        self.spec, self.rank, self.layers = spec, rank, layers
+        self.caches = rank.caches
         self.layout = self.rank.layout
+        slicing, tp_size, tp_rank = rank.slicing, rank.tp_size, rank.tp_rank
         self.writes = self.rank.writes  # False: an earlier rank stores these heads
         if len(self.rank.heads) != spec.group.kv_heads:
             raise ValueError(f"{_PREFIX} KV cache group {spec.index}: vLLM holds {spec.group.kv_heads} KV heads on "
@@ -111,17 +113,18 @@ class SlicedGroup:
     def match(self, keys: list[BlockKey]) -> Match:
         """The leading blocks of ``keys`` of which every slice this rank holds is cached."""
         m = self.rank.match(keys)
-        return Match(tuple(keys[: m.blocks]), m.match.media[:: m.slices][: m.blocks], m.block_size, len(keys))
+        return Match(tuple(keys[: m.blocks]), m.media, m.block_size, len(keys))
 
     def load(self, keys: list[BlockKey]) -> SlicedLoad | None:
         m = self.rank.match(keys)
         return self.rank.load(m) if m.blocks == len(keys) else None
 
     def copy_layer(self, load: SlicedLoad, layer: int, block_ids: list[int]) -> None:
-        heads, g = self._heads[layer], self.rank.slicing.granularity
+        heads = self._heads[layer]
         pieces = load.pieces()
-        # a piece is [layers, kv, bs, g, dim]; vLLM's heads of a block [g, kv, bs, dim]
-        torch._foreach_copy_([heads[block_ids[b], h : h + g] for b, h, _ in pieces],
+        # a piece is [layers, kv, bs, its heads, dim] (a pack: the rank's, a slice: g of them);
+        # vLLM's heads of a block [heads, kv, bs, dim]
+        torch._foreach_copy_([heads[block_ids[b], h : h + piece.shape[3]] for b, h, piece in pieces],
                              [piece[layer].permute(2, 0, 1, 3) for _, _, piece in pieces])
 
     def stage_layer(self, kv: torch.Tensor, layer: int, block_ids: list[int]) -> None:

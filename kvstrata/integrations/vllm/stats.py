@@ -109,7 +109,8 @@ class WorkerStats:
             data["groups"] = [g.to_json() for g in self.groups]
         data["stored_bytes"] = sum(g["stored_bytes"] for g in data["groups"])
         if caches:
-            data["media"] = [m.label for m in caches[0].media]
+            # a group's tiers, over its caches (head-sliced: its packs' and the pool's)
+            data["media"] = [m.label for m in sorted({m for c in caches for m in c.media}, key=lambda m: m.value)]
             errors = [c.remote_error for c in caches if c.remote_error is not None]
             data["remote_error"] = errors[0] if errors else None  # now: the pool may have gone down, or come back
         return data

@@ -38,6 +38,7 @@ import torch
 
 from kvstrata.cache import TieredCache
 from kvstrata.cache.grouped import longest_hit
+from kvstrata.cache.sliced import SlicedRank
 from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
@@ -119,7 +120,7 @@ class KVStrataConnectorWorker:
 
     @property
     def _caches(self) -> tuple[TieredCache, ...]:
-        return tuple(g.cache for g in self._groups)
+        return tuple(c for g in self._groups for c in g.caches)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's paged KV (layer name -> tensor), open a cache per group, serve lookups (rank 0)."""
@@ -141,10 +142,17 @@ class KVStrataConnectorWorker:
             for spec, layers, layout in zip(self._group_specs, paged, layouts):
                 config = self.settings.cache_config(layout, model, str(layers[0].device), tp_rank, tp_size,
                                                     kv_group=spec.namespace, share=Fraction(layout.block_bytes, total))
+                if sliced:  # the rank's packs in its own tiers, the slices in the pool (SlicedRank.open)
+                    rank = SlicedRank.open(config, self._slicing(spec), tp_size, tp_rank)
+                    try:
+                        self._groups.append(SlicedGroup(spec, rank, layers))
+                    except BaseException:
+                        rank.close()
+                        raise
+                    continue
                 cache = TieredCache(config)
                 try:
-                    self._groups.append(SlicedGroup(spec, cache, layers, self._slicing(spec), tp_size, tp_rank)
-                                        if sliced else OpaqueGroup(spec, cache, layers))
+                    self._groups.append(OpaqueGroup(spec, cache, layers))
                 except BaseException:
                     cache.close()
                     raise
@@ -343,7 +351,8 @@ class KVStrataConnectorWorker:
 
     def _close_caches(self) -> None:
         for group in self._groups:
-            group.cache.close()  # waits for stores in flight
+            for cache in group.caches:
+                cache.close()  # waits for stores in flight
 
     def _write_stats(self) -> None:
         if self._stats_path:
