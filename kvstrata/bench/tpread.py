@@ -50,7 +50,7 @@ from kvstrata.bench.baselines import synchronize
 from kvstrata.bench.lookup import interleaved, token_ids
 from kvstrata.bench.rounds import Rounds, rotated
 from kvstrata.cache import CacheConfig, TieredCache
-from kvstrata.cache.sliced import SlicedRank, instance_matches
+from kvstrata.cache.sliced import SlicedRank, instance_matches, pack_layout
 from kvstrata.calibrate.ballast import Ballast
 from kvstrata.index.keys import BlockKey, slice_keys
 from kvstrata.kv import load_geometry
@@ -78,8 +78,11 @@ class Source(enum.Enum):
 
 
 class Layout(enum.Enum):
-    MATCHED = "matched"
-    SLICED = "sliced"
+    """How a rank holds the bytes it restores."""
+
+    MATCHED = "matched"  # TP-matched: one object a block, the rank's heads, its TP in the namespace
+    SLICED = "sliced"  # head-sliced as a rank keeps it in its own tiers: its slices of a block packed in one object
+    SLICES = "slices"  # head-sliced as the shared tiers hold it: one object per slice of a block
 
 
 def model_group(model: str) -> KVGroup:
@@ -140,10 +143,12 @@ class RankSet:
         self.heads = [data.slicing.rank_heads(tp, r) for r in range(tp)]
         slices = [data.slicing.rank_slices(tp, r) for r in range(tp)]
         bt = data.block_tokens
-        layouts = ([KVLayout.for_group(data.group, bt, tp)] * tp if layout is Layout.MATCHED
-                   else [KVLayout.head_slice(data.group, bt, data.slicing.granularity)] * tp)
+        slice_layout = KVLayout.head_slice(data.group, bt, data.slicing.granularity)
+        layouts = ([KVLayout.for_group(data.group, bt, tp)] * tp if layout is Layout.MATCHED else
+                   [pack_layout(slice_layout, len(h)) for h in self.heads] if layout is Layout.SLICED else
+                   [slice_layout] * tp)
         # Objects per rank: a block, or a slice of a block.
-        self.objects = [data.blocks * (1 if layout is Layout.MATCHED else len(s)) for s in slices]
+        self.objects = [data.blocks * (len(s) if layout is Layout.SLICES else 1) for s in slices]
         self.caches: list[TieredCache] = []
         try:
             for r in range(tp):
@@ -155,9 +160,12 @@ class RankSet:
         except BaseException:
             self.close()
             raise
-        self.ranks = ([SlicedRank(c, data.slicing, tp, r) for r, c in enumerate(self.caches)]
+        self.ranks = ([SlicedRank(c, data.slicing, tp, r) for r, c in enumerate(self.caches)] if layout is Layout.SLICES
+                      else [SlicedRank(None, data.slicing, tp, r, packs=c) for r, c in enumerate(self.caches)]
                       if layout is Layout.SLICED else [])
-        self.block_keys = [c.keys(data.tokens) for c in self.caches]  # matched: one namespace per rank
+        # matched: one namespace per rank; head-sliced: the blocks' (every rank's, every TP's)
+        self.block_keys = [c.keys(data.tokens) for c in self.caches] if layout is Layout.MATCHED else \
+            [rank.keys(data.tokens) for rank in self.ranks]
         self.restored_bytes = sum(o * lay.block_bytes for o, lay in zip(self.objects, layouts))
 
     # --- placing the blocks (untimed) ----------------------------------------------------------
@@ -169,6 +177,8 @@ class RankSet:
             kv = self.data.rank_kv(self.heads[r]).to(self.outs[r].device)
             if self.layout is Layout.MATCHED:
                 futures = [cache.store_keys(self.block_keys[r], kv)]
+            elif self.layout is Layout.SLICED:  # (a rank holding a replicated head too: its cache is its own)
+                futures = [cache.store_keys(self.ranks[r].pack_keys(self.block_keys[r]), kv)]
             else:  # each rank its own slices (a rank holding a replicated head too: its cache is its own)
                 g = self.data.slicing.granularity
                 futures = [cache.store_keys(slice_keys(self.block_keys[r], range(j, j + 1)), kv[:, :, :, i * g:(i + 1) * g])
@@ -232,10 +242,10 @@ class RankSet:
     def _restore_rank_s(self, r: int, medium: Medium) -> tuple[float, float]:
         """Rank ``r``'s restore: seconds in all, and of its load alone (to its ``wait()``)."""
         cache, out, bt = self.caches[r], self.outs[r], self.data.block_tokens
-        if self.layout is Layout.SLICED:
+        if self.layout is not Layout.MATCHED:
             rank = self.ranks[r]
             match = rank.match(self.block_keys[r])
-            self._check_match(r, match.match, medium)
+            self._check_match(r, match, medium)
             start = time.perf_counter()
             with rank.load(match) as load:
                 load.wait()
@@ -263,12 +273,13 @@ class RankSet:
     # --- checks --------------------------------------------------------------------------------
 
     def _check_match(self, r: int, match, medium: Medium) -> None:
-        if match.blocks != self.objects[r] or match.count(medium) != self.objects[r]:
+        if match.blocks != self.data.blocks or set(match.media) != {medium}:
             raise RuntimeError(f"{self.layout.value} TP={self.tp} rank {r}: expected {self.objects[r]} objects on "
                                f"{medium.label} only, lookup found {set(match.media)}")
 
     def _expect(self, r: int, medium: Medium) -> None:
-        keys = self.block_keys[r] if self.layout is Layout.MATCHED else self.ranks[r].slice_keys(self.block_keys[r])
+        keys = (self.block_keys[r] if self.layout is Layout.MATCHED else self.ranks[r].pack_keys(self.block_keys[r])
+                if self.layout is Layout.SLICED else self.ranks[r].slice_keys(self.block_keys[r]))
         match = self.caches[r].match(keys)
         if match.blocks != self.objects[r] or set(match.media) != {medium}:
             raise RuntimeError(f"{self.layout.value} TP={self.tp} rank {r}: expected every object on "

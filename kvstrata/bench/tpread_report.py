@@ -24,7 +24,9 @@ from kvstrata.report import flatten
 NOTE = ("restore = every rank's load() into its device tier and the copy into its KV tensor "
         "[layers, kv, tokens, its heads, head_dim], ranks one after another (one process); load_*: the load() "
         "alone, to its wait(), before that copy; each rank its own cache; "
-        "head-sliced objects written by the reader TP's own ranks; ratio = median over rounds of head-sliced / "
+        "head-sliced objects written by the reader TP's own ranks: sliced = as a rank keeps them in its own tiers "
+        "(its slices of a block packed in one object), slices = one object per slice (as the shared pool holds "
+        "them); ratio = median over rounds of head-sliced / "
         "TP-matched GB/s within a round; disk, cold: page cache dropped and the ballast released first; disk, warm: "
         "files in the page cache")
 
@@ -38,10 +40,14 @@ class SlicedRestore:
     restored_bytes: int  # per restore, all ranks together
     rate: Compared = field(metadata=flatten("", gbps="sliced_gbps", baseline_gbps="matched_gbps"))
     load: Compared = field(metadata=flatten("load_", gbps="load_sliced_gbps", baseline_gbps="load_matched_gbps"))
+    # The same restore from one object per slice (what the shared tiers hold), beside TP-matched.
+    slices: Compared = field(metadata=flatten("slices_", gbps="slices_gbps", baseline_gbps="slices_matched_gbps"))
     matched_objects: int  # per rank (rank 0), each of matched_object_bytes
-    sliced_objects: int
+    sliced_objects: int  # head-sliced as the rank restores from its own tiers: packs of its slices
+    slices_objects: int  # one per slice
     matched_object_bytes: int
     sliced_object_bytes: int
+    slices_object_bytes: int
     runs_gbps: dict[Layout, tuple[float, ...]]
 
 
@@ -85,13 +91,15 @@ def tp_report(data: TPData, readers: tuple[int, ...], run: TPRun) -> TPReaders:
     for source in Source:
         for tp in readers:
             sliced, matched = step_name(Layout.SLICED, source, tp), step_name(Layout.MATCHED, source, tp)
+            slices = step_name(Layout.SLICES, source, tp)
             size = run.restored_bytes[tp]
+            objects, object_bytes = run.objects[tp], run.object_bytes[tp]
             restores.append(SlicedRestore(
                 source, tp, size, rounds.rate_vs(sliced, matched, size),
-                rounds.rate_vs(sliced + ".load", matched + ".load", size),
-                run.objects[tp][Layout.MATCHED], run.objects[tp][Layout.SLICED],
-                run.object_bytes[tp][Layout.MATCHED], run.object_bytes[tp][Layout.SLICED],
-                {Layout.MATCHED: rounds.rate(matched, size).runs, Layout.SLICED: rounds.rate(sliced, size).runs},
+                rounds.rate_vs(sliced + ".load", matched + ".load", size), rounds.rate_vs(slices, matched, size),
+                objects[Layout.MATCHED], objects[Layout.SLICED], objects[Layout.SLICES],
+                object_bytes[Layout.MATCHED], object_bytes[Layout.SLICED], object_bytes[Layout.SLICES],
+                {layout: rounds.rate(step_name(layout, source, tp), size).runs for layout in Layout},
             ))
     lookups = {bs: _lookup(lr) for bs, lr in run.lookups.items()}
     goals = [Goal(sliced_restore_figure(r.source.value, r.tp), f">={SLICED_OF_MATCHED}x TP-matched", r.rate.ratio,

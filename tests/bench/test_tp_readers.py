@@ -62,20 +62,24 @@ def test_a_row_per_tier_and_reader_tp_with_both_layouts_and_the_ratio(report):
     assert set(rows) == {(s, t) for s in ("host", "disk, cold", "disk, warm") for t in READERS}
     for (source, t), row in rows.items():
         assert row["restored_bytes"] == 16 * MIB  # the same bytes at every TP: 8 heads split, none replicated
-        for key in ("sliced_gbps", "matched_gbps", "ratio", "load_sliced_gbps", "load_matched_gbps", "load_ratio"):
+        for key in ("sliced_gbps", "matched_gbps", "ratio", "load_sliced_gbps", "load_matched_gbps", "load_ratio",
+                    "slices_gbps", "slices_ratio"):
             assert row[key] > 0, (source, t, key)
         assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
-        assert [len(row["runs_gbps"][k]) for k in ("matched", "sliced")] == [REPEATS, REPEATS]
-        # Per rank: a TP-matched rank holds each block as one object of its heads, a head-sliced
-        # rank as one object per head; the same bytes either way.
-        assert (row["matched_objects"], row["sliced_objects"]) == (16, 16 * 8 // t)
+        assert [len(row["runs_gbps"][k]) for k in ("matched", "sliced", "slices")] == [REPEATS] * 3
+        # Per rank: a TP-matched rank holds each block as one object of its heads, and so does a
+        # head-sliced rank in its own tiers (a pack of its slices); the shared tiers hold one
+        # object per head. The same bytes every way.
+        assert (row["matched_objects"], row["sliced_objects"], row["slices_objects"]) == (16, 16, 16 * 8 // t)
         assert row["matched_objects"] * row["matched_object_bytes"] == row["sliced_objects"] * row["sliced_object_bytes"]
+        assert row["slices_objects"] * row["slices_object_bytes"] == row["sliced_objects"] * row["sliced_object_bytes"]
 
 
 def test_every_restore_of_both_layouts_was_verified(report):
     data, _ = report
-    # Each (tier, TP): a warm-up round and the timed ones, each restoring all 16 MiB twice (both layouts).
-    assert data["tp_readers"]["verified_bytes"] == 3 * len(READERS) * (REPEATS + 1) * 2 * 16 * MIB
+    # Each (tier, TP): a warm-up round and the timed ones, each restoring all 16 MiB three times
+    # (TP-matched, packs, slices).
+    assert data["tp_readers"]["verified_bytes"] == 3 * len(READERS) * (REPEATS + 1) * 3 * 16 * MIB
     assert data["verified"]["bit_exact"] is True
 
 
