@@ -6,8 +6,19 @@ same on every TP rank) in one KV cache group of an ``MLAAttentionSpec``; head-sl
 (the connector's default) keep it as one slice per block, stored once whatever the TP size. Its
 CPU backend forces 16-token blocks and turns vLLM's prefix caching off. Engine A computes the
 prompts (the reference tokens, from scratch) and stores them on disk; engine B starts fresh on
-A's directory and must produce A's next token from the latent it loads (see the test for why
-not all eight).
+A's directory and must produce A's tokens, all of them, from the latent it loads.
+
+Both run vLLM's PyTorch rotary embedding (``custom_ops: ["-rotary_embedding"]``), not its CPU
+kernel. That kernel (``csrc/cpu/pos_encoding.cpp``, reached from ``RotaryEmbedding.forward_cpu``)
+takes the token stride of the query and key it is given, and MLA gives it strided views
+(``model_executor/layers/mla.py``: ``q[..., nope:]`` of head stride 96, ``k_pe`` split from the
+576-wide latent, token stride 576): it rotates other rows than the step's tokens, by positions
+that depend on how many tokens the step has and where each request sits in the batch. Its
+output is wrong cold too (it differs from transformers' greedy tokens, and with the batch), and
+a restored prefill, whose step holds other tokens than a cold one's, is wrong differently: the
+latent kvstrata loads is bit-identical to the cold run's, and the rope dimensions of the
+recomputed tokens differ (layer 0, the positions after the hit). With the PyTorch op both runs
+give transformers' tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ LAYERS = 3
 MLA_BLOCK_BYTES = LAYERS * MLA_BLOCK * LATENT * 4  # layers x tokens x latent x fp32: one copy, no K/V pair
 # float32: a restored run prefills the prompt's last tokens against loaded latents, a cold one
 # the whole prompt, through other kernels; fp32 keeps their rounding far below the logits' margins.
-ENGINE = {"block_size": MLA_BLOCK, "dtype": "float32"}
+ENGINE = {"block_size": MLA_BLOCK, "dtype": "float32", "custom_ops": ["-rotary_embedding"]}
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +67,19 @@ def test_mla_latent_stored_once_serves_a_fresh_engine(mla_runs):
     assert stats["loaded_tokens"] == sum(HIT_TOKENS) and stats["failed_blocks"] == 0
     assert stats["load_paths"] == {"disk -> device": sum(HIT_TOKENS) // MLA_BLOCK}
     assert stats["restored_bytes"] == sum(HIT_TOKENS) // MLA_BLOCK * MLA_BLOCK_BYTES
-    # greedy: the prompt's last tokens, prefilled against the loaded latent, give the cold run's
-    # next token. Later decode steps part on the 100-token prompt, with the TP-matched opaque copy
-    # exactly as with head slices (the same tokens), so not in kvstrata's bytes: vLLM's CPU MLA
-    # never prefills against cached context on its own (it turns prefix caching and chunked
-    # prefill off), and that path is what a connector's hit runs.
-    assert [t[0] for t in again["tokens"]] == [t[0] for t in first["tokens"]]
-    print(f"MLA restored vs cold tokens: {again['tokens']} vs {first['tokens']}")
+    # greedy: the prompt's last tokens prefilled against the loaded latent, then every decode
+    # step, give the cold run's tokens
+    assert again["tokens"] == first["tokens"]
+
+
+def test_mla_cold_and_restored_tokens_are_transformers_greedy_tokens(mla_runs, tiny_mla_dir):
+    """The tokens both engines give are the model's: transformers' own DeepSeek-V2 code, fp32,
+    greedy (so the test above compares right tokens, not two runs wrong alike)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_mla_dir, dtype=torch.float32)
+    for prompt, tokens in zip(PROMPTS, mla_runs["a"]["passes"][0]["tokens"]):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False)
+        assert out[0, len(prompt):].tolist() == tokens

@@ -9,9 +9,10 @@ ranks' disk directories), a TP=1 MLA engine stores PROMPTS' latents. Then rank 1
 directory is emptied. Round two: TP=2 loads what TP=1 stored and TP=1 what TP=2 stored, from
 the pool, each with the tokens of a cold run at its own TP size (in fp32: in bf16, KV summed
 over two ranks parts near-ties from KV summed on one a few tokens in); the MLA model at TP=2
-loads the one stored copy of each latent block on both ranks (its tokens are printed, not
-compared: vLLM CPU's MLA at TP=2 gives other tokens than at TP=1 even cold); and a TP=2 engine on the disk directories alone, where rank 0 finds its slices and rank
-1 none, reports rank 1's blocks as load errors, so vLLM recomputes them: the cold tokens again.
+loads the one stored copy of each latent block on both ranks, with the tokens of a cold TP=2
+run and of TP=1 (vLLM's PyTorch rotary embedding, as ``test_vllm_mla.py`` says why); and a TP=2
+engine on the disk directories alone, where rank 0 finds its packs and rank 1 none, reports
+rank 1's blocks as load errors, so vLLM recomputes them: the cold tokens again.
 """
 
 from __future__ import annotations
@@ -109,10 +110,9 @@ def test_mla_at_tp2_loads_the_one_copy_tp1_stored(tp_runs):
     for stats in ranks:  # each rank read the same stored copy of every hit block
         assert stats["loaded_tokens"] == sum(HIT_TOKENS) and stats["failed_blocks"] == 0
         assert stats["load_paths"] == {"remote -> device": sum(HIT_TOKENS) // MLA_BLOCK}
-    # Tokens are not compared: vLLM CPU's MLA at TP=2 computes other tokens than at TP=1 from
-    # the first one on, cold (m2_cold vs m1), so no latent TP=1 stored could give TP=2's.
     cold = runs["m2_cold"]["passes"][0]["tokens"]
     print(f"MLA TP=2 restored vs TP=2 cold vs TP=1 cold tokens: {restored['tokens']} vs {cold} vs {stored['tokens']}")
+    assert restored["tokens"] == cold == stored["tokens"]
 
 
 def test_a_rank_missing_its_slices_reports_load_errors_and_vllm_recomputes(tp_runs):

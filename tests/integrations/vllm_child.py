@@ -44,6 +44,8 @@ def main(spec: dict) -> dict:
         # fewer tokens per step than a prompt: vLLM prefills it in chunks (None: vLLM's default)
         max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         enable_prefix_caching=spec.get("prefix_caching", False),
+        # e.g. ["-rotary_embedding"]: vLLM's PyTorch op in place of its CPU kernel (test_vllm_mla.py says why)
+        compilation_config={"custom_ops": spec["custom_ops"]} if "custom_ops" in spec else None,
         seed=0,
         kv_transfer_config={
             "kv_connector": "KVStrataConnector",
