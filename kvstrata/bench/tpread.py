@@ -387,11 +387,15 @@ class LookupRounds:
 
 def lookup_rounds(data: TPData, tp: int, block_size: int, tokens: int, repeats: int) -> LookupRounds:
     """Hash + lookup of ``tokens`` random ids, every block present in the host tier, by an
-    instance: ``matched.tp1`` (one cache's ``lookup``), ``sliced.tp1`` and ``sliced.tp<tp>``
-    (the block keys hashed once, then every rank's match: ``instance_matches``); and their
-    parts: ``hash`` (the block keys alone) and ``slice_keys.tp<n>`` (every rank's slice keys
-    of ready block keys). Each rank has its cache (its process); blocks are adopted without
-    bytes (a one-layer layout of the model's heads, 8 elements each: the bytes are not read)."""
+    instance: ``matched.tp1`` (one cache's ``lookup``), ``sliced.tp1`` and ``sliced.tp<tp>``:
+    each rank's hash + match of its slices (``sliced.tp<n>.rank<r>``, as its own process makes
+    it), the instance's figure its slowest rank's in each round (its ranks are processes that
+    look up at once), and ``sliced.tp<n>.ranks`` their sum (the CPU time of the instance); and
+    the parts: ``hash`` (the block keys alone) and ``slice_keys.tp<n>`` (every rank's slice
+    keys of ready block keys). These are the slices' keys, as a lookup in the pool makes them
+    (a rank's packs are one key a block). Each rank has its cache (its process); blocks are
+    adopted without bytes (a one-layer layout of the model's heads, 8 elements each: the bytes
+    are not read)."""
     ids = token_ids(tokens)
     kind = GroupKind.MLA if data.group.kind is GroupKind.MLA else GroupKind.FULL
     group = KVGroup(kind, (0,), DType.BF16, kv_heads=data.group.kv_heads, head_dim=8)
@@ -422,17 +426,24 @@ def lookup_rounds(data: TPData, tp: int, block_size: int, tokens: int, repeats: 
         variants: dict[str, Callable[[], object]] = {"matched.tp1": lambda: matched.lookup(ids),
                                                      "hash": lambda: instances[1][0].keys(ids)}
         for size, ranks in instances.items():
-            variants[f"sliced.tp{size}"] = _instance_lookup(ranks, ids)
+            for r, rank in enumerate(ranks):
+                variants[f"sliced.tp{size}.rank{r}"] = _rank_lookup(rank, ids)
             variants[f"slice_keys.tp{size}"] = _slice_keys_of(ranks, keys)
         rounds = interleaved(variants, repeats)
+        for size, ranks in instances.items():  # the instance: its ranks at once (the slowest), and in all
+            per_rank = [rounds.seconds[f"sliced.tp{size}.rank{r}"] for r in range(size)]
+            for samples in zip(*per_rank):
+                rounds.add(f"sliced.tp{size}", max(samples))
+                rounds.add(f"sliced.tp{size}.ranks", sum(samples))
     finally:
         for c in caches:
             c.close()
     return LookupRounds(rounds, block_size, tokens, tp)
 
 
-def _instance_lookup(ranks: list[SlicedRank], ids: np.ndarray) -> Callable[[], object]:
-    return lambda: instance_matches(ranks, ranks[0].keys(ids))
+def _rank_lookup(rank: SlicedRank, ids: np.ndarray) -> Callable[[], object]:
+    """A rank's hash + lookup, as its own process makes it: the block keys, its slice keys, its match."""
+    return lambda: rank.match(rank.keys(ids))
 
 
 def _slice_keys_of(ranks: list[SlicedRank], keys: list[BlockKey]) -> Callable[[], object]:

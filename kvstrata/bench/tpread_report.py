@@ -61,14 +61,16 @@ class SlicedLookup:
     tp: int
     matched_tp1_ms: float
     sliced_tp1_ms: float
-    sliced_tp_ms: float
+    sliced_tp_ms: float  # the slowest rank's, its ranks looking up at once
+    sliced_tp_ranks_ms: float  # every rank's together: the instance's CPU time
     hash_ms: float  # the block keys alone (hashed once per instance)
     slice_keys_tp1_ms: float  # every rank's slice keys of the block keys, at TP=1 and TP=tp
     slice_keys_tp_ms: float
     tp_of_tp1: Spread  # sliced TP=tp / sliced TP=1: the goal's figure
     sliced_of_matched: Spread  # sliced TP=1 / matched TP=1
-    where: str = ("sliced = hash (the block keys) + every rank's slice keys (one xxh3-128 per slice per block) + "
-                  "every rank's match of them; slice_keys_*: that middle part alone")
+    where: str = ("sliced = per rank, its hash (the block keys) + its slice keys (one xxh3-128 per slice per block) + "
+                  "its match of them; TP=t: the slowest rank (ranks are processes that look up at once), "
+                  "sliced_tp_ranks_ms: all ranks together; slice_keys_*: every rank's slice keys alone")
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def _lookup(lr: LookupRounds) -> SlicedLookup:
 
     tp = f"sliced.tp{lr.tp}"
     return SlicedLookup(
-        lr.block_size, lr.tokens, lr.tp, ms("matched.tp1"), ms("sliced.tp1"), ms(tp), ms("hash"),
+        lr.block_size, lr.tokens, lr.tp, ms("matched.tp1"), ms("sliced.tp1"), ms(tp), ms(tp + ".ranks"), ms("hash"),
         ms("slice_keys.tp1"), ms(f"slice_keys.tp{lr.tp}"),
         rounds.time_ratio_spread(tp, "sliced.tp1"), rounds.time_ratio_spread("sliced.tp1", "matched.tp1"),
     )
