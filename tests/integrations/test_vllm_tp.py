@@ -10,7 +10,7 @@ directory is emptied. Round two: TP=2 loads what TP=1 stored and TP=1 what TP=2 
 the pool, each with the tokens of a cold run at its own TP size (in fp32: in bf16, KV summed
 over two ranks parts near-ties from KV summed on one a few tokens in); the MLA model at TP=2
 loads the one stored copy of each latent block on both ranks, with the tokens of a cold TP=2
-run and of TP=1 (vLLM's PyTorch rotary embedding, as ``test_vllm_mla.py`` says why); and a TP=2
+run and of TP=1 (and a TP=1 MLA engine what a TP=2 one stored, with the cold tokens) (vLLM's PyTorch rotary embedding, as ``test_vllm_mla.py`` says why); and a TP=2
 engine on the disk directories alone, where rank 0 finds its packs and rank 1 none, reports
 rank 1's blocks as load errors, so vLLM recomputes them: the cold tokens again.
 """
@@ -52,6 +52,7 @@ def tp_runs(tiny_model_dir, tiny_mla_dir, pool, tmp_path_factory) -> dict:
     ns = uuid.uuid4().hex[:8]
     remote = {"host_bytes": 0, "pool": str(tmp / "pool.toml"), "remote_bytes": 16 * MiB}
     llama, mla_ns = {**remote, "model_id": f"vllm-tp-{ns}"}, {**remote, "model_id": f"vllm-tp-mla-{ns}"}
+    mla_back = {**remote, "model_id": f"vllm-tp-mla-back-{ns}"}  # MLA the other way: TP=2 stores, TP=1 loads
     disk = {"disk_dir": str(tmp / "disk"), "disk_bytes": 64 * MiB}
     tp2 = {"tensor_parallel_size": 2}
     fp32 = {"dtype": "float32"}  # TP=1's and TP=2's sums part near-ties in bf16 (measured), not in fp32
@@ -63,12 +64,15 @@ def tp_runs(tiny_model_dir, tiny_mla_dir, pool, tmp_path_factory) -> dict:
         "m2_cold": {**spec(mla, tmp, "m2_cold", **cold, model_id=f"vllm-tp-mla-cold-{ns}"), **MLA_ENGINE, **tp2},
         "l2": {**spec(model, tmp, "l2", passes=[FILLER], **llama, **disk), **tp2, **fp32},
         "m1": {**spec(mla, tmp, "m1", **mla_ns), **MLA_ENGINE},
+        "m2w": {**spec(mla, tmp, "m2w", passes=[FILLER], **mla_back), **MLA_ENGINE, **tp2},
+        "m1_cold": {**spec(mla, tmp, "m1_cold", passes=[FILLER], **cold, model_id=f"vllm-tp-mla-c1-{ns}"), **MLA_ENGINE},
     }, tmp)
     shutil.rmtree(tmp / "disk" / "rank1")  # rank 1's slices of FILLER: gone from disk
     runs |= run_children({
         "l2_from_1": {**spec(model, tmp, "l2_from_1", **llama), **tp2, **fp32},
         "l1_from_2": {**spec(model, tmp, "l1_from_2", passes=[FILLER], **llama), **fp32},
         "m2": {**spec(mla, tmp, "m2", **mla_ns), **MLA_ENGINE, **tp2},
+        "m1_from_2": {**spec(mla, tmp, "m1_from_2", passes=[FILLER], **mla_back), **MLA_ENGINE},
     }, tmp)
     runs |= run_children({
         "l2_missing": {**spec(model, tmp, "l2_missing", passes=[FILLER], model_id=f"vllm-tp-{ns}",
@@ -113,6 +117,17 @@ def test_mla_at_tp2_loads_the_one_copy_tp1_stored(tp_runs):
     cold = runs["m2_cold"]["passes"][0]["tokens"]
     print(f"MLA TP=2 restored vs TP=2 cold vs TP=1 cold tokens: {restored['tokens']} vs {cold} vs {stored['tokens']}")
     assert restored["tokens"] == cold == stored["tokens"]
+
+
+def test_mla_at_tp1_loads_the_one_copy_tp2_stored(tp_runs):
+    runs, tmp = tp_runs["runs"], tp_runs["tmp"]
+    ranks = [rank_stats(runs["m2w"], tmp, "m2w", r) for r in (0, 1)]
+    assert [s["writes"] for s in ranks] == [True, False] and ranks[1]["store_requests"] == 0
+    assert ranks[0]["new_blocks"] == sum(len(p) // MLA_BLOCK for p in FILLER)  # rank 0 wrote each latent once
+    back = runs["m1_from_2"]["passes"][0]
+    assert back["cached"] == FILLER_HITS and back["stats"]["failed_blocks"] == 0
+    assert back["stats"]["load_paths"] == {"remote -> device": sum(FILLER_HITS) // MLA_BLOCK}
+    assert back["tokens"] == runs["m1_cold"]["passes"][0]["tokens"] == runs["m2w"]["passes"][0]["tokens"]
 
 
 def test_a_rank_missing_its_slices_reports_load_errors_and_vllm_recomputes(tp_runs):
