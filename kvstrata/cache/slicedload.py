@@ -225,8 +225,9 @@ def assemble(pieces: list[Piece], layout: KVLayout, blocks: int, out: torch.Tens
         out = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=pieces[0][2].device if pieces else "cpu")
     else:
         check_kv(out, layout, tokens)
-    t = layout.block_tokens
-    if pieces:
-        torch._foreach_copy_([out[:, :, (b - first_block) * t:(b - first_block + 1) * t, h:h + p.shape[3]]
+    t, heads = layout.block_tokens, layout.kv_heads
+    if pieces:  # a pack is every head: its block's tokens, no head slice (one view fewer a block)
+        torch._foreach_copy_([out[:, :, (b - first_block) * t:(b - first_block + 1) * t] if p.shape[3] == heads else
+                              out[:, :, (b - first_block) * t:(b - first_block + 1) * t, h:h + p.shape[3]]
                               for b, h, p in pieces], [p for _, _, p in pieces])
     return out
