@@ -177,9 +177,10 @@ def test_disk_tier_serves_a_fresh_engine(round_one, round_two, reference):
 def test_disk_tier_serves_a_fresh_engine_with_tp_matched_blocks(round_one, round_two, reference, tmp):
     assert round_one["tm_a"]["passes"][0]["tokens"] == reference
     assert_served_by_kvstrata(round_two["tm_b"]["passes"][0], reference, "disk -> device")
-    # one opaque object per block, against one per KV head (2) for the head-sliced disk_a
+    # one opaque object per block; and one per block for the head-sliced disk_a too: a rank's own
+    # disk keeps its slices of a block (both KV heads, at TP=1) packed in one object
     blocks = sum(HIT_TOKENS) // BLOCK
-    assert (len(list((tmp / "disk-tm").rglob("*.kvb"))), len(list((tmp / "disk").rglob("*.kvb")))) == (blocks, 2 * blocks)
+    assert (len(list((tmp / "disk-tm").rglob("*.kvb"))), len(list((tmp / "disk").rglob("*.kvb")))) == (blocks, blocks)
 
 
 def test_remote_tier_serves_a_fresh_engine(round_one, round_two, reference, pool_file):
