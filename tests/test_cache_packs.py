@@ -169,3 +169,21 @@ def test_a_packs_cache_of_another_ranks_heads_is_refused_in_one_line():
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="needs a cache of slices, of packs, or both"):
         SlicedRank(None, SLICING, 1, 0)
+
+
+def test_a_pack_that_cannot_be_stored_costs_the_load_nothing(caplog):
+    """The rank's own tiers closed under it: the load of slices still serves its KV and releases."""
+    blocks = 2
+    toks, kv = seq(25, blocks), model_kv(GQA8, blocks, 25)
+    b = SLICE.block_bytes
+    with TieredCache(CacheConfig(SLICE, "closed", device_bytes=64 * b, host_bytes=0, device="cpu")) as shared:
+        own = TieredCache(CacheConfig(pack_layout(SLICE, 8), "closed", device_bytes=8 * 8 * b, host_bytes=0,
+                                      device="cpu"))
+        SlicedRank(shared, SLICING, 1, 0).store(toks, kv.clone()).result()
+        rank = SlicedRank(shared, SLICING, 1, 0, packs=own)
+        match = rank.lookup(toks)
+        own.close()
+        with rank.load(match) as load:
+            assert load.wait(10).blocks == blocks and same_bytes(load.kv(), kv)
+        assert "were not packed" in caplog.text
+        assert shared.evict(Medium.DEVICE, 100) == 8 * blocks  # released: no slice left pinned

@@ -26,6 +26,7 @@ the slices. Without a pool a rank's KV is its packs alone, which another TP size
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -43,6 +44,8 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.tensors import check_kv
 
 __all__ = ["SlicedLoad", "SlicedMatch", "SlicedRank", "instance_matches", "rank_configs"]
+
+log = logging.getLogger(__name__)
 
 def pack_layout(slice_layout: KVLayout, heads: int) -> KVLayout:
     """The layout of a rank's pack: a slice layout over the rank's ``heads`` heads."""
@@ -181,16 +184,21 @@ class SlicedRank:
         return SlicedLoad(match, handles, self.layout, self.slicing.granularity, self._pack if packs else None)
 
     def _pack(self, load: SlicedLoad) -> None:
-        """Store what ``load`` brought as slices as this rank's packs (in the background)."""
+        """Store what ``load`` brought as slices as this rank's packs (in the background). Best
+        effort: a load that failed packs nothing, and a pack that cannot be stored (the rank's
+        tiers closed, say) is logged, never the load's caller's error."""
         try:
             load.wait(0)
         except Exception:  # noqa: BLE001 - a failed load packs nothing; its caller saw why
             return
         assert self.packs is not None
-        for keys, kv in load.sliced_runs():
-            future = self.packs.store_keys(self.pack_keys(list(keys)), kv)
-            with self._lock:
-                self._packing = [f for f in self._packing if not f.done()] + [future]
+        try:
+            for keys, kv in load.sliced_runs():
+                future = self.packs.store_keys(self.pack_keys(list(keys)), kv)
+                with self._lock:
+                    self._packing = [f for f in self._packing if not f.done()] + [future]
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("rank %d of %d: the slices loaded were not packed: %s", self.tp_rank, self.tp_size, exc)
 
     def store(self, tokens: Any, kv: torch.Tensor, tenant: str = "") -> Future:
         """Save this rank's part of the full blocks of ``kv`` (``[layers, kv, tokens, its heads,
