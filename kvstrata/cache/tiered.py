@@ -220,17 +220,17 @@ class TieredCache:
         stored = self.manager.complete_store(plan, moved.failures, pin=writing is not None)
         if moved.error is not None:
             raise moved.error
-        for key in stored if writing is not None else ():
-            # Each block goes down as soon as it is in, several at once (the worker bounds the
-            # byte movers); the store returns when all are down.
-            writing.append(self._worker.submit_aside(self._write_down_then_unpin, key))
+        if writing is not None and stored:
+            # The round's blocks go down as soon as they are in, in one plan: the worker moves its
+            # legs in parallel (a file each) or batched (the pool's puts); the store returns when all are down.
+            writing.append(self._worker.submit_aside(self._write_down_then_unpin, list(stored)))
         return len(stored)
 
-    def _write_down_then_unpin(self, key: BlockKey) -> None:
+    def _write_down_then_unpin(self, keys: list[BlockKey]) -> None:
         try:
-            self._write_down(key)
+            self._copy(self.manager.prepare_copies(keys, self.manager.media[1:]))
         finally:
-            self.manager.unpin(Medium.DEVICE, [key])
+            self.manager.unpin(Medium.DEVICE, keys)
 
     def _write_down(self, key: BlockKey) -> None:
         """Copy ``key`` into every tier below the device that lacks it (best effort: a full
