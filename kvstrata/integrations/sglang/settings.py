@@ -1,0 +1,217 @@
+"""``--hicache-storage-backend-extra-config``: kvstrata's settings, parsed and validated at this edge.
+
+SGLang hands the backend its extra config as decoded JSON (or TOML/YAML) after taking out its
+own prefetch keys. Every key kvstrata reads starts with ``kvstrata_``; the rest (SGLang's
+``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, another tool's) is left
+alone. Here the ``kvstrata_`` keys become frozen, typed :class:`StorageSettings`, and
+:meth:`StorageSettings.cache_config` the :class:`~kvstrata.cache.CacheConfig` of a rank's cache.
+A bad key or value stops the backend's attach with one line that names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from kvstrata.cache import CacheConfig
+from kvstrata.kv.layout import KVLayout
+from kvstrata.policies.eviction import Eviction
+from kvstrata.policies.write import WritePolicy, WriteRule
+from kvstrata.pool.config import (
+    BACKOFF_MAX_S,
+    BACKOFF_S,
+    CONNECT_TIMEOUT_S,
+    OP_TIMEOUT_S,
+    PoolConfig,
+    RemoteMode,
+    check_budgets,
+    load_pool_config,
+    pool_from_env,
+)
+
+GiB = 1024**3
+KEY_PREFIX = "kvstrata_"
+_PREFIX = "KVStrataHiCacheStorage:"
+# SGLang's controller hands at most this many pages to one batch call (STORAGE_BATCH_SIZE), and
+# runs a prefetch's batch_get_v1 beside a backup's batch_set_v1: a load pins its pages in the
+# staging tier until they are copied out, so the default holds two batches.
+SGLANG_BATCH_PAGES = 128
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """The ``kvstrata_`` keys of SGLang's storage extra config (without the prefix). Bytes as bytes.
+
+    Attributes:
+        staging_pages: pages of kvstrata's staging tier (its "device" tier, in host memory):
+            every page passes through it on its way in and out, and it keeps the latest ones.
+        host_bytes: a kvstrata host DRAM tier below the staging tier (0: none; SGLang's own
+            host pool is the DRAM tier above kvstrata).
+        disk_dir, disk_bytes: a disk tier (a directory is one process's: it is locked).
+        pool: a pool config file (TOML, or an embedded pool's pool.json), or "env" for
+            ``$KVSTRATA_POOL``; None: no pool tier.
+        remote_bytes: how much of the pool this rank's view tracks (bookkeeping, not memory: it
+            grows with the pages it holds; a page the pool evicted meanwhile is a miss).
+        remote_mode: how the pool is reached ("tcp" or "shm").
+        tenant: a salt of the namespace: tenants never see each other's pages.
+        workers: kvstrata's byte movers.
+        model_id: the namespace's model; None: SGLang's storage model name (the served model's,
+            with SGLang's storage format tag where its host pool has one).
+        write: when a stored page goes down the tiers ("write-through": at once, the default;
+            "write-back": when evicted from above; "selective": on its ``selective_hits``-th hit).
+        eviction: "lru" or "lfu".
+        pool_timeout_s, pool_connect_timeout_s, pool_backoff_s, pool_backoff_max_s: how long
+            the cache waits on the pool (``CacheConfig``'s budgets of the same names).
+    """
+
+    staging_pages: int = 2 * SGLANG_BATCH_PAGES
+    host_bytes: int = 0
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+    pool: str | None = None
+    remote_bytes: int = 16 * GiB  # an L3 pool is large; the view costs memory only as it fills
+    remote_mode: RemoteMode = RemoteMode.TCP
+    tenant: str = ""
+    workers: int = 2
+    model_id: str | None = None
+    write: WritePolicy = WritePolicy.WRITE_THROUGH
+    selective_hits: int = 2
+    eviction: Eviction = Eviction.LRU
+    pool_timeout_s: float = OP_TIMEOUT_S
+    pool_connect_timeout_s: float = CONNECT_TIMEOUT_S
+    pool_backoff_s: float = BACKOFF_S
+    pool_backoff_max_s: float = BACKOFF_MAX_S
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> StorageSettings:
+        """Parse the ``kvstrata_`` keys of SGLang's ``extra_config`` (None: every default).
+
+        Raises:
+            ValueError: an unknown ``kvstrata_`` key, or a value of the wrong kind, in one line naming it.
+        """
+        ours = {key[len(KEY_PREFIX):]: value for key, value in (extra or {}).items() if key.startswith(KEY_PREFIX)}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(KEY_PREFIX + key for key in set(ours) - known)
+        if unknown:
+            raise ValueError(f"{_PREFIX} unknown extra config {unknown}; known: {sorted(KEY_PREFIX + k for k in known)}")
+        return cls(**{name: _PARSERS.get(name, _as_is)(name, value) for name, value in ours.items()})
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "disk_bytes", "remote_bytes"):
+            _check_int(name, getattr(self, name), 0, "a number of bytes >= 0")
+        _check_int("staging_pages", self.staging_pages, 1, "a number of pages >= 1")
+        _check_int("workers", self.workers, 1, "a number of threads >= 1")
+        _check_int("selective_hits", self.selective_hits, 1, "a number of hits >= 1")
+        if self.disk_dir is not None and not isinstance(self.disk_dir, Path):
+            raise ValueError(f"{_PREFIX} {KEY_PREFIX}disk_dir must be a pathlib.Path or None, got {self.disk_dir!r}")
+        if self.disk_bytes and self.disk_dir is None:
+            raise ValueError(f"{_PREFIX} {KEY_PREFIX}disk_bytes > 0 needs a {KEY_PREFIX}disk_dir")
+        for name in ("pool", "model_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be a non-empty string, got {value!r}")
+        if not isinstance(self.tenant, str):
+            raise ValueError(f"{_PREFIX} {KEY_PREFIX}tenant must be a string, got {self.tenant!r}")
+        for name, kind in (("remote_mode", RemoteMode), ("write", WritePolicy), ("eviction", Eviction)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        check_budgets(_PREFIX, **{name: getattr(self, name) for name in _BUDGETS})
+
+    def pool_config(self) -> PoolConfig | None:
+        """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no pool tier."""
+        if self.pool is None:
+            return None
+        if self.pool == "env":
+            config = pool_from_env()
+            if config is None:
+                raise ValueError(f"{_PREFIX} {KEY_PREFIX}pool='env' but $KVSTRATA_POOL is not set")
+            return config
+        return load_pool_config(self.pool)
+
+    def cache_config(self, layout: KVLayout, model: str, tp_rank: int, tp_size: int, kv_group: str,
+                     disk_subdir: str) -> CacheConfig:
+        """One rank's cache: these tiers, ``layout`` on a CPU staging tier, the namespace's model
+        (``model_id``, else SGLang's ``model``), TP rank and size, and KV group. Its disk tier is
+        ``disk_dir / disk_subdir`` (a directory is one process's)."""
+        disk_dir = self.disk_dir / disk_subdir if self.disk_dir is not None and disk_subdir else self.disk_dir
+        return CacheConfig(
+            layout=layout,
+            model_id=self.model_id or model,
+            device_bytes=self.staging_pages * layout.block_bytes,
+            host_bytes=self.host_bytes,
+            disk_bytes=self.disk_bytes,
+            disk_dir=disk_dir if self.disk_bytes else None,
+            write=WriteRule(self.write, self.selective_hits),
+            eviction=self.eviction,
+            workers=self.workers,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            kv_group=kv_group,
+            device="cpu",
+            pool=self.pool_config(),
+            remote_bytes=self.remote_bytes if self.pool is not None else 0,
+            remote_mode=self.remote_mode,
+            **{name: getattr(self, name) for name in _BUDGETS},
+        )
+
+
+_BUDGETS = ("pool_timeout_s", "pool_connect_timeout_s", "pool_backoff_s", "pool_backoff_max_s")
+
+
+def _check_int(name: str, value: Any, least: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be {what}, got {value!r}")
+
+
+def _as_is(name: str, value: Any) -> Any:
+    return value
+
+
+def _whole(name: str, value: Any) -> Any:
+    # JSON writes 1e9 as a float: a whole number is taken as one.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _path(name: str, value: Any) -> Path | None:
+    if value is None or value == "":  # an empty string is no path: no disk tier
+        return None
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be a path, got {value!r}")
+    return Path(value)
+
+
+def _empty_is_none(name: str, value: Any) -> Any:
+    return None if value == "" else value
+
+
+def _choice(kind: type[Enum]) -> Callable[[str, Any], Any]:
+    """The parser of a field that takes one of ``kind``'s values."""
+    def parse(name: str, value: Any) -> Enum:
+        if isinstance(value, kind):
+            return value
+        choices = [k.value for k in kind]
+        if value not in choices:
+            raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be one of {choices}, got {value!r}")
+        return kind(value)
+    return parse
+
+
+_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "staging_pages": _whole,
+    "host_bytes": _whole,
+    "disk_bytes": _whole,
+    "remote_bytes": _whole,
+    "workers": _whole,
+    "selective_hits": _whole,
+    "disk_dir": _path,
+    "pool": _empty_is_none,
+    "model_id": _empty_is_none,
+    "remote_mode": _choice(RemoteMode),
+    "write": _choice(WritePolicy),
+    "eviction": _choice(Eviction),
+}
