@@ -1,0 +1,51 @@
+"""``kvstrata bench sglang`` on a few tiny pages: its JSON and its table as the command line
+prints them, every prefetch of every backend verified. No timing is asserted (this machine's
+speed is not the code's); the report's shape is, and that the bytes came back."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import sglang_support  # noqa: F401  (skips where SGLang is not installed)
+
+from kvstrata.cli import main
+
+REPEATS = 3
+
+
+def bench(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["bench", "sglang", "--model", "tiny-llama", "--page-tokens", "4", "--pages", "6",
+                     "--repeats", str(REPEATS), *args])
+    return code, out.getvalue()
+
+
+def test_disk_and_pool_rows_beside_their_baselines_every_prefetch_verified(pool_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_POOL", pool_file)
+    code, out = bench("--dir", str(tmp_path), "--json")
+    assert code == 0
+    report = json.loads(out)
+    rows = {(r["side"], r["phase"]): r for r in report["rows"]}
+    assert set(rows) == {("disk", "set"), ("disk", "get, warm"), ("disk", "get, cold"), ("pool", "set"), ("pool", "get")}
+    for (side, _), row in rows.items():
+        assert row["baseline"] == ("HiCacheFile" if side == "disk" else "raw Mooncake")
+        assert row["ours_gbps"] > 0 and row["theirs_gbps"] > 0 and row["ratio"]["rounds"] == REPEATS
+        assert row["goal"] == (1.5 if side == "disk" else 0.9)
+    # per round (warm-up included) each get of each backend: 6 pages compared byte for byte
+    gets = 2 * 2 + 1 * 2  # disk: two gets x two backends; pool: one get x two
+    assert report["verified_bytes"] == (REPEATS + 1) * gets * 6 * report["page_bytes"]
+    assert list(tmp_path.iterdir()) == []  # the scratch files are gone
+
+
+def test_the_table_and_a_bad_layout_in_one_line(tmp_path, capsys):
+    code, out = bench("--dir", str(tmp_path), "--no-pool", "--layout", "layer_first")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "disk: get, cold" in text and "HiCacheFile" in text and "pool rows: not asked for" in text
+    code, _ = bench("--layout", "page_head")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "layout must be one of" in err and len(err.strip().splitlines()) == 1
