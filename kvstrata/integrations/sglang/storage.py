@@ -66,6 +66,11 @@ _PREFIX = "KVStrataHiCacheStorage:"
 # for its write-downs); two leave two for a prefetch's loads, which would otherwise queue behind
 # a whole batch of single-page stores.
 STORES_IN_FLIGHT = 2
+# A prefetch loads in up to LOAD_PARTS parts of at least LOAD_PART_PAGES pages, copying one into
+# the host pool while the next is read.
+LOAD_PARTS, LOAD_PART_PAGES = 4, 8
+# A run of consecutive pages is stored in parts of at most this many, STORES_IN_FLIGHT at once.
+STORE_PART_PAGES = 32
 
 
 class KVStrataHiCacheStorage(HiCacheStorage):
@@ -226,11 +231,27 @@ class KVStrataHiCacheStorage(HiCacheStorage):
         match = cache.match(keys)
         if not match.blocks:
             return 0
-        with cache.load(match) as handle:
-            handle.wait()
-            for i in range(handle.blocks):
-                target(i).copy_(handle.block(i))
-            loaded = handle.blocks
+        # In parts, each load started before the part ahead of it is copied: the copies into the
+        # host pool (this thread) overlap the reads of what follows (the cache's threads).
+        step = max(LOAD_PART_PAGES, -(-match.blocks // LOAD_PARTS))
+        parts = [match.after(first).cut(step) for first in range(0, match.blocks, step)]
+        handles = [cache.load(parts[0])]
+        loaded = 0
+        try:
+            for n, part in enumerate(parts):
+                handle = handles[n]
+                handle.wait()
+                if n + 1 < len(parts) and handle.blocks == part.blocks:
+                    handles.append(cache.load(parts[n + 1]))
+                torch._foreach_copy_([target(loaded + i) for i in range(handle.blocks)],
+                                     [handle.block(i) for i in range(handle.blocks)])
+                loaded += handle.blocks
+                handle.release()
+                if handle.blocks < part.blocks:  # a block failed verification or went missing: the run ends
+                    break
+        finally:
+            for handle in handles:
+                handle.release()
         self._record(True, loaded, start)
         return loaded
 
@@ -245,11 +266,15 @@ class KVStrataHiCacheStorage(HiCacheStorage):
         stored = [True] * present
         in_flight: deque[tuple[int, Future]] = deque()
         at = present
-        for count, kv in pieces(present):
-            if len(in_flight) == STORES_IN_FLIGHT:
-                stored += _stored(*in_flight.popleft())
-            in_flight.append((count, cache.store_keys(keys[at : at + count], kv)))
-            at += count
+        p = cache.layout.block_tokens
+        for run, kv in pieces(present):
+            for first in range(0, run, STORE_PART_PAGES):  # parts: one's copy in overlaps another's writes
+                count = min(STORE_PART_PAGES, run - first)
+                if len(in_flight) == STORES_IN_FLIGHT:
+                    stored += _stored(*in_flight.popleft())
+                part = kv[:, :, first * p:(first + count) * p]
+                in_flight.append((count, cache.store_keys(keys[at : at + count], part)))
+                at += count
         for count, future in in_flight:
             stored += _stored(count, future)
         self._record(False, len(keys) - present, start)
