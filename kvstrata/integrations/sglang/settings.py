@@ -10,13 +10,12 @@ A bad key or value stops the backend's attach with one line that names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
+from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, whole
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WritePolicy, WriteRule
@@ -97,7 +96,7 @@ class StorageSettings:
         unknown = sorted(KEY_PREFIX + key for key in set(ours) - known)
         if unknown:
             raise ValueError(f"{_PREFIX} unknown extra config {unknown}; known: {sorted(KEY_PREFIX + k for k in known)}")
-        return cls(**{name: _PARSERS.get(name, _as_is)(name, value) for name, value in ours.items()})
+        return cls(**{name: _PARSERS.get(name, as_is)(name, value) for name, value in ours.items()})
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes", "remote_bytes"):
@@ -166,52 +165,18 @@ def _check_int(name: str, value: Any, least: int, what: str) -> None:
         raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be {what}, got {value!r}")
 
 
-def _as_is(name: str, value: Any) -> Any:
-    return value
-
-
-def _whole(name: str, value: Any) -> Any:
-    # JSON writes 1e9 as a float: a whole number is taken as one.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _path(name: str, value: Any) -> Path | None:
-    if value is None or value == "":  # an empty string is no path: no disk tier
-        return None
-    if not isinstance(value, (str, Path)):
-        raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be a path, got {value!r}")
-    return Path(value)
-
-
-def _empty_is_none(name: str, value: Any) -> Any:
-    return None if value == "" else value
-
-
-def _choice(kind: type[Enum]) -> Callable[[str, Any], Any]:
-    """The parser of a field that takes one of ``kind``'s values."""
-    def parse(name: str, value: Any) -> Enum:
-        if isinstance(value, kind):
-            return value
-        choices = [k.value for k in kind]
-        if value not in choices:
-            raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be one of {choices}, got {value!r}")
-        return kind(value)
-    return parse
-
-
-_PARSERS: dict[str, Callable[[str, Any], Any]] = {
-    "staging_pages": _whole,
-    "host_bytes": _whole,
-    "disk_bytes": _whole,
-    "remote_bytes": _whole,
-    "workers": _whole,
-    "selective_hits": _whole,
-    "disk_dir": _path,
-    "pool": _empty_is_none,
-    "model_id": _empty_is_none,
-    "remote_mode": _choice(RemoteMode),
-    "write": _choice(WritePolicy),
-    "eviction": _choice(Eviction),
+_LABEL = f"{_PREFIX} {KEY_PREFIX}"
+_PARSERS: dict[str, Parser] = {
+    "staging_pages": whole,
+    "host_bytes": whole,
+    "disk_bytes": whole,
+    "remote_bytes": whole,
+    "workers": whole,
+    "selective_hits": whole,
+    "disk_dir": path(_LABEL),  # an empty string is no path: no disk tier
+    "pool": empty_is_none,
+    "model_id": empty_is_none,
+    "remote_mode": choice(RemoteMode, _LABEL),
+    "write": choice(WritePolicy, _LABEL),
+    "eviction": choice(Eviction, _LABEL),
 }

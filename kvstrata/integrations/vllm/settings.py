@@ -9,14 +9,13 @@ engine's start with one line that names it, in the scheduler and the worker alik
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from enum import Enum
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
+from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, whole
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.config import (
@@ -86,7 +85,7 @@ class ConnectorSettings:
         unknown = set(extra) - known
         if unknown:
             raise ValueError(f"{_PREFIX} unknown extra config {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**{name: _PARSERS.get(name, _as_is)(name, value) for name, value in extra.items()})
+        return cls(**{name: _PARSERS.get(name, as_is)(name, value) for name, value in extra.items()})
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes"):
@@ -157,49 +156,14 @@ class ConnectorSettings:
 _BUDGETS = ("pool_timeout_s", "pool_connect_timeout_s", "pool_backoff_s", "pool_backoff_max_s")
 
 
-def _as_is(name: str, value: Any) -> Any:
-    return value
-
-
-def _bytes(name: str, value: Any) -> Any:
-    # JSON writes 1e9 as a float: a whole number of bytes is taken as one.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _path(name: str, value: Any) -> Path | None:
-    if value is None or value == "":  # an empty string is no path: no disk tier, no stats file
-        return None
-    if not isinstance(value, (str, Path)):
-        raise ValueError(f"{_PREFIX} {name} must be a path, got {value!r}")
-    return Path(value)
-
-
-def _model_id(name: str, value: Any) -> Any:
-    return None if value == "" else value  # empty: vLLM's model name, as when it is not given
-
-
-def _choice(kind: type[Enum]) -> Callable[[str, Any], Any]:
-    """The parser of a field that takes one of ``kind``'s values."""
-    def parse(name: str, value: Any) -> Enum:
-        if isinstance(value, kind):
-            return value
-        choices = [k.value for k in kind]
-        if value not in choices:
-            raise ValueError(f"{_PREFIX} {name} must be one of {choices}, got {value!r}")
-        return kind(value)
-    return parse
-
-
-_PARSERS: dict[str, Callable[[str, Any], Any]] = {
-    "device_bytes": _bytes,
-    "host_bytes": _bytes,
-    "disk_bytes": _bytes,
-    "remote_bytes": _bytes,
-    "disk_dir": _path,
-    "stats_path": _path,
-    "remote_mode": _choice(RemoteMode),
-    "kv_sharing": _choice(KVSharing),
-    "model_id": _model_id,
+_PARSERS: dict[str, Parser] = {
+    "device_bytes": whole,
+    "host_bytes": whole,
+    "disk_bytes": whole,
+    "remote_bytes": whole,
+    "disk_dir": path(f"{_PREFIX} "),  # an empty string is no path: no disk tier, no stats file
+    "stats_path": path(f"{_PREFIX} "),
+    "remote_mode": choice(RemoteMode, f"{_PREFIX} "),
+    "kv_sharing": choice(KVSharing, f"{_PREFIX} "),
+    "model_id": empty_is_none,  # empty: vLLM's model name, as when it is not given
 }

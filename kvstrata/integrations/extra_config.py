@@ -1,0 +1,52 @@
+"""An engine's extra config (decoded JSON: strings, numbers, booleans), parsed at that edge: the
+value parsers the vLLM connector and the SGLang backend share. Each takes the key's name and its
+value; one that refuses a value raises ValueError in one line, ``label`` then the key (the
+integration's name, and the prefix its keys carry)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+Parser = Callable[[str, Any], Any]
+
+
+def as_is(name: str, value: Any) -> Any:
+    return value
+
+
+def whole(name: str, value: Any) -> Any:
+    """JSON writes 1e9 as a float: a whole number is taken as an int (the field checks the rest)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def empty_is_none(name: str, value: Any) -> Any:
+    """An empty string: not given."""
+    return None if value == "" else value
+
+
+def path(label: str) -> Parser:
+    """A path (``pathlib.Path``); None or an empty string: none."""
+    def parse(name: str, value: Any) -> Path | None:
+        if value is None or value == "":
+            return None
+        if not isinstance(value, (str, Path)):
+            raise ValueError(f"{label}{name} must be a path, got {value!r}")
+        return Path(value)
+    return parse
+
+
+def choice(kind: type[Enum], label: str) -> Parser:
+    """One of ``kind``'s values (or a member of it)."""
+    def parse(name: str, value: Any) -> Enum:
+        if isinstance(value, kind):
+            return value
+        choices = [k.value for k in kind]
+        if value not in choices:
+            raise ValueError(f"{label}{name} must be one of {choices}, got {value!r}")
+        return kind(value)
+    return parse
