@@ -10,6 +10,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
+
 Parser = Callable[[str, Any], Any]
 
 
@@ -50,3 +52,16 @@ def choice(kind: type[Enum], label: str) -> Parser:
             raise ValueError(f"{label}{name} must be one of {choices}, got {value!r}")
         return kind(value)
     return parse
+
+
+def pool_of(value: str | None, label: str) -> PoolConfig | None:
+    """The pool a ``pool`` key names: a pool config file (TOML, or an embedded pool's pool.json),
+    ``"env"`` for ``$KVSTRATA_POOL``; None: no pool (the file is read here, at the edge)."""
+    if value is None:
+        return None
+    if value == "env":
+        config = pool_from_env()
+        if config is None:
+            raise ValueError(f"{label}pool='env' but $KVSTRATA_POOL is not set")
+        return config
+    return load_pool_config(value)

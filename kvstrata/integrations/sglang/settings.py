@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
-from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, whole
+from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_of, whole
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WritePolicy, WriteRule
@@ -27,8 +27,6 @@ from kvstrata.pool.config import (
     PoolConfig,
     RemoteMode,
     check_budgets,
-    load_pool_config,
-    pool_from_env,
 )
 
 GiB = 1024**3
@@ -121,14 +119,7 @@ class StorageSettings:
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no pool tier."""
-        if self.pool is None:
-            return None
-        if self.pool == "env":
-            config = pool_from_env()
-            if config is None:
-                raise ValueError(f"{_PREFIX} {KEY_PREFIX}pool='env' but $KVSTRATA_POOL is not set")
-            return config
-        return load_pool_config(self.pool)
+        return pool_of(self.pool, _LABEL)
 
     def cache_config(self, layout: KVLayout, model: str, tp_rank: int, tp_size: int, kv_group: str,
                      disk_subdir: str) -> CacheConfig:

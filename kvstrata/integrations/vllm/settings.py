@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
-from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, whole
+from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_of, whole
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.config import (
@@ -26,8 +26,6 @@ from kvstrata.pool.config import (
     PoolConfig,
     RemoteMode,
     check_budgets,
-    load_pool_config,
-    pool_from_env,
 )
 
 MiB = 1024**2
@@ -109,14 +107,7 @@ class ConnectorSettings:
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""
-        if self.pool is None:
-            return None
-        if self.pool == "env":
-            config = pool_from_env()
-            if config is None:
-                raise ValueError(f"{_PREFIX} pool='env' but $KVSTRATA_POOL is not set")
-            return config
-        return load_pool_config(self.pool)
+        return pool_of(self.pool, f"{_PREFIX} ")
 
     def cache_config(self, layout: KVLayout, model: str, device: str, tp_rank: int, tp_size: int,
                      kv_group: str = "", share: Fraction = Fraction(1)) -> CacheConfig:
