@@ -81,7 +81,7 @@ def _print_sglang(report: SGLangBenchReport) -> None:
     if report.pool_skipped:
         lines.append(f"pool rows: {report.pool_skipped}.")
     elif report.pool is not None:
-        lines.append(f"pool: {report.pool.origin.value} ({report.pool.config.master}).")
+        lines.append(f"pool: {report.pool.source.value} ({report.pool.config.master}).")
     if not any(r.side is Side.POOL for r in report.rows) and not report.pool_skipped:
         lines.append("pool rows: none.")
     out.print(" ".join(lines), highlight=False, markup=False)

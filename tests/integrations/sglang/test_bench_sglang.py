@@ -40,11 +40,15 @@ def test_disk_and_pool_rows_beside_their_baselines_every_prefetch_verified(pool_
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
 
 
-def test_the_table_and_a_bad_layout_in_one_line(tmp_path, capsys):
-    code, out = bench("--dir", str(tmp_path), "--no-pool", "--layout", "layer_first")
+def test_the_table_and_a_bad_layout_in_one_line(pool_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_POOL", pool_file)
+    code, out = bench("--dir", str(tmp_path), "--layout", "layer_first")
     assert code == 0
     text = " ".join(out.split())
-    assert "disk: get, cold" in text and "HiCacheFile" in text and "pool rows: not asked for" in text
+    assert "disk: get, cold" in text and "HiCacheFile" in text and "pool: get" in text and "raw Mooncake" in text
+    assert "goals met:" in text and "pool: configured" in text
+    code, out = bench("--dir", str(tmp_path), "--no-pool")
+    assert code == 0 and "pool rows: not asked for" in " ".join(out.split())
     code, _ = bench("--layout", "page_head")
     assert code == 2
     err = capsys.readouterr().err
