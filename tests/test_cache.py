@@ -280,6 +280,18 @@ def test_write_back_demotes_only_on_eviction_in_lru_order(tmp_path, caches):
         load_released(cache, seq)
 
 
+def test_write_back_eviction_of_more_blocks_than_the_host_holds_cascades_to_disk(tmp_path, caches):
+    """Evicting the whole device at once into a host of half its size: the first half goes to
+    the host, then the host makes room by sending its blocks to disk. None is lost; all restore."""
+    cache = caches(make_config(tmp_path, device=8, host=4, disk=16, write=WritePolicy.WRITE_BACK,
+                               disk_path=FetchPath.DIRECT))  # the restore's disk half skips the full host
+    seq = tokens(9, 8)
+    store(cache, seq)
+    assert cache.evict(D, 8) == 8
+    assert media(cache, seq) == (K,) * 4 + (H,) * 4  # LRU: the first half left the host for the second
+    assert load_released(cache, seq).blocks == 8
+
+
 def test_selective_writes_a_block_down_on_its_nth_hit_and_drops_cold_blocks(tmp_path, caches):
     cache = caches(make_config(tmp_path, device=2, host=4, disk=8, write=WritePolicy.SELECTIVE, selective_hits=2))
     hot, cold = tokens(1, 1), tokens(2, 1)

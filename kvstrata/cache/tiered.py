@@ -170,8 +170,8 @@ class TieredCache:
             self._finish_load(plan, handle, moves, start, hot)
 
     def _finish_load(self, plan: LoadPlan, handle: LoadHandle, moves: list, start: float, hot: tuple) -> None:
-        for key in hot:
-            self._write_down(key)
+        if hot:  # into every tier below the device that lacks them (best effort: a full tier is skipped)
+            self._copy(self.manager.prepare_copies(list(hot), self.manager.media[1:]))
         handle._finish(LoadResult.of(plan, moves, time.perf_counter() - start, self.layout))
 
     def store(self, tokens: Any, kv: torch.Tensor, tenant: str = "") -> Future:
@@ -232,11 +232,6 @@ class TieredCache:
         finally:
             self.manager.unpin(Medium.DEVICE, keys)
 
-    def _write_down(self, key: BlockKey) -> None:
-        """Copy ``key`` into every tier below the device that lacks it (best effort: a full
-        tier is skipped, never an error)."""
-        self._copy(self.manager.prepare_copies([key], self.manager.media[1:]))
-
     def _copy(self, plan: CopyPlan) -> int:
         self._carry_out(plan.room)
         moved = self._outcomes.moved(self._worker.move(plan.legs))
@@ -246,12 +241,18 @@ class TieredCache:
         return landed
 
     def evict(self, medium: Medium, blocks: int) -> int:
-        """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy)."""
+        """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy), in
+        rooms: one ends where the tier below has no room left for its demotions until they land."""
         self._check_open()
         self.tier(medium)
-        room = self.manager.prepare_evict(medium, blocks)
-        self._carry_out(room)
-        return sum(1 for v in room.victims if v.slot.medium is medium)
+        done = 0
+        while done < blocks:
+            room = self.manager.prepare_evict(medium, blocks - done)
+            self._carry_out(room)
+            if not (moved := sum(1 for v in room.victims if v.slot.medium is medium)):
+                break
+            done += moved
+        return done
 
     def _carry_out(self, room: Room) -> None:
         if room:

@@ -376,13 +376,25 @@ class BlockManager:
 
     def prepare_evict(self, medium: Medium, blocks: int) -> Room:
         """Up to ``blocks`` unpinned blocks leaving ``medium`` (least valuable first), each
-        demoted a tier down first where the write policy says so."""
+        demoted a tier down first where the write policy says so. A block the policy sends down
+        that finds no room there (the tier below full of blocks on their way in, this room's
+        own among them) stays, and so do those after it: the room ends there, and a later one
+        moves them once those have landed (a block evicted is demoted, never dropped for that)."""
         victims: list[Victim] = []
+        table, lower = self._tables[medium], next(iter(self._below[medium]), None)
         with self._lock:
-            for chosen in self._tables[medium].choose_victims(blocks):
-                self._index.discard(chosen.key, medium)
-                demotion = self._demotion(medium, chosen.key, chosen.slot, victims)
-                victims.append(Victim(chosen.key, Slot(medium, chosen.slot), demotion))
+            chosen = table.choose_victims(blocks)
+            for n, victim in enumerate(chosen):
+                sent_down = lower is not None and self.config.write.on_evict(table.hits(victim.key))
+                there = sent_down and victim.key in self._tables[lower]
+                self._index.discard(victim.key, medium)
+                demotion = self._demotion(medium, victim.key, victim.slot, victims)
+                if sent_down and not there and demotion is None:  # no room below: it stays
+                    for kept in chosen[n:]:
+                        table.restore(kept.key)
+                        self._index.add(kept.key, medium)
+                    break
+                victims.append(Victim(victim.key, Slot(medium, victim.slot), demotion))
         return Room(tuple(victims))
 
     def complete_room(self, room: Room, failures: Sequence[Failure | None]) -> None:

@@ -607,3 +607,21 @@ def test_a_medium_out_of_space_holds_what_it_has_and_makes_room_for_the_next_cop
     m.complete_copies(more, tiers.move(more.legs, [None]))
     assert (m.where(keys[0]), m.where(keys[3])) == ((D,), (D, K))
     check(m, tiers)
+
+
+def test_an_eviction_larger_than_the_tier_below_ends_where_it_is_full_and_drops_nothing():
+    """Write-back: 8 device blocks evicted at once into a host of 4. The room takes the 4 the
+    host has room for and keeps the other 4 on the device (READY, indexed); a second room, once
+    the first has landed, demotes them, making room on the host by demoting its own to disk."""
+    m, tiers = manager({D: 8, H: 4, K: 16}), Bytes()
+    keys = keys_of(7, 8)
+    stored(m, tiers, keys)
+    first = evicted(m, tiers, D, 8)
+    assert len(first.victims) == 4 and all(v.demotion is not None for v in first.victims)
+    assert len(m.table(D).ready_keys()) == 4 and len(m.table(H).ready_keys()) == 4
+    check(m, tiers)
+    second = evicted(m, tiers, D, 8)
+    assert sum(v.slot.medium is D for v in second.victims) == 4
+    check(m, tiers)
+    assert m.match(keys).blocks == 8  # every block still somewhere
+    assert {m.where(k)[0] for k in keys} == {H, K} and not m.table(D).ready_keys()
