@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.bench.rounds import Environment, Rounds, Spread, rotated
+from kvstrata.bench.rounds import Environment, Rounds, Spread, check_rounds, rotated
 from kvstrata.kv import load_geometry
 from kvstrata.kv.groups import GroupKind
 from kvstrata.media import Medium
@@ -57,7 +57,6 @@ from kvstrata.timing import VerificationError, drop_page_cache, warm_page_cache
 DISK_GOAL = 1.5  # kvstrata / HiCacheFile, GB/s
 POOL_GOAL = 0.9  # kvstrata / raw Mooncake, GB/s
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
-MLA_ROPE_DIM = 64  # the rope part of an MLA latent (DeepSeek-V2/V3): the host pool keeps it beside the rank
 
 
 class Side(enum.Enum):
@@ -107,12 +106,7 @@ class SGLangBenchConfig:
     pool: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("page_tokens", "pages", "workers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"bench sglang: {name} must be a whole number >= 1, got {value!r}")
-        if self.repeats < 3:
-            raise ValueError(f"bench sglang: repeats must be >= 3 (a median and a spread), got {self.repeats}")
+        check_rounds(self, "bench sglang", ("page_tokens", "pages", "workers"))
         if self.layout not in LAYOUTS:
             raise ValueError(f"bench sglang: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
@@ -160,14 +154,16 @@ def host_shape(config: SGLangBenchConfig) -> Any:
     """
     from kvstrata.integrations.sglang.harness import HostShape
 
-    groups = load_geometry(config.model).groups
+    geometry = load_geometry(config.model)
+    groups = geometry.groups
     if len(groups) != 1 or not groups[0].kind.per_token:
         raise ValueError(f"bench sglang: {config.model!r} needs one per-token KV group, it has "
                          f"{', '.join(g.kind.value for g in groups)}")
     group = groups[0]
     dtype = torch_dtype(group.dtype)
     if group.kind is GroupKind.MLA:
-        return HostShape.mla(group.num_layers, group.head_dim - MLA_ROPE_DIM, MLA_ROPE_DIM, config.page_tokens, dtype)
+        rope = geometry.qk_rope_head_dim
+        return HostShape.mla(group.num_layers, group.head_dim - rope, rope, config.page_tokens, dtype)
     return HostShape.mha(group.num_layers, group.kv_heads, group.head_dim, config.page_tokens, dtype)
 
 

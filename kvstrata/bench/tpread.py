@@ -274,8 +274,8 @@ class RankSet:
 
     def _check_match(self, r: int, match, medium: Medium) -> None:
         if match.blocks != self.data.blocks or set(match.media) != {medium}:
-            raise RuntimeError(f"{self.layout.value} TP={self.tp} rank {r}: expected {self.objects[r]} objects on "
-                               f"{medium.label} only, lookup found {set(match.media)}")
+            raise RuntimeError(f"{self.layout.value} TP={self.tp} rank {r}: expected {self.data.blocks} blocks on "
+                               f"{medium.label} only, lookup found {match.blocks} on {set(match.media)}")
 
     def _expect(self, r: int, medium: Medium) -> None:
         keys = (self.block_keys[r] if self.layout is Layout.MATCHED else self.ranks[r].pack_keys(self.block_keys[r])

@@ -161,33 +161,34 @@ class SlicedLoad:
                 break
         return total
 
-    def pieces(self, packed: bool | None = None) -> list[Piece]:
-        """``(block, first head within the rank, device tensor)`` of every loaded object, in
-        order (a pack is every head of its block; a slice ``granularity`` of them): what an
-        engine copies into its own KV at those heads. ``packed``: only those of packs (True) or
-        of slices (False)."""
-        out: list[Piece] = []
+    def _loaded(self) -> list[tuple[Segment, int, list[Piece]]]:
+        """Each segment with loaded blocks: the segment, its first block's index in the load,
+        and its pieces ``(block, first head within the rank, device tensor)``, in order."""
+        out = []
         left, first = self.blocks, 0
         for segment, handle in zip(self.match.segments, self.handles):
             n = min(left, segment.blocks)
-            if packed is None or packed == segment.packed:
-                s, g = segment.per_block, self._granularity
-                out += [(first + i // s, (i % s) * g, handle.block(i)) for i in range(n * s)]
+            if not n:
+                break
+            s, g = segment.per_block, self._granularity
+            out.append((segment, first, [(first + i // s, (i % s) * g, handle.block(i)) for i in range(n * s)]))
             first, left = first + n, left - n
         return out
+
+    def pieces(self) -> list[Piece]:
+        """``(block, first head within the rank, device tensor)`` of every loaded object, in
+        order (a pack is every head of its block; a slice ``granularity`` of them): what an
+        engine copies into its own KV at those heads."""
+        return [piece for _, _, pieces in self._loaded() for piece in pieces]
 
     def sliced_runs(self) -> list[tuple[tuple[BlockKey, ...], torch.Tensor]]:
         """Each loaded run of blocks that came as slices: its block keys and its KV put
         together as the rank's (a new tensor on the device): what the rank packs."""
         runs = []
-        left, first = self.blocks, 0
-        for segment, handle in zip(self.match.segments, self.handles):
-            n = min(left, segment.blocks)
-            if n and not segment.packed:
-                s, g = segment.per_block, self._granularity
-                pieces = [(first + i // s, (i % s) * g, handle.block(i)) for i in range(n * s)]
+        for segment, first, pieces in self._loaded():
+            if not segment.packed:
+                n = len(pieces) // segment.per_block
                 runs.append((segment.block_keys[:n], assemble(pieces, self.layout, n, first_block=first)))
-            first, left = first + n, left - n
         return runs
 
     def kv(self, out: torch.Tensor | None = None) -> torch.Tensor:
