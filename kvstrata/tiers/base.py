@@ -5,17 +5,27 @@ A tier stores whole blocks (``layout.block_bytes`` bytes, viewed as uint8 ``[lay
 layer_bytes]``) in ``capacity_blocks`` slots. Three methods are required; the rest default.
 Errors a caller must tell apart are those of ``kvstrata.errors`` (a block that does not verify,
 a block gone, a tier down, a transfer abandoned).
+
+Pieces. A caller whose blocks lie in its own memory in separate runs of bytes (one page of
+SGLang's host pool: K here, V there) hands each block as its pieces (``Pieces``: contiguous
+uint8 1-D CPU tensors whose concatenation, in order, is the block) to ``write_pieces`` and
+``read_pieces``. A block's layers are then rows of ``layer_bytes`` of that concatenation: a row
+may span pieces. By default a tier gathers the pieces into one block and scatters it back (a
+copy each way); memory, disk and the pool override both to move the pieces as they lie.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
 import torch
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
+
+Pieces = Sequence[torch.Tensor]  # one block's bytes: contiguous uint8 1-D CPU tensors, in order
 
 
 class Tier(abc.ABC):
@@ -63,11 +73,58 @@ class Tier(abc.ABC):
         """``read_into`` for several blocks; per block None or the error it met (one block's
         failure does not stop the others). Memory tiers batch it into one copy, the pool into
         one call."""
-        return [_outcome(self.read_into, slot, key, dst, layers) for slot, key, dst in zip(slots, keys, dsts, strict=True)]
+        return [outcome(self.read_into, slot, key, dst, layers) for slot, key, dst in zip(slots, keys, dsts, strict=True)]
 
     def write_many(self, slots: list[int], keys: list[BlockKey], srcs: list[torch.Tensor]) -> list[BaseException | None]:
         """``write`` for several blocks; per block None or the error it met."""
-        return [_outcome(self.write, slot, key, src) for slot, key, src in zip(slots, keys, srcs, strict=True)]
+        return [outcome(self.write, slot, key, src) for slot, key, src in zip(slots, keys, srcs, strict=True)]
+
+    def write_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Store several whole blocks, each given as its pieces (``Pieces``: their concatenation
+        is the block's ``layout.block_bytes`` bytes). Per block None or the error ``write`` would
+        have raised for it. The pieces are not read after the call returns (but a pool put that
+        timed out may still read them; its object is then undone, as for ``write``; and a memory
+        tier on CUDA copies from pinned pieces on the current stream, as its ``write`` does).
+
+        By default: each block gathered into a temporary (one copy), then ``write_many``.
+
+        Raises:
+            ValueError: a block's pieces are not contiguous uint8 1-D CPU tensors of
+                ``layout.block_bytes`` bytes in all.
+        """
+        self._check_pieces(blocks)
+        shape = (self.layout.num_layers, self.layout.layer_bytes)
+        srcs = [(pieces[0] if len(pieces) == 1 else torch.cat(list(pieces))).view(shape) for pieces in blocks]
+        return self.write_many(slots, keys, srcs)
+
+    def read_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Read whole blocks into their pieces, verified. Per block None (its bytes in place,
+        verified) or the error ``read_into`` would have raised for it (BlockMissing,
+        CorruptBlock, TierUnavailable, TransferAbandoned, ...). After an error a block's pieces
+        may hold some of its bytes and must not be used; after TransferAbandoned a stray
+        transfer may still write them until ``error.settled`` (a Future) completes.
+
+        By default: ``read_many_into`` temporaries, then each block that verified scattered
+        into its pieces (one copy).
+
+        Raises:
+            ValueError: as ``write_pieces``.
+        """
+        self._check_pieces(blocks)
+        shape = (self.layout.num_layers, self.layout.layer_bytes)
+        temps = [torch.empty(shape, dtype=torch.uint8) for _ in blocks]
+        out = self.read_many_into(slots, keys, temps)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for pieces, temp, error in zip(blocks, temps, out, strict=True):
+            if error is None:
+                dsts += pieces
+                srcs += split_like(temp.view(-1), pieces)
+            elif getattr(error, "settled", None) is not None:  # a stray transfer may write it: keep it alive
+                error.settled.add_done_callback(lambda _, temp=temp: temp)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return out
 
     def view(self, slot: int) -> torch.Tensor | None:
         """The slot's bytes in place (memory tiers), for zero-copy transfers; else None."""
@@ -95,6 +152,25 @@ class Tier(abc.ABC):
         """Why the tier cannot serve now (a pool that is down); None when it can."""
         return None
 
+    def _check_pieces(self, blocks: Sequence[Pieces]) -> None:
+        """Raises ValueError unless every block is contiguous uint8 1-D CPU pieces of
+        ``layout.block_bytes`` bytes in all."""
+        for i, pieces in enumerate(blocks):
+            for piece in pieces:
+                if (piece.dtype != torch.uint8 or piece.dim() != 1 or piece.device.type != "cpu"
+                        or not piece.is_contiguous()):
+                    layout = "contiguous" if piece.is_contiguous() else "not contiguous"
+                    raise ValueError(
+                        f"{self.medium.label} tier: block {i}: pieces must be contiguous uint8 1-D CPU tensors, got "
+                        f"{piece.dtype} {list(piece.shape)} on {piece.device} ({layout})"
+                    )
+            total = sum(piece.numel() for piece in pieces)
+            if total != self.layout.block_bytes:
+                raise ValueError(
+                    f"{self.medium.label} tier: block {i}: pieces add up to {total} bytes, a block is "
+                    f"{self.layout.block_bytes}"
+                )
+
     def _layer_range(self, layers: slice) -> tuple[int, int]:
         """``layers`` as ``(start, stop)`` layer indices, ``start <= stop``.
 
@@ -107,7 +183,13 @@ class Tier(abc.ABC):
         return start, max(start, stop)
 
 
-def _outcome(call, *args) -> BaseException | None:
+def split_like(flat: torch.Tensor, pieces: Pieces) -> list[torch.Tensor]:
+    """``flat`` (1-D) cut into consecutive views of the sizes of ``pieces``, in order."""
+    return list(flat.split([piece.numel() for piece in pieces]))
+
+
+def outcome(call, *args) -> BaseException | None:
+    """None once ``call(*args)`` returns, or the exception it raised."""
     try:
         call(*args)
     except Exception as error:  # noqa: BLE001 - per block, for the caller to classify

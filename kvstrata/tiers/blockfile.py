@@ -30,6 +30,7 @@ far above the disk, so verifying every read costs little.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,23 +63,75 @@ class BlockHeader:
         return self.header_bytes + self.payload_bytes
 
 
-def layer_checksums(payload: np.ndarray) -> tuple[int, ...]:
-    """xxh3_64 of each row of ``payload`` (uint8 ``[layers, layer_bytes]``, C-contiguous)."""
-    return tuple(xxhash.xxh3_64_intdigest(row) for row in payload)
+def rows(parts: Sequence[np.ndarray], row_bytes: int) -> Iterator[list[np.ndarray]]:
+    """Each ``row_bytes`` row of the concatenation of ``parts`` (uint8, C-contiguous, taken
+    flat, in order), as the slices of ``parts`` that hold it: one slice, or several where the
+    row spans parts. No copies.
+
+    Raises:
+        ValueError: the parts end inside a row, or ``row_bytes`` is not positive.
+    """
+    if row_bytes <= 0:
+        raise ValueError(f"rows need a positive row_bytes, got {row_bytes}")
+    row: list[np.ndarray] = []
+    need = row_bytes
+    for part in parts:
+        flat, at = part.reshape(-1), 0
+        while at < flat.size:
+            take = min(need, flat.size - at)
+            row.append(flat[at : at + take])
+            at, need = at + take, need - take
+            if need == 0:
+                yield row
+                row, need = [], row_bytes
+    if row:
+        raise ValueError(f"payload parts end {row_bytes - need} bytes into a row of {row_bytes}")
 
 
-def encode_header(key: BlockKey, layout: str, namespace_tag: str, payload: np.ndarray) -> bytes:
-    """The header for ``payload`` (uint8 ``[layers, layer_bytes]``), padded to whole pages."""
+def span(parts: Sequence[np.ndarray], start: int, stop: int) -> list[np.ndarray]:
+    """Bytes ``[start, stop)`` of the concatenation of ``parts`` (flat uint8), as slices of them."""
+    out: list[np.ndarray] = []
+    at = 0  # where the current part starts in the concatenation
+    for part in parts:
+        lo, hi = max(start - at, 0), min(stop - at, part.size)
+        if lo < hi:
+            out.append(part[lo:hi])
+        at += part.size
+        if at >= stop:
+            break
+    return out
+
+
+def row_checksum(row: Sequence[np.ndarray]) -> int:
+    """xxh3_64 of a row given as its slices (the same as of their bytes joined)."""
+    if len(row) == 1:
+        return xxhash.xxh3_64_intdigest(row[0])
+    hasher = xxhash.xxh3_64()
+    for piece in row:
+        hasher.update(piece)
+    return hasher.intdigest()
+
+
+def layer_checksums(parts: Sequence[np.ndarray], layer_bytes: int) -> tuple[int, ...]:
+    """xxh3_64 of each ``layer_bytes`` row of the payload given as ``parts`` (see ``rows``)."""
+    return tuple(row_checksum(row) for row in rows(parts, layer_bytes))
+
+
+def encode_header(key: BlockKey, layout: str, namespace_tag: str, parts: Sequence[np.ndarray], layer_bytes: int) -> bytes:
+    """The header for the payload given as ``parts`` (flat uint8, in order; rows of
+    ``layer_bytes``, which may span parts), padded to whole pages."""
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"a block key is {KEY_BYTES} bytes, got {key!r}")
-    num_layers, layer_bytes = payload.shape
+    checksums = layer_checksums(parts, layer_bytes)
+    num_layers = len(checksums)
     desc, tag = layout.encode(), namespace_tag.encode()
     body_bytes = _PREFIX.size + len(desc) + len(tag) + _CHECKSUM.size * num_layers
     header_bytes = -(-(body_bytes + _CHECKSUM.size) // PAGE_BYTES) * PAGE_BYTES
     prefix = _PREFIX.pack(
-        MAGIC, VERSION, 0, header_bytes, body_bytes, key, payload.nbytes, num_layers, layer_bytes, len(desc), len(tag)
+        MAGIC, VERSION, 0, header_bytes, body_bytes, key, num_layers * layer_bytes, num_layers, layer_bytes, len(desc),
+        len(tag)
     )
-    body = prefix + desc + tag + struct.pack(f"<{num_layers}Q", *layer_checksums(payload))
+    body = prefix + desc + tag + struct.pack(f"<{num_layers}Q", *checksums)
     padding = bytes(header_bytes - body_bytes - _CHECKSUM.size)
     return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)) + padding
 
@@ -132,13 +185,14 @@ def decode_header(head: bytes) -> BlockHeader:
     return BlockHeader(key, layout, namespace_tag, payload_bytes, num_layers, layer_bytes, header_bytes, checksums)
 
 
-def verify_layers(header: BlockHeader, payload: np.ndarray, first_layer: int) -> None:
-    """Check rows of ``payload`` (layers ``first_layer``, ``first_layer + 1``, ...) against the header.
+def verify_layers(header: BlockHeader, parts: Sequence[np.ndarray], first_layer: int) -> None:
+    """Check the rows of the bytes given as ``parts`` (flat uint8 of whole rows, in order:
+    layers ``first_layer``, ``first_layer + 1``, ...) against the header.
 
     Raises:
         CorruptBlock: a layer's checksum does not match.
     """
-    expected = header.layer_checksums[first_layer : first_layer + len(payload)]
-    for offset, (row, want) in enumerate(zip(payload, expected)):
-        if xxhash.xxh3_64_intdigest(row) != want:
+    expected = header.layer_checksums[first_layer:]
+    for offset, (row, want) in enumerate(zip(rows(parts, header.layer_bytes), expected)):
+        if row_checksum(row) != want:
             raise CorruptBlock(f"layer {first_layer + offset} checksum mismatch")

@@ -53,6 +53,11 @@ bench restart``). Every read checks header, size and layers anyway, so a block d
 (truncated, a bit flipped, its payload rotted) raises CorruptBlock on its first read and the
 caller drops it: it is never served.
 
+Pieces. ``write_pieces`` and ``read_pieces`` move a block from and into a caller's pieces as
+they lie, with vectored I/O (``writev``, ``preadv``) of the same file as ``write`` and
+``read_into``, through the same code (a whole block is one piece); a layer's checksum covers its
+row of the payload wherever the pieces cut it.
+
 Read cap. ``read_gbps`` emulates slower storage: every ``read_into`` books its bytes (header and
 payload) on one virtual clock shared by all threads, at ``read_gbps`` decimal GB/s, and returns
 no earlier than its bytes' finish on that clock; the real read runs meanwhile. So reads of N
@@ -71,6 +76,7 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +87,7 @@ from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.tiers import blockfile, diskmanifest
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.base import Pieces, Tier, outcome
 
 _log = logging.getLogger("kvstrata.tiers")
 SUFFIX = ".kvb"
@@ -97,6 +103,7 @@ _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # against 13.1 GB/s in 1 MiB pieces, cold at 2.7 against 3.2 (VM of the benchmark, 16 x 32 MiB
 # blocks; no checksum at all: 15.7 and 3.1). See ``kvstrata bench cache``.
 READ_CHUNK_BYTES = 1 << 20
+IOV_MAX = 1024  # buffers per readv/writev at most (Linux's UIO_MAXIOV)
 
 
 class DirectoryInUse(RuntimeError):
@@ -164,41 +171,15 @@ class DiskTier(Tier):
             TierUnavailable: the tier's directory was removed under it (it takes no more blocks).
         """
         self._check_open()
-        if self._removed is not None:
-            raise TierUnavailable(self._removed)
-        payload = self._host_array(src)  # [layers, layer_bytes], shares src's memory when it can
-        header = blockfile.encode_header(key, self._layout_text, self.namespace_tag, payload)
-        final = self._path(key)
-        temp = self.directory / f".{key.hex()}.{next(self._temp_ids)}.tmp"
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-            try:
-                _write_all(fd, [memoryview(header), memoryview(payload.reshape(-1))])
-                if self.fsync:
-                    os.fsync(fd)
-                stamp = diskmanifest.Stamp.of(os.fstat(fd))  # whole: the manifest vouches for this
-            finally:
-                os.close(fd)
-            with self._lock:
-                self._check_open()  # closed mid-write: the directory may be another tier's now
-                os.replace(temp, final)
-                if self.fsync:
-                    try:
-                        os.fsync(self._dir_fd)  # the rename itself survives power loss
-                    except BaseException:
-                        _unlink_quietly(final)  # write raises, so the caller frees the slot
-                        raise
-                self._stamps.pop(key, None)  # then last: the dict stays in write order, the manifest's
-                self._stamps[key] = stamp
-        except FileNotFoundError:
-            if os.fstat(self._dir_fd).st_nlink == 0:  # the directory itself was removed
-                self._removed = f"disk tier: its directory {self.directory} was removed while open; it takes no more blocks"
-                _log.error("%s", self._removed)
-                raise TierUnavailable(self._removed) from None
-            raise
-        except BaseException:
-            _unlink_quietly(temp)
-            raise
+        self._write_file(key, [self._host_array(src).reshape(-1)])  # shares src's memory when it can
+
+    def write_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Each block's file written from its pieces as they lie (one vectored write each), as
+        ``write`` writes one block."""
+        self._check_pieces(blocks)
+        self._check_open()
+        return [outcome(self._write_file, key, [p.numpy() for p in pieces])
+                for _, key, pieces in zip(slots, keys, blocks, strict=True)]
 
     def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
         """Read layers ``layers`` of ``key`` into ``dst`` (uint8 ``[n_layers, layer_bytes]``).
@@ -217,27 +198,18 @@ class DiskTier(Tier):
             raise ValueError(f"disk tier: dst must be uint8 {list(shape)}, got {dst.dtype} {list(dst.shape)}")
         direct = dst.device.type == "cpu" and dst.is_contiguous()
         buffer = dst.numpy() if direct else np.empty(shape, dtype=np.uint8)
-        fd = self._open_block(key)
-        try:
-            header = self._verified_header(fd, key)
-            if self._pacer is not None:
-                finish = self._pacer.book(header.header_bytes + (stop - start) * self.layout.layer_bytes)
-            # Whole layers, about READ_CHUNK_BYTES at a time, each checked as soon as it lands.
-            step = max(1, READ_CHUNK_BYTES // self.layout.layer_bytes)
-            for first in range(0, stop - start, step):
-                rows = buffer[first : first + step]  # [<= step layers, layer_bytes], contiguous
-                offset = header.header_bytes + (start + first) * self.layout.layer_bytes
-                if not _read_exact(fd, memoryview(rows.reshape(-1)), offset):
-                    raise CorruptBlock(f"disk tier: block {key.hex()[:12]} truncated while reading")
-                blockfile.verify_layers(header, rows, start + first)
-        except OSError as error:  # an I/O error mid-read: the block cannot be had, a miss
-            raise CorruptBlock(f"disk tier: block {key.hex()[:12]} unreadable: {error}") from None
-        finally:
-            os.close(fd)
-        if self._pacer is not None:
-            self._pacer.wait(finish)
+        self._read_file(key, start, stop, [buffer.reshape(-1)])
         if not direct:
             dst.copy_(torch.from_numpy(buffer))
+
+    def read_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Each block's file read into its pieces as they lie (vectored reads), verified, as
+        ``read_into`` reads one whole block."""
+        self._check_pieces(blocks)
+        self._check_open()
+        layers = self.layout.num_layers
+        return [outcome(self._read_file, key, 0, layers, [p.numpy() for p in pieces])
+                for _, key, pieces in zip(slots, keys, blocks, strict=True)]
 
     def discard(self, slot: int, key: BlockKey) -> None:
         """Delete the file of a block leaving the tier. The block manager calls this while the
@@ -300,6 +272,69 @@ class DiskTier(Tier):
             os.close(fd)
             raise CorruptBlock(f"disk tier: block {name} is not a regular file")
         return fd
+
+    def _write_file(self, key: BlockKey, parts: list[np.ndarray]) -> None:
+        """Write the file of ``key`` from its payload given as ``parts`` (flat uint8, in order),
+        atomically (module docstring). Raises as ``write``."""
+        if self._removed is not None:
+            raise TierUnavailable(self._removed)
+        header = blockfile.encode_header(key, self._layout_text, self.namespace_tag, parts, self.layout.layer_bytes)
+        final = self._path(key)
+        temp = self.directory / f".{key.hex()}.{next(self._temp_ids)}.tmp"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+            try:
+                _write_all(fd, [memoryview(header), *(memoryview(part) for part in parts)])
+                if self.fsync:
+                    os.fsync(fd)
+                stamp = diskmanifest.Stamp.of(os.fstat(fd))  # whole: the manifest vouches for this
+            finally:
+                os.close(fd)
+            with self._lock:
+                self._check_open()  # closed mid-write: the directory may be another tier's now
+                os.replace(temp, final)
+                if self.fsync:
+                    try:
+                        os.fsync(self._dir_fd)  # the rename itself survives power loss
+                    except BaseException:
+                        _unlink_quietly(final)  # write raises, so the caller frees the slot
+                        raise
+                self._stamps.pop(key, None)  # then last: the dict stays in write order, the manifest's
+                self._stamps[key] = stamp
+        except FileNotFoundError:
+            if os.fstat(self._dir_fd).st_nlink == 0:  # the directory itself was removed
+                self._removed = f"disk tier: its directory {self.directory} was removed while open; it takes no more blocks"
+                _log.error("%s", self._removed)
+                raise TierUnavailable(self._removed) from None
+            raise
+        except BaseException:
+            _unlink_quietly(temp)
+            raise
+
+    def _read_file(self, key: BlockKey, start: int, stop: int, parts: list[np.ndarray]) -> None:
+        """Read layers ``[start, stop)`` of ``key`` into ``parts`` (flat uint8, in order, as many
+        bytes in all), verified. Raises as ``read_into``."""
+        layer_bytes = self.layout.layer_bytes
+        fd = self._open_block(key)
+        try:
+            header = self._verified_header(fd, key)
+            if self._pacer is not None:
+                finish = self._pacer.book(header.header_bytes + (stop - start) * layer_bytes)
+            # Whole layers, about READ_CHUNK_BYTES at a time, each checked as soon as it lands.
+            step = max(1, READ_CHUNK_BYTES // layer_bytes) * layer_bytes
+            size = (stop - start) * layer_bytes
+            for first in range(0, size, step):
+                rows = blockfile.span(parts, first, min(size, first + step))  # <= step bytes of whole layers
+                offset = header.header_bytes + start * layer_bytes + first
+                if not _read_exact(fd, [memoryview(r) for r in rows], offset):
+                    raise CorruptBlock(f"disk tier: block {key.hex()[:12]} truncated while reading")
+                blockfile.verify_layers(header, rows, start + first // layer_bytes)
+        except OSError as error:  # an I/O error mid-read: the block cannot be had, a miss
+            raise CorruptBlock(f"disk tier: block {key.hex()[:12]} unreadable: {error}") from None
+        finally:
+            os.close(fd)
+        if self._pacer is not None:
+            self._pacer.wait(finish)
 
     def _verified_header(self, fd: int, key: BlockKey) -> blockfile.BlockHeader:
         """The header of the open block file ``fd``, checked against ``key`` and this tier.
@@ -450,24 +485,31 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
     """``writev`` until every byte is written (a write may be short near the file size limit)."""
     buffers = [b for b in buffers if len(b)]
     while buffers:
-        written = os.writev(fd, buffers)
+        written = os.writev(fd, buffers[:IOV_MAX])
         if written == 0:
             raise OSError(errno.EIO, "write returned 0 bytes")
-        while buffers and written >= len(buffers[0]):
-            written -= len(buffers[0])
-            buffers.pop(0)
-        if written:
-            buffers[0] = buffers[0][written:]
+        _advance(buffers, written)
 
 
-def _read_exact(fd: int, view: memoryview, offset: int) -> bool:
-    """Fill ``view`` from ``offset``; False if the file ends first."""
-    while len(view):
-        got = os.preadv(fd, [view], offset)
+def _read_exact(fd: int, views: list[memoryview], offset: int) -> bool:
+    """Fill ``views`` in order from ``offset`` (``preadv``); False if the file ends first."""
+    views = [v for v in views if len(v)]
+    while views:
+        got = os.preadv(fd, views[:IOV_MAX], offset)
         if got == 0:
             return False
-        view, offset = view[got:], offset + got
+        offset += got
+        _advance(views, got)
     return True
+
+
+def _advance(views: list[memoryview], done: int) -> None:
+    """Drop the first ``done`` bytes from ``views`` (in place)."""
+    while views and done >= len(views[0]):
+        done -= len(views[0])
+        views.pop(0)
+    if done:
+        views[0] = views[0][done:]
 
 
 def _unlink_quietly(path: str | os.PathLike[str]) -> None:

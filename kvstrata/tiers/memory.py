@@ -13,13 +13,14 @@ trusts the bytes (the transfer worker does so before it reports a transfer).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.base import Pieces, Tier, split_like
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -42,6 +43,10 @@ def _can_copy_async(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device.type != "cuda" and b.device.type != "cuda":
         return False
     return all(t.is_pinned() for t in (a, b) if t.device.type == "cpu")
+
+
+def _all_async(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(_can_copy_async(x, y) for x, y in zip(a, b, strict=True))
 
 
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own
@@ -151,6 +156,32 @@ class MemoryTier(Tier):
         if srcs:
             torch._foreach_copy_(dsts, srcs, non_blocking=any(_can_copy_async(d, s) for d, s in zip(dsts, srcs)))
         return [None] * len(srcs)
+
+    def write_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Each block's pieces copied into its slot as they lie, the whole call in one batched
+        copy. It succeeds or fails for all blocks (raises)."""
+        slot_parts, pieces = self._pair_pieces(slots, blocks)
+        if pieces:
+            torch._foreach_copy_(slot_parts, pieces, non_blocking=_all_async(slot_parts, pieces))
+        return [None] * len(blocks)
+
+    def read_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Each slot copied into its block's pieces, the whole call in one batched copy. It
+        succeeds or fails for all blocks (raises)."""
+        slot_parts, pieces = self._pair_pieces(slots, blocks)
+        if pieces:
+            torch._foreach_copy_(pieces, slot_parts, non_blocking=_all_async(slot_parts, pieces))
+        return [None] * len(blocks)
+
+    def _pair_pieces(self, slots: list[int], blocks: Sequence[Pieces]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The slots' bytes cut as their blocks' pieces are, and the pieces, in step (flat)."""
+        self._check_pieces(blocks)
+        slot_parts: list[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
+        for slot, block in zip(slots, blocks, strict=True):
+            slot_parts += split_like(self._slot(slot).view(-1), block)
+            pieces += block
+        return slot_parts, pieces
 
     def close(self) -> None:
         if self._finalizer is not None:

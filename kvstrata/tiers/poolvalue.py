@@ -1,7 +1,8 @@
 """One block in the shared pool: a 128-byte header, then the payload, sealed with the deployment's secret.
 
-A pool value is stored as one object, written from two buffers (header, payload) and read back
-into two or more, so the payload moves zero-copy between the pool and the caller's memory.
+A pool value is stored as one object, written from and read back into two or more buffers (the
+header, then the payload whole or in the caller's pieces), so the payload moves zero-copy between
+the pool and the caller's memory.
 
 Why a seal. Mooncake Store has no authentication: any process that reaches the pool can read,
 write, overwrite (``upsert``) or remove any object. So every value kvstrata reads back from the
@@ -166,21 +167,34 @@ class ValueSeal:
         keyed = hmac.new(self._name_key, key, hashlib.sha256).hexdigest()[:32]  # not derivable without the secret
         return f"kvstrata/{self.namespace_tag}/{keyed}"
 
-    def seal(self, key: BlockKey, payload: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """The header of ``payload`` (uint8, C-contiguous), and the payload as stored (the
-        ciphertext when encrypting, else ``payload`` itself). A sealed value carries no xxh3:
-        its MAC checks every byte already."""
+    def seal(self, key: BlockKey, parts: Sequence[np.ndarray]) -> tuple[bytes, np.ndarray | None]:
+        """The header of the payload given as ``parts`` (uint8, C-contiguous, in order), and,
+        when encrypting, the ciphertext to store instead (then ``parts`` must be one array: the
+        cipher needs the payload whole; the ciphertext has its shape); else None: the parts are
+        stored as they are. A sealed value carries no xxh3: its MAC checks every byte already.
+
+        Raises:
+            ValueError: encrypting a payload given in more than one part.
+        """
+        nbytes = sum(part.nbytes for part in parts)
         if not self.sealed:
-            checksum = xxhash.xxh3_64_intdigest(payload) if self.checksum else None
-            return encode_header(key, self.layout_digest, payload.nbytes, checksum), payload
+            checksum = _xxh3(parts) if self.checksum else None
+            return encode_header(key, self.layout_digest, nbytes, checksum), None
         nonce = os.urandom(12)
-        signed = encode_header(key, self.layout_digest, payload.nbytes, None, nonce, bytes(16), self.encrypt)[:_SIGNED]
+        signed = encode_header(key, self.layout_digest, nbytes, None, nonce, bytes(16), self.encrypt)[:_SIGNED]
+        ciphertext = None
         if self.encrypt:
+            if len(parts) != 1:
+                raise ValueError(f"an encrypted pool value is sealed from one payload array, got {len(parts)} parts")
+            (payload,) = parts
             sealed = self._aead.encrypt(nonce, memoryview(payload).cast("B"), signed)
-            stored, tag = np.frombuffer(sealed, dtype=np.uint8)[:-16].reshape(payload.shape), sealed[-16:]
+            ciphertext, tag = np.frombuffer(sealed, dtype=np.uint8)[:-16].reshape(payload.shape), sealed[-16:]
         else:
-            stored, tag = payload, Poly1305.generate_tag(self._one_time_key(signed), payload)
-        return encode_header(key, self.layout_digest, payload.nbytes, None, nonce, tag, self.encrypt), stored
+            mac = Poly1305(self._one_time_key(signed))
+            for part in parts:
+                mac.update(part)
+            tag = mac.finalize()
+        return encode_header(key, self.layout_digest, nbytes, None, nonce, tag, self.encrypt), ciphertext
 
     def open(self, key: BlockKey, head: bytes, parts: Sequence[np.ndarray]) -> None:
         """Check a value read for ``key``: its header and, sealed, its MAC over ``parts`` (the
@@ -199,10 +213,7 @@ class ValueSeal:
         if header.payload_bytes != self.payload_bytes or sum(p.nbytes for p in parts) != self.payload_bytes:
             raise CorruptBlock(f"remote tier: block {name} has {header.payload_bytes} payload bytes")
         if not self.sealed and self.checksum and header.payload_checksum is not None:
-            hasher = xxhash.xxh3_64()
-            for part in parts:
-                hasher.update(part)
-            if hasher.intdigest() != header.payload_checksum:
+            if _xxh3(parts) != header.payload_checksum:
                 raise CorruptBlock(f"remote tier: block {name} payload checksum mismatch")
         if self.sealed:
             self._check_seal(key, header, head, parts)
@@ -244,6 +255,16 @@ class ValueSeal:
     def _one_time_key(self, signed: bytes) -> bytes:
         """Poly1305's key for one value: bound to its header (key, layout, sizes, nonce)."""
         return hmac.new(self._mac_key, signed, hashlib.sha256).digest()
+
+
+def _xxh3(parts: Sequence[np.ndarray]) -> int:
+    """xxh3_64 of the parts' bytes joined (streamed: no join)."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
 
 
 def _derive(secret: bytes, namespace_tag: str, use: bytes) -> bytes:

@@ -17,6 +17,9 @@ Zero-copy. Memory from ``allocate`` (or passed to ``register``) is registered wi
 ``write`` and ``read_into`` on tensors inside it hand the pool the caller's bytes directly. Any
 other tensor (another CPU tensor, a CUDA tensor) goes through this thread's staging buffer of
 one block. In SHM mode the daemon on this host copies between the pool and shared memory.
+``write_pieces`` and ``read_pieces`` move a block whose pieces all lie in registered memory as
+one object from and into the buffers ``[header, *pieces]``; ``write_many`` and
+``read_many_into`` are the same batched calls, one piece per block.
 
 Faults. Every store call is bounded (``op_timeout_s``) on a private worker thread; a timeout or
 a transport error puts the tier DOWN: calls raise PoolUnavailable at once while a background
@@ -43,7 +46,7 @@ import re
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -58,7 +61,7 @@ from kvstrata.media import Medium
 from kvstrata.pool.client import CallTimedOut, PendingCall, PoolClient, PoolUnavailable, Reconnected
 from kvstrata.pool.config import BACKOFF_MAX_S, BACKOFF_S, CONNECT_TIMEOUT_S, OP_TIMEOUT_S, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.base import Pieces, Tier
 
 __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier",
            "TransferAbandoned"]
@@ -263,11 +266,10 @@ class RemoteTier(Tier):
         else:
             payload = self._staging(client, lane).view(shape)
             payload.copy_(src)
-        plain = payload.numpy()
-        header, stored = self._seal.seal(key, plain)
-        if stored is not plain:  # encrypted: the ciphertext goes, from staging (registered memory)
+        header, ciphertext = self._seal.seal(key, [payload.numpy()])
+        if ciphertext is not None:  # encrypted: the ciphertext goes, from staging (registered memory)
             payload = self._staging(client, lane).view(shape)
-            payload.numpy()[:] = stored
+            payload.numpy()[:] = ciphertext
         lane.header[: poolvalue.HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
         ptrs = [lane.header.data_ptr(), payload.data_ptr()]
         sizes = [poolvalue.HEADER_BYTES, payload.numel()]
@@ -288,45 +290,72 @@ class RemoteTier(Tier):
 
     def write_many(self, slots: list[int], keys: list[BlockKey], srcs: list[torch.Tensor]) -> list[BaseException | None]:
         """Put several blocks in few pool calls; per block None or the error ``write`` would
-        have raised for it. Sources in registered memory (not encrypted, no key twice) go in
-        batched puts, pipelined: this thread seals the next call's blocks (the MAC reads every
-        byte) while the pool takes the last call's. Any other batch goes block by block.
-
-        A put that times out leaves its blocks and the later ones failed (PoolUnavailable); its
-        objects are removed should it complete later, as ``write`` does."""
+        have raised for it. Sources in registered memory (not encrypted, no key twice) go as
+        ``write_pieces`` puts them, one piece each; any other batch goes block by block."""
         client = self._live()
         shape = (self.layout.num_layers, self.layout.layer_bytes)
         try:
             lane = self._lane(client)
         except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
             return [error] * len(keys)
-        if (self._seal.encrypt or len(set(keys)) != len(keys)
-                or not all(s.dtype == torch.uint8 and tuple(s.shape) == shape and client.is_registered(s) for s in srcs)):
+        blocks = [[src.view(-1)] for src in srcs
+                  if src.dtype == torch.uint8 and tuple(src.shape) == shape and src.is_contiguous()]
+        if len(blocks) != len(srcs) or not self._puts_direct(client, keys, blocks):
             return super().write_many(slots, keys, srcs)
+        return self._put_blocks(client, lane, keys, blocks)
+
+    def write_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Put several blocks, each from its pieces as they lie: one object per block from the
+        buffers ``[header, *pieces]``, when every piece is in registered memory (not encrypted,
+        no key twice); else as the default does (gathered, then ``write_many``).
+
+        The puts are batched and pipelined: this thread seals the next call's blocks (the MAC
+        reads every byte) while the pool takes the last call's. A put that times out leaves its
+        blocks and the later ones failed (PoolUnavailable); its objects are removed should it
+        complete later, as ``write`` does."""
+        self._check_pieces(blocks)
+        client = self._live()
+        try:
+            lane = self._lane(client)
+        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
+            return [error] * len(keys)
+        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
+        if not self._puts_direct(client, keys, parts):
+            return super().write_pieces(slots, keys, blocks)
+        return self._put_blocks(client, lane, keys, parts)
+
+    def _puts_direct(self, client: PoolClient, keys: list[BlockKey], blocks: list[list[torch.Tensor]]) -> bool:
+        """Whether blocks (as their parts) can go in batched puts straight from where they lie."""
+        return (not self._seal.encrypt and len(set(keys)) == len(keys)
+                and all(client.is_registered(part) for parts in blocks for part in parts))
+
+    def _put_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
+                    blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
+        """Batched, pipelined puts of blocks given as their parts in registered memory (flat
+        uint8, in order): the object of ``keys[i]`` from the buffers ``[header, *blocks[i]]``."""
         names = [self.object_name(k) for k in keys]
         out: list[BaseException | None] = [None] * len(keys)
         pending: tuple[range, PendingCall] | None = None
         try:
-            for k, blocks in enumerate(self._calls(len(keys))):
-                headers = self._headers(lane, k % 2, len(blocks))
-                for j, i in enumerate(blocks):  # overlaps the put of the previous call
-                    header, _ = self._seal.seal(keys[i], srcs[i].numpy())
+            for k, batch in enumerate(self._calls(len(keys))):
+                headers = self._headers(lane, k % 2, len(batch))
+                for j, i in enumerate(batch):  # overlaps the put of the previous call
+                    header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]])
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
                 if pending is not None:
                     settled, pending = pending, None
                     if not self._settle_put(client, lane, names, *settled, out):
                         return out
-                ptrs = [[headers[j].data_ptr(), srcs[i].data_ptr()] for j, i in enumerate(blocks)]
-                sizes = [[poolvalue.HEADER_BYTES, self.layout.block_bytes]] * len(blocks)
-                batch = names[blocks.start : blocks.stop]
+                ptrs, sizes = _buffers(headers, blocks, batch)
+                batch_names = names[batch.start : batch.stop]
                 try:
-                    call = client.start(f"batch put of {len(blocks)} blocks", "batch_put_from_multi_buffers", batch,
-                                        ptrs, sizes, generation=lane.generation,
-                                        on_late=lambda store, codes, batch=batch: _undo_late_puts(store, batch, codes))
+                    call = client.start(f"batch put of {len(batch)} blocks", "batch_put_from_multi_buffers",
+                                        batch_names, ptrs, sizes, generation=lane.generation,
+                                        on_late=lambda store, codes, n=batch_names: _undo_late_puts(store, n, codes))
                 except PoolUnavailable as error:  # DOWN: these blocks and the later ones were not put
-                    out[blocks.start :] = [error] * (len(keys) - blocks.start)
+                    out[batch.start :] = [error] * (len(keys) - batch.start)
                     return out
-                pending = (blocks, call)
+                pending = (batch, call)
             if pending is not None:
                 settled, pending = pending, None
                 self._settle_put(client, lane, names, *settled, out)
@@ -416,25 +445,55 @@ class RemoteTier(Tier):
     ) -> list[BaseException | None]:
         """Whole blocks of several keys in few pool calls (each value still verified on its
         own): per key None (in ``dst``, verified) or the exception ``read_into`` would have
-        raised for it. One call per block would pay the pool's round trips per block.
-        Partial reads, and destinations outside registered memory, go one by one.
-
-        The calls are pipelined: the get of the next calls' blocks runs while this thread checks
-        the blocks of the last (the MAC reads every byte), so checking costs the time of the
-        last call's blocks only. A call that times out abandons its own destinations; the
-        blocks of the calls after it were never handed to the pool."""
+        raised for it. Registered destinations are read as ``read_pieces`` reads them, one
+        piece each; partial reads, destinations outside registered memory, and batches that
+        name a key twice go one by one."""
         client = self._live()
         try:
             generation = self._lane(client).generation  # before looking at registrations: they are per store
         except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
             return [error] * len(keys)
         whole = self._layer_range(layers) == (0, self.layout.num_layers)
-        if not whole or not all(client.is_registered(d) for d in dsts):
+        if not whole or not self._gets_direct(client, keys, [[d] for d in dsts]):
             return super().read_many_into(slots, keys, dsts, layers)
         shape = (self.layout.num_layers, self.layout.layer_bytes)
         for dst in dsts:
             if dst.dtype != torch.uint8 or tuple(dst.shape) != shape or not dst.is_contiguous():
                 raise ValueError(f"remote tier: dst must be contiguous uint8 {list(shape)}, got {list(dst.shape)}")
+        return self._get_blocks(client, generation, keys, [[dst.view(-1)] for dst in dsts])
+
+    def read_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
+        """Read whole blocks into their pieces as they lie: each object into the buffers
+        ``[header, *pieces]`` in batched, pipelined gets, verified, when every piece is in
+        registered memory (and no key comes twice); else as the default does
+        (``read_many_into``, then scattered).
+
+        The gets are pipelined: the get of the next call's blocks runs while this thread checks
+        the blocks of the last (the MAC reads every byte). A call that times out abandons its
+        own blocks (TransferAbandoned: their pieces may still be written until ``settled``);
+        the blocks of the calls after it were never handed to the pool."""
+        self._check_pieces(blocks)
+        client = self._live()
+        try:
+            generation = self._lane(client).generation  # before looking at registrations: they are per store
+        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
+            return [error] * len(keys)
+        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
+        if not self._gets_direct(client, keys, parts):
+            return super().read_pieces(slots, keys, blocks)
+        return self._get_blocks(client, generation, keys, parts)
+
+    @staticmethod
+    def _gets_direct(client: PoolClient, keys: list[BlockKey], blocks: list[list[torch.Tensor]]) -> bool:
+        """Whether blocks (as their parts) can be got in batched calls straight into where they
+        lie: all in registered memory, no key twice (a batched get fills one of a name's buffers)."""
+        return len(set(keys)) == len(keys) and all(client.is_registered(part) for parts in blocks for part in parts)
+
+    def _get_blocks(self, client: PoolClient, generation: int, keys: list[BlockKey],
+                    blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
+        """Batched, pipelined gets of whole blocks into their parts in registered memory (flat
+        uint8, in order; registrations checked under store ``generation``): the object of
+        ``keys[i]`` into the buffers ``[header, *blocks[i]]``, each verified."""
         lane = self._lane(client)
         if lane.generation != generation:  # reconnected since the registrations were checked
             return [PoolUnavailable("remote tier: the pool was reconnected under this read; retry")] * len(keys)
@@ -442,27 +501,27 @@ class RemoteTier(Tier):
         out: list[BaseException | None] = [None] * len(keys)
         calls = self._calls(len(keys))
         try:
-            pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names, dsts)
+            pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names, blocks)
         except PoolUnavailable as error:  # DOWN: nothing was handed to the pool
             return [error] * len(keys)
         try:
-            for k, blocks in enumerate(calls):
+            for k, batch in enumerate(calls):
                 current, pending = pending, None
                 try:
                     got = current.result()
                 except CallTimedOut as error:
-                    abandoned = self._abandon(lane, True, names[blocks.start], str(error), error.settled)
-                    out[blocks.start :] = [abandoned] * len(blocks) + [PoolUnavailable(str(error))] * (len(keys) - blocks.stop)
+                    abandoned = self._abandon(lane, True, names[batch.start], str(error), error.settled)
+                    out[batch.start :] = [abandoned] * len(batch) + [PoolUnavailable(str(error))] * (len(keys) - batch.stop)
                     return out
                 unstarted = None
                 if k + 1 < len(calls):
                     try:
-                        pending = self._start_get(client, lane, calls[k + 1], (k + 1) % 2, names, dsts)
+                        pending = self._start_get(client, lane, calls[k + 1], (k + 1) % 2, names, blocks)
                     except PoolUnavailable as error:  # DOWN since: the later blocks stay untouched
                         unstarted = error
-                self._check_got(client, lane, keys, names, dsts, blocks, got, self._headers(lane, k % 2, len(blocks)), out)
+                self._check_got(client, lane, keys, names, blocks, batch, got, self._headers(lane, k % 2, len(batch)), out)
                 if unstarted is not None:
-                    out[blocks.stop :] = [unstarted] * (len(keys) - blocks.stop)
+                    out[batch.stop :] = [unstarted] * (len(keys) - batch.stop)
                     return out
         finally:
             if pending is not None:  # an error escaped with a call in flight: let it land first
@@ -490,26 +549,25 @@ class RemoteTier(Tier):
         at = half * HEADERS_PER_CALL * head
         return lane.header[at : at + count * head].view(count, head)
 
-    def _start_get(self, client: PoolClient, lane: _Lane, blocks: range, half: int, names: list[str],
-                   dsts: list[torch.Tensor]) -> PendingCall:
-        headers = self._headers(lane, half, len(blocks))
+    def _start_get(self, client: PoolClient, lane: _Lane, batch: range, half: int, names: list[str],
+                   blocks: list[list[torch.Tensor]]) -> PendingCall:
+        headers = self._headers(lane, half, len(batch))
         headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
-        ptrs = [[headers[j].data_ptr(), dsts[i].data_ptr()] for j, i in enumerate(blocks)]
-        sizes = [[poolvalue.HEADER_BYTES, self.layout.block_bytes]] * len(blocks)
-        return client.start(f"batch get of {len(blocks)} blocks", "batch_get_into_multi_buffers",
-                            names[blocks.start : blocks.stop], ptrs, sizes, generation=lane.generation)
+        ptrs, sizes = _buffers(headers, blocks, batch)
+        return client.start(f"batch get of {len(batch)} blocks", "batch_get_into_multi_buffers",
+                            names[batch.start : batch.stop], ptrs, sizes, generation=lane.generation)
 
     def _check_got(self, client: PoolClient, lane: _Lane, keys: list[BlockKey], names: list[str],
-                   dsts: list[torch.Tensor], blocks: range, got: list[int], headers: torch.Tensor,
+                   blocks: list[list[torch.Tensor]], batch: range, got: list[int], headers: torch.Tensor,
                    out: list[BaseException | None]) -> None:
         """Verify the blocks of one finished get (``got``: bytes or a code per block) into ``out``."""
-        for j, i in enumerate(blocks):
+        for j, i in enumerate(batch):
             try:
                 if got[j] < 0:
                     self._get_failed(client, lane, True, names[i], got[j])
                 if got[j] != poolvalue.HEADER_BYTES + self.layout.block_bytes:
                     raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
-                self._seal.open(keys[i], headers[j].numpy().tobytes(), [dsts[i].numpy()])
+                self._seal.open(keys[i], headers[j].numpy().tobytes(), [part.numpy() for part in blocks[i]])
             except (CorruptBlock, PoolUnavailable) as error:
                 out[i] = error
 
@@ -622,6 +680,15 @@ class RemoteTier(Tier):
                 raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
         client.mark_down(f"get failed with Mooncake code {code}", lane.generation)
         raise self._abandon(lane, direct, name, f"get of {name} failed (Mooncake code {code})", _DONE)
+
+
+def _buffers(headers: torch.Tensor, blocks: list[list[torch.Tensor]], batch: range) -> tuple[list, list]:
+    """The pointers and sizes of one batched call's objects: block ``i`` of ``batch`` as its
+    header (``headers[j]``, j its place in the batch), then its parts."""
+    ptrs = [[headers[j].data_ptr(), *(p.data_ptr() for p in blocks[i])] for j, i in enumerate(batch)]
+    sizes = [[poolvalue.HEADER_BYTES, *(p.numel() for p in blocks[i])] for i in batch]
+    return ptrs, sizes
+
 
 def _undo_late_put(store, name: str, codes: list[int]) -> None:
     # A put that completed after its caller gave up: its source may have changed meanwhile.

@@ -11,6 +11,10 @@ Contracts decided here (every tier must follow them):
   never broadcast or convert.
 * ``close()`` is idempotent; afterwards ``write`` and ``read_into`` raise RuntimeError.
 * ``view()`` is None for tiers without addressable memory, else the slot's bytes in place.
+* ``write_pieces`` / ``read_pieces`` move whole blocks given as pieces of a caller's memory,
+  however split (a layer may span pieces), bit-exact and interchangeable with ``write`` /
+  ``read_into``; pieces that are not contiguous uint8 1-D CPU tensors of one block's bytes in
+  all are refused with ValueError.
 
 ``test_conformance.py`` binds the ``tier_spec`` and ``make_tier`` fixtures per tier.
 """
@@ -45,6 +49,8 @@ class TierSpec:
     build: Callable[..., Tier]  # (layout, capacity_bytes, tmp_path, **fixtures) -> Tier
     has_view: bool
     fixtures: tuple[str, ...] = ()  # pytest fixtures ``build`` takes as keyword arguments
+    # Caller memory pieces are cut from: (tier, nbytes) -> uint8 [nbytes] (the pool: registered).
+    memory: Callable[[Tier, int], torch.Tensor] = lambda tier, nbytes: torch.empty(nbytes, dtype=torch.uint8)
 
 
 MakeTier = Callable[..., Tier]  # (layout=SMALL, blocks=4, eviction=LRU, extra_bytes=0) -> Tier
@@ -80,6 +86,57 @@ def load(tier: Tier, k: bytes, layers: slice = slice(None)) -> torch.Tensor:
         return out
     finally:
         tier.table.unpin(k)
+
+
+# How a block is cut into pieces, as sizes in bytes of SMALL's 4 KiB (4 layers of 1 KiB).
+SPLITS = {
+    "one piece": [SMALL.block_bytes],
+    "k/v halves": [SMALL.block_bytes // 2] * 2,
+    "uneven, mid-layer": [1, 1000, 0, 1537, 7, 551, SMALL.block_bytes - 3096],  # and an empty piece
+}
+
+
+def cut(memory: torch.Tensor, sizes: list[int], blocks: int) -> list[list[torch.Tensor]]:
+    """``blocks`` blocks of pieces of ``sizes`` in ``memory``, piece j of every block together
+    (as a layer-first host pool holds K of every page, then V): no block lies in one run."""
+    out: list[list[torch.Tensor]] = [[] for _ in range(blocks)]
+    at = 0
+    for size in sizes:
+        for pieces in out:
+            pieces.append(memory[at : at + size])
+            at += size
+    return out
+
+
+def joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(pieces).view(SMALL.num_layers, SMALL.layer_bytes)
+
+
+def fill(pieces: list[torch.Tensor], block: torch.Tensor) -> None:
+    flat, at = block.reshape(-1), 0
+    for piece in pieces:
+        piece.copy_(flat[at : at + piece.numel()])
+        at += piece.numel()
+
+
+def store_pieces(tier: Tier, keys: list[bytes], blocks: list[list[torch.Tensor]]) -> None:
+    """Store blocks from pieces the way the cache does, all in one call."""
+    slots = [tier.table.prepare_store(k).slot for k in keys]
+    errors = tier.write_pieces(slots, keys, blocks)
+    for k, error in zip(keys, errors):
+        tier.table.complete_store(k, ok=error is None)
+    assert errors == [None] * len(keys)
+
+
+def load_pieces(tier: Tier, keys: list[bytes], blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
+    """Read READY blocks into pieces the way the cache does (pin, read, unpin), in one call."""
+    slots = [tier.table.pin(k) for k in keys]
+    assert None not in slots
+    try:
+        return tier.read_pieces(slots, keys, blocks)
+    finally:
+        for k in keys:
+            tier.table.unpin(k)
 
 
 def evict(tier: Tier, count: int) -> list[bytes]:
@@ -123,6 +180,47 @@ class TierConformance:
         tier.table.complete_store(key(1), ok=True)
         with pytest.raises(ValueError):  # 1 layer asked, 4-layer buffer given: no broadcast
             tier.read_into(reservation.slot, key(1), torch.empty_like(block), slice(0, 1))
+
+    @pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+    def test_pieces_round_trip_and_mix_with_whole_blocks(self, make_tier: MakeTier, tier_spec: TierSpec,
+                                                         split: list[int]) -> None:
+        tier = make_tier(blocks=6)
+        memory = tier_spec.memory(tier, 4 * SMALL.block_bytes)
+        memory.fill_(0xAA)
+        sources, targets = cut(memory[: 2 * SMALL.block_bytes], split, 2), cut(memory[2 * SMALL.block_bytes :], split, 2)
+        blocks = {key(i): random_block(SMALL, seed=i) for i in range(4)}
+        for pieces, block in zip(sources, blocks.values()):
+            fill(pieces, block)
+        store_pieces(tier, [key(0), key(1)], sources)  # pieces in, whole out
+        for i in (0, 1):
+            assert torch.equal(load(tier, key(i)), blocks[key(i)])
+        assert torch.equal(load(tier, key(1), slice(1, 3)), blocks[key(1)][1:3])  # layers that span pieces
+        for i in (2, 3):  # whole in, pieces out
+            store(tier, key(i), blocks[key(i)])
+        assert load_pieces(tier, [key(3), key(2)], targets) == [None, None]
+        assert torch.equal(joined(targets[0]), blocks[key(3)]) and torch.equal(joined(targets[1]), blocks[key(2)])
+        assert load_pieces(tier, [key(0), key(1)], targets) == [None, None]  # pieces in, pieces out
+        assert torch.equal(joined(targets[0]), blocks[key(0)]) and torch.equal(joined(targets[1]), blocks[key(1)])
+
+    def test_bad_pieces_are_refused(self, make_tier: MakeTier, tier_spec: TierSpec) -> None:
+        tier = make_tier()
+        memory = tier_spec.memory(tier, 2 * SMALL.block_bytes)
+        half = SMALL.block_bytes // 2
+        bad = {  # the pieces, and what the error says
+            "torch.int16": [memory[:half].view(torch.int16), memory[half : 2 * half]],
+            "not contiguous": [memory[: 2 * half : 2], memory[2 * half : 3 * half]],
+            r"torch.uint8 \[2, ": [memory[:half].view(2, -1), memory[half : 2 * half]],  # not 1-D
+            f"add up to {SMALL.block_bytes - 1} bytes": [memory[:half], memory[half : 2 * half - 1]],
+        }
+        slot = tier.table.prepare_store(key(1)).slot
+        for message, pieces in bad.items():
+            with pytest.raises(ValueError, match=message):
+                tier.write_pieces([slot], [key(1)], [pieces])
+            with pytest.raises(ValueError, match=message):
+                tier.read_pieces([slot], [key(1)], [pieces])
+        good = [memory[:half], memory[half : 2 * half]]
+        with pytest.raises(ValueError, match="block 1"):  # the error names the block
+            tier.write_pieces([slot, slot], [key(1), key(2)], [good, good[:1]])
 
     def test_released_slot_reused_serves_new_bytes(self, make_tier: MakeTier) -> None:
         tier = make_tier(blocks=1)
@@ -250,3 +348,8 @@ class TierConformance:
             tier.read_into(slot, key(1), torch.empty_like(block))
         with pytest.raises(RuntimeError):
             tier.write(slot, key(1), block)
+        pieces = [block.view(-1)[:100], block.view(-1)[100:]]
+        with pytest.raises(RuntimeError):
+            tier.write_pieces([slot], [key(1)], [pieces])
+        with pytest.raises(RuntimeError):
+            tier.read_pieces([slot], [key(1)], [pieces])

@@ -18,7 +18,7 @@ from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.client import PoolClient
-from kvstrata.pool.config import PoolConfig, make_secret, read_secret
+from kvstrata.pool.config import PoolConfig, read_secret
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.remote import RemoteMode, RemoteTier, fresh_tag
 
@@ -33,13 +33,6 @@ def key_of(i: int) -> bytes:
 def content(key: bytes) -> torch.Tensor:
     data = np.random.default_rng(int.from_bytes(key, "little")).bytes(LAYOUT.block_bytes)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(LAYOUT.num_layers, LAYOUT.layer_bytes)
-
-
-@pytest.fixture
-def secret(tmp_path) -> bytes:
-    path = tmp_path / "pool.key"
-    make_secret(path)
-    return read_secret(PoolConfig(master="127.0.0.1:1", secret_file=str(path)))
 
 
 @pytest.fixture

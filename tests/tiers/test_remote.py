@@ -38,7 +38,6 @@ from kvstrata.tiers.remote import (
     RemoteMode,
     RemoteTier,
     TransferAbandoned,
-    fresh_tag,
 )
 
 LAYOUT = KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DType.BF16)  # 4 x 1 KiB
@@ -72,24 +71,6 @@ def load(tier: RemoteTier, key: bytes, dst: torch.Tensor | None = None) -> torch
 # --- fixtures ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def make_tier(pool):
-    made = []
-
-    def make(mode: RemoteMode = RemoteMode.TCP, pool_config: PoolConfig | None = None, **kwargs) -> RemoteTier:
-        config = pool_config or pool
-        if mode is RemoteMode.SHM and not config.daemon:
-            pytest.skip("the configured pool has no daemon on this host for SHM mode")
-        kwargs.setdefault("namespace_tag", fresh_tag())
-        tier = RemoteTier(LAYOUT, 16 * LAYOUT.block_bytes, config, mode, **kwargs)
-        made.append(tier)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.close()
-
-
 @pytest.fixture(scope="module")
 def raw(pool):
     """The raw store API (Mooncake calls, through a bounded client) and a registered buffer."""
@@ -108,19 +89,6 @@ def put_raw(raw, name: str, value: bytes) -> None:
 def value_bytes(key: bytes, payload: torch.Tensor, layout_text: str = LAYOUT.describe(), checksum=None) -> bytes:
     digest = poolvalue.layout_digest(layout_text)
     return poolvalue.encode_header(key, digest, payload.numel(), checksum) + payload.numpy().tobytes()
-
-
-@pytest.fixture
-def private_pool(tmp_path):
-    """A pool of this test's own, to kill or stop."""
-    state = embedded.start(64 * 1024**2, tmp_path / "pool")
-    yield state
-    for pid in (state.daemon_pid, state.master_pid):
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    embedded.stop(tmp_path / "pool")
 
 
 
@@ -166,8 +134,8 @@ def test_shm_mode_needs_a_daemon():
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_allocated_memory_moves_without_staging(make_tier, mode):
-    tier = make_tier(mode)
+def test_allocated_memory_moves_without_staging(make_remote_tier, mode):
+    tier = make_remote_tier(mode)
     host = tier.allocate(3 * LAYOUT.block_bytes).view(3, LAYOUT.num_layers, LAYOUT.layer_bytes)
     host[0].copy_(content(make_key(1)))
     store(tier, make_key(1), host[0])
@@ -181,8 +149,8 @@ def test_allocated_memory_moves_without_staging(make_tier, mode):
         assert torch.equal(dst, host[0][layers])
 
 
-def test_registered_tensor_is_zero_copy_in_tcp_mode(make_tier):
-    tier = make_tier(RemoteMode.TCP)
+def test_registered_tensor_is_zero_copy_in_tcp_mode(make_remote_tier):
+    tier = make_remote_tier(RemoteMode.TCP)
     mine = content(make_key(2)).clone()
     assert tier.register(mine) is True
     store(tier, make_key(2), mine)
@@ -192,8 +160,8 @@ def test_registered_tensor_is_zero_copy_in_tcp_mode(make_tier):
     assert tier._lanes.lane.staging is None
 
 
-def test_shm_mode_cannot_register_private_memory_but_still_moves_it(make_tier):
-    tier = make_tier(RemoteMode.SHM)
+def test_shm_mode_cannot_register_private_memory_but_still_moves_it(make_remote_tier):
+    tier = make_remote_tier(RemoteMode.SHM)
     mine = content(make_key(12)).clone()
     assert tier.register(mine) is False  # the daemon maps only segments from allocate()
     assert tier.register(tier.allocate(4096)) is True
@@ -206,8 +174,8 @@ def test_shm_mode_cannot_register_private_memory_but_still_moves_it(make_tier):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_another_tier_finds_and_reads_what_one_wrote(make_tier, mode):
-    writer = make_tier(mode)
+def test_another_tier_finds_and_reads_what_one_wrote(make_remote_tier, mode):
+    writer = make_remote_tier(mode)
     keys = [make_key(i, "adopt") for i in range(5)]
     for key in keys[:3]:
         store(writer, key)
@@ -220,15 +188,15 @@ def test_another_tier_finds_and_reads_what_one_wrote(make_tier, mode):
         reader.close()
 
 
-def test_discard_leaves_the_object_for_others(make_tier):
-    tier = make_tier()
+def test_discard_leaves_the_object_for_others(make_remote_tier):
+    tier = make_remote_tier()
     store(tier, make_key(3))
     tier.discard(0, make_key(3))
     assert tier.exists([make_key(3)]) == [True]
 
 
-def test_block_removed_under_a_reader_is_missing(make_tier):
-    tier = make_tier()
+def test_block_removed_under_a_reader_is_missing(make_remote_tier):
+    tier = make_remote_tier()
     store(tier, make_key(4))
     assert tier.remove_from_pool([make_key(4)], force=True) == [True]
     assert tier.exists([make_key(4)]) == [False]
@@ -237,9 +205,9 @@ def test_block_removed_under_a_reader_is_missing(make_tier):
     assert tier.remove_from_pool([make_key(4)]) == [True]  # already gone
 
 
-def test_other_namespace_is_a_miss(make_tier):
-    writer = make_tier()
-    other = make_tier()  # same pool, another tag
+def test_other_namespace_is_a_miss(make_remote_tier):
+    writer = make_remote_tier()
+    other = make_remote_tier()  # same pool, another tag
     store(writer, make_key(5))
     assert other.exists([make_key(5)]) == [False]
     with pytest.raises(BlockMissing):
@@ -250,8 +218,8 @@ def test_other_namespace_is_a_miss(make_tier):
 
 
 @pytest.mark.parametrize("extra_bytes", [4096, -1024, -LAYOUT.block_bytes], ids=["larger", "smaller", "header-only"])
-def test_value_of_the_wrong_size_is_rejected(make_tier, raw, extra_bytes):
-    tier = make_tier()
+def test_value_of_the_wrong_size_is_rejected(make_remote_tier, raw, extra_bytes):
+    tier = make_remote_tier()
     key = make_key(6)
     good = value_bytes(key, content(key))
     value = good + bytes(extra_bytes) if extra_bytes > 0 else good[:extra_bytes]
@@ -263,8 +231,8 @@ def test_value_of_the_wrong_size_is_rejected(make_tier, raw, extra_bytes):
 
 
 @pytest.mark.parametrize("defect", ["other key", "other layout", "bad magic", "bad header checksum"])
-def test_wrong_header_is_rejected(make_tier, raw, defect):
-    tier = make_tier()
+def test_wrong_header_is_rejected(make_remote_tier, raw, defect):
+    tier = make_remote_tier()
     key = make_key(7)
     payload = content(key)
     if defect == "other key":
@@ -282,9 +250,9 @@ def test_wrong_header_is_rejected(make_tier, raw, defect):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_verify_payload_catches_a_flipped_byte(make_tier, raw, mode):
-    checked = make_tier(mode, verify_payload=True)
-    unchecked = make_tier(mode, namespace_tag=checked.namespace_tag)
+def test_verify_payload_catches_a_flipped_byte(make_remote_tier, raw, mode):
+    checked = make_remote_tier(mode, verify_payload=True)
+    unchecked = make_remote_tier(mode, namespace_tag=checked.namespace_tag)
     key = make_key(9)
     payload = content(key)
     checksum = xxhash.xxh3_64_intdigest(payload.numpy())
@@ -321,9 +289,9 @@ def recording_calls(tier: RemoteTier) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_tier, mode):
-    writer = make_tier(mode, verify_payload=True)  # checked values: the batch is cut for pipelining
-    reader = make_tier(mode, verify_payload=True, namespace_tag=writer.namespace_tag)
+def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_remote_tier, mode):
+    writer = make_remote_tier(mode, verify_payload=True)  # checked values: the batch is cut for pipelining
+    reader = make_remote_tier(mode, verify_payload=True, namespace_tag=writer.namespace_tag)
     keys = [make_key(i, f"batch-{mode.value}") for i in range(6)]
     src = writer.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
@@ -341,8 +309,8 @@ def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_
     assert writer.write_many([0] * 6, keys, list(src)) == [None] * 6  # already there: left as it is
 
 
-def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_tier, raw):
-    tier = make_tier(verify_payload=True)
+def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_remote_tier, raw):
+    tier = make_remote_tier(verify_payload=True)
     keys = [make_key(i, "batch-bad") for i in range(6)]
     src = tier.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
@@ -364,9 +332,9 @@ def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_tier, raw):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_tier, private_pool, mode):
+def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_remote_tier, private_pool, mode):
     op_timeout_s = 1.0
-    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=0.2)
+    tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=0.2)
     host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
     keys = [make_key(i, "killed") for i in range(3)]
     for key in keys:
@@ -387,9 +355,9 @@ def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_tier, private_pool
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private_pool, mode):
+def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_remote_tier, private_pool, mode):
     op_timeout_s, backoff_s, backoff_max_s = 1.0, 0.3, 1.0
-    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=backoff_s,
+    tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=backoff_s,
                      backoff_max_s=backoff_max_s)
     host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
     store(tier, make_key(11))
@@ -408,9 +376,9 @@ def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_tier, private
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_hung_pool_under_a_pipelined_batch_abandons_only_what_it_was_handed(make_tier, private_pool, mode):
+def test_hung_pool_under_a_pipelined_batch_abandons_only_what_it_was_handed(make_remote_tier, private_pool, mode):
     op_timeout_s = 1.0
-    tier = make_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=5.0, verify_payload=True)
+    tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=5.0, verify_payload=True)
     keys = [make_key(i, "hung-batch") for i in range(4)]
     memory = tier.allocate(8 * LAYOUT.block_bytes).view(8, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
@@ -430,7 +398,7 @@ def test_hung_pool_under_a_pipelined_batch_abandons_only_what_it_was_handed(make
         os.kill(private_pool.daemon_pid, signal.SIGCONT)
 
 
-def test_a_daemon_stalled_past_mooncakes_default_lease_keeps_every_object(make_tier, private_pool):
+def test_a_daemon_stalled_past_mooncakes_default_lease_keeps_every_object(make_remote_tier, private_pool):
     # Mooncake's master drops a daemon (and every object in its segment) 10 s after its last
     # heartbeat by default: a 5 s SIGSTOP lost them all. The embedded pool's master keeps it
     # for embedded.CLIENT_TTL_S; a stall well past the default costs no object.
@@ -438,7 +406,7 @@ def test_a_daemon_stalled_past_mooncakes_default_lease_keeps_every_object(make_t
 
     stall_s = 12.0
     assert stall_s < CLIENT_TTL_S
-    tier = make_tier(RemoteMode.TCP, private_pool.config, op_timeout_s=1.0, backoff_s=0.3, backoff_max_s=1.0)
+    tier = make_remote_tier(RemoteMode.TCP, private_pool.config, op_timeout_s=1.0, backoff_s=0.3, backoff_max_s=1.0)
     keys = [make_key(i, "stalled") for i in range(4)]
     for key in keys:
         store(tier, key)
@@ -452,10 +420,10 @@ def test_a_daemon_stalled_past_mooncakes_default_lease_keeps_every_object(make_t
         assert torch.equal(load(tier, key), content(key))
 
 
-def test_a_dead_daemon_keeps_a_tcp_client_down(make_tier, private_pool):
+def test_a_dead_daemon_keeps_a_tcp_client_down(make_remote_tier, private_pool):
     # In TCP mode the client talks to the master, which still answers (and still lists the
     # objects) with the daemon that holds them dead: the probe must check the daemon too.
-    tier = make_tier(RemoteMode.TCP, private_pool.config, op_timeout_s=1.0)
+    tier = make_remote_tier(RemoteMode.TCP, private_pool.config, op_timeout_s=1.0)
     keys = [make_key(i, "dead-daemon") for i in range(2)]
     for key in keys:
         store(tier, key)
@@ -472,8 +440,8 @@ def test_a_dead_daemon_keeps_a_tcp_client_down(make_tier, private_pool):
 # --- sharing between processes ----------------------------------------------------------------
 
 
-def test_blocks_shared_between_processes_and_outlive_their_writer(make_tier):
-    tier = make_tier(RemoteMode.TCP)
+def test_blocks_shared_between_processes_and_outlive_their_writer(make_remote_tier):
+    tier = make_remote_tier(RemoteMode.TCP)
     mine = [make_key(i, "parent") for i in range(3)]
     theirs = [make_key(i, "child") for i in range(3)]
     for key in mine:
