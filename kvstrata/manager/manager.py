@@ -4,8 +4,10 @@ It owns the prefix index and one ``BlockTable`` per tier, and answers in small f
 (``kvstrata.manager.plans``): ``prepare_load(match)``, ``prepare_store(keys)``,
 ``prepare_copies(keys, to)`` (write-downs, promotions) and ``prepare_evict(medium, n)`` pin
 sources, reserve destinations (choosing victims, and their demotions, where a tier is full) and
-say which legs to move; the matching ``complete_*`` take what the worker reports per leg (moved,
-or a ``Failure``) and settle every slot the same way:
+say which legs to move; ``prepare_put(keys, to)`` and ``prepare_get(keys)`` do the same for
+bytes with one end in a caller's own memory (placements: a slot reserved, or a source pinned).
+The matching ``complete_*`` take what the worker reports per leg (moved, or a ``Failure``) and
+settle every slot the same way:
 
 * moved: the destination becomes READY (and indexed), the source is unpinned;
 * CORRUPT or MISSING: the destination is freed, and the source copy leaves its tier (if no other
@@ -34,9 +36,12 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.manager.plans import (
     CopyPlan,
     Failure,
+    GetPlan,
     Leg,
     LoadBlock,
     LoadPlan,
+    Placement,
+    PutPlan,
     Room,
     Slot,
     Step,
@@ -372,6 +377,67 @@ class BlockManager:
                     self._settle(leg, failure, drops)
         return landed, Room(tuple(drops))
 
+    # --- a caller's memory (no device slot): puts and gets ----------------------------------------
+
+    def prepare_put(self, keys: Sequence[BlockKey], to: Sequence[Medium]) -> PutPlan:
+        """A slot in every tier of ``to`` (present) for each of ``keys`` not there yet in any
+        state, to write straight from the caller's memory; a tier that cannot make room (every
+        block pinned or in flight, this plan's own among them) is skipped for that block."""
+        placements: list[Placement] = []
+        victims: list[Victim] = []
+        present: set[int] = set()
+        full: set[int] = set()
+        targets = [m for m in to if m in self._tables]
+        with self._lock:
+            for i, key in enumerate(keys):
+                for medium in targets:
+                    try:
+                        reservation = self._reserve(medium, key, victims)
+                    except TierFull:
+                        full.add(i)
+                        continue
+                    if reservation is None:
+                        present.add(i)
+                    else:
+                        placements.append(Placement(i, key, Slot(medium, reservation.slot)))
+        return PutPlan(tuple(placements), Room(tuple(victims)), frozenset(present), frozenset(full))
+
+    def complete_put(self, plan: PutPlan, failures: Sequence[Failure | None]) -> None:
+        """Settle each placement: written ones READY (and indexed), failed ones as a failed leg's
+        destination is (freed; retired if abandoned; the tier shrunk if out of space)."""
+        with self._lock:
+            for placement, failure in zip(plan.placements, failures, strict=True):
+                if failure is None:
+                    self._tables[placement.slot.medium].complete_store(placement.key, ok=True)
+                    self._index.add(placement.key, placement.slot.medium)
+                else:
+                    self._settle_destination(placement.key, placement.slot, failure)
+
+    def prepare_get(self, keys: Sequence[BlockKey]) -> GetPlan:
+        """The leading run of ``keys`` READY somewhere, each pinned (a hit) in the fastest tier
+        holding it, to read straight into the caller's memory."""
+        sources: list[Placement] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                slot = self._pin_source(key, hit=True)
+                if slot is None:
+                    break
+                sources.append(Placement(i, key, slot))
+        return GetPlan(tuple(sources))
+
+    def complete_get(self, plan: GetPlan, failures: Sequence[Failure | None]) -> tuple[int, Room]:
+        """Unpin the sources; one that failed verification or went missing leaves its tier.
+        Returns how many blocks, from the first, were read, and the blocks to drop."""
+        drops: list[Victim] = []
+        read = len(plan.sources)
+        with self._lock:
+            for placement, failure in zip(plan.sources, failures, strict=True):
+                self._tables[placement.slot.medium].unpin(placement.key)
+                if failure is not None:
+                    read = min(read, placement.position)
+                    self._drop_if_bad(placement.key, placement.slot, failure, drops)
+        return read, Room(tuple(drops))
+
     # --- eviction ----------------------------------------------------------------------------------
 
     def prepare_evict(self, medium: Medium, blocks: int) -> Room:
@@ -407,7 +473,7 @@ class BlockManager:
                     self._tables[leg.dst.medium].complete_store(leg.key, ok=True)
                     self._index.add(leg.key, leg.dst.medium)
                 elif leg is not None:
-                    self._settle_destination(leg, failure)
+                    self._settle_destination(leg.key, leg.dst, failure)
                 self._tables[victim.slot.medium].release(victim.key)
 
     # --- internals (the lock is held) --------------------------------------------------------------
@@ -470,20 +536,23 @@ class BlockManager:
 
     def _settle(self, leg: Leg, failure: Failure, drops: list[Victim]) -> None:
         """A failed leg: its destination settled, its source unpinned (and dropped, if bad)."""
-        self._settle_destination(leg, failure)
-        source = self._tables[leg.src.medium]
-        source.unpin(leg.key)
-        if failure.drops_source:
-            taken = source.take(leg.key)  # None: another reader holds it, and will drop it
-            if taken is not None:
-                self._index.discard(leg.key, leg.src.medium)
-                drops.append(Victim(leg.key, leg.src))
+        self._settle_destination(leg.key, leg.dst, failure)
+        self._tables[leg.src.medium].unpin(leg.key)
+        self._drop_if_bad(leg.key, leg.src, failure, drops)
 
-    def _settle_destination(self, leg: Leg, failure: Failure) -> None:
-        table = self._tables[leg.dst.medium]
+    def _drop_if_bad(self, key: BlockKey, source: Slot, failure: Failure, drops: list[Victim]) -> None:
+        """A source whose read failed as ``failure`` leaves its tier if its bytes are bad or gone."""
+        if failure.drops_source:
+            taken = self._tables[source.medium].take(key)  # None: another reader holds it, and will drop it
+            if taken is not None:
+                self._index.discard(key, source.medium)
+                drops.append(Victim(key, source))
+
+    def _settle_destination(self, key: BlockKey, dst: Slot, failure: Failure) -> None:
+        table = self._tables[dst.medium]
         if failure is Failure.ABANDONED:
-            table.quarantine(leg.key)  # bytes may still land there: never reuse the slot
+            table.quarantine(key)  # bytes may still land there: never reuse the slot
         else:
-            table.complete_store(leg.key, ok=False)
+            table.complete_store(key, ok=False)
         if failure is Failure.NO_SPACE:
             table.shrink_to_used()

@@ -5,8 +5,10 @@ byte a plan needs moved is a ``Leg`` (one block, source slot -> destination slot
 a plan's reservations is a ``Room``: victims leaving their tier, each with the demotion leg that
 copies it one tier down first (write policy permitting). The worker runs a plan's room before
 its legs, deepest tier first (``Room.stages``), since a reservation may reuse a victim's slot.
+Bytes that come from, or go to, a caller's own memory (``PutPlan``, ``GetPlan``) have one end in
+a slot: a ``Placement`` (a block of the caller's batch, and that slot).
 
-The worker reports per leg ``None`` (moved) or a ``Failure``; the manager's ``complete_*`` turn
+The worker reports per leg (or placement) ``None`` (moved) or a ``Failure``; the manager's ``complete_*`` turn
 those into state changes, the same way for every plan (see ``BlockManager``).
 """
 
@@ -208,6 +210,37 @@ class CopyPlan:
 
     legs: tuple[Leg, ...] = ()
     room: Room = field(default_factory=Room)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Block ``position`` of a caller's batch, and a slot holding (or reserved for) its bytes."""
+
+    position: int
+    key: BlockKey
+    slot: Slot
+
+
+@dataclass(frozen=True)
+class PutPlan:
+    """Slots reserved (WRITING) for a caller's blocks, straight from its memory, in the tiers
+    they go to (none where a block is already, in any state), and the room they need.
+    ``present``: the positions of blocks some of those tiers held already (READY or on their
+    way); ``full``: those of blocks that got no slot in a tier that lacks them (nothing there
+    could leave: every block pinned or in flight)."""
+
+    placements: tuple[Placement, ...] = ()
+    room: Room = field(default_factory=Room)
+    present: frozenset[int] = frozenset()
+    full: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class GetPlan:
+    """The leading run of a caller's keys, each pinned in the fastest tier holding it READY,
+    to read straight into the caller's memory."""
+
+    sources: tuple[Placement, ...] = ()
 
 
 def copy_ranges(num_layers: int, blocks: int, layer_bytes: int, workers: int, small_load_bytes: int,

@@ -18,7 +18,7 @@ from kvstrata.index.keys import Namespace, block_keys
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.manager.manager import BlockManager, ManagerConfig
-from kvstrata.manager.plans import Failure, Leg, Room, Step, StopReason
+from kvstrata.manager.plans import Failure, Leg, Room, Slot, Step, StopReason
 from kvstrata.manager.table import BlockState
 from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
@@ -49,10 +49,12 @@ class Bytes:
         self.named: dict[Medium, set[bytes]] = {K: set(), R: set()}
 
     def read(self, leg: Leg) -> bytes | None:
-        src = leg.src
+        return self.read_slot(leg.key, leg.src)
+
+    def read_slot(self, key: bytes, src: Slot) -> bytes | None:
         if src.medium in MEMORY:
             return self.slots[src.medium].get(src.index)
-        return leg.key if leg.key in self.named[src.medium] else None
+        return key if key in self.named[src.medium] else None
 
     def write(self, medium: Medium, index: int, key: bytes, content: bytes) -> None:
         if medium in MEMORY:
@@ -481,6 +483,39 @@ class ManagerMachine(RuleBasedStateMachine):
         yield
         self.carry_out(room)
 
+    def put(self, keys, to):
+        """A caller's blocks straight into tiers (no device slot)."""
+        plan = self.m.prepare_put(keys, to)
+        yield
+        self.carry_out(plan.room)
+        yield
+        failures = self.failures(len(plan.placements))
+        for placement, failure in zip(plan.placements, failures):
+            slot = placement.slot
+            if failure is None:
+                self.tiers.write(slot.medium, slot.index, placement.key, placement.key)
+            elif failure is Failure.ABANDONED and slot.medium in MEMORY:
+                self.tiers.slots[slot.medium][slot.index] = GARBAGE
+        self.m.complete_put(plan, failures)
+
+    def get(self, keys):
+        """The leading run read straight into a caller's memory: what it gets is its own bytes."""
+        plan = self.m.prepare_get(keys)
+        yield
+        failures, got = [], []
+        for placement, drawn in zip(plan.sources, self.failures(len(plan.sources))):
+            content = self.tiers.read_slot(placement.key, placement.slot)
+            if placement.slot.medium in MEMORY:
+                assert content == placement.key, f"{placement.slot} holds {content!r}, not its block"
+            elif content is None and drawn is None:
+                drawn = Failure.MISSING
+            failures.append(drawn)
+            got.append(content if drawn is None else None)
+        read, drops = self.m.complete_get(plan, failures)
+        self.carry_out(drops)
+        assert got[:read] == [p.key for p in plan.sources[:read]]
+        assert read == len(plan.sources) or failures[read] is not None
+
     def begin(self, flight, data) -> None:
         self.flights.append(flight)
         self.step(len(self.flights) - 1, data)
@@ -497,6 +532,15 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), seq=st.sampled_from(sorted(SEQS)), blocks=st.integers(1, 3))
     def begin_store(self, data, seq, blocks):
         self.begin(self.store(SEQS[seq][:blocks]), data)
+
+    @rule(data=st.data(), seq=st.sampled_from(sorted(SEQS)), blocks=st.integers(1, 3),
+          to=st.sampled_from([(H, K, R), (K, R), (H,), (R,)]))
+    def begin_put(self, data, seq, blocks, to):
+        self.begin(self.put(SEQS[seq][:blocks], to), data)
+
+    @rule(data=st.data(), seq=st.sampled_from(sorted(SEQS)))
+    def begin_get(self, data, seq):
+        self.begin(self.get(SEQS[seq]), data)
 
     @rule(data=st.data(), seq=st.sampled_from(sorted(SEQS)), hold=st.booleans())
     def begin_load(self, data, seq, hold):
@@ -591,6 +635,43 @@ class ManagerMachine(RuleBasedStateMachine):
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestManagerMachine = ManagerMachine.TestCase
+
+
+def test_a_put_reserves_every_tier_lacking_the_block_and_skips_a_full_one():
+    m = manager({D: 2, H: 1, K: 4})
+    keys = keys_of(17, 3)
+    m.complete_put(m.prepare_put(keys[:1], (K,)), [None])
+    assert m.where(keys[0]) == (K,)
+    held = m.prepare_put([keys[1]], (H,))  # the host's one slot, WRITING: nothing can leave it
+    plan = m.prepare_put(keys, (H, K))
+    # keys[0] is on disk already; the host is full of a block on its way in: only the disk's slots
+    assert [(p.position, p.slot.medium) for p in plan.placements] == [(1, K), (2, K)]
+    assert plan.present == {0, 1} and plan.full == {0, 2}
+    m.complete_put(plan, [Failure.UNAVAILABLE, None])
+    m.complete_put(held, [None])
+    assert [m.where(k) for k in keys] == [(K,), (H,), (K,)]
+    check_tables_settled(m)
+
+
+def test_a_get_pins_the_fastest_copy_of_the_leading_run_and_drops_a_corrupt_source():
+    m = manager({D: 2, H: 2, K: 4})
+    keys = keys_of(18, 4)
+    m.complete_put(m.prepare_put(keys[:3], (K,)), [None] * 3)
+    m.complete_put(m.prepare_put(keys[1:2], (H,)), [None])
+    plan = m.prepare_get(keys)  # the fourth is nowhere: the run is three
+    assert [(p.position, p.slot.medium) for p in plan.sources] == [(0, K), (1, H), (2, K)]
+    assert m.table(H).pins(keys[1]) == 1
+    read, drops = m.complete_get(plan, [None, Failure.CORRUPT, None])
+    assert read == 1 and [v.key for v in drops.victims] == [keys[1]]
+    m.complete_room(drops, [None])
+    assert m.where(keys[1]) == (K,) and m.match(keys).blocks == 3  # the bad host copy left; the disk's stays
+    check_tables_settled(m)
+
+
+def check_tables_settled(m: BlockManager) -> None:
+    for medium in m.media:
+        assert m.table(medium).pinned() == {}
+        assert m.table(medium).used_blocks == len(m.table(medium).ready_keys())
 
 
 def test_a_medium_out_of_space_holds_what_it_has_and_makes_room_for_the_next_copies():
