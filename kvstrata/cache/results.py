@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -54,6 +55,16 @@ class StoreResult:
     new_blocks: int  # blocks this store wrote to the device tier
     seconds: float
     refused_blocks: int = 0  # blocks not stored: the device tier was full of pinned blocks
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """A put from a caller's memory: per block whether a tier holds it (written now, or there
+    already), and how many blocks it wrote into some tier."""
+
+    stored: tuple[bool, ...]
+    written: int
+    seconds: float
 
 
 class LoadHandle:
@@ -160,6 +171,25 @@ class PrefetchFuture(Future):
     def __init__(self, timing: PrefetchTiming | None) -> None:
         super().__init__()
         self.timing = timing
+
+    def begin(self, submit: Callable[[], Future], at: Callable[[float, Callable[[], None], Callable[[], None]], None]) -> None:
+        """Start the promotion (``submit()`` runs it and gives its future) now, or at
+        ``timing.start_s`` on the timer ``at`` (which cancels it if the cache closes first)."""
+
+        def start() -> None:
+            try:
+                inner = submit()
+            except RuntimeError as exc:  # the cache closed meanwhile
+                self.set_exception(exc)
+                return
+            inner.add_done_callback(self.follow)
+
+        timing = self.timing
+        if timing is not None and timing.start_s > time.monotonic():
+            cancelled = RuntimeError("the cache closed before this prefetch began")
+            at(timing.start_s, start, lambda: self.set_exception(cancelled))
+        else:
+            start()
 
     def follow(self, inner: Future) -> None:
         """Resolve as ``inner`` did (the promotion's own future, once it ran)."""

@@ -4,7 +4,8 @@
 ``load(match)`` brings those blocks into the device tier asynchronously, layer by layer, and
 returns a handle the model can wait on per layer; ``store(tokens, kv)`` saves the full blocks
 of a sequence's KV, and the write policy sends them down the tiers. ``match(keys)`` and
-``store_keys(keys, kv)`` take any run of a prefix's keys (a window's: :mod:`kvstrata.cache.grouped`).
+``store_keys(keys, kv)`` take any run of a prefix's keys (a window's: :mod:`kvstrata.cache.grouped`);
+``put`` and ``get_into`` move blocks between the tiers and a caller's own memory (:mod:`kvstrata.cache.direct`).
 
 A facade over two halves: the block manager (``kvstrata.manager``) decides, synchronously and
 without touching bytes, which blocks go where (plans), and the transfer worker
@@ -27,8 +28,9 @@ import torch
 
 from kvstrata.cache.build import block_manager, build_tiers, check_tiers, remote_error
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.direct import Direct
 from kvstrata.cache.outcomes import Outcomes
-from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, StoreResult
+from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, PutResult, StoreResult
 from kvstrata.index.keys import BlockKey, Namespace, block_keys, token_array
 from kvstrata.index.prefix import Match
 from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
@@ -38,7 +40,7 @@ from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
 from kvstrata.plan.loadtime import promotion_s
 from kvstrata.tensors import block_tensor, check_kv
 from kvstrata.timing import collector_paused
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.base import Pieces, Tier
 from kvstrata.transfer.worker import TransferResult, TransferWorker
 
 
@@ -66,6 +68,7 @@ class TieredCache:
         # way, and a worker adds two thread wake-ups (~1 ms on a busy 2-core host).
         self._copy_in_load = not self.manager.config.layer_ranges and self._tiers[Medium.DEVICE].device.type != "cuda"
         self._outcomes = Outcomes(self.manager, self.metrics)
+        self._direct = Direct(self.manager, self._worker, self._outcomes, self._carry_out)
         self._namespaces: dict[str, Namespace] = {}
         self._closed = False
 
@@ -84,22 +87,23 @@ class TieredCache:
         return remote_error(self._tiers, self._remote_error)
 
     def keys(self, tokens: Any, tenant: str = "") -> list[BlockKey]:
-        namespace = self._namespaces.get(tenant)  # one per tenant, kept: its digest is computed once
-        if namespace is None:
-            namespace = self._namespaces.setdefault(tenant, self.config.namespace(tenant))
-        return block_keys(tokens, namespace)
+        if tenant not in self._namespaces:  # one per tenant, kept: its digest is computed once
+            self._namespaces[tenant] = self.config.namespace(tenant)
+        return block_keys(tokens, self._namespaces[tenant])
 
     def lookup(self, tokens: Any, tenant: str = "") -> Match:
         """The longest cached prefix of ``tokens`` (full blocks) and where each block is."""
         return self.match(self.keys(tokens, tenant))
 
-    def match(self, keys: list[BlockKey]) -> Match:
-        """The leading cached run of ``keys`` (any run of a prefix's keys) and where each block is."""
+    def match(self, keys: list[BlockKey], lookup: bool = True) -> Match:
+        """The leading cached run of ``keys`` and where each block is (others' pool blocks too);
+        ``lookup``: counted as one (False: a read's own look)."""
         self._check_open()
         match = self.manager.match(keys)
         if match.blocks < len(keys) and Medium.REMOTE in self._tiers and self._discover(keys[match.blocks :]):
             match = self.manager.match(keys)
-        self.metrics.lookup(match.counts, len(keys) - match.blocks)
+        if lookup:
+            self.metrics.lookup(match.counts, len(keys) - match.blocks)
         return match
 
     def _discover(self, keys: list[BlockKey]) -> int:
@@ -240,6 +244,17 @@ class TieredCache:
         self._carry_out(drops)
         return landed
 
+    def put(self, keys: list[BlockKey], blocks: Sequence[Pieces]) -> PutResult:
+        """Store blocks straight from the caller's memory (each its bytes in pieces) into the
+        tiers below the device (:mod:`kvstrata.cache.direct`): per block, whether it is stored."""
+        self._check_open()
+        return self._direct.put(keys, blocks)
+
+    def get_into(self, keys: list[BlockKey], blocks: Sequence[Pieces]) -> int:
+        """Read the leading run of ``keys`` (others' pool blocks too: ``match``) straight into the caller's
+        memory (block i into ``blocks[i]``, its pieces): how many blocks, from the first, landed verified."""
+        return self._direct.get(keys, blocks) if self.match(keys, lookup=False).blocks else 0
+
     def evict(self, medium: Medium, blocks: int) -> int:
         """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy), in
         rooms: one ends where the tier below has no room left for its demotions until they land."""
@@ -275,22 +290,7 @@ class TieredCache:
         deadline = rule.policy is PrefetchPolicy.DEADLINE and self.config.calibration is not None
         predicted = self.predict_promotion_s(match) if deadline else None  # None: nothing says how late
         future = PrefetchFuture(rule.timing(time.monotonic(), deadline_s, predicted))
-        future.set_running_or_notify_cancel()
-
-        def begin() -> None:
-            try:
-                inner = self._worker.submit(self._run_prefetch, match)
-            except RuntimeError as exc:  # the cache closed meanwhile
-                future.set_exception(exc)
-                return
-            inner.add_done_callback(future.follow)
-
-        timing = future.timing
-        if timing is not None and timing.start_s > time.monotonic():
-            cancelled = RuntimeError("the cache closed before this prefetch began")
-            self._worker.at(timing.start_s, begin, lambda: future.set_exception(cancelled))
-        else:
-            begin()
+        future.begin(lambda: self._worker.submit(self._run_prefetch, match), self._worker.at)
         wait_s = rule.wait_s()
         if wait_s != 0:
             wait([future], timeout=wait_s)

@@ -2,8 +2,9 @@
 
 It moves legs (``kvstrata.manager.plans.Leg``) through handlers keyed by ``(source medium,
 destination medium)`` (``kvstrata.transfer.handlers``), carries out rooms (demotions, then
-discards, deepest tier first), copies a load's layer ranges and copies a store's KV in, and
-reports per leg None or a ``Failure``; it never decides anything about a block's state.
+discards, deepest tier first), copies a load's layer ranges and copies a store's KV in, moves
+blocks between a caller's memory and the tiers (``put``, ``get``: placements, each block as its
+pieces), and reports per leg None or a ``Failure``; it never decides anything about a block's state.
 
 Threads: a bounded pool of ``workers`` byte movers (torch copies, file I/O and pool calls
 release the GIL); for a tier whose reads pay off in flight at once (``Tier.readers``: the disk),
@@ -32,9 +33,9 @@ from typing import Any, TypeVar
 import torch
 
 from kvstrata.errors import BlockMissing, CorruptBlock, TierUnavailable, TransferAbandoned
-from kvstrata.manager.plans import Failure, Leg, Room, Victim
+from kvstrata.manager.plans import Failure, Leg, Placement, Room, Victim
 from kvstrata.media import Medium
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.base import Pieces, Tier
 from kvstrata.transfer.handlers import HANDLERS, Handler
 from kvstrata.transfer.timers import Timers
 
@@ -215,6 +216,48 @@ class TransferWorker:
         result = TransferResult(Medium.DEVICE, Medium.DEVICE, nbytes, time.perf_counter() - start)
         return Moved((None,) * len(dsts), (None,) * len(dsts), (result,))
 
+    def put(self, placements: Sequence[Placement], blocks: Sequence[Pieces]) -> Moved:
+        """Write a caller's blocks (``blocks[p.position]``: each its bytes in pieces, its memory)
+        into the placements' slots, tiers in parallel: a memory tier's in one batched copy, a
+        pipelined tier's (the pool) in one of its batched calls, any other's (the disk) a task
+        per block. Per placement None or its Failure; returns when all are settled."""
+        return self._pieces(placements, blocks, write=True)
+
+    def get(self, sources: Sequence[Placement], blocks: Sequence[Pieces]) -> Moved:
+        """Read the sources' blocks into a caller's memory (``blocks[p.position]``), verified,
+        split as ``put`` is (a disk's reads on its own readers). Per source None or its Failure."""
+        return self._pieces(sources, blocks, write=False)
+
+    def _pieces(self, placements: Sequence[Placement], blocks: Sequence[Pieces], write: bool) -> Moved:
+        if not placements:
+            return Moved()
+        chunks: list[list[int]] = []
+        pools: list[ThreadPoolExecutor] = []
+        for medium, group in _by_medium(placements).items():
+            tier = self.tiers[medium]
+            split = 1 if medium in MEMORY or tier.pipelined else len(group)
+            pool = self._movers if write or split == 1 else self._readers.get(medium, self._movers)
+            chunks += [group[w::split] for w in range(split)]
+            pools += [pool] * split
+        tasks = [lambda c=c: self._run_pieces([placements[i] for i in c], blocks, write) for c in chunks]
+        return _assemble(len(placements), chunks, self._run_all(tasks, pools))
+
+    def _run_pieces(self, placements: Sequence[Placement], blocks: Sequence[Pieces],
+                    write: bool) -> tuple[list, TransferResult | None]:
+        """One tier call for placements of one medium; the caller's memory counts as the device."""
+        tier = self.tiers[placements[0].slot.medium]
+        call = tier.write_pieces if write else tier.read_pieces
+        start = time.perf_counter()
+        try:
+            errors = list(call([p.slot.index for p in placements], [p.key for p in placements],
+                               [blocks[p.position] for p in placements]))
+        except Exception as error:  # noqa: BLE001 - every block of the call met it
+            errors = [error] * len(placements)
+        seconds = time.perf_counter() - start
+        moved = sum(1 for e in errors if e is None) * tier.layout.block_bytes
+        src, dst = (Medium.DEVICE, tier.medium) if write else (tier.medium, Medium.DEVICE)
+        return errors, (TransferResult(src, dst, moved, seconds) if moved else None)
+
     def carry_out(self, room: Room) -> Moved:
         """Carry out a room, deepest tier first: each stage's demotions, then its victims' bytes
         discarded (a disk file deleted). Per victim (in ``room.victims`` order) the outcome of
@@ -339,6 +382,14 @@ def _groups(legs: Sequence[Leg]) -> dict[tuple[Medium, Medium], list[int]]:
     groups: dict[tuple[Medium, Medium], list[int]] = {}
     for i, leg in enumerate(legs):
         groups.setdefault((leg.src.medium, leg.dst.medium), []).append(i)
+    return groups
+
+
+def _by_medium(placements: Sequence[Placement]) -> dict[Medium, list[int]]:
+    """Placement indices per medium, in order."""
+    groups: dict[Medium, list[int]] = {}
+    for i, placement in enumerate(placements):
+        groups.setdefault(placement.slot.medium, []).append(i)
     return groups
 
 
