@@ -1,29 +1,25 @@
-"""SGLang's host KV pool pages as kvstrata blocks: views, no copies.
+"""SGLang's host KV pool pages as kvstrata blocks: a page's bytes, in place, as pieces.
 
-One SGLang page (``page_size`` tokens of every layer) is one kvstrata block in kvstrata's
-layer-major layout, ``[layers, kv, page_size, heads, head_dim]`` (MHA: kv = 2, K then V; MLA:
-kv = 1, heads = 1, head_dim = the latent's width, ``kv_lora_rank + qk_rope_head_dim``). So what is
-stored does not depend on SGLang's ``--hicache-mem-layout``: a page stored from a page-first pool
-loads into a layer-first one.
+One SGLang page (``page_size`` tokens of every layer) is one kvstrata block, its bytes in the
+order of SGLang's flat page (``get_data_page(i, flat=True)``) for the pool's layout. A page is a
+few runs of the pool's memory (its pieces): kvstrata's tiers write them out and read them back
+where they lie (vectored file I/O, the pool's multi-buffer calls), no copy on the way.
 
 The host pool's buffer and one page of it, by layout (P = page_size, S = slots, N = S / P;
 MLA's buffer is viewed with a leading kv axis of 1, and heads = 1, so the same indexing serves):
 
-    layout              kv_buffer             a page              its axes
-    layer_first         [2, L, S, H, D]       [:, :, i:i+P]       [2, L, P, H, D]
-    page_first          [2, S, L, H, D]       [:, i:i+P]          [2, P, L, H, D]
-    page_first_direct   [2, N, L, P, H, D]    [:, i // P]         [2, L, P, H, D]
+    layout              kv_buffer             a page              its order       its pieces
+    layer_first         [2, L, S, H, D]       [:, :, i:i+P]       [2, L, P, H, D] 2 x L of [P, H, D]
+    page_first          [2, S, L, H, D]       [:, i:i+P]          [2, P, L, H, D] 2 of [P, L, H, D]
+    page_first_direct   [2, N, L, P, H, D]    [:, i // P]         [2, L, P, H, D] 2 of [L, P, H, D]
 
-A page's axes in that table are also the order of SGLang's flat pages (``get_data_page(i,
-flat=True)``, ``set_from_flat_data_page``) on the generic interface: a flat page is read in its
-pool's layout (layer_first and page_first_direct share an order; ``is_page_first_layout`` is
-false for page_first_direct, so the layout is read from the pool). One permutation takes a page
-to kvstrata's ``[L, kv, P, H, D]``.
+The order is the block layout's name (:meth:`PoolGeometry.kv_layout`), so it is in the
+namespace: layer_first and page_first_direct pools share their pages; a page_first pool's pages
+are its own (another order of the same bytes would load as garbage).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +28,13 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.tensors import kv_dtype
 
 _PREFIX = "KVStrataHiCacheStorage:"
-# A page's axes in the host layout -> kvstrata's [L, kv, P, H, D].
-_TO_LKTHD = {
-    "layer_first": (1, 0, 2, 3, 4),
-    "page_first": (2, 0, 1, 3, 4),
-    "page_first_direct": (1, 0, 2, 3, 4),
+# A page's byte order, by host layout (a flat page's axes): the block layout's name.
+_ORDER = {
+    "layer_first": "SGLang page [kv, layers, tokens, heads, dim]",
+    "page_first": "SGLang page [kv, tokens, layers, heads, dim]",
+    "page_first_direct": "SGLang page [kv, layers, tokens, heads, dim]",
 }
-LAYOUTS = tuple(_TO_LKTHD)
+LAYOUTS = tuple(_ORDER)
 
 
 @dataclass(frozen=True)
@@ -69,9 +65,9 @@ class PoolGeometry:
                 "page_first_direct": (k, slots // p, layers, p, h, d)}[self.layout]
 
     def kv_layout(self) -> KVLayout:
-        """kvstrata's block: one page, layer-major."""
+        """kvstrata's block: one page, in its flat page's order (the layout's name says which)."""
         return KVLayout(self.layers, self.page_size, self.heads, self.head_dim, kv_dtype(self.dtype),
-                        kv_tensors=self.kv)
+                        kv_tensors=self.kv, name=_ORDER[self.layout])
 
 
 def pool_geometry(host: object) -> PoolGeometry:
@@ -89,7 +85,7 @@ def pool_geometry(host: object) -> PoolGeometry:
     if kind not in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):  # subclasses carry scales, sparse or split K/V
         raise ValueError(f"{_PREFIX} stores pages of MHATokenToKVPoolHost and MLATokenToKVPoolHost, "
                          f"not {kind.__name__}")
-    if host.layout not in _TO_LKTHD:
+    if host.layout not in _ORDER:
         raise ValueError(f"{_PREFIX} host layout {host.layout!r} is not supported: use one of {list(LAYOUTS)}")
     if getattr(host, "kv_buffer", None) is None:
         raise ValueError(f"{_PREFIX} the host pool has no KV buffer on this rank (an allocator-only MLA pool)")
@@ -107,6 +103,8 @@ def pool_geometry(host: object) -> PoolGeometry:
     if tuple(buffer.shape) != geometry.buffer_shape(host.size):
         raise ValueError(f"{_PREFIX} host kv_buffer is {tuple(buffer.shape)}, expected "
                          f"{geometry.buffer_shape(host.size)} for {geometry}")
+    if not buffer.is_contiguous() or buffer.device.type != "cpu":
+        raise ValueError(f"{_PREFIX} the host kv_buffer must be one contiguous block of CPU memory")
     return geometry
 
 
@@ -115,15 +113,26 @@ def _buffer(host: object, mla: bool) -> torch.Tensor:
 
 
 class HostPages:
-    """The pages of one SGLang host pool as kvstrata blocks (views into the pool, no copies)."""
+    """The pages of one SGLang host pool as kvstrata blocks: each page's bytes as pieces of the
+    pool's memory (uint8, in place)."""
 
     def __init__(self, host: object) -> None:
-        self.geometry = pool_geometry(host)
-        self.page_size = self.geometry.page_size
-        self._buffer = _buffer(host, self.geometry.mla)
-        self._perm = _TO_LKTHD[self.geometry.layout]
-        self._page_shape = self.geometry.page_shape()
-        self.page_numel = math.prod(self._page_shape)
+        self.geometry = geometry = pool_geometry(host)
+        self.page_size = geometry.page_size
+        self.memory = _buffer(host, geometry.mla).view(-1).view(torch.uint8)  # the whole pool, flat bytes
+        k, layers, p = geometry.kv, geometry.layers, geometry.page_size
+        row = geometry.heads * geometry.head_dim * geometry.dtype.itemsize  # one token of one layer
+        slots = host.size
+        # Per layout: the pieces of the page at slot 0 (offset, bytes), and how far a slot moves them.
+        if geometry.layout == "layer_first":
+            self._first = [((kv * layers + layer) * slots * row, p * row) for kv in range(k) for layer in range(layers)]
+        elif geometry.layout == "page_first":
+            self._first = [(kv * slots * layers * row, p * layers * row) for kv in range(k)]
+        else:  # page_first_direct: [kv, N, L, P, H, D], a page's L x P tokens together
+            self._first = [(kv * slots * layers * row, layers * p * row) for kv in range(k)]
+        self._slot_bytes = row * (1 if geometry.layout == "layer_first" else layers)
+        self.page_bytes = k * layers * p * row
+        self.page_numel = self.page_bytes // geometry.dtype.itemsize
 
     def first_slots(self, host_indices: torch.Tensor, pages: int) -> list[int]:
         """The first host slot of each of ``pages`` pages in SGLang's ``host_indices`` (``pages *
@@ -140,52 +149,27 @@ class HostPages:
             raise ValueError(f"{_PREFIX} host indices of a page must start at a multiple of {self.page_size}")
         return firsts
 
-    def page(self, slot: int) -> torch.Tensor:
-        """The page that starts at host slot ``slot``, ``[L, kv, P, H, D]``, a view of the pool."""
-        return self._span(slot, 1)
+    def pieces(self, slot: int) -> list[torch.Tensor]:
+        """The bytes of the page that starts at host slot ``slot``, in its order, as pieces of
+        the pool's memory (read from and written into in place)."""
+        at, memory = slot * self._slot_bytes, self.memory
+        return [memory[at + offset : at + offset + size] for offset, size in self._first]
 
-    def runs(self, slots: list[int]) -> list[tuple[int, torch.Tensor]]:
-        """The pages that start at ``slots``, in order, as runs of consecutive pages: per run, its
-        pages and its view ``[L, kv, pages * P, H, D]``. In layer_first and page_first a page that
-        follows the previous one in the pool continues its run (its tokens follow the previous
-        page's on the token axis); page_first_direct keeps each page's layers together, so each
-        of its pages is a run of its own."""
-        p, out, i = self.page_size, [], 0
-        while i < len(slots):
-            j = i + 1
-            if self.geometry.layout != "page_first_direct":
-                while j < len(slots) and slots[j] == slots[j - 1] + p:
-                    j += 1
-            out.append((j - i, self._span(slots[i], j - i)))
-            i = j
-        return out
-
-    def _span(self, slot: int, pages: int) -> torch.Tensor:
-        end = slot + pages * self.page_size
-        layout = self.geometry.layout
-        if layout == "layer_first":
-            span = self._buffer[:, :, slot:end]
-        elif layout == "page_first":
-            span = self._buffer[:, slot:end]
-        else:  # page_first_direct: one page
-            span = self._buffer[:, slot // self.page_size]
-        return span.permute(self._perm)
-
-    def flat(self, page: torch.Tensor, writable: bool = False) -> torch.Tensor:
-        """A flat page of the generic interface (the host layout's order) as ``[L, kv, P, H, D]``:
-        a view of it (``writable``: always, so a copy into it lands in ``page``; else where its
-        memory allows, as it always does for SGLang's flat pages).
+    def flat(self, page: torch.Tensor, writable: bool = False) -> list[torch.Tensor]:
+        """A flat page of the generic interface (already in its order) as one piece: its own
+        memory (``writable``: always, so what is read into it lands in ``page``; else a copy where
+        it is not contiguous).
 
         Raises:
             ValueError: not a page of this pool (dtype or size), or a ``writable`` one that is
-                not contiguous.
+                not contiguous CPU memory.
         """
         if not isinstance(page, torch.Tensor) or page.dtype != self.geometry.dtype or page.numel() != self.page_numel:
             raise ValueError(f"{_PREFIX} a page is {self.page_numel} values of {self.geometry.dtype}, got "
                              f"{_describe(page)}")
-        if writable and not page.is_contiguous():
-            raise ValueError(f"{_PREFIX} a page to load into must be contiguous")
-        return (page.view(self._page_shape) if writable else page.reshape(self._page_shape)).permute(self._perm)
+        if writable and (not page.is_contiguous() or page.device.type != "cpu"):
+            raise ValueError(f"{_PREFIX} a page to load into must be contiguous CPU memory")
+        return [page.detach().cpu().contiguous().view(-1).view(torch.uint8)]
 
     def empty_flat(self) -> torch.Tensor:
         """A new flat page of this pool (for a generic get given no target)."""

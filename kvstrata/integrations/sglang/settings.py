@@ -32,10 +32,6 @@ from kvstrata.pool.config import (
 GiB = 1024**3
 KEY_PREFIX = "kvstrata_"
 _PREFIX = "KVStrataHiCacheStorage:"
-# SGLang's controller hands at most this many pages to one batch call (STORAGE_BATCH_SIZE), and
-# runs a prefetch's batch_get_v1 beside a backup's batch_set_v1: a load pins its pages in the
-# staging tier until they are copied out, so the default holds two batches.
-SGLANG_BATCH_PAGES = 128
 
 
 @dataclass(frozen=True)
@@ -43,10 +39,8 @@ class StorageSettings:
     """The ``kvstrata_`` keys of SGLang's storage extra config (without the prefix). Bytes as bytes.
 
     Attributes:
-        staging_pages: pages of kvstrata's staging tier (its "device" tier, in host memory):
-            every page passes through it on its way in and out, and it keeps the latest ones.
-        host_bytes: a kvstrata host DRAM tier below the staging tier (0: none; SGLang's own
-            host pool is the DRAM tier above kvstrata).
+        host_bytes: a kvstrata host DRAM tier (0: none; SGLang's own host pool is the DRAM
+            tier above kvstrata).
         disk_dir, disk_bytes: a disk tier (a directory is one process's: it is locked).
         pool: a pool config file (TOML, or an embedded pool's pool.json), or "env" for
             ``$KVSTRATA_POOL``; None: no pool tier.
@@ -64,7 +58,6 @@ class StorageSettings:
             the cache waits on the pool (``CacheConfig``'s budgets of the same names).
     """
 
-    staging_pages: int = 2 * SGLANG_BATCH_PAGES
     host_bytes: int = 0
     disk_dir: Path | None = None
     disk_bytes: int = 0
@@ -99,7 +92,6 @@ class StorageSettings:
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes", "remote_bytes"):
             _check_int(name, getattr(self, name), 0, "a number of bytes >= 0")
-        _check_int("staging_pages", self.staging_pages, 1, "a number of pages >= 1")
         _check_int("workers", self.workers, 1, "a number of threads >= 1")
         _check_int("selective_hits", self.selective_hits, 1, "a number of hits >= 1")
         if self.disk_dir is not None and not isinstance(self.disk_dir, Path):
@@ -123,14 +115,15 @@ class StorageSettings:
 
     def cache_config(self, layout: KVLayout, model: str, tp_rank: int, tp_size: int, kv_group: str,
                      disk_subdir: str) -> CacheConfig:
-        """One rank's cache: these tiers, ``layout`` on a CPU staging tier, the namespace's model
-        (``model_id``, else SGLang's ``model``), TP rank and size, and KV group. Its disk tier is
-        ``disk_dir / disk_subdir`` (a directory is one process's)."""
+        """One rank's cache: these tiers, ``layout``, the namespace's model (``model_id``, else
+        SGLang's ``model``), TP rank and size, and KV group. Its disk tier is ``disk_dir /
+        disk_subdir`` (a directory is one process's). Its "device" tier is one page of host
+        memory that holds nothing: pages move between SGLang's host pool and the tiers below."""
         disk_dir = self.disk_dir / disk_subdir if self.disk_dir is not None and disk_subdir else self.disk_dir
         return CacheConfig(
             layout=layout,
             model_id=self.model_id or model,
-            device_bytes=self.staging_pages * layout.block_bytes,
+            device_bytes=layout.block_bytes,
             host_bytes=self.host_bytes,
             disk_bytes=self.disk_bytes,
             disk_dir=disk_dir if self.disk_bytes else None,
@@ -158,7 +151,6 @@ def _check_int(name: str, value: Any, least: int, what: str) -> None:
 
 _LABEL = f"{_PREFIX} {KEY_PREFIX}"
 _PARSERS: dict[str, Parser] = {
-    "staging_pages": whole,
     "host_bytes": whole,
     "disk_bytes": whole,
     "remote_bytes": whole,

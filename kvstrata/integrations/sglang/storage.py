@@ -24,16 +24,17 @@ kvstrata's whatever SGLang's host layout; the page size; the tenant), with:
 The data-parallel rank is not in the namespace (replicas of one attention-TP rank hold the same
 heads and share the pool); each keeps its own disk directory (``disk_dir/dp<r>``).
 
-Tiers. The cache's "device" tier is host memory, ``kvstrata_staging_pages`` pages: a page is
-copied into it from the host pool (one strided copy, the layout permutation fused in) and
-written down from it; a load reads disk or pool into it and copies into the host pool's pages.
-A backup stores each run of pages consecutive in the host pool as one store (a view of the
-pool: no copy of its own), a page that follows no other as a store of its own.
-Below it an optional host DRAM tier, a disk tier and the pool, under the write policy
-(write-through by default: a backup returns once its pages are in every tier). Integrity is
-kvstrata's: a page that fails verification, or that the pool lost, is a miss and ends the
-leading run, never wrong bytes; a pool that is down costs one bounded wait, then answers from
-the local tiers while it is probed in the background.
+Tiers. A page moves between SGLang's host pool and kvstrata's tiers in place: its bytes, in
+the order of SGLang's flat page for the pool's layout (the order is in the namespace), are a few
+runs of the host pool's memory, which the disk tier writes and reads with vectored file I/O and
+the pool tier puts and gets with multi-buffer calls (the host pool's memory registered with the
+pool client), so no page is copied on the way (:meth:`kvstrata.cache.TieredCache.put`,
+``get_into``). The cache's "device" tier holds nothing: SGLang's host pool plays its part. Below
+it an optional host DRAM tier, a disk tier and the pool, under the write policy (write-through
+by default: a backup returns once its pages are in every tier). Integrity is kvstrata's: a page
+that fails verification, or that the pool lost, is a miss and ends the leading run, never wrong
+bytes; a pool that is down costs one bounded wait, then answers from the local tiers while it
+is probed in the background.
 
 Prefetching is SGLang's: its controller runs ``batch_exists`` then ``batch_get_v1`` ahead of
 the request on its own threads under its prefetch policy, so kvstrata's own prefetch is not used.
@@ -44,9 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,16 +60,6 @@ from kvstrata.media import Medium
 
 _log = logging.getLogger("kvstrata.integrations.sglang")
 _PREFIX = "KVStrataHiCacheStorage:"
-# Stores a backup keeps in flight (a store: a run of pages consecutive in the host pool, or one
-# page): each runs on one of the cache's four orchestration threads (and, write-through, waits
-# for its write-downs); two leave two for a prefetch's loads, which would otherwise queue behind
-# a whole batch of single-page stores.
-STORES_IN_FLIGHT = 2
-# A prefetch loads in up to LOAD_PARTS parts of at least LOAD_PART_PAGES pages, copying one into
-# the host pool while the next is read.
-LOAD_PARTS, LOAD_PART_PAGES = 4, 8
-# A run of consecutive pages is stored in parts of at most this many, STORES_IN_FLIGHT at once.
-STORE_PART_PAGES = 32
 
 
 class KVStrataHiCacheStorage(HiCacheStorage):
@@ -115,6 +104,8 @@ class KVStrataHiCacheStorage(HiCacheStorage):
             disk_subdir=_disk_subdir(config))
         self._cache = TieredCache(cache_config)
         self._pages = pages
+        if Medium.REMOTE in self._cache.media and not self._cache.tier(Medium.REMOTE).register(pages.memory):
+            _log.info("kvstrata: the pool client did not register SGLang's host pool: its pages are copied on their way to and from the pool")
         self._digest = cache_config.namespace(self.settings.tenant).digest
 
     @property
@@ -141,7 +132,7 @@ class KVStrataHiCacheStorage(HiCacheStorage):
         True for each page loaded, then False from the first page that is not."""
         pages = self._pages_of()
         slots = pages.first_slots(host_indices, len(keys))
-        loaded = self._load(self.block_keys(keys), lambda i: pages.page(slots[i]))
+        loaded = self._load(self.block_keys(keys), [pages.pieces(slot) for slot in slots])
         return [True] * loaded + [False] * (len(keys) - loaded)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -151,7 +142,7 @@ class KVStrataHiCacheStorage(HiCacheStorage):
         slots = pages.first_slots(host_indices, len(keys))
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)
-        return self._store(self.block_keys(keys), lambda first: pages.runs(slots[first:]))
+        return self._store(self.block_keys(keys), [pages.pieces(slot) for slot in slots])
 
     # --- the generic interface: flat pages in the host layout's order ---------------------------
 
@@ -162,14 +153,13 @@ class KVStrataHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        """The stored leading run of ``keys``, each copied into its flat page of
+        """The stored leading run of ``keys``, each read into its flat page of
         ``target_locations`` (None: new ones), then None from the first page not stored."""
         pages = self._pages_of()
         targets = list(target_locations) if target_locations is not None else [pages.empty_flat() for _ in keys]
         if len(targets) != len(keys):
             raise ValueError(f"{_PREFIX} {len(keys)} keys but {len(targets)} target pages")
-        views = [pages.flat(target, writable=True) for target in targets]
-        loaded = self._load(self.block_keys(keys), views.__getitem__)
+        loaded = self._load(self.block_keys(keys), [pages.flat(target, writable=True) for target in targets])
         return targets[:loaded] + [None] * (len(keys) - loaded)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -185,10 +175,10 @@ class KVStrataHiCacheStorage(HiCacheStorage):
             raise ValueError(f"{_PREFIX} batch_set needs one flat page per key, got "
                              f"{'none' if values is None else len(values)} for {len(keys)} keys")
         pages = self._pages_of()
-        views = [pages.flat(value) for value in values]
+        blocks = [pages.flat(value) for value in values]
         if not self.storage_config.is_storage_writer:
             return True
-        return all(self._store(self.block_keys(keys), lambda first: [(1, view) for view in views[first:]]))
+        return all(self._store(self.block_keys(keys), blocks))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -196,7 +186,7 @@ class KVStrataHiCacheStorage(HiCacheStorage):
     # --- housekeeping ----------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop every page this rank's tiers hold: its staging, host and disk copies, and the pool
+        """Drop every page this rank's tiers hold: its host and disk copies, and the pool
         objects of its view of the pool (pages being loaded right now stay)."""
         cache = self.cache
         for medium in cache.media:
@@ -223,78 +213,35 @@ class KVStrataHiCacheStorage(HiCacheStorage):
         _ = self.cache
         return self._pages
 
-    def _load(self, keys: list[BlockKey], target: Callable[[int], torch.Tensor]) -> int:
-        """Load the stored leading run of ``keys`` and copy block i into ``target(i)``: the
-        blocks copied (a block that failed verification or went missing ends the run)."""
+    def _load(self, keys: list[BlockKey], blocks: list[list[torch.Tensor]]) -> int:
+        """Read the stored leading run of ``keys``, block i into the pieces ``blocks[i]``: the
+        pages in place and verified (a page that failed verification or went missing ends the
+        run; a tier's unexpected error is logged and ends it where it began)."""
         start = time.perf_counter()
-        cache = self.cache
-        match = cache.match(keys)
-        if not match.blocks:
-            return 0
-        # In parts, each load started before the part ahead of it is copied: the copies into the
-        # host pool (this thread) overlap the reads of what follows (the cache's threads).
-        step = max(LOAD_PART_PAGES, -(-match.blocks // LOAD_PARTS))
-        parts = [match.after(first).cut(step) for first in range(0, match.blocks, step)]
-        handles = [cache.load(parts[0])]
-        loaded = 0
         try:
-            for n, part in enumerate(parts):
-                handle = handles[n]
-                handle.wait()
-                if n + 1 < len(parts) and handle.blocks == part.blocks:
-                    handles.append(cache.load(parts[n + 1]))
-                torch._foreach_copy_([target(loaded + i) for i in range(handle.blocks)],
-                                     [handle.block(i) for i in range(handle.blocks)])
-                loaded += handle.blocks
-                handle.release()
-                if handle.blocks < part.blocks:  # a block failed verification or went missing: the run ends
-                    break
-        finally:
-            for handle in handles:
-                handle.release()
+            loaded = self.cache.get_into(keys, blocks)
+        except Exception as error:  # noqa: BLE001 - a miss for SGLang, which recomputes
+            _log.warning("kvstrata: loading %d pages failed: %s", len(keys), error)
+            loaded = 0
         self._record(True, loaded, start)
         return loaded
 
-    def _store(self, keys: list[BlockKey], pieces: Callable[[int], list[tuple[int, torch.Tensor]]]) -> list[bool]:
-        """Store the pages from the first not stored yet (the leading run stored already is
-        skipped): ``pieces(first)`` gives them from page ``first`` on, as runs of pages (their
-        count, their KV), each one store. Per page, whether it is stored (False: refused, the
-        staging tier full of pinned pages, or failed)."""
+    def _store(self, keys: list[BlockKey], blocks: list[list[torch.Tensor]]) -> list[bool]:
+        """Store block i of ``keys`` from the pieces ``blocks[i]`` in every tier that lacks it:
+        per page, whether it is stored (False: every tier it went to failed or had no room)."""
         start = time.perf_counter()
-        cache = self.cache
-        present = cache.match(keys).blocks
-        stored = [True] * present
-        in_flight: deque[tuple[int, Future]] = deque()
-        at = present
-        p = cache.layout.block_tokens
-        for run, kv in pieces(present):
-            for first in range(0, run, STORE_PART_PAGES):  # parts: one's copy in overlaps another's writes
-                count = min(STORE_PART_PAGES, run - first)
-                if len(in_flight) == STORES_IN_FLIGHT:
-                    stored += _stored(*in_flight.popleft())
-                part = kv[:, :, first * p:(first + count) * p]
-                in_flight.append((count, cache.store_keys(keys[at : at + count], part)))
-                at += count
-        for count, future in in_flight:
-            stored += _stored(count, future)
-        self._record(False, len(keys) - present, start)
-        return stored
+        try:
+            result = self.cache.put(keys, blocks)
+        except Exception as error:  # noqa: BLE001 - not stored; SGLang stops this backup
+            _log.warning("kvstrata: storing %d pages failed: %s", len(keys), error)
+            return [False] * len(keys)
+        self._record(False, result.written, start)
+        return list(result.stored)
 
     def _record(self, prefetch: bool, pages: int, start: float) -> None:
         if self._throughput is not None and pages:
             seconds = time.perf_counter() - start
             self._throughput.record(prefetch, pages, pages * self.cache.layout.block_bytes, seconds)
-
-
-def _stored(pages: int, future: Future) -> list[bool]:
-    """Per page of one store of ``pages`` pages, whether it is stored (a store refuses its last
-    pages when it cannot place them)."""
-    try:
-        refused = future.result().refused_blocks
-    except Exception as error:  # noqa: BLE001 - its pages are not stored; SGLang stops this backup
-        _log.warning("kvstrata: storing %d pages failed: %s", pages, error)
-        refused = pages
-    return [True] * (pages - refused) + [False] * refused
 
 
 def _disk_subdir(config: HiCacheStorageConfig) -> str:

@@ -34,7 +34,7 @@ def model() -> str:
 
 @pytest.fixture(params=["disk", "pool"])
 def tier(request, tmp_path) -> dict:
-    """kvstrata options of one tier below the staging tier: a disk directory, or the pool."""
+    """kvstrata options of one tier: a disk directory, or the pool."""
     from sglang_support import DISK_BYTES, REMOTE_BYTES
 
     if request.param == "disk":

@@ -21,18 +21,17 @@ def test_sglang_keys_and_other_tools_keys_are_left_alone():
     extra = {"backend_name": "kvstrata", "module_path": "kvstrata.integrations.sglang",
              "class_name": "KVStrataHiCacheStorage", "interface_v1": 1, "file_storage_path": "/x"}
     assert StorageSettings.from_extra(extra) == StorageSettings() == StorageSettings.from_extra(None)
-    assert StorageSettings().staging_pages >= 2 * 128  # a prefetch and a backup of SGLang's batches at once
 
 
 def test_values_become_their_types():
     settings = StorageSettings.from_extra({
         "kvstrata_disk_dir": "/nvme/kv", "kvstrata_disk_bytes": 2e9, "kvstrata_host_bytes": 1e9,
-        "kvstrata_staging_pages": 512.0, "kvstrata_write": "write-back", "kvstrata_eviction": "lfu",
+        "kvstrata_remote_bytes": 512.0, "kvstrata_write": "write-back", "kvstrata_eviction": "lfu",
         "kvstrata_remote_mode": "shm", "kvstrata_pool": "env", "kvstrata_model_id": "", "kvstrata_tenant": "t1",
         "kvstrata_workers": 4, "kvstrata_pool_timeout_s": 2.5,
     })
     assert settings == StorageSettings(disk_dir=Path("/nvme/kv"), disk_bytes=2_000_000_000, host_bytes=1_000_000_000,
-                                       staging_pages=512, write=WritePolicy.WRITE_BACK, eviction=Eviction.LFU,
+                                       remote_bytes=512, write=WritePolicy.WRITE_BACK, eviction=Eviction.LFU,
                                        remote_mode=RemoteMode.SHM, pool="env", model_id=None, tenant="t1", workers=4,
                                        pool_timeout_s=2.5)
 
@@ -41,7 +40,7 @@ def test_values_become_their_types():
     ({"kvstrata_disk_size": 1}, "unknown extra config ['kvstrata_disk_size']"),
     ({"kvstrata_disk_bytes": -1, "kvstrata_disk_dir": "/x"}, "kvstrata_disk_bytes must be a number of bytes >= 0"),
     ({"kvstrata_host_bytes": True}, "kvstrata_host_bytes must be a number of bytes"),
-    ({"kvstrata_staging_pages": 0}, "kvstrata_staging_pages must be a number of pages >= 1"),
+    ({"kvstrata_staging_pages": 256}, "unknown extra config ['kvstrata_staging_pages']"),  # pages are not staged
     ({"kvstrata_workers": 1.5}, "kvstrata_workers must be a number of threads"),
     ({"kvstrata_disk_bytes": 1 << 30}, "kvstrata_disk_bytes > 0 needs a kvstrata_disk_dir"),
     ({"kvstrata_disk_dir": 3}, "kvstrata_disk_dir must be a path"),
@@ -64,10 +63,10 @@ def test_the_pool_from_the_environment_must_be_there(monkeypatch):
 
 
 def test_a_ranks_cache_config():
-    settings = StorageSettings(disk_dir=Path("/d"), disk_bytes=1 << 30, host_bytes=1 << 28, staging_pages=300,
+    settings = StorageSettings(disk_dir=Path("/d"), disk_bytes=1 << 30, host_bytes=1 << 28,
                                write=WritePolicy.SELECTIVE, selective_hits=3, tenant="t")
     config = settings.cache_config(LAYOUT, "org/model", tp_rank=1, tp_size=2, kv_group="pp1of2", disk_subdir="dp1")
-    assert (config.device, config.device_bytes, config.host_bytes) == ("cpu", 300 * LAYOUT.block_bytes, 1 << 28)
+    assert (config.device, config.device_bytes, config.host_bytes) == ("cpu", LAYOUT.block_bytes, 1 << 28)
     assert (config.disk_dir, config.disk_bytes, config.pool, config.remote_bytes) == (Path("/d/dp1"), 1 << 30, None, 0)
     assert config.write == WriteRule(WritePolicy.SELECTIVE, 3)
     namespace = config.namespace("t")
