@@ -69,12 +69,20 @@ __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "Rem
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
 NAMES_KEPT = 1 << 14  # object names remembered per tier (a few MB at most)
-HEADER_PAGES_BYTES = 8192  # a lane's registered headers: two halves, one per call in flight or being checked
+# A lane's registered headers: two halves, one per call in flight or being checked; 128 a half, so
+# a batch of 128 blocks (SGLang's storage batch) can go in one call.
+HEADER_PAGES_BYTES = 2 * 128 * poolvalue.HEADER_BYTES
 HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
 # Payload bytes per batched pool call at most: inside its time budget (1 s) at loopback TCP rates on a
-# loaded host too (one call at a time moves them: calls are not split among movers any more).
-CALL_BYTES = 128 * 1024**2
-PIPELINE_CALLS = 4  # checked batches are cut into at least this many calls, the checks of all but the last overlapped
+# loaded host too (256 MiB: ~0.17 s at 1.5 GB/s; one call at a time moves them).
+CALL_BYTES = 256 * 1024**2
+# A checked batch (a MAC or a checksum over every byte) is cut into calls that grow threefold from
+# 1/16 of the batch, so that the checks of all but one small call overlap a transfer: a put seals a
+# call's values before it starts, so its calls grow (the first call's seals wait alone); a get
+# checks a call's values once they land, so its calls shrink (the last call's checks wait alone).
+# Fewer, larger calls also pay the master's round trips fewer times. Sealed puts of 128 blocks of
+# 2 MiB on loopback, against a raw put in the same rounds: 64+64 0.80x, 16+48+64 0.83x, 8+24+96 0.88x.
+FIRST_CALL_SHARE, CALL_GROWTH = 16, 3
 
 # Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
 NO_SPACE = -200  # the pool could not place the object now
@@ -337,7 +345,7 @@ class RemoteTier(Tier):
         out: list[BaseException | None] = [None] * len(keys)
         pending: tuple[range, PendingCall] | None = None
         try:
-            for k, batch in enumerate(self._calls(len(keys))):
+            for k, batch in enumerate(self._calls(len(keys), growing=True)):
                 headers = self._headers(lane, k % 2, len(batch))
                 for j, i in enumerate(batch):  # overlaps the put of the previous call
                     header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]])
@@ -499,7 +507,7 @@ class RemoteTier(Tier):
             return [PoolUnavailable("remote tier: the pool was reconnected under this read; retry")] * len(keys)
         names = [self.object_name(k) for k in keys]
         out: list[BaseException | None] = [None] * len(keys)
-        calls = self._calls(len(keys))
+        calls = self._calls(len(keys), growing=False)
         try:
             pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names, blocks)
         except PoolUnavailable as error:  # DOWN: nothing was handed to the pool
@@ -531,15 +539,23 @@ class RemoteTier(Tier):
                     pass
         return out
 
-    def _calls(self, blocks: int) -> list[range]:
-        """The pool calls a batch of ``blocks`` is cut into: at most ``CALL_BYTES`` and a
-        half-page of headers each; and, when every value's bytes are checked (a MAC or a
-        checksum), at least ``PIPELINE_CALLS``, so that all but the last call's checks overlap
-        a transfer."""
-        per_call = max(1, min(HEADERS_PER_CALL, CALL_BYTES // self.layout.block_bytes))
+    def _calls(self, blocks: int, growing: bool) -> list[range]:
+        """The pool calls a batch of ``blocks`` is cut into: at most ``CALL_BYTES`` and a half of
+        the headers each; when every value's bytes are checked, calls that grow threefold from
+        1/16 of the batch (``growing``: puts), or shrink to it (gets)."""
+        most = max(1, min(HEADERS_PER_CALL, CALL_BYTES // self.layout.block_bytes))
+        sizes = []
         if self._seal.sealed or self._seal.checksum:
-            per_call = min(per_call, -(-blocks // PIPELINE_CALLS))
-        return [range(i, min(blocks, i + per_call)) for i in range(0, blocks, per_call)]
+            size, left = -(-blocks // FIRST_CALL_SHARE), blocks
+            while left:
+                sizes.append(min(left if left <= size * (1 + CALL_GROWTH) else size, most))
+                left -= sizes[-1]
+                size *= CALL_GROWTH
+            sizes = sizes if growing else sizes[::-1]
+        else:
+            sizes = [most] * (blocks // most) + ([blocks % most] if blocks % most else [])
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [range(start, start + size) for start, size in zip(starts, sizes)]
 
     def _headers(self, lane: _Lane, half: int, count: int) -> torch.Tensor:
         """``count`` value headers in one half of the lane's header pages (uint8 [count, 128]):
