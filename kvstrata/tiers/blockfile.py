@@ -113,7 +113,12 @@ def row_checksum(row: Sequence[np.ndarray]) -> int:
 
 
 def layer_checksums(parts: Sequence[np.ndarray], layer_bytes: int) -> tuple[int, ...]:
-    """xxh3_64 of each ``layer_bytes`` row of the payload given as ``parts`` (see ``rows``)."""
+    """xxh3_64 of each ``layer_bytes`` row of the payload given as ``parts`` (see ``rows``).
+    Parts of whole rows (the usual case: a page's K and V) are hashed row by row as one array's
+    rows, the per-row Python of ``rows`` spared (a quarter of a warm 2 MiB read's time)."""
+    if all(part.size % layer_bytes == 0 for part in parts):
+        digest = xxhash.xxh3_64_intdigest
+        return tuple(digest(row) for part in parts for row in part.reshape(-1, layer_bytes))
     return tuple(row_checksum(row) for row in rows(parts, layer_bytes))
 
 
@@ -192,7 +197,8 @@ def verify_layers(header: BlockHeader, parts: Sequence[np.ndarray], first_layer:
     Raises:
         CorruptBlock: a layer's checksum does not match.
     """
-    expected = header.layer_checksums[first_layer:]
-    for offset, (row, want) in enumerate(zip(rows(parts, header.layer_bytes), expected)):
-        if row_checksum(row) != want:
+    got = layer_checksums(parts, header.layer_bytes)
+    expected = header.layer_checksums[first_layer : first_layer + len(got)]
+    for offset, (have, want) in enumerate(zip(got, expected)):
+        if have != want:
             raise CorruptBlock(f"layer {first_layer + offset} checksum mismatch")

@@ -219,13 +219,14 @@ class TransferWorker:
     def put(self, placements: Sequence[Placement], blocks: Sequence[Pieces]) -> Moved:
         """Write a caller's blocks (``blocks[p.position]``: each its bytes in pieces, its memory)
         into the placements' slots, tiers in parallel: a memory tier's in one batched copy, a
-        pipelined tier's (the pool) in one of its batched calls, any other's (the disk) a task
-        per block. Per placement None or its Failure; returns when all are settled."""
+        pipelined tier's (the pool) in one of its batched calls, any other's (the disk) in a
+        call per byte mover. Per placement None or its Failure; returns when all are settled."""
         return self._pieces(placements, blocks, write=True)
 
     def get(self, sources: Sequence[Placement], blocks: Sequence[Pieces]) -> Moved:
         """Read the sources' blocks into a caller's memory (``blocks[p.position]``), verified,
-        split as ``put`` is (a disk's reads on its own readers). Per source None or its Failure."""
+        split as ``put`` is (a disk's reads a call per reader of its own, on those). Per source
+        None or its Failure."""
         return self._pieces(sources, blocks, write=False)
 
     def _pieces(self, placements: Sequence[Placement], blocks: Sequence[Pieces], write: bool) -> Moved:
@@ -235,8 +236,11 @@ class TransferWorker:
         pools: list[ThreadPoolExecutor] = []
         for medium, group in _by_medium(placements).items():
             tier = self.tiers[medium]
-            split = 1 if medium in MEMORY or tier.pipelined else len(group)
-            pool = self._movers if write or split == 1 else self._readers.get(medium, self._movers)
+            # A tier of files: as many calls as threads at it (its readers, else the movers), each
+            # of several blocks: a task a block cost more in hand-offs than the copies from the page cache.
+            readers = 0 if write else tier.readers
+            split = 1 if medium in MEMORY or tier.pipelined else min(len(group), readers or self.workers)
+            pool = self._readers.get(medium, self._movers) if readers else self._movers
             chunks += [group[w::split] for w in range(split)]
             pools += [pool] * split
         tasks = [lambda c=c: self._run_pieces([placements[i] for i in c], blocks, write) for c in chunks]
