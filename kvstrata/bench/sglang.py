@@ -14,15 +14,17 @@ are then compared with the pages backed up, byte for byte.
 Disk, per round (a warm-up round, then ``repeats``), the two backends in an order that rotates
 from round to round: **set** (a backup of the round's pages under keys of their own, so each is
 written), **get, warm** (the files in the page cache) and **get, cold** (every file of both
-backends written back and dropped from the page cache first). kvstrata's staging tier (its
-"device" tier of host memory, which holds what it just wrote) is emptied before each get, so
-its pages come from its disk tier as HiCacheFile's come from its files. Both backends are
-cleared after the round.
+backends written back and dropped from the page cache first). kvstrata has its disk tier
+alone (no host DRAM tier of its own), so its pages come from its files as HiCacheFile's do.
+Both backends are cleared after the round.
 
-Pool: kvstrata with the pool as its only tier below staging, against :class:`~kvstrata.pool.raw.RawPool`
+Pool: kvstrata with the pool as its only tier, against :class:`~kvstrata.pool.raw.RawPool`
 (one ``batch_put_from`` and one ``batch_get_into`` of the same pages' bytes, from and into
-registered memory, no kvstrata code on the path): **set** and **get** (kvstrata's staging
-emptied first). The pool: ``--pool`` / ``$KVSTRATA_POOL``, else an embedded one for the run.
+registered memory, no kvstrata code on the path): **set** and **get**. The pool: ``--pool`` /
+``$KVSTRATA_POOL``, else an embedded one for the run. Where the pool's deployment has a secret
+(an embedded pool always does), kvstrata runs twice in the same rounds: sealed, as deployed (a
+MAC over every byte each way: a Poly1305 pass, ~50 ms of CPU per 256 MiB, which the raw client
+does not pay), and unsealed (the deployment without its secret: the raw client's guarantees).
 
 Goals: kvstrata at least 1.5x HiCacheFile's GB/s on the disk, at least 0.9x the raw client's
 on the pool (paired ratios: the median over rounds of ours / theirs within a round).
@@ -30,6 +32,7 @@ on the pool (paired ratios: the median over rounds of ours / theirs within a rou
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import shutil
 import statistics
@@ -47,7 +50,6 @@ import torch
 from kvstrata.bench.rounds import Environment, Rounds, Spread, check_rounds, rotated
 from kvstrata.kv import load_geometry
 from kvstrata.kv.groups import GroupKind
-from kvstrata.media import Medium
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.pool.scoped import PoolSource, scoped_pool
 from kvstrata.progress import NoProgress, Progress
@@ -73,6 +75,7 @@ class Phase(enum.Enum):
 
 class Subject(enum.Enum):
     OURS = "kvstrata"
+    OURS_UNSEALED = "kvstrata, unsealed"  # the pool with no deployment secret: no MAC, as the raw client
     FILE = "HiCacheFile"
     RAW = "raw Mooncake"
 
@@ -124,10 +127,17 @@ class Row:
     ratio: Spread  # ours / theirs, GB/s, per round
     goal: float
     baseline: Subject
+    subject: Subject = Subject.OURS
 
     @property
     def passed(self) -> bool:
         return self.ratio.median >= self.goal
+
+    @property
+    def figure(self) -> str:
+        """The row's name: its side (and kvstrata's configuration, if not the default) and phase."""
+        sealed = "" if self.subject is Subject.OURS else f" ({self.subject.value.removeprefix('kvstrata, ')})"
+        return f"{self.side.value}{sealed}: {self.phase.value}"
 
 
 @dataclass(frozen=True)
@@ -237,7 +247,7 @@ def _disk_rounds(config: SGLangBenchConfig, pages: _Pages, scratch: Path, progre
     total = config.pages * pages.page_bytes
     ours_dir, file_dir = scratch / "kvstrata", scratch / "hicache-file"
     ours_extra = h.backend_extra(disk_dir=str(ours_dir), disk_bytes=2 * total + (1 << 20),
-                                 staging_pages=2 * config.pages, workers=config.workers)
+                                 workers=config.workers)
     with ExitStack() as stack:
         ours = h.create_backend(h.storage_config(pages.host, ours_extra, model_name="bench-sglang"), pages.host)
         stack.callback(ours.close)
@@ -253,21 +263,30 @@ def _disk_rounds(config: SGLangBenchConfig, pages: _Pages, scratch: Path, progre
 
 
 def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, progress: Progress) -> tuple[Rounds, int]:
+    """kvstrata as the pool's deployment has it and, where that deployment seals values (a
+    secret), also without the seal (the raw client's guarantees), beside the raw client."""
     from kvstrata.pool.raw import RawPool
 
     h = pages.harness
     run = uuid.uuid4().hex[:12]
-    pool_file = _pool_file(pool)
-    ours_extra = h.backend_extra(pool=str(pool_file), remote_bytes=2 * config.pages * pages.page_bytes,
-                                 staging_pages=2 * config.pages, workers=config.workers)
+    configs = {Subject.OURS: pool}
+    if pool.secret_file is not None:
+        configs[Subject.OURS_UNSEALED] = dataclasses.replace(pool, secret_file=None)
     with ExitStack() as stack:
-        stack.callback(pool_file.unlink, missing_ok=True)
-        ours = h.create_backend(h.storage_config(pages.host, ours_extra, model_name=f"bench-sglang-{run}"), pages.host)
-        stack.callback(ours.close)
+        backends = {}
+        for subject, subject_pool in configs.items():
+            pool_file = _pool_file(subject_pool)
+            stack.callback(pool_file.unlink, missing_ok=True)
+            extra = h.backend_extra(pool=str(pool_file), remote_bytes=2 * config.pages * pages.page_bytes,
+                                    workers=config.workers)
+            name = f"bench-sglang-{run}-{subject.name.lower()}"
+            ours = h.create_backend(h.storage_config(pages.host, extra, model_name=name), pages.host)
+            stack.callback(ours.close)
+            backends[subject] = (ours, h.Controller(ours, pages.host, True))
         raw = RawPool(pool, RemoteMode.TCP, [f"bench-sglang-raw-{run}-{i}" for i in range(config.pages)],
                       torch.stack(pages.want))
         stack.callback(raw.remove)
-        backends = {Subject.OURS: (ours, h.Controller(ours, pages.host, True)), Subject.RAW: (raw, None)}
+        backends[Subject.RAW] = (raw, None)
         return _rounds(config, pages, backends, PHASES[Side.POOL], progress, "pool", lambda: [])
 
 
@@ -314,10 +333,6 @@ def _step(phase: Phase, subject: Subject, backend: Any, controller: Any, keys: l
             raise VerificationError(f"bench sglang: {subject.value} backed up {done} of {tokens} tokens")
         return seconds
     pages.zero_dst()
-    if subject is Subject.OURS:  # from its disk or pool tier, not from what its staging kept
-        for medium in (Medium.DEVICE, Medium.HOST):
-            if medium in backend.cache.media:
-                backend.cache.evict(medium, 1 << 30)
     if phase is Phase.GET_COLD:
         drop_page_cache(files())
     elif phase is Phase.GET_WARM:
@@ -340,12 +355,16 @@ def _rows(side: Side, rounds: Rounds, config: SGLangBenchConfig, pages: _Pages) 
     size = config.pages * pages.page_bytes
     theirs_subject = BASELINE[side]
     rows = []
-    for phase in PHASES[side]:
-        ours, theirs = rounds.seconds[f"OURS.{phase.name}"], rounds.seconds[f"{theirs_subject.name}.{phase.name}"]
-        ratios = [t / o for o, t in zip(ours, theirs)]  # GB/s ours over theirs: their time over ours
-        o, t = statistics.median(ours), statistics.median(theirs)
-        rows.append(Row(side, phase, size / o / 1e9, size / t / 1e9, config.pages / o, config.pages / t,
-                        Spread.of(ratios), DISK_GOAL if side is Side.DISK else POOL_GOAL, theirs_subject))
+    for subject in (Subject.OURS, Subject.OURS_UNSEALED):
+        for phase in PHASES[side]:
+            ours = rounds.seconds.get(f"{subject.name}.{phase.name}")
+            if ours is None:
+                continue
+            theirs = rounds.seconds[f"{theirs_subject.name}.{phase.name}"]
+            ratios = [t / o for o, t in zip(ours, theirs)]  # GB/s ours over theirs: their time over ours
+            o, t = statistics.median(ours), statistics.median(theirs)
+            rows.append(Row(side, phase, size / o / 1e9, size / t / 1e9, config.pages / o, config.pages / t,
+                            Spread.of(ratios), DISK_GOAL if side is Side.DISK else POOL_GOAL, theirs_subject, subject))
     return rows
 
 

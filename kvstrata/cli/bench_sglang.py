@@ -68,10 +68,10 @@ def _print_sglang(report: SGLangBenchReport) -> None:
         f"median of {c.repeats} rounds; kvstrata on the zero-copy interface, HiCacheFile on its generic one, "
         "both through SGLang's controller; raw Mooncake: one batch_put_from / batch_get_into",
         (("figure", "left"), ("kvstrata GB/s", "right"), ("pages/s", "right"), ("baseline", "left"),
-         ("GB/s", "right"), ("pages/s ", "right"), ("kvstrata / baseline", "right"), ("goal", "left"),
+         ("GB/s", "right"), ("pages/s ", "right"), ("kvstrata/baseline", "right"), ("goal", "left"),
          ("pass", "left")))
     for row in report.rows:
-        table.add_row(f"{row.side.value}: {row.phase.value}", _gbps(row.ours_gbps), f"{row.ours_pages_per_s:.0f}",
+        table.add_row(row.figure, _gbps(row.ours_gbps), f"{row.ours_pages_per_s:.0f}",
                       row.baseline.value, _gbps(row.theirs_gbps), f"{row.theirs_pages_per_s:.0f}",
                       spread_x(row.ratio), f">={row.goal}x", "[green]pass[/]" if row.passed else "[bold red]FAIL[/]")
     out = cli.console()

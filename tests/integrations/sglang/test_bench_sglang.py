@@ -28,14 +28,17 @@ def test_disk_and_pool_rows_beside_their_baselines_every_prefetch_verified(pool_
     code, out = bench("--dir", str(tmp_path), "--json")
     assert code == 0
     report = json.loads(out)
-    rows = {(r["side"], r["phase"]): r for r in report["rows"]}
-    assert set(rows) == {("disk", "set"), ("disk", "get, warm"), ("disk", "get, cold"), ("pool", "set"), ("pool", "get")}
-    for (side, _), row in rows.items():
+    rows = {(r["side"], r["phase"], r["subject"]): r for r in report["rows"]}
+    disk = {("disk", phase, "kvstrata") for phase in ("set", "get, warm", "get, cold")}
+    # the session pool has a secret: kvstrata sealed, as deployed, and unsealed, as the raw client
+    pool = {("pool", phase, subject) for phase in ("set", "get") for subject in ("kvstrata", "kvstrata, unsealed")}
+    assert set(rows) == disk | pool
+    for (side, _, _), row in rows.items():
         assert row["baseline"] == ("HiCacheFile" if side == "disk" else "raw Mooncake")
         assert row["ours_gbps"] > 0 and row["theirs_gbps"] > 0 and row["ratio"]["rounds"] == REPEATS
         assert row["goal"] == (1.5 if side == "disk" else 0.9)
     # per round (warm-up included) each get of each backend: 6 pages compared byte for byte
-    gets = 2 * 2 + 1 * 2  # disk: two gets x two backends; pool: one get x two
+    gets = 2 * 2 + 1 * 3  # disk: two gets x two backends; pool: one get x three
     assert report["verified_bytes"] == (REPEATS + 1) * gets * 6 * report["page_bytes"]
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
 
@@ -46,6 +49,7 @@ def test_the_table_and_a_bad_layout_in_one_line(pool_file, tmp_path, capsys, mon
     assert code == 0
     text = " ".join(out.split())
     assert "disk: get, cold" in text and "HiCacheFile" in text and "pool: get" in text and "raw Mooncake" in text
+    assert "pool (unsealed): set" in text
     assert "goals met:" in text and "pool: configured" in text
     code, out = bench("--dir", str(tmp_path), "--no-pool")
     assert code == 0 and "pool rows: not asked for" in " ".join(out.split())
