@@ -21,6 +21,7 @@ from tests.tiers.test_remote import LAYOUT, MODES, SLACK_S, content, make_key, t
 HALF = LAYOUT.block_bytes // 2
 UNEVEN = [1500, 1000, 0, LAYOUT.block_bytes - 2500]  # layers 1 and 2 span pieces; an empty piece
 VALUE = poolvalue.HEADER_BYTES + LAYOUT.block_bytes
+MANY = [LAYOUT.block_bytes // 16] * 16  # a layer-first page's kind: more parts than remote.GATHER_PARTS
 
 
 def fill(pieces: list[torch.Tensor], block: torch.Tensor) -> None:
@@ -111,6 +112,28 @@ def test_pieces_outside_registered_memory_still_move(make_remote_tier, mode):
     assert tier.read_pieces([0] * 3, keys, targets) == [None] * 3
     assert all(torch.equal(joined(targets[i]), content(key)) for i, key in enumerate(keys))
     assert staged(tier)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "private"])
+def test_blocks_in_many_pieces_move_through_the_gather_buffer_one_buffer_a_value(make_remote_tier, secret, attacker,
+                                                                                mode, registered, monkeypatch):
+    from kvstrata.tiers import remote
+
+    monkeypatch.setattr(remote, "GATHER_BYTES", 3 * LAYOUT.block_bytes)  # a buffer of 3 blocks: 7 go in three rounds
+    tier = make_remote_tier(mode, secret=secret)
+    keys = [make_key(i, f"many-{mode.value}-{registered}") for i in range(7)]
+    memory = tier.allocate(7 * LAYOUT.block_bytes) if registered else torch.empty(7 * LAYOUT.block_bytes, dtype=torch.uint8)
+    objects = recording_objects(tier)
+    assert tier.write_pieces([0] * 7, keys, filled(memory, MANY, keys)) == [None] * 7
+    assert [sizes for _, sizes in objects] == [[poolvalue.HEADER_BYTES, LAYOUT.block_bytes]] * 7  # gathered: one slice
+    tamper(attacker, tier.object_name(keys[4]), poolvalue.HEADER_BYTES + 7)
+    targets = cut(memory.fill_(0xAA), MANY, 7)
+    got = tier.read_pieces([0] * 7, keys, targets)
+    assert isinstance(got[4], CorruptBlock) and [g for i, g in enumerate(got) if i != 4] == [None] * 6
+    assert all(torch.equal(joined(targets[i]), content(k)) for i, k in enumerate(keys) if i != 4)
+    assert not joined(targets[4]).ne(0xAA).any()  # a block that failed is not scattered
+    assert not staged(tier)
 
 
 def test_a_key_twice_in_one_call_is_stored_once(make_remote_tier):
