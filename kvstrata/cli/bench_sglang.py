@@ -24,7 +24,8 @@ def register(bench: BenchParser) -> None:
         "sglang", run_sglang, "kvstrata as SGLang's HiCache storage vs HiCacheFile (disk) and raw Mooncake (pool)",
         "Back up and prefetch SGLang host-pool pages through kvstrata's HiCache backend (zero-copy interface) "
         "beside SGLang's own HiCacheFile on the disk (set, get warm, get cold) and beside a raw Mooncake client "
-        "on the pool (set, get), driven by SGLang's own controller methods, in interleaved rounds; every "
+        "(and, on a pool the bench starts, SGLang's own Mooncake backend) on the pool (set, get), driven by "
+        "SGLang's own controller methods, in interleaved rounds; every "
         "prefetch verified byte for byte. Goals: >= 1.5x HiCacheFile, >= 0.9x raw Mooncake. Needs SGLang "
         "(bash .ci/sglang-venv makes a venv with it on a CPU host).",
     )
@@ -73,10 +74,11 @@ def _print_sglang(report: SGLangBenchReport) -> None:
     for row in report.rows:
         table.add_row(row.figure, _gbps(row.ours_gbps), f"{row.ours_pages_per_s:.0f}",
                       row.baseline.value, _gbps(row.theirs_gbps), f"{row.theirs_pages_per_s:.0f}",
-                      spread_x(row.ratio), f">={row.goal}x", "[green]pass[/]" if row.passed else "[bold red]FAIL[/]")
+                      spread_x(row.ratio), "—" if row.goal is None else f">={row.goal}x",
+                      "—" if row.goal is None else "[green]pass[/]" if row.passed else "[bold red]FAIL[/]")
     out = cli.console()
     out.print(table)
-    lines = [f"goals met: {report.goals_met} of {len(report.rows)}. verified byte for byte: "
+    lines = [f"goals met: {report.goals_met} of {report.goals}. verified byte for byte: "
              f"{report.verified_bytes / 1e9:.2f} GB prefetched."]
     if report.pool_skipped:
         lines.append(f"pool rows: {report.pool_skipped}.")

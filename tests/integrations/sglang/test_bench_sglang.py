@@ -57,3 +57,18 @@ def test_the_table_and_a_bad_layout_in_one_line(pool_file, tmp_path, capsys, mon
     assert code == 2
     err = capsys.readouterr().err
     assert "layout must be one of" in err and len(err.strip().splitlines()) == 1
+
+
+def test_on_a_pool_of_its_own_sglangs_mooncake_backend_runs_beside_for_information(tmp_path, monkeypatch):
+    """An embedded pool (no $KVSTRATA_POOL): SGLang's own Mooncake backend runs in the same rounds,
+    its rows shown with no goal (the goal is the raw client's) and its prefetches verified too."""
+    monkeypatch.delenv("KVSTRATA_POOL", raising=False)
+    code, out = bench("--dir", str(tmp_path), "--json")
+    assert code == 0
+    report = json.loads(out)
+    theirs = [r for r in report["rows"] if r["baseline"] == "SGLang Mooncake"]
+    assert [(r["phase"], r["subject"], r["goal"]) for r in theirs] == [("set", "kvstrata", None), ("get", "kvstrata", None)]
+    assert all(r["ours_gbps"] > 0 and r["theirs_gbps"] > 0 for r in theirs)
+    assert report["pool"]["source"] == "embedded"
+    gets = 2 * 2 + 1 * 4  # disk: two gets x two backends; pool: one get x four (sealed, unsealed, raw, SGLang's)
+    assert report["verified_bytes"] == (REPEATS + 1) * gets * 6 * report["page_bytes"]
