@@ -25,10 +25,10 @@ registered memory, no kvstrata code on the path): **set** and **get**. The pool:
 (an embedded pool always does), kvstrata runs twice in the same rounds: sealed, as deployed (a
 MAC over every byte each way: a Poly1305 pass, ~50 ms of CPU per 256 MiB, which the raw client
 does not pay), and unsealed (the deployment without its secret: the raw client's guarantees).
-On a pool the bench starts itself, SGLang's own Mooncake backend (``MooncakeStore``, zero-copy
-interface, no segment of its own) runs in the same rounds too, shown beside kvstrata for
-information (the goal is the raw client's); it is not run on a configured pool, since its
-``clear`` removes every object in the pool.
+SGLang's own Mooncake backend (``MooncakeStore``, zero-copy interface, no segment of its own)
+runs in the same rounds too (not for MHA layer_first pools, which it refuses), shown beside
+kvstrata for information (the goal is the raw client's); after a round its objects are removed by their prefix (its ``clear`` would remove
+every object in the pool).
 
 Goals: kvstrata at least 1.5x HiCacheFile's GB/s on the disk, at least 0.9x the raw client's
 on the pool (paired ratios: the median over rounds of ours / theirs within a round).
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import shutil
 import statistics
 import tempfile
@@ -55,7 +56,7 @@ from kvstrata.bench.rounds import Environment, Rounds, Spread, check_rounds, rot
 from kvstrata.kv import load_geometry
 from kvstrata.kv.groups import GroupKind
 from kvstrata.pool.config import PoolConfig, RemoteMode
-from kvstrata.pool.scoped import PoolOrigin, PoolSource, scoped_pool
+from kvstrata.pool.scoped import PoolSource, scoped_pool
 from kvstrata.progress import NoProgress, Progress
 from kvstrata.tensors import torch_dtype
 from kvstrata.timing import VerificationError, drop_page_cache, warm_page_cache
@@ -239,8 +240,7 @@ def run_sglang_bench(config: SGLangBenchConfig, pool: PoolConfig | None = None,
         rows += _rows(Side.DISK, rounds, config, pages)
         if config.pool:
             with scoped_pool(pool, _pool_segment_bytes(config, pages)) as source:
-                own = source.source is PoolOrigin.EMBEDDED
-                rounds, moved = _pool_rounds(config, pages, source.config, progress, own)
+                rounds, moved = _pool_rounds(config, pages, source.config, progress)
                 verified += moved
                 rows += _rows(Side.POOL, rounds, config, pages)
         else:
@@ -272,12 +272,10 @@ def _disk_rounds(config: SGLangBenchConfig, pages: _Pages, scratch: Path, progre
         return _rounds(config, pages, backends, PHASES[Side.DISK], progress, "disk", files)
 
 
-def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, progress: Progress,
-                 own: bool) -> tuple[Rounds, int]:
+def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, progress: Progress) -> tuple[Rounds, int]:
     """kvstrata as the pool's deployment has it and, where that deployment seals values (a
-    secret), also without the seal (the raw client's guarantees), beside the raw client; on a
-    pool of the bench's own (``own``), SGLang's Mooncake backend too (its ``clear`` removes
-    every object in the pool)."""
+    secret), also without the seal (the raw client's guarantees), beside the raw client and
+    SGLang's own Mooncake backend."""
     from kvstrata.pool.raw import RawPool
 
     h = pages.harness
@@ -300,7 +298,7 @@ def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, pro
                       torch.stack(pages.want))
         stack.callback(raw.remove)
         backends[Subject.RAW] = (raw, None)
-        if own:
+        if not (config.layout == "layer_first" and not _is_mla(pages.host)):  # SGLang's refuses MHA layer_first
             extra = {"master_server_address": pool.master, "protocol": pool.protocol, "global_segment_size": 0,
                      "metadata_server": pool.metadata_server, "local_hostname": pool.local_hostname,
                      "check_server": False}  # no segment of its own: its pages live in the pool's daemon, as ours
@@ -330,7 +328,9 @@ def _rounds(config: SGLangBenchConfig, pages: _Pages, backends: dict, phases: tu
             progress.step(f"{side}: {phase.value}, " + (f"round {r}/{config.repeats}" if r else "warm-up"))
         for subject in subjects:
             backend, controller = backends[subject]
-            if controller is not None:
+            if subject is Subject.SGLANG_MOONCAKE:  # its own clear() removes every object in the pool
+                backend.store.remove_by_regex(f"^{re.escape(backend.config_prefix)}_", True)
+            elif controller is not None:
                 backend.clear()
     return rounds, verified
 
@@ -370,6 +370,12 @@ def _copy_raw(raw: Any, pages: _Pages) -> None:
     """The raw client's bytes into the destination pages (untimed), so every subject is verified alike."""
     for i, slot in enumerate(pages.dst_slots):
         pages.host.set_from_flat_data_page(slot, raw.dst[i].view(pages.host.dtype))
+
+
+def _is_mla(host: Any) -> bool:
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    return isinstance(host, MLATokenToKVPoolHost)
 
 
 def _rows(side: Side, rounds: Rounds, config: SGLangBenchConfig, pages: _Pages) -> list[Row]:

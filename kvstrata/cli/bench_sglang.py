@@ -24,7 +24,7 @@ def register(bench: BenchParser) -> None:
         "sglang", run_sglang, "kvstrata as SGLang's HiCache storage vs HiCacheFile (disk) and raw Mooncake (pool)",
         "Back up and prefetch SGLang host-pool pages through kvstrata's HiCache backend (zero-copy interface) "
         "beside SGLang's own HiCacheFile on the disk (set, get warm, get cold) and beside a raw Mooncake client "
-        "(and, on a pool the bench starts, SGLang's own Mooncake backend) on the pool (set, get), driven by "
+        "and SGLang's own Mooncake backend on the pool (set, get), driven by "
         "SGLang's own controller methods, in interleaved rounds; every "
         "prefetch verified byte for byte. Goals: >= 1.5x HiCacheFile, >= 0.9x raw Mooncake. Needs SGLang "
         "(bash .ci/sglang-venv makes a venv with it on a CPU host).",
@@ -68,8 +68,8 @@ def _print_sglang(report: SGLangBenchReport) -> None:
         f"kvstrata as SGLang's HiCache storage: {report.shape}, {report.page_bytes / (1 << 20):g} MiB a page; "
         f"median of {c.repeats} rounds; kvstrata on the zero-copy interface, HiCacheFile on its generic one, "
         "both through SGLang's controller; raw Mooncake: one batch_put_from / batch_get_into",
-        (("figure", "left"), ("kvstrata GB/s", "right"), ("pages/s", "right"), ("baseline", "left"),
-         ("GB/s", "right"), ("pages/s ", "right"), ("kvstrata/baseline", "right"), ("goal", "left"),
+        (("figure", "left"), ("ours GB/s", "right"), ("pages/s", "right"), ("baseline", "left"),
+         ("GB/s", "right"), ("pages/s ", "right"), ("ours/baseline", "right"), ("goal", "left"),
          ("pass", "left")))
     for row in report.rows:
         table.add_row(row.figure, _gbps(row.ours_gbps), f"{row.ours_pages_per_s:.0f}",

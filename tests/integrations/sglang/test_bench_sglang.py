@@ -28,17 +28,19 @@ def test_disk_and_pool_rows_beside_their_baselines_every_prefetch_verified(pool_
     code, out = bench("--dir", str(tmp_path), "--json")
     assert code == 0
     report = json.loads(out)
-    rows = {(r["side"], r["phase"], r["subject"]): r for r in report["rows"]}
-    disk = {("disk", phase, "kvstrata") for phase in ("set", "get, warm", "get, cold")}
-    # the session pool has a secret: kvstrata sealed, as deployed, and unsealed, as the raw client
-    pool = {("pool", phase, subject) for phase in ("set", "get") for subject in ("kvstrata", "kvstrata, unsealed")}
+    rows = {(r["side"], r["phase"], r["subject"], r["baseline"]): r for r in report["rows"]}
+    disk = {("disk", phase, "kvstrata", "HiCacheFile") for phase in ("set", "get, warm", "get, cold")}
+    # the session pool has a secret: kvstrata sealed, as deployed, and unsealed, as the raw client;
+    # and, sealed, beside SGLang's own Mooncake backend (no goal: for information)
+    pool = {("pool", phase, subject, "raw Mooncake") for phase in ("set", "get")
+            for subject in ("kvstrata", "kvstrata, unsealed")}
+    pool |= {("pool", phase, "kvstrata", "SGLang Mooncake") for phase in ("set", "get")}
     assert set(rows) == disk | pool
-    for (side, _, _), row in rows.items():
-        assert row["baseline"] == ("HiCacheFile" if side == "disk" else "raw Mooncake")
+    for (side, _, _, baseline), row in rows.items():
         assert row["ours_gbps"] > 0 and row["theirs_gbps"] > 0 and row["ratio"]["rounds"] == REPEATS
-        assert row["goal"] == (1.5 if side == "disk" else 0.9)
+        assert row["goal"] == {"HiCacheFile": 1.5, "raw Mooncake": 0.9, "SGLang Mooncake": None}[baseline]
     # per round (warm-up included) each get of each backend: 6 pages compared byte for byte
-    gets = 2 * 2 + 1 * 3  # disk: two gets x two backends; pool: one get x three
+    gets = 2 * 2 + 1 * 4  # disk: two gets x two backends; pool: one get x four (sealed, unsealed, raw, SGLang's)
     assert report["verified_bytes"] == (REPEATS + 1) * gets * 6 * report["page_bytes"]
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
 
@@ -59,7 +61,7 @@ def test_the_table_and_a_bad_layout_in_one_line(pool_file, tmp_path, capsys, mon
     assert "layout must be one of" in err and len(err.strip().splitlines()) == 1
 
 
-def test_on_a_pool_of_its_own_sglangs_mooncake_backend_runs_beside_for_information(tmp_path, monkeypatch):
+def test_on_an_embedded_pool_sglangs_mooncake_backend_runs_beside_for_information(tmp_path, monkeypatch):
     """An embedded pool (no $KVSTRATA_POOL): SGLang's own Mooncake backend runs in the same rounds,
     its rows shown with no goal (the goal is the raw client's) and its prefetches verified too."""
     monkeypatch.delenv("KVSTRATA_POOL", raising=False)
