@@ -102,13 +102,14 @@ def span(parts: Sequence[np.ndarray], start: int, stop: int) -> list[np.ndarray]
     return out
 
 
-def row_checksum(row: Sequence[np.ndarray]) -> int:
-    """xxh3_64 of a row given as its slices (the same as of their bytes joined)."""
-    if len(row) == 1:
-        return xxhash.xxh3_64_intdigest(row[0])
+def xxh3_of(parts: Sequence[np.ndarray]) -> int:
+    """xxh3_64 of the parts' bytes joined (streamed: no join); the disk's rows and the pool's
+    payload checksums both."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
     hasher = xxhash.xxh3_64()
-    for piece in row:
-        hasher.update(piece)
+    for part in parts:
+        hasher.update(part)
     return hasher.intdigest()
 
 
@@ -119,7 +120,7 @@ def layer_checksums(parts: Sequence[np.ndarray], layer_bytes: int) -> tuple[int,
     if all(part.size % layer_bytes == 0 for part in parts):
         digest = xxhash.xxh3_64_intdigest
         return tuple(digest(row) for part in parts for row in part.reshape(-1, layer_bytes))
-    return tuple(row_checksum(row) for row in rows(parts, layer_bytes))
+    return tuple(xxh3_of(row) for row in rows(parts, layer_bytes))
 
 
 def encode_header(key: BlockKey, layout: str, namespace_tag: str, parts: Sequence[np.ndarray], layer_bytes: int) -> bytes:

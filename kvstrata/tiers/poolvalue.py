@@ -70,6 +70,7 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from kvstrata.errors import CorruptBlock
 from kvstrata.index.keys import KEY_BYTES, BlockKey
+from kvstrata.tiers.blockfile import xxh3_of
 
 MAGIC = b"KVSPOOL\x00"
 VERSION = 2
@@ -178,7 +179,7 @@ class ValueSeal:
         """
         nbytes = sum(part.nbytes for part in parts)
         if not self.sealed:
-            checksum = _xxh3(parts) if self.checksum else None
+            checksum = xxh3_of(parts) if self.checksum else None
             return encode_header(key, self.layout_digest, nbytes, checksum), None
         nonce = os.urandom(12)
         signed = encode_header(key, self.layout_digest, nbytes, None, nonce, bytes(16), self.encrypt)[:_SIGNED]
@@ -213,7 +214,7 @@ class ValueSeal:
         if header.payload_bytes != self.payload_bytes or sum(p.nbytes for p in parts) != self.payload_bytes:
             raise CorruptBlock(f"remote tier: block {name} has {header.payload_bytes} payload bytes")
         if not self.sealed and self.checksum and header.payload_checksum is not None:
-            if _xxh3(parts) != header.payload_checksum:
+            if xxh3_of(parts) != header.payload_checksum:
                 raise CorruptBlock(f"remote tier: block {name} payload checksum mismatch")
         if self.sealed:
             self._check_seal(key, header, head, parts)
@@ -255,16 +256,6 @@ class ValueSeal:
     def _one_time_key(self, signed: bytes) -> bytes:
         """Poly1305's key for one value: bound to its header (key, layout, sizes, nonce)."""
         return hmac.new(self._mac_key, signed, hashlib.sha256).digest()
-
-
-def _xxh3(parts: Sequence[np.ndarray]) -> int:
-    """xxh3_64 of the parts' bytes joined (streamed: no join)."""
-    if len(parts) == 1:
-        return xxhash.xxh3_64_intdigest(parts[0])
-    hasher = xxhash.xxh3_64()
-    for part in parts:
-        hasher.update(part)
-    return hasher.intdigest()
 
 
 def _derive(secret: bytes, namespace_tag: str, use: bytes) -> bytes:

@@ -53,11 +53,6 @@ class PoolGeometry:
     def kv(self) -> int:
         return 1 if self.mla else 2
 
-    def page_shape(self) -> tuple[int, ...]:
-        """A page's axes in the host layout (the order of its flat page)."""
-        k, layers, p, h, d = self.kv, self.layers, self.page_size, self.heads, self.head_dim
-        return (k, p, layers, h, d) if self.layout == "page_first" else (k, layers, p, h, d)
-
     def buffer_shape(self, slots: int) -> tuple[int, ...]:
         """The host pool's ``kv_buffer`` with a kv axis, for ``slots`` token slots."""
         k, layers, p, h, d = self.kv, self.layers, self.page_size, self.heads, self.head_dim
