@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 MIB = 1 << 20
 R = TypeVar("R")
+# ``register``'s sub-command maker, as the modules of other bench commands get it:
+# (name, run, help, description) -> the sub-command's parser.
+BenchParser = Callable[[str, Callable[[argparse.Namespace], int], str, str], argparse.ArgumentParser]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench import _figure_table, _run_and_report, _verdicts, spread_x
+from kvstrata.cli.bench import BenchParser, _figure_table, _run_and_report, _verdicts, spread_x
 
 if TYPE_CHECKING:
     from kvstrata.bench.lookup_report import LookupBenchReport
     from kvstrata.bench.restart import RestartBenchReport
-
-BenchParser = Callable[[str, Callable[[argparse.Namespace], int], str, str], argparse.ArgumentParser]
 
 
 def register(bench: BenchParser) -> None:

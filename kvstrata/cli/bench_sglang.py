@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench import _figure_table, _gbps, _run_and_report, spread_x
+from kvstrata.cli.bench import BenchParser, _figure_table, _gbps, _run_and_report, spread_x
 
 if TYPE_CHECKING:
     from kvstrata.bench.sglang import SGLangBenchReport
-
-BenchParser = Callable[[str, Callable[[argparse.Namespace], int], str, str], argparse.ArgumentParser]
 
 
 def register(bench: BenchParser) -> None:

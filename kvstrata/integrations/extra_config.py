@@ -15,6 +15,14 @@ from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
 Parser = Callable[[str, Any], Any]
 
 
+POOL_BUDGETS = ("pool_timeout_s", "pool_connect_timeout_s", "pool_backoff_s", "pool_backoff_max_s")
+
+
+def pool_budgets(settings: Any) -> dict[str, float]:
+    """An engine's settings' pool time budgets by name (CacheConfig's and check_budgets' names)."""
+    return {name: getattr(settings, name) for name in POOL_BUDGETS}
+
+
 def as_is(name: str, value: Any) -> Any:
     return value
 

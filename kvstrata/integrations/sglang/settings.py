@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
-from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_of, whole
+from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_budgets, pool_of, whole
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WritePolicy, WriteRule
@@ -107,7 +107,7 @@ class StorageSettings:
         for name, kind in (("remote_mode", RemoteMode), ("write", WritePolicy), ("eviction", Eviction)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
-        check_budgets(_PREFIX, **{name: getattr(self, name) for name in _BUDGETS})
+        check_budgets(_PREFIX, **pool_budgets(self))
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no pool tier."""
@@ -137,11 +137,10 @@ class StorageSettings:
             pool=self.pool_config(),
             remote_bytes=self.remote_bytes if self.pool is not None else 0,
             remote_mode=self.remote_mode,
-            **{name: getattr(self, name) for name in _BUDGETS},
+            **pool_budgets(self),
         )
 
 
-_BUDGETS = ("pool_timeout_s", "pool_connect_timeout_s", "pool_backoff_s", "pool_backoff_max_s")
 
 
 def _check_int(name: str, value: Any, least: int, what: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
-from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_of, whole
+from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_budgets, pool_of, whole
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.pool.config import (
@@ -103,7 +103,7 @@ class ConnectorSettings:
             raise ValueError(f"{_PREFIX} kv_sharing must be a KVSharing, got {self.kv_sharing!r}")
         if not isinstance(self.sync_save, bool):
             raise ValueError(f"{_PREFIX} sync_save must be true or false, got {self.sync_save!r}")
-        check_budgets(_PREFIX, **{name: getattr(self, name) for name in _BUDGETS})
+        check_budgets(_PREFIX, **pool_budgets(self))
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""
@@ -140,11 +140,10 @@ class ConnectorSettings:
             remote_mode=self.remote_mode,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            **{name: getattr(self, name) for name in _BUDGETS},
+            **pool_budgets(self),
         )
 
 
-_BUDGETS = ("pool_timeout_s", "pool_connect_timeout_s", "pool_backoff_s", "pool_backoff_max_s")
 
 
 _PARSERS: dict[str, Parser] = {
