@@ -193,6 +193,7 @@ class _Pages:
     def __init__(self, shape: Any, layout: str, pages: int) -> None:
         from kvstrata.integrations.sglang import harness
 
+        self.shape = shape
         self.harness = harness
         self.host = harness.host_pool(shape, layout, 2 * pages)
         self.pages = pages
@@ -298,7 +299,7 @@ def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, pro
                       torch.stack(pages.want))
         stack.callback(raw.remove)
         backends[Subject.RAW] = (raw, None)
-        if not (config.layout == "layer_first" and not _is_mla(pages.host)):  # SGLang's refuses MHA layer_first
+        if not (config.layout == "layer_first" and not pages.shape.is_mla):  # SGLang's refuses MHA layer_first
             extra = {"master_server_address": pool.master, "protocol": pool.protocol, "global_segment_size": 0,
                      "metadata_server": pool.metadata_server, "local_hostname": pool.local_hostname,
                      "check_server": False}  # no segment of its own: its pages live in the pool's daemon, as ours
@@ -370,12 +371,6 @@ def _copy_raw(raw: Any, pages: _Pages) -> None:
     """The raw client's bytes into the destination pages (untimed), so every subject is verified alike."""
     for i, slot in enumerate(pages.dst_slots):
         pages.host.set_from_flat_data_page(slot, raw.dst[i].view(pages.host.dtype))
-
-
-def _is_mla(host: Any) -> bool:
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
-    return isinstance(host, MLATokenToKVPoolHost)
 
 
 def _rows(side: Side, rounds: Rounds, config: SGLangBenchConfig, pages: _Pages) -> list[Row]:
