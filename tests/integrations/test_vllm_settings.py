@@ -54,6 +54,8 @@ def test_empty_strings_mean_not_given():
         ({"kv_sharing": "sliced"}, "kv_sharing must be one of \\['tp-matched', 'head-sliced'\\], got 'sliced'"),
         ({"pool_timeout_s": 0}, "pool_timeout_s must be a number of seconds > 0, got 0"),
         ({"pool_backoff_s": 5, "pool_backoff_max_s": 1}, "pool_backoff_max_s must be >= pool_backoff_s, got 1 < 5"),
+        ({"disk_read_gbps": 0}, "disk_read_gbps must be a positive number of GB/s, got 0"),
+        ({"disk_read_gbps": "fast"}, "disk_read_gbps must be a positive number of GB/s, got 'fast'"),
     ],
 )
 def test_a_bad_key_or_value_is_one_line_naming_it(extra, named):
@@ -76,6 +78,9 @@ def test_the_cache_config_carries_the_settings(tmp_path):
     budgets = {"pool_timeout_s": 0.25, "pool_connect_timeout_s": 2, "pool_backoff_s": 0.1, "pool_backoff_max_s": 3.0}
     config = ConnectorSettings.from_extra(budgets).cache_config(layout, "vllm-model", "cpu", 0, 1)
     assert {name: getattr(config, name) for name in budgets} == budgets
+    assert config.disk_read_gbps is None
+    slow = ConnectorSettings.from_extra({"disk_read_gbps": 0.2, "disk_dir": str(tmp_path), "disk_bytes": MiB})
+    assert slow.cache_config(layout, "vllm-model", "cpu", 0, 1).disk_read_gbps == 0.2  # the disk tier's read cap
 
 
 def test_a_pool_from_an_unset_environment_is_refused(monkeypatch):

@@ -53,6 +53,8 @@ class ConnectorSettings:
             the cache waits on the pool (``CacheConfig``'s budgets of the same names).
         kv_sharing: head-sliced blocks (any TP size reads them) or TP-matched ones
             (``"head-sliced"`` or ``"tp-matched"`` in the extra config).
+        disk_read_gbps: cap the disk tier's reads at this many GB/s (emulates a slower drive);
+            None: no cap.
     """
 
     device_bytes: int = 64 * MiB
@@ -70,6 +72,7 @@ class ConnectorSettings:
     pool_backoff_s: float = BACKOFF_S
     pool_backoff_max_s: float = BACKOFF_MAX_S
     kv_sharing: KVSharing = KVSharing.SLICED
+    disk_read_gbps: float | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -103,6 +106,10 @@ class ConnectorSettings:
             raise ValueError(f"{_PREFIX} kv_sharing must be a KVSharing, got {self.kv_sharing!r}")
         if not isinstance(self.sync_save, bool):
             raise ValueError(f"{_PREFIX} sync_save must be true or false, got {self.sync_save!r}")
+        if self.disk_read_gbps is not None and (isinstance(self.disk_read_gbps, bool)
+                                                or not isinstance(self.disk_read_gbps, (int, float))
+                                                or not self.disk_read_gbps > 0):
+            raise ValueError(f"{_PREFIX} disk_read_gbps must be a positive number of GB/s, got {self.disk_read_gbps!r}")
         check_budgets(_PREFIX, **pool_budgets(self))
 
     def pool_config(self) -> PoolConfig | None:
@@ -133,6 +140,7 @@ class ConnectorSettings:
             host_bytes=int(self.host_bytes * share),
             disk_bytes=int(self.disk_bytes * share),
             disk_dir=disk_dir,
+            disk_read_gbps=self.disk_read_gbps,
             kv_group=kv_group,
             device=device,
             pool=self.pool_config(),
@@ -142,8 +150,6 @@ class ConnectorSettings:
             tp_size=tp_size,
             **pool_budgets(self),
         )
-
-
 
 
 _PARSERS: dict[str, Parser] = {
