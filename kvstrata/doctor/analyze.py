@@ -1,0 +1,513 @@
+"""Why kvstrata does or does not speed a workload up: an observation and the hardware model in,
+findings out (:func:`diagnose`).
+
+The questions, in the order a person debugging "no speedup" asks them:
+
+1. Is kvstrata there at all? (no ``kvstrata_connector_`` series: not loaded, or stats off)
+2. Is it asked? vLLM looks in its own prefix cache first; a working set that fits there is
+   served by vLLM and kvstrata never sees the repeats.
+3. What limits its hit rate? Capacity (the last tier is full and evicting: blocks seen before
+   were dropped) or reuse (misses with room to spare: the prompts do not repeat a prefix; each
+   first sight of a block misses whatever the tiers' size).
+4. Do its restores run at the rate the hardware model predicts (the calibrated fit for the
+   tier's path, and the spec path's bottleneck link)?
+5. Did loading beat computing for the prompts seen? (the load-or-recompute model of
+   :mod:`kvstrata.plan.recompute` with the tier's achieved load time and the prefill rate)
+6. What did failed loads cost? (blocks vLLM computed again)
+
+Each finding carries the one change most likely to help. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.doctor.expect import Expectations, PrefillSource
+from kvstrata.doctor.findings import (
+    Cause,
+    Change,
+    Diagnosis,
+    Evidence,
+    Finding,
+    Severity,
+    Suggestion,
+    TierReport,
+    Verdict,
+)
+from kvstrata.doctor.observation import ConnectorCounters, Observation, TierCounters, VllmCounters
+from kvstrata.media import Medium
+from kvstrata.plan.host import GB, PrefillFit
+from kvstrata.plan.recompute import PlanKind, choose
+
+# Misses worth explaining: under this share of the blocks asked, the hit rate is not the story.
+MISS_NOTABLE = 0.2
+# A tier this full is full: LRU keeps it near its capacity once it has evicted.
+FULL = 0.9
+# vLLM's own cache "serves the workload" when it found this share of the prompt tokens and
+# kvstrata found at most KVSTRATA_MINOR of what vLLM found.
+VLLM_SERVES = 0.3
+KVSTRATA_MINOR = 0.1
+# kvstrata "served nothing" below this share of the blocks it was asked about.
+NOTHING_SERVED = 0.02
+# A tier's restores are "below prediction" under this fraction of the predicted rate: calibrated
+# predictions are validated within 10% (``kvstrata validate``); half is far outside noise.
+RATE_SHORTFALL = 0.5
+# Failed loads matter more than a warning past this share of the blocks loaded.
+FAILURES_SERIOUS = 0.05
+
+
+@dataclass(frozen=True)
+class _TierTiming:
+    """What a tier's loads took and what computing the same tokens would have taken."""
+
+    seconds_per_block: float  # achieved
+    load_only_s: float  # a typical request: load its hit, compute its tail
+    recompute_s: float  # the same request computed whole
+    tail_s: float  # computing the tail after the hit (in both)
+    hit_blocks: int  # the typical hit, in blocks
+    break_even_gbps: float | None  # the restore rate at which loading and computing tie
+    best: PlanKind  # what load-or-recompute would choose for it
+    best_s: float  # and its predicted time
+    best_compute_tokens: int  # a split's k
+
+    @property
+    def recompute_s_per_block(self) -> float:
+        """What computing one block of the hit costs (instead of loading it)."""
+        return (self.recompute_s - self.tail_s) / self.hit_blocks
+
+
+def diagnose(obs: Observation, hw: Expectations) -> Diagnosis:
+    """The doctor's answer for ``obs`` on the hardware ``hw`` (see the module text)."""
+    vllm, conn = obs.vllm, obs.connector
+    summary = _summary(obs)
+    if conn is None:
+        findings = [_no_connector(obs)]
+        if vllm is not None and (served := _vllm_serves(vllm, None)) is not None:
+            findings.append(served)
+        return Diagnosis(obs.source, Verdict.UNKNOWN, _ordered(findings), (), summary)
+    if vllm is not None and vllm.prompt_tokens <= 0 and conn.asked_blocks <= 0:
+        no_traffic = Finding(Cause.NO_TRAFFIC, Severity.INFO, "No prompts yet", (),
+                             "The server has finished no prefill since it started, so there is nothing to judge.",
+                             Suggestion(Change.NONE, "Send the workload, then run the doctor again."))
+        return Diagnosis(obs.source, Verdict.UNKNOWN, (no_traffic,), (), summary)
+
+    block_tokens = _block_tokens(vllm, conn)
+    prefill, prefill_basis = _prefill(hw, vllm, conn)
+    seconds = _tier_seconds(conn)
+    timings = _timings(obs, conn, block_tokens, prefill, seconds)
+    tiers = tuple(_tier_report(t, conn, hw, seconds.get(t.medium), timings.get(t.medium)) for t in conn.tiers)
+    findings: list[Finding] = []
+    served = _vllm_serves(vllm, conn) if vllm is not None else None
+    if served is not None:
+        findings.append(served)
+    limit = _limit(conn, vllm, tiers, reuse=served is None)
+    if limit is not None:
+        findings.append(limit)
+    slow: list[Medium] = []
+    for report in tiers:
+        timing = timings.get(report.medium)
+        if timing is not None and timing.load_only_s > timing.recompute_s:
+            slow.append(report.medium)
+            findings.append(_slower_than_recompute(report, timing))
+        if report.achieved_gbps is not None and report.predicted_gbps is not None \
+                and report.achieved_gbps < RATE_SHORTFALL * report.predicted_gbps:
+            findings.append(_below_prediction(report, report.medium in slow))
+    if conn.load_failed_blocks > 0:
+        findings.append(_failures(conn, block_tokens, prefill))
+    helped = _helps(obs, conn, tiers, timings, slow)
+    if helped is not None:
+        findings.append(helped)
+    return Diagnosis(obs.source, _verdict(conn, slow, helped), _ordered(findings), tiers, summary, prefill_basis)
+
+
+# --- derived numbers -----------------------------------------------------------------------
+
+
+def _block_tokens(vllm: VllmCounters | None, conn: ConnectorCounters) -> int | None:
+    """Tokens per block: vLLM's block size, else the connector's hit tokens over its loaded blocks."""
+    if vllm is not None and vllm.block_tokens:
+        return vllm.block_tokens
+    if vllm is not None and conn.loaded_blocks > 0 and vllm.external_hits_tokens > 0:
+        return max(1, round(vllm.external_hits_tokens / conn.loaded_blocks))
+    return None
+
+
+def _prefill(hw: Expectations, vllm: VllmCounters | None, conn: ConnectorCounters) -> tuple[PrefillFit | None, str | None]:
+    """The prefill rate to weigh loads against, and its basis ("server" or "profile"), as
+    ``hw.prefill_source`` asks (see :class:`PrefillSource`).
+
+    The server's: its prefill seconds less kvstrata's load time (loads run inside the prefill
+    step) over the prompt tokens it computed, a rate through the origin. Per-step fixed costs
+    count as per-token ones, so for short computed tails it errs on the side of computing
+    costing more (loading looking better): a tier it finds slower than computing is so.
+    """
+    server = None
+    if vllm is not None and vllm.prefill_seconds_hist is not None and vllm.computed_tokens_hist is not None:
+        computed = vllm.computed_tokens_hist.total
+        compute_s = vllm.prefill_seconds_hist.total - conn.load_seconds
+        if computed > 0 and compute_s > 0.1 * vllm.prefill_seconds_hist.total:
+            server = PrefillFit(0.0, computed / compute_s)
+    if server is not None and hw.prefill_source is not PrefillSource.PROFILE:
+        return server, "server"
+    if hw.prefill is not None and hw.prefill_source is not PrefillSource.SERVER:
+        return hw.prefill, "profile"
+    return None, None
+
+
+def _tier_seconds(conn: ConnectorCounters) -> dict[Medium, float]:
+    """Each tier's share of the load time (``load_seconds``, each load's own wall time).
+
+    One tier moved everything: all of it. Several: in proportion to the time its bytes took
+    along its legs (``transfer_seconds`` per byte of each leg from the tier to the device),
+    else to its bytes. The device tier moves nothing (its blocks are there already): with
+    other tiers it gets no share.
+    """
+    movers = [t for t in conn.tiers if t.loaded_blocks > 0]
+    if conn.load_seconds <= 0 or not movers:
+        return {}
+    if len(movers) == 1:
+        return {movers[0].medium: conn.load_seconds}
+    weights = {}
+    for t in movers:
+        if t.medium is Medium.DEVICE:
+            continue
+        per_byte = _chain_s_per_byte(conn, t.medium)
+        weights[t.medium] = t.loaded_bytes * (per_byte if per_byte is not None else 1.0 / GB)
+    total = sum(weights.values())
+    return {m: conn.load_seconds * w / total for m, w in weights.items()} if total > 0 else {}
+
+
+def _chain_s_per_byte(conn: ConnectorCounters, medium: Medium) -> float | None:
+    """Seconds per byte along the legs from ``medium`` to the device, following each leg's
+    destination (disk -> host -> device: both legs); None where a leg is missing."""
+    legs = {leg.src: leg for leg in conn.legs if leg.moved_bytes > 0}
+    total, at, seen = 0.0, medium, set()
+    while at is not Medium.DEVICE:
+        leg = legs.get(at)
+        if leg is None or at in seen:
+            return None
+        seen.add(at)
+        total += leg.seconds / leg.moved_bytes
+        at = leg.dst
+    return total
+
+
+def _timings(obs: Observation, conn: ConnectorCounters, block_tokens: int | None, prefill: PrefillFit | None,
+             seconds: dict[Medium, float]) -> dict[Medium, _TierTiming]:
+    """Per tier that loaded (``seconds``: its share of the load time): a typical request's
+    load-then-compute against computing it whole, by :func:`kvstrata.plan.recompute.choose`.
+
+    The typical request: the mean prompt, and the mean hit a load brought in (whole blocks,
+    at least one). Its load time: the tier's achieved seconds per block, times the hit's blocks.
+    """
+    if prefill is None or block_tokens is None or conn.loads <= 0 or conn.loaded_blocks <= 0:
+        return {}
+    prompt = _mean_prompt(obs)
+    hit_blocks = max(1, round(conn.loaded_blocks / conn.loads))
+    hit = hit_blocks * block_tokens
+    tail = max(1, round(prompt - hit)) if prompt is not None else block_tokens
+    tail_s = prefill.seconds(tail, hit)
+    out = {}
+    for medium, tier_s in seconds.items():
+        tier = conn.tier(medium)
+        if tier is None or tier.loaded_blocks <= 0:
+            continue
+        per_block = tier_s / tier.loaded_blocks
+        plan = choose(hit, tail, block_tokens, 1, lambda blocks, s=per_block: blocks * s, prefill)
+        saved_compute_s = plan.recompute_s - tail_s  # computing the hit's tokens, which loading spares
+        block_bytes = tier.loaded_bytes / tier.loaded_blocks
+        break_even = hit_blocks * block_bytes / saved_compute_s / GB if saved_compute_s > 0 else None
+        out[medium] = _TierTiming(per_block, plan.load_only_s, plan.recompute_s, tail_s, hit_blocks, break_even,
+                                  plan.kind, plan.predicted_s, plan.compute_tokens)
+    return out
+
+
+def _mean_prompt(obs: Observation) -> float | None:
+    if obs.requests:
+        return sum(r.prompt_tokens for r in obs.requests) / len(obs.requests)
+    v = obs.vllm
+    if v is None:
+        return None
+    if v.prompt_tokens_hist is not None and v.prompt_tokens_hist.mean is not None:
+        return v.prompt_tokens_hist.mean
+    return v.prompt_tokens / v.requests if v.requests > 0 else None
+
+
+def _tier_report(t: TierCounters, conn: ConnectorCounters, hw: Expectations, seconds: float | None,
+                 timing: _TierTiming | None) -> TierReport:
+    asked = conn.asked_blocks
+    fill = t.used_bytes / t.capacity_bytes if t.used_bytes is not None and t.capacity_bytes else None
+    achieved = predicted = basis = spec_path = spec_gbps = bottleneck = per_block = recompute_per_block = None
+    if seconds is not None and seconds > 0 and t.loaded_bytes > 0:
+        achieved = t.loaded_bytes / seconds / GB
+        per_block = seconds / t.loaded_blocks
+        recompute_per_block = timing.recompute_s_per_block if timing is not None else None
+        share = t.loaded_blocks / conn.loaded_blocks if conn.loaded_blocks > 0 else 1.0
+        prediction = hw.restore(t.medium, t.loaded_bytes, t.loaded_blocks, max(1.0, conn.loads * share))
+        if prediction is not None and prediction.seconds > 0:
+            predicted, basis = t.loaded_bytes / prediction.seconds / GB, prediction.basis
+    if t.medium is not Medium.DEVICE:
+        mean_load = t.loaded_bytes / conn.loads if conn.loads > 0 and t.loaded_bytes > 0 else 64 * 2**20
+        spec = hw.spec(t.medium, int(mean_load))
+        if spec is not None and spec.available:
+            spec_path, spec_gbps, bottleneck = spec.path.short, spec.gbps, spec.bottleneck
+    return TierReport(t.medium, t.hit_blocks / asked if asked > 0 else 0.0, t.loaded_blocks, t.loaded_bytes, fill,
+                      t.evicted_blocks, achieved, predicted, basis, spec_path, spec_gbps, bottleneck, per_block,
+                      recompute_per_block)
+
+
+def _summary(obs: Observation) -> tuple[Evidence, ...]:
+    out: list[Evidence] = []
+    v, c = obs.vllm, obs.connector
+    if v is not None:
+        out.append(Evidence("requests", v.requests, "count"))
+        out.append(Evidence("prompt_tokens", v.prompt_tokens, "tokens"))
+        if v.prefix_queries_tokens > 0:
+            out.append(Evidence("vllm_hit_rate", v.prefix_hits_tokens / v.prefix_queries_tokens, "ratio"))
+        if v.prompt_tokens > 0:
+            out.append(Evidence("connector_token_share", v.external_hits_tokens / v.prompt_tokens, "ratio"))
+        if v.kv_cache_tokens:
+            out.append(Evidence("vllm_kv_cache_tokens", v.kv_cache_tokens, "tokens"))
+    if c is not None and c.asked_blocks > 0:
+        out.append(Evidence("kvstrata_hit_rate", c.hit_blocks / c.asked_blocks, "ratio"))
+    mean = _mean_prompt(obs)
+    if mean is not None:
+        out.append(Evidence("mean_prompt_tokens", mean, "tokens"))
+    if obs.requests:
+        ttfts = sorted(r.ttft_s for r in obs.requests)
+        out.append(Evidence("ttft_p50_s", ttfts[len(ttfts) // 2], "s"))
+        out.append(Evidence("ttft_p90_s", ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], "s"))
+    elif v is not None and v.ttft_hist is not None and v.ttft_hist.count > 0:
+        out.append(Evidence("ttft_p50_s", v.ttft_hist.quantile(0.5), "s"))
+        out.append(Evidence("ttft_p90_s", v.ttft_hist.quantile(0.9), "s"))
+    return tuple(out)
+
+
+# --- findings ------------------------------------------------------------------------------
+
+
+def _no_connector(obs: Observation) -> Finding:
+    v = obs.vllm
+    if v is not None and v.external_hits_tokens > 0:  # some connector answered vLLM, silently
+        evidence = (Evidence("connector_hit_tokens", v.external_hits_tokens, "tokens"),)
+        why = (f"A KV connector served vLLM {v.external_hits_tokens:,.0f} prompt tokens, but this server has no "
+               "kvstrata_connector_ series: it is not kvstrata's connector, or one that does not report to "
+               "/metrics (log stats off: --disable-log-stats, or a kvstrata from before its metrics). Without "
+               "them the doctor cannot say which tier served what, or how fast.")
+    else:
+        evidence = ()
+        where = "This server" if v is not None else f"{obs.source} (no vLLM series either)"
+        why = (f"{where} has no kvstrata_connector_ series: the KVStrata connector is not loaded in this vLLM, "
+               "or its metrics are off. Nothing here was served by kvstrata, so it cannot have sped anything up.")
+    return Finding(
+        Cause.NO_CONNECTOR, Severity.PROBLEM, "kvstrata's connector reports nothing",
+        evidence, why,
+        Suggestion(Change.LOAD_CONNECTOR,
+                   "Start vLLM with --kv-transfer-config '{\"kv_connector\": \"KVStrataConnector\", "
+                   "\"kv_connector_module_path\": \"kvstrata.integrations.vllm\", \"kv_role\": \"kv_both\"}' "
+                   "and without --disable-log-stats (the connector's series travel with vLLM's stats)."),
+    )
+
+
+def _vllm_serves(v: VllmCounters, conn: ConnectorCounters | None) -> Finding | None:
+    """vLLM's own prefix cache found the repeats; kvstrata found (next to) nothing beyond."""
+    if v.prompt_tokens <= 0:
+        return None
+    own = v.prefix_hits_tokens / v.prompt_tokens
+    theirs = v.external_hits_tokens
+    if own < VLLM_SERVES or theirs > KVSTRATA_MINOR * v.prefix_hits_tokens:
+        return None
+    room = f" ({v.kv_cache_tokens:,} tokens of KV memory)" if v.kv_cache_tokens else ""
+    evidence = [Evidence("vllm_hit_rate", own, "ratio"), Evidence("vllm_hit_tokens", v.prefix_hits_tokens, "tokens"),
+                Evidence("connector_hit_tokens", theirs, "tokens")]
+    if v.kv_cache_tokens:
+        evidence.append(Evidence("vllm_kv_cache_tokens", v.kv_cache_tokens, "tokens"))
+    return Finding(
+        Cause.VLLM_CACHE_SERVES, Severity.INFO, "vLLM's own prefix cache serves this workload",
+        tuple(evidence),
+        f"vLLM found {own:.0%} of the prompt tokens in its own prefix cache{room} and asks the connector only "
+        f"for what it lacks; kvstrata served {theirs:,.0f} tokens beyond. The repeated prefixes fit in vLLM's "
+        "KV memory, so there is nothing for kvstrata to restore: it pays off once they outgrow it.",
+        Suggestion(Change.NONE, "Nothing to change in kvstrata: it gains when the repeated prefixes no longer "
+                                "fit vLLM's KV memory (more or longer shared prefixes, more users)."),
+    )
+
+
+def _limit(conn: ConnectorCounters, v: VllmCounters | None, tiers: tuple[TierReport, ...],
+           reuse: bool) -> Finding | None:
+    """Capacity or reuse, whichever limits the hit rate (``reuse``: report a reuse limit; not
+    where vLLM's own cache took the repeats)."""
+    asked = conn.asked_blocks
+    if asked <= 0 or conn.miss_blocks / asked < MISS_NOTABLE:
+        return None
+    hit_rate, miss_rate = conn.hit_blocks / asked, conn.miss_blocks / asked
+    last = _last_tier(tiers)
+    evidence = [Evidence("kvstrata_hit_rate", hit_rate, "ratio"), Evidence("miss_blocks", conn.miss_blocks, "blocks")]
+    if last is not None and last.fill is not None:
+        evidence.append(Evidence(f"{last.medium.label}_fill", last.fill, "ratio"))
+    if last is not None and last.evicted_blocks is not None:
+        evidence.append(Evidence(f"{last.medium.label}_evicted_blocks", last.evicted_blocks, "blocks"))
+    full = last is not None and last.fill is not None and last.fill >= FULL \
+        and (last.evicted_blocks is None or last.evicted_blocks > 0)
+    if full:
+        tier = conn.tier(last.medium)
+        size = f"{tier.capacity_bytes / GB:.3g} GB" if tier is not None and tier.capacity_bytes else "its size"
+        return Finding(
+            Cause.CAPACITY_LIMITED, Severity.WARN, f"Hit rate {hit_rate:.0%}: the {last.medium.label} tier is full",
+            tuple(evidence),
+            f"{miss_rate:.0%} of the blocks asked for were in no tier, while the {last.medium.label} tier (the "
+            f"last) is {last.fill:.0%} full and evicting: blocks seen before were dropped for newer ones before they "
+            "were asked for again. The working set is larger than the tiers.",
+            Suggestion(Change.BIGGER_TIER, f"A bigger {last.medium.label} tier (now {size}), or another tier below it.",
+                       last.medium),
+            last.medium,
+        )
+    if not reuse:
+        return None
+    room = "no tier is full" if last is None or last.fill is None else \
+        f"the last tier ({last.medium.label}) is {last.fill:.0%} full"
+    if hit_rate < NOTHING_SERVED:
+        stored = f" It stored {conn.stored_blocks:,.0f} blocks in {conn.store_seconds:.2f} s for nothing." \
+            if conn.stored_blocks > 0 else ""
+        evidence.append(Evidence("store_seconds", conn.store_seconds, "s"))
+        return Finding(
+            Cause.REUSE_LIMITED, Severity.PROBLEM, "No reuse: the prompts share no prefix kvstrata has seen",
+            tuple(evidence),
+            f"kvstrata found {hit_rate:.0%} of the blocks it was asked for, and {room}: the blocks were not "
+            "evicted, they were never asked for again. Each prompt starts with a prefix no earlier prompt had, so "
+            f"there is nothing to restore; a bigger tier would not change it.{stored}",
+            Suggestion(Change.DISABLE_CONNECTOR, "Run this workload without the connector (it only stores); kvstrata "
+                                                 "pays off when prompts repeat a prefix (system prompts, turns)."),
+        )
+    repeats = 1 / miss_rate
+    return Finding(
+        Cause.REUSE_LIMITED, Severity.INFO, f"Hit rate {hit_rate:.0%} is what the reuse allows",
+        tuple(evidence),
+        f"{miss_rate:.0%} of the blocks asked for were in no tier while {room}: those are first sights (a block "
+        f"misses once before it can hit). Each prefix came about {repeats:.1f} times; a bigger tier would not "
+        "raise the hit rate.",
+        Suggestion(Change.NONE, "Nothing in kvstrata: the hit rate grows only with more repeats of the same prefixes."),
+    )
+
+
+def _last_tier(tiers: tuple[TierReport, ...]) -> TierReport | None:
+    """The slowest tier with a capacity: where blocks are dropped rather than moved down."""
+    with_room = [t for t in tiers if t.fill is not None]
+    return max(with_room, key=lambda t: t.medium.value) if with_room else None
+
+
+def _slower_than_recompute(t: TierReport, timing: _TierTiming) -> Finding:
+    name = t.medium.label
+    evidence = [Evidence("load_only_s", timing.load_only_s, "s"), Evidence("recompute_s", timing.recompute_s, "s"),
+                Evidence("hit_blocks", timing.hit_blocks, "blocks")]
+    if t.achieved_gbps is not None:
+        evidence.append(Evidence("achieved_gbps", t.achieved_gbps, "GB/s"))
+    if timing.break_even_gbps is not None:
+        evidence.append(Evidence("break_even_gbps", timing.break_even_gbps, "GB/s"))
+    rate = f" at {t.achieved_gbps:.3g} GB/s" if t.achieved_gbps is not None else ""
+    need = f"; loading wins above {timing.break_even_gbps:.3g} GB/s" if timing.break_even_gbps is not None else ""
+    split = ""
+    if timing.best is PlanKind.SPLIT:
+        split = (f" Load-or-recompute would split it: compute the first {timing.best_compute_tokens} tokens while "
+                 f"loading the rest, {timing.best_s * 1e3:.1f} ms.")
+    if t.medium in (Medium.DEVICE, Medium.HOST):  # the fastest tiers: nothing to fall back on but a faster copy
+        change = Suggestion(Change.FASTER_PATH, f"A faster {name} restore path (the copy into vLLM's blocks); until "
+                                                "then, computing is the faster choice.", t.medium)
+    else:
+        change = Suggestion(Change.DISABLE_TIER, f"Disable the {name} tier (computing is faster than reading it), "
+                                                 f"or give it a faster path{need}.", t.medium)
+    return Finding(
+        Cause.SLOWER_THAN_RECOMPUTE, Severity.PROBLEM, f"Loading from {name} is slower than computing",
+        tuple(evidence),
+        f"A typical request here loads {timing.hit_blocks} blocks from {name}{rate}: {timing.load_only_s * 1e3:.1f} ms "
+        f"to its first token, where computing the whole prompt takes {timing.recompute_s * 1e3:.1f} ms{need}.{split}",
+        change, t.medium,
+    )
+
+
+def _below_prediction(t: TierReport, slower_than_compute: bool) -> Finding:
+    name = t.medium.label
+    evidence = [Evidence("achieved_gbps", t.achieved_gbps, "GB/s"), Evidence("predicted_gbps", t.predicted_gbps, "GB/s")]
+    if t.spec_gbps is not None:
+        evidence.append(Evidence("spec_gbps", t.spec_gbps, "GB/s"))
+    link = f"; the spec path's bottleneck is {t.bottleneck} ({t.spec_gbps:.3g} GB/s)" if t.bottleneck else ""
+    return Finding(
+        Cause.BELOW_PREDICTION, Severity.PROBLEM if slower_than_compute else Severity.WARN,
+        f"{name} restores run at {t.achieved_gbps / t.predicted_gbps:.0%} of the predicted rate",
+        tuple(evidence),
+        f"Restores from {name} moved {t.loaded_bytes / 1e6:,.1f} MB at {t.achieved_gbps:.3g} GB/s; the "
+        f"{t.predicted_basis} model predicts {t.predicted_gbps:.3g} GB/s for the same restores{link}. Something "
+        "between the tier and the device is slower than the hardware measured or specified: a slower drive, a "
+        "read cap, or other work on the same link.",
+        Suggestion(Change.FASTER_PATH, f"Put the {name} tier on a path that delivers its predicted "
+                                       f"{t.predicted_gbps:.3g} GB/s (the drive or link calibrated).", t.medium),
+        t.medium,
+    )
+
+
+def _failures(conn: ConnectorCounters, block_tokens: int | None, prefill: PrefillFit | None) -> Finding:
+    share = conn.load_failed_blocks / conn.loaded_blocks if conn.loaded_blocks > 0 else 1.0
+    evidence = [Evidence("load_failed_blocks", conn.load_failed_blocks, "blocks"),
+                Evidence("recomputed_blocks", conn.recomputed_blocks, "blocks"),
+                Evidence("failed_share", share, "ratio")]
+    lost = ""
+    if prefill is not None and block_tokens is not None and conn.recomputed_blocks > 0:
+        lost_s = conn.recomputed_blocks * block_tokens / prefill.tokens_per_s
+        evidence.append(Evidence("recompute_lost_s", lost_s, "s"))
+        lost = f", about {lost_s:.2f} s of prefill spent computing them again"
+    return Finding(
+        Cause.LOAD_FAILURES, Severity.PROBLEM if share > FAILURES_SERIOUS else Severity.WARN,
+        f"{conn.load_failed_blocks:,.0f} blocks failed to load",
+        tuple(evidence),
+        f"Loads of {conn.load_failed_blocks:,.0f} blocks failed ({share:.1%} of those loaded) and vLLM computed "
+        f"{conn.recomputed_blocks:,.0f} blocks again{lost}, on top of the time the failed loads took.",
+        Suggestion(Change.DISABLE_TIER, "Fix or disable the tier whose loads fail (the worker's log and its "
+                                        "stats_path's last_failure name it; a pool timing out is the usual one)."),
+    )
+
+
+def _helps(obs: Observation, conn: ConnectorCounters, tiers: tuple[TierReport, ...],
+           timings: dict[Medium, _TierTiming], slow: list[Medium]) -> Finding | None:
+    v = obs.vllm
+    if conn.loaded_blocks <= 0 or any(conn.tier(m) is not None and conn.tier(m).loaded_blocks >= 0.5 * conn.loaded_blocks
+                                      for m in slow):
+        return None
+    evidence = [Evidence(f"{t.medium.label}_hit_rate", t.hit_rate, "ratio") for t in tiers if t.hit_rate > 0]
+    share = ""
+    if v is not None and v.prompt_tokens > 0:
+        evidence.append(Evidence("connector_token_share", v.external_hits_tokens / v.prompt_tokens, "ratio"))
+        share = f" ({v.external_hits_tokens / v.prompt_tokens:.0%} of all prompt tokens)"
+    saved = ""
+    if timings and conn.loads > 0:  # each tier's typical gain, weighted by the blocks it served
+        weights = {m: conn.tier(m).loaded_blocks for m in timings}
+        per_load = sum((timings[m].recompute_s - timings[m].load_only_s) * w for m, w in weights.items()) \
+            / (sum(weights.values()) or 1)
+        evidence.append(Evidence("saved_s_per_load", per_load, "s"))
+        evidence.append(Evidence("saved_s", per_load * conn.loads, "s"))
+        saved = f"; each load saved about {per_load * 1e3:.1f} ms of prefill ({per_load * conn.loads:.2f} s in all)"
+    per_tier = ", ".join(f"{t.medium.label} {t.hit_rate:.0%}" for t in tiers if t.hit_rate > 0) or "none"
+    last = _last_tier(tiers)
+    if last is not None and last.fill is not None and last.fill >= FULL and conn.miss_blocks > 0:
+        change = Suggestion(Change.BIGGER_TIER, f"A bigger {last.medium.label} tier: it is full, and misses remain.",
+                            last.medium)
+    else:
+        change = Suggestion(Change.NONE, "Nothing: kvstrata serves what repeats, faster than computing it.")
+    return Finding(
+        Cause.HELPS, Severity.OK, "kvstrata speeds this workload up",
+        tuple(evidence),
+        f"kvstrata served {conn.loaded_blocks:,.0f} blocks that vLLM's own cache no longer had{share}; hit rate "
+        f"by tier: {per_tier}{saved}.",
+        change,
+    )
+
+
+def _verdict(conn: ConnectorCounters, slow: list[Medium], helped: Finding | None) -> Verdict:
+    if helped is not None:
+        return Verdict.HELPS
+    if slow:
+        return Verdict.HURTS
+    return Verdict.NO_GAIN if conn.asked_blocks > 0 or conn.stored_blocks > 0 else Verdict.UNKNOWN
+
+
+def _ordered(findings: list[Finding]) -> tuple[Finding, ...]:
+    return tuple(sorted(findings, key=lambda f: -f.severity.rank))
