@@ -250,23 +250,34 @@ def fetch(url: str, timeout_s: float = FETCH_TIMEOUT_S) -> str:
 
 
 def from_bench(doc: Any, source: str) -> list[Observation]:
-    """One observation per configuration of a ``kvstrata bench serve --json`` report.
+    """One observation per server of a ``kvstrata bench serve --json`` report.
 
-    A configuration is any object holding ``metrics_text`` (one server's final ``/metrics``
-    text, or a list or object of several servers' texts, summed); its name is its ``name``
-    (else ``config`` or ``label``), else the key it sits under. Its requests are the first
-    list of objects with ``prompt_tokens`` and ``ttft_s`` inside it.
+    Found by shape: an object holding ``metrics_text``. Where that is an object of texts (the
+    report's ``{server: its final /metrics}``), each entry is a server, named by its key, and
+    its requests are those of the report's figures under the same key (``"kvstrata":
+    {"requests": [...]}``); where it is one text (or a list of texts, summed), the object is one
+    configuration, named by its ``name`` (else ``config`` or ``label``, else the key it sits
+    under), its requests inside it. Requests: the first list of objects with ``prompt_tokens``
+    and ``ttft_s``.
 
     Raises:
-        SourceError: no configuration with metrics text in it.
+        SourceError: no ``metrics_text`` in it.
     """
     found = list(_configs(doc, ""))
     if not found:
         raise SourceError(f"{source}: JSON, but not a `kvstrata bench serve --json` report (no metrics_text in it)")
     out = []
     for name, config in found:
-        texts = _texts(config["metrics_text"])
+        texts = config["metrics_text"]
+        if isinstance(texts, dict):
+            for server, text in texts.items():
+                if isinstance(text, str):
+                    label = f"{source} [{server}]"
+                    out.append(observation(Samples.parse([text], label), label, _requests(config.get(server))))
+            continue
         label = f"{source} [{name}]" if name else source
+        texts = [texts] if isinstance(texts, str) else [t for t in texts if isinstance(t, str)] \
+            if isinstance(texts, list) else []
         out.append(observation(Samples.parse(texts, label), label, _requests(config)))
     return out
 
@@ -284,17 +295,7 @@ def _configs(doc: Any, key: str) -> Iterator[tuple[str, dict]]:
             yield from _configs(v, f"{key}[{i}]" if key else str(i))
 
 
-def _texts(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, str)]
-    if isinstance(value, dict):
-        return [v for v in value.values() if isinstance(v, str)]
-    return []
-
-
-def _requests(config: dict) -> tuple[RequestSample, ...]:
+def _requests(config: Any) -> tuple[RequestSample, ...]:
     def lists(x: Any) -> Iterator[list]:
         if isinstance(x, list):
             yield x
@@ -302,12 +303,13 @@ def _requests(config: dict) -> tuple[RequestSample, ...]:
                 if isinstance(v, (dict, list)):
                     yield from lists(v)
         elif isinstance(x, dict):
-            for v in x.values():
-                yield from lists(v)
+            for k, v in x.items():
+                if k != "metrics_text":
+                    yield from lists(v)
 
-    for items in lists({k: v for k, v in config.items() if k != "metrics_text"}):
-        rows = [r for r in items if isinstance(r, dict) and "prompt_tokens" in r and "ttft_s" in r]
+    for items in lists(config):
+        rows = [r for r in items if isinstance(r, dict) and isinstance(r.get("prompt_tokens"), (int, float))
+                and isinstance(r.get("ttft_s"), (int, float))]
         if rows:
-            return tuple(RequestSample(int(r["prompt_tokens"]), float(r["ttft_s"])) for r in rows
-                         if isinstance(r["prompt_tokens"], (int, float)) and isinstance(r["ttft_s"], (int, float)))
+            return tuple(RequestSample(int(r["prompt_tokens"]), float(r["ttft_s"])) for r in rows)
     return ()

@@ -67,12 +67,14 @@ def test_a_slow_disk_against_a_calibrated_profile(capsys, tmp_path):
     assert "per tier" in out and "disk restores run at" in out
 
 
-def test_a_bench_report_gives_one_diagnosis_per_configuration(capsys, tmp_path):
+def test_a_bench_report_gives_one_diagnosis_per_server(capsys, tmp_path):
     report = tmp_path / "bench.json"
-    report.write_text(json.dumps({"configs": [{"name": "a", "metrics_text": VLLM_DUMP.read_text()},
-                                              {"name": "b", "metrics_text": VLLM_DUMP.read_text() + DISK_TEXT}]}))
-    docs = doctor_json(capsys, str(report))
-    assert [d["source"] for d in docs] == [f"{report} [a]", f"{report} [b]"]
+    report.write_text(json.dumps({"metrics_text": {"baseline": VLLM_DUMP.read_text(),
+                                                   "kvstrata": VLLM_DUMP.read_text() + DISK_TEXT},
+                                  "kvstrata": {"requests": [{"prompt_tokens": 301, "ttft_s": 0.05}]}}))
+    baseline, ours = doctor_json(capsys, str(report))
+    assert (baseline["source"], ours["source"]) == (f"{report} [baseline]", f"{report} [kvstrata]")
+    assert baseline["verdict"] == "unknown" and ours["summary"]["ttft_p50_s"] == 0.05
 
 
 def test_bad_sources_are_one_line_and_exit_2(capsys, tmp_path):

@@ -85,15 +85,21 @@ def test_the_connectors_series_by_tier_and_leg():
 
 
 def test_a_bench_report_is_read_by_its_shape():
-    doc = {"model": "m", "configs": [
-        {"name": "vllm only", "metrics_text": VLLM_DUMP.read_text(),
-         "requests": [{"prompt_tokens": 300, "ttft_s": 0.05}, {"prompt_tokens": 310, "ttft_s": 0.03}]},
-        {"name": "kvstrata host", "metrics_text": {"server0": VLLM_DUMP.read_text() + CONNECTOR_TEXT}},
-    ]}
-    first, second = from_bench(doc, "bench.json")
-    assert first.source == "bench.json [vllm only]" and first.connector is None
-    assert [(r.prompt_tokens, r.ttft_s) for r in first.requests] == [(300, 0.05), (310, 0.03)]
-    assert second.connector is not None and second.requests == ()
+    # bench serve's report: each server's final /metrics by its name, its requests under the same name
+    report = {"config": {"rounds": 1}, "metrics_text": {"baseline": VLLM_DUMP.read_text(),
+                                                        "kvstrata": VLLM_DUMP.read_text() + CONNECTOR_TEXT},
+              "baseline": {"requests": [{"prompt_tokens": 300, "ttft_s": 0.05}, {"prompt_tokens": 310, "ttft_s": 0.03}],
+                           "ttft_p50_s": 0.04},
+              "kvstrata": {"requests": [{"prompt_tokens": 300, "ttft_s": 0.02}]}}
+    baseline, ours = from_bench(report, "bench.json")
+    assert baseline.source == "bench.json [baseline]" and baseline.connector is None
+    assert [(r.prompt_tokens, r.ttft_s) for r in baseline.requests] == [(300, 0.05), (310, 0.03)]
+    assert ours.source == "bench.json [kvstrata]" and ours.connector is not None and len(ours.requests) == 1
+    # a list of configurations, each with its own text and requests
+    configs = {"configs": [{"name": "a", "metrics_text": VLLM_DUMP.read_text(),
+                            "rows": [{"prompt_tokens": 30, "ttft_s": 0.01}]}]}
+    (a,) = from_bench(configs, "b.json")
+    assert a.source == "b.json [a]" and a.requests[0].prompt_tokens == 30
 
 
 @pytest.mark.parametrize(("text", "named"), [
