@@ -7,6 +7,7 @@ import collections
 import threading
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -18,6 +19,16 @@ if TYPE_CHECKING:
     from kvstrata.transfer.worker import TransferResult
 
 GBPS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+@dataclass(frozen=True)
+class PathTotals:
+    """What moved along one (source, destination) path so far: bytes, and the seconds the
+    transfers took (each handler call's own time, summed: bytes / seconds is the achieved
+    rate of a transfer, not of the path's wall clock where transfers overlap)."""
+
+    bytes: int
+    seconds: float
 
 
 class CacheMetrics:
@@ -45,6 +56,7 @@ class CacheMetrics:
         self.hit_blocks = {m: 0 for m in Medium}
         self.miss_blocks = 0
         self.moved_bytes: dict[tuple[Medium, Medium], int] = {}
+        self.transfer_seconds: dict[tuple[Medium, Medium], float] = {}
         self.failed_legs: collections.Counter[tuple[Medium, Failure]] = collections.Counter()
 
     def lookup(self, found: Mapping[Medium, int], missed: int) -> None:
@@ -66,6 +78,7 @@ class CacheMetrics:
             self._recent.append(record)
             key = (record.src, record.dst)
             self.moved_bytes[key] = self.moved_bytes.get(key, 0) + record.bytes
+            self.transfer_seconds[key] = self.transfer_seconds.get(key, 0.0) + record.seconds
         self._bytes.labels(record.src.label, record.dst.label).inc(record.bytes)
         if record.seconds > 0:
             self._gbps.labels(record.src.label, record.dst.label).observe(record.gbps)
@@ -75,6 +88,11 @@ class CacheMetrics:
         with self._lock:
             self.failed_legs[(dst, failure)] += 1
         self._failures.labels(dst.label, failure.value).inc()
+
+    def paths(self) -> dict[tuple[Medium, Medium], PathTotals]:
+        """Bytes and seconds per (source, destination) so far, read together."""
+        with self._lock:
+            return {k: PathTotals(n, self.transfer_seconds[k]) for k, n in self.moved_bytes.items()}
 
     def recent(self) -> list[TransferResult]:
         with self._lock:

@@ -51,7 +51,7 @@ from kvstrata.manager.plans import (
     Victim,
     copy_ranges,
 )
-from kvstrata.manager.table import BlockTable, TierFull
+from kvstrata.manager.table import BlockTable, TableCounts, TierFull
 from kvstrata.media import Medium
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WriteRule
@@ -118,6 +118,11 @@ class BlockManager:
     def table(self, medium: Medium) -> BlockTable:
         """A tier's table, to inspect (tests, reports); change it only through the manager."""
         return self._tables[medium]
+
+    def counts(self) -> dict[Medium, TableCounts]:
+        """Each tier's fill and evictions, read together (a moment's view, for metrics)."""
+        with self._lock:
+            return {m: t.counts() for m, t in self._tables.items()}
 
     def indexed_blocks(self) -> int:
         return len(self._index)

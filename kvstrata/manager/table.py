@@ -85,6 +85,22 @@ class Adopted:
     new: list[BlockKey]
 
 
+@dataclass(frozen=True)
+class TableCounts:
+    """A table's fill and evictions, read at once (:meth:`BlockTable.counts`).
+
+    Attributes:
+        used_slots: slots not free: owned by a block (in any state) or retired.
+        capacity_blocks: slots it may fill now (it shrinks where its medium ran out of space).
+        evicted_blocks: blocks chosen to leave for room since the table was made (a victim
+            that stayed after all not counted).
+    """
+
+    used_slots: int
+    capacity_blocks: int
+    evicted_blocks: int
+
+
 class BlockTable:
     """Slots 0..capacity-1 of one tier."""
 
@@ -102,6 +118,7 @@ class BlockTable:
         self._free: list[int] = []
         self._fresh = 0
         self._quarantined: set[int] = set()  # slots retired by abandoned transfers
+        self._evicted = 0  # victims chosen, less those restored
 
     # --- state changes ---------------------------------------------------------------------
 
@@ -193,6 +210,7 @@ class BlockTable:
                 self._move(entry, key, BlockState.EVICTING)
                 entry.state = BlockState.EVICTING
                 victims.append(Reservation(key, entry.slot))
+        self._evicted += len(victims)
         return victims
 
     def take(self, key: BlockKey) -> Reservation | None:
@@ -214,12 +232,13 @@ class BlockTable:
         self._drop(entry)
 
     def restore(self, key: BlockKey) -> None:
-        """An EVICTING block stays after all (its slot was not handed over)."""
+        """An EVICTING block, a victim of ``choose_victims``, stays after all (its slot was not handed over)."""
         entry = self._entries.get(key)
         if entry is None or entry.state is not BlockState.EVICTING or entry.handed_to is not None:
             raise InvalidTransition(f"{self.name}: restore of a block that is not being evicted from its own slot")
         self._move(entry, key, BlockState.READY)
         entry.state = BlockState.READY
+        self._evicted -= 1  # restore follows only choose_victims: the victim stays
 
     def quarantine(self, key: BlockKey) -> None:
         """Retire a WRITING block's slot for good (a transfer into it was abandoned and may
@@ -304,6 +323,9 @@ class BlockTable:
     @property
     def free_blocks(self) -> int:
         return max(0, self.capacity_blocks - self._owned - len(self._quarantined))
+
+    def counts(self) -> TableCounts:
+        return TableCounts(self._owned + len(self._quarantined), self.capacity_blocks, self._evicted)
 
     def shrink_to_used(self) -> None:
         """Hold no more blocks than now (the medium ran out of space below its configured

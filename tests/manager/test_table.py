@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstrata.policies.eviction import LFU, LRU, Eviction
-from kvstrata.manager.table import Adopted, BlockState, BlockTable, InvalidTransition, Reservation, TierFull
+from kvstrata.manager.table import (
+    Adopted,
+    BlockState,
+    BlockTable,
+    InvalidTransition,
+    Reservation,
+    TableCounts,
+    TierFull,
+)
 
 W, R, E = BlockState.WRITING, BlockState.READY, BlockState.EVICTING
 KEYS = [bytes([i]) * 16 for i in range(8)]
@@ -251,6 +259,19 @@ def test_restore_puts_an_evicting_block_back_to_ready():
     assert t.pin(A) is not None
     t.unpin(A)
     assert [v.key for v in t.choose_victims(2)] == [B, A]  # A was pinned after B was stored
+
+
+def test_counts_are_the_slots_not_free_and_the_victims_that_left():
+    t = table(capacity=3)
+    stored(t, A, B)
+    assert t.counts() == TableCounts(used_slots=2, capacity_blocks=3, evicted_blocks=0)
+    t.choose_victims(2)
+    t.restore(B)  # a victim that stays was not evicted
+    t.release(A)
+    assert t.counts() == TableCounts(used_slots=1, capacity_blocks=3, evicted_blocks=1)
+    t.take(B)  # a named block leaving (a bad copy) is no eviction
+    t.release(B)
+    assert t.counts() == TableCounts(used_slots=0, capacity_blocks=3, evicted_blocks=1)
 
 
 def test_victims_are_only_ready_and_unpinned_blocks_in_lru_order():
