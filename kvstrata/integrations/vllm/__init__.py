@@ -29,6 +29,8 @@ By role:
 * :mod:`~kvstrata.integrations.vllm.rpc`: the scheduler's lookup, in-process or over the socket.
 * :mod:`~kvstrata.integrations.vllm.settings`: ``kv_connector_extra_config``, parsed.
 * :mod:`~kvstrata.integrations.vllm.stats`: the worker's counters, written as JSON.
+* :mod:`~kvstrata.integrations.vllm.prom`: the same counters, the lookups' and the tiers' fill
+  on vLLM's own ``/metrics`` (``kvstrata_connector_*``), through vLLM's connector-stats hooks.
 """
 
 from kvstrata.integrations.vllm.connector import KVStrataConnector

@@ -10,6 +10,10 @@ It declares :class:`SupportsHMA`: vLLM keeps its hybrid KV cache manager on for 
 (one block table per KV cache group; without the declaration vLLM turns the manager off, and a
 sliding-window model then keeps every token in its sliding layers) and hands every hook the
 block ids of every group (:mod:`kvstrata.integrations.vllm.groups`).
+
+Its counters go to vLLM's own ``/metrics`` through vLLM's connector-stats hooks
+(:mod:`kvstrata.integrations.vllm.prom`), and the tiers of each hit to vLLM's
+``prompt_tokens_cached_by_source``.
 """
 
 from __future__ import annotations
@@ -23,21 +27,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.integrations.vllm.groups import group_spans
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata
+from kvstrata.integrations.vllm.prom import KVStrataPromMetrics, KVStrataStats, stats_of
 from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.integrations.vllm.worker import KVStrataConnectorWorker
+from kvstrata.media import Medium
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+# kvstrata's tiers as vLLM's cache-hit sources (vLLM's "device" is local HBM: kvstrata's device
+# tier is; the shared pool is no peer instance, so not "p2p").
+_SOURCES = {Medium.DEVICE: CacheHitSource.DEVICE, Medium.HOST: CacheHitSource.HOST, Medium.DISK: CacheHitSource.DISK,
+            Medium.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
@@ -117,12 +130,33 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        sources: dict[CacheHitSource, int] = {}
+        for medium, tokens in self._scheduler.hit_sources(request).items():
+            sources[_SOURCES[medium]] = sources.get(_SOURCES[medium], 0) + tokens
+        return sources
+
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
     # --- both -------------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVStrataStats | None:
+        """What changed since the last call: the worker's loads, stores and tiers, the scheduler's lookups."""
+        if self.connector_worker is not None:
+            return self.connector_worker.get_kv_connector_stats()
+        return self._scheduler.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return stats_of(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVStrataPromMetrics:
+        return KVStrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.connector_scheduler is not None:

@@ -1,4 +1,4 @@
-"""The scheduler's one question to the worker's caches: how many blocks of these tokens they serve.
+"""The scheduler's one question to the worker's caches: how many blocks of these tokens they serve, from which tiers.
 
 The worker owns its process's TieredCaches, one per KV cache group; the scheduler side decides
 what to load from how long a prompt's usable cached prefix is (the longest every group serves),
@@ -9,11 +9,11 @@ share the engine core process. So the answer comes two ways:
 
 * in one process, from the per-process registry (engine id -> the worker's cache);
 * across processes, over a Unix socket the worker serves (in a private per-user directory,
-  with an authkey of the engine id), one connection per scheduler, tokens in, the blocks of
-  the usable prefix out.
+  with an authkey of the engine id), one connection per scheduler, tokens in, the tier of each
+  block of the usable prefix out (how many blocks, and where from: vLLM's per-tier cache stats).
 
 Only TP rank 0 answers: every rank caches the same token blocks. A scheduler whose worker's
-socket has not appeared within ``LOOKUP_WAIT_S`` counts a miss (0 blocks), never a guess.
+socket has not appeared within ``LOOKUP_WAIT_S`` counts a miss (no blocks), never a guess.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from multiprocessing.connection import Client, Listener
 from collections.abc import Callable
 from typing import Any
 
-Answer = Callable[[list[int]], int]  # tokens -> blocks of their usable cached prefix
+from kvstrata.media import Medium
+
+Answer = Callable[[list[int]], tuple[Medium, ...]]  # tokens -> the tier of each block of their usable cached prefix
 
 LOOKUP_WAIT_S = 10.0  # how long the scheduler waits for its worker's lookup socket to appear
 
@@ -96,9 +98,9 @@ class WorkerLookup:
         self._engine_id = engine_id
         self._client: _LookupClient | None = None
 
-    def hit_blocks(self, tokens: list[int]) -> int:
-        """Blocks of ``tokens`` the worker's caches serve in every group; 0 when there is no
-        worker cache to ask (a miss)."""
+    def hit_tiers(self, tokens: list[int]) -> tuple[Medium, ...]:
+        """The tier of each block of ``tokens`` the worker's caches serve in every group (the
+        usable prefix); none when there is no worker cache to ask (a miss)."""
         with _REGISTRY_LOCK:
             answer = _REGISTRY.get(self._engine_id)
         if answer is not None:  # the worker lives in this process
@@ -119,13 +121,13 @@ class _LookupClient:
         self._conn: Any = None
         self._lock = threading.Lock()
 
-    def lookup(self, tokens: list[int]) -> int:
+    def lookup(self, tokens: list[int]) -> tuple[Medium, ...]:
         with self._lock:
             if self._conn is None:
                 deadline = time.monotonic() + LOOKUP_WAIT_S
                 while not os.path.exists(self._path):
                     if time.monotonic() > deadline:
-                        return 0  # no worker cache to ask: a miss, never a guess
+                        return ()  # no worker cache to ask: a miss, never a guess
                     time.sleep(0.05)
                 self._conn = Client(self._path, family="AF_UNIX", authkey=self._authkey)
             self._conn.send(tokens)

@@ -20,19 +20,45 @@ store its windows.
 
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
+
+Lookups are counted (:class:`~kvstrata.integrations.vllm.prom.LookupCounts`) when vLLM admits the
+request, as vLLM counts its own prefix cache's, preempted requests left out: of the full blocks
+beyond vLLM's own hit, those kvstrata holds by the tier they load from, and those it lacks. The
+same tiers split the hit's tokens for vLLM's ``prompt_tokens_cached_by_source``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
+from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
 from kvstrata.integrations.vllm.rpc import WorkerLookup
+from kvstrata.media import Medium
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """A request's last lookup: the tier of each block of its usable hit (from the prompt's
+    first block), past ``computed`` tokens vLLM holds itself, of ``usable`` tokens looked up."""
+
+    tiers: tuple[Medium, ...]
+    computed: int
+    usable: int
+
+    def tokens_by_tier(self, block_size: int) -> dict[Medium, int]:
+        """The hit's tokens beyond vLLM's own, by tier."""
+        out: Counter = Counter()
+        for i, medium in enumerate(self.tiers):
+            out[medium] += max(0, (i + 1) * block_size - max(i * block_size, self.computed))
+        return {m: n for m, n in out.items() if n}
 
 
 class KVStrataConnectorScheduler:
@@ -55,6 +81,9 @@ class KVStrataConnectorScheduler:
         self._requests: dict[str, Request] = {}
         self._to_load: dict[str, int] = {}  # req_id -> external tokens granted this step
         self._saved_blocks: dict[str, int] = {}  # req_id -> prompt blocks already sent to save
+        self._lookups: dict[str, _Lookup] = {}  # req_id -> its last lookup, until vLLM admits it
+        self._sources: dict[str, dict[Medium, int]] = {}  # req_id -> its admitted hit's tokens by tier
+        self._counts = LookupCounts()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``; never
@@ -66,14 +95,30 @@ class KVStrataConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
-        hit = self._lookup.hit_blocks(prompt[:usable]) * self._block_size
-        return max(0, hit - num_computed_tokens), False
+        lookup = _Lookup(self._lookup.hit_tiers(prompt[:usable]), num_computed_tokens, usable)
+        self._lookups[request.request_id] = lookup
+        return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        """Remember the request, and its grant when vLLM allocated blocks for one."""
+        """Remember the request, and its grant when vLLM allocated blocks for one; count its lookup."""
         self._requests[request.request_id] = request
         if num_external_tokens > 0:
             self._to_load[request.request_id] = num_external_tokens
+        lookup = self._lookups.pop(request.request_id, None)
+        if lookup is None or request.num_preemptions > 0:
+            return
+        bs = self._block_size
+        beyond = lookup.tiers[-(-lookup.computed // bs):]  # blocks past vLLM's own hit
+        self._counts.admitted(beyond, max(0, (lookup.usable - lookup.computed) // bs - len(beyond)))
+        self._sources[request.request_id] = lookup.tokens_by_tier(bs)
+
+    def hit_sources(self, request: Request) -> dict[Medium, int]:
+        """The admitted hit's tokens by the tier they load from (vLLM checks they add up)."""
+        return self._sources.pop(request.request_id, {})
+
+    def stats(self) -> KVStrataStats | None:
+        """The lookups counted since the last call."""
+        return self._counts.report()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
@@ -124,6 +169,8 @@ class KVStrataConnectorScheduler:
         self._requests.pop(request.request_id, None)
         self._saved_blocks.pop(request.request_id, None)
         self._to_load.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        self._sources.pop(request.request_id, None)
         return False, None
 
     def shutdown(self) -> None:

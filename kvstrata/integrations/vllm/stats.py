@@ -8,6 +8,9 @@ benchmarks read the file; its keys are the fields below plus ``stored_bytes`` an
 Per KV cache group (``groups``, vLLM's group order): what each group's cache moved, since a
 sliding group loads only its window and a hybrid model's bytes are not the hit's tokens times
 one block size. The top-level byte and block counters are the sums over the groups.
+
+The same counters travel to vLLM's ``/metrics`` (:mod:`kvstrata.integrations.vllm.prom`), read
+through :meth:`WorkerStats.totals`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.media import route_text
+from kvstrata.media import Medium, route_text
 
 if TYPE_CHECKING:
     from kvstrata.cache import LoadResult, StoreResult, TieredCache
@@ -48,6 +51,24 @@ class GroupStats:
         return data
 
 
+@dataclass(frozen=True)
+class LoadStoreTotals:
+    """The worker's load and store counters at one moment (:meth:`WorkerStats.totals`).
+
+    ``loaded_blocks`` and ``loaded_bytes`` are by source tier (the first medium of each block's
+    route), over every group: vLLM blocks copied into vLLM's KV, and their bytes (this rank's).
+    """
+
+    load_requests: int
+    load_seconds: float
+    loaded_blocks: dict[Medium, float]  # a head-sliced block whose slices came two ways counts half on each
+    loaded_bytes: dict[Medium, float]
+    new_blocks: int
+    store_seconds: float
+    failed_blocks: int
+    recomputed_blocks: int
+
+
 @dataclass
 class WorkerStats:
     """The worker's counters; stores may complete on the cache's threads, hence the lock."""
@@ -64,11 +85,14 @@ class WorkerStats:
     new_blocks: int = 0  # blocks the caches did not hold yet
     store_seconds: float = 0.0  # copy out of vLLM + store + write-down, summed
     failed_blocks: int = 0
+    recomputed_blocks: int = 0  # failed blocks vLLM was told to recompute (kv_load_failure_policy "recompute")
     last_failure: str | None = None
     remote_error: str | None = None
     tp: list[int] = field(default_factory=lambda: [0, 1])  # this worker's TP rank and size
     writes: bool = True  # head-sliced: this rank writes its heads (not a replica of an earlier rank's)
     groups: list[GroupStats] = field(default_factory=list)
+    _loaded_blocks: Counter = field(default_factory=Counter, repr=False)  # by source Medium
+    _loaded_bytes: Counter = field(default_factory=Counter, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def loaded(self, tokens: int, results: list[tuple[int, int, LoadResult]]) -> None:
@@ -85,6 +109,9 @@ class WorkerStats:
                 stats.loaded_blocks += blocks
                 stats.restored_bytes += result.restored_bytes
                 stats.load_paths.update(result.paths)
+                for route, n in result.paths.items():
+                    self._loaded_blocks[route[0]] += n
+                    self._loaded_bytes[route[0]] += n * stats.block_bytes
 
     def stored(self, results: list[tuple[int, StoreResult]], seconds: float) -> None:
         """A save done (``results``: per group, its cache's StoreResult) ``seconds`` after the copy began."""
@@ -101,6 +128,16 @@ class WorkerStats:
         with self._lock:
             self.failed_blocks += blocks
             self.last_failure = why
+
+    def recomputed(self, blocks: int) -> None:
+        with self._lock:
+            self.recomputed_blocks += blocks
+
+    def totals(self) -> LoadStoreTotals:
+        with self._lock:
+            return LoadStoreTotals(self.load_requests, self.load_seconds, dict(self._loaded_blocks),
+                                   dict(self._loaded_bytes), self.new_blocks, self.store_seconds, self.failed_blocks,
+                                   self.recomputed_blocks)
 
     def to_json(self, caches: tuple[TieredCache, ...]) -> dict[str, Any]:
         with self._lock:

@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstrata.cache import TieredCache
-from kvstrata.cache.grouped import longest_hit
+from kvstrata.cache.grouped import GroupedMatch, longest_hit
 from kvstrata.cache.sliced import SlicedRank
 from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
+from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
 from kvstrata.integrations.vllm.rpc import LookupServer
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.kv.heads import KVSharing
@@ -50,6 +51,7 @@ from kvstrata.kv.geometry import DType
 from kvstrata.kv.groups import KVGroup
 from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -117,6 +119,9 @@ class KVStrataConnectorWorker:
         self._failed_blocks: set[int] = set()
         self._stats = WorkerStats()
         self._stats_path = settings.stats_path
+        self._reporter = WorkerReporter(0)  # its TP rank, once the caches are registered
+        transfer = vllm_config.kv_transfer_config
+        self._recomputes = transfer is not None and transfer.kv_load_failure_policy == "recompute"
 
     @property
     def _caches(self) -> tuple[TieredCache, ...]:
@@ -169,6 +174,7 @@ class KVStrataConnectorWorker:
         self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
                                          g.layout.block_bytes) for g in self._groups]
         self._stats.tp = [tp_rank, tp_size]
+        self._reporter = WorkerReporter(tp_rank)
         self._stats.writes = all(g.writes for g in self._groups)
         if tp_rank > 0 and self._stats_path is not None:  # each rank its own file: rank 0's is stats_path
             self._stats_path = self._stats_path.with_name(f"{self._stats_path.stem}.rank{tp_rank}{self._stats_path.suffix}")
@@ -176,15 +182,16 @@ class KVStrataConnectorWorker:
         # heads' slices of them). A rank that then misses its part of a granted hit reports those
         # blocks as load errors (start_load_kv), and vLLM recomputes them.
         if tp_rank == 0:
-            self._server = LookupServer(self._engine_id, self.hit_blocks)
+            self._server = LookupServer(self._engine_id, self.hit_tiers)
         self._write_stats()
 
-    def hit_blocks(self, tokens: list[int]) -> int:
-        """Blocks of ``tokens`` every group's cache serves: the scheduler's lookup (full blocks)."""
+    def hit_tiers(self, tokens: list[int]) -> tuple[Medium, ...]:
+        """The tier of each block of ``tokens`` every group's cache serves: the scheduler's
+        lookup (full blocks)."""
         groups = {str(g.spec.index): g.spec.group for g in self._groups}
         caches: Any = {str(g.spec.index): g for g in self._groups}  # match() in blocks, as a TieredCache's
         keys = {str(g.spec.index): g.keys(tokens) for g in self._groups}
-        return longest_hit(groups, caches, keys, self._block_size).blocks
+        return hit_tiers(longest_hit(groups, caches, keys, self._block_size))
 
     def _layout(self, spec: VLLMGroup, layers: list[torch.Tensor], sliced: bool) -> KVLayout:
         """The layout of one group's cache: one head slice, or this rank's opaque vLLM block."""
@@ -266,9 +273,16 @@ class KVStrataConnectorWorker:
         self._active.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
+        """vLLM blocks whose load failed since the last call (vLLM recomputes them, or fails
+        their requests: ``kv_load_failure_policy``)."""
         failed, self._failed_blocks = self._failed_blocks, set()
+        if failed and self._recomputes:
+            self._stats.recomputed(len(failed))
         return failed
+
+    def get_kv_connector_stats(self) -> KVStrataStats | None:
+        """What the counters and caches say changed since the last call (every step; None: nothing)."""
+        return self._reporter.report(self._stats, self._caches)
 
     def _fail_load(self, active: _ActiveLoad, why: str) -> None:
         """Every block the load writes, in every group, is reported: its KV is not all there."""
@@ -357,3 +371,19 @@ class KVStrataConnectorWorker:
     def _write_stats(self) -> None:
         if self._stats_path:
             self._stats.write(self._stats_path, self._caches)
+
+
+def hit_tiers(match: GroupedMatch) -> tuple[Medium, ...]:
+    """Per block of a usable hit, the tier its load waits for: the slowest of the groups' copies
+    of it; a block no group needs (before every window) takes the next needed block's."""
+    tiers: list[Medium | None] = [None] * match.blocks
+    for part in match.groups.values():
+        for i, medium in enumerate(part.match.media[: match.blocks - part.first_block], part.first_block):
+            held = tiers[i]
+            tiers[i] = medium if held is None or medium.value > held.value else held
+    out: list[Medium] = []
+    later = Medium.DEVICE  # never taken: every group needs a hit's last block
+    for held in reversed(tiers):
+        later = held if held is not None else later
+        out.append(later)
+    return tuple(reversed(out))
