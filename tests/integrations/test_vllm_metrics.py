@@ -119,7 +119,16 @@ def test_the_counters_agree_with_the_stats_file(served):
     assert tier_sum(samples, "kvstrata_connector_loaded_blocks_total") == by_source
     assert value(samples, "kvstrata_connector_loads_total") == stats["load_requests"] > 0
     assert value(samples, "kvstrata_connector_stored_blocks_total") == stats["new_blocks"]
+    assert value(samples, "kvstrata_connector_stores_total") == stats["store_requests"] > 0
     assert value(samples, "kvstrata_connector_load_seconds_total") == pytest.approx(stats["load_seconds"])
     assert value(samples, "kvstrata_connector_store_seconds_total") == pytest.approx(stats["store_seconds"])
     assert value(samples, "kvstrata_connector_load_failed_blocks_total") == stats["failed_blocks"]
     assert value(samples, "kvstrata_connector_recomputed_blocks_total") == stats["recomputed_blocks"]
+
+
+def test_every_series_the_dashboard_queries_is_on_the_servers_metrics(served):
+    from tests.integrations.test_vllm_dashboard import dashboard, queried_series
+
+    samples, _ = served
+    on_metrics = {name for name, _ in samples}
+    assert queried_series(dashboard()) - on_metrics == set()

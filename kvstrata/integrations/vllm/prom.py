@@ -81,6 +81,7 @@ TRANSFER_SECONDS = _counter("transfer_seconds", ("src", "dst"), "Seconds the tra
                             "(each transfer's own time, summed: bytes / seconds is the achieved GB/s)")
 LOADS = _counter("loads", (), "Requests whose hit kvstrata loaded")
 LOAD_SECONDS = _counter("load_seconds", (), "kvstrata's own load time (to its device tier), summed")
+STORES = _counter("stores", (), "Saves done: a request's full prompt blocks of a step, stored in every KV cache group")
 STORED_BLOCKS = _counter("stored_blocks", (), "New blocks stored (not held before), over every KV cache group")
 STORE_SECONDS = _counter("store_seconds", (), "Store time (copy out of vLLM, store, write-down), summed")
 LOAD_FAILED_BLOCKS = _counter("load_failed_blocks", (), "vLLM blocks whose load failed")
@@ -93,7 +94,7 @@ TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUG
                              "A tier's configured capacity in this instance's caches")
 
 METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOADED_BLOCKS, LOADED_BYTES, MOVED_BYTES, TRANSFER_SECONDS, LOADS,
-           LOAD_SECONDS, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
+           LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
            TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -263,6 +264,7 @@ class WorkerReporter:
         if self._rank == "0":
             add(counters, LOADS, totals.load_requests)
             add(counters, LOAD_SECONDS, totals.load_seconds)
+            add(counters, STORES, totals.store_requests)
             add(counters, STORED_BLOCKS, totals.new_blocks)
             add(counters, STORE_SECONDS, totals.store_seconds)
             for medium, blocks in totals.loaded_blocks.items():

@@ -63,6 +63,7 @@ class LoadStoreTotals:
     load_seconds: float
     loaded_blocks: dict[Medium, float]  # a head-sliced block whose slices came two ways counts half on each
     loaded_bytes: dict[Medium, float]
+    store_requests: int
     new_blocks: int
     store_seconds: float
     failed_blocks: int
@@ -136,8 +137,8 @@ class WorkerStats:
     def totals(self) -> LoadStoreTotals:
         with self._lock:
             return LoadStoreTotals(self.load_requests, self.load_seconds, dict(self._loaded_blocks),
-                                   dict(self._loaded_bytes), self.new_blocks, self.store_seconds, self.failed_blocks,
-                                   self.recomputed_blocks)
+                                   dict(self._loaded_bytes), self.store_requests, self.new_blocks, self.store_seconds,
+                                   self.failed_blocks, self.recomputed_blocks)
 
     def to_json(self, caches: tuple[TieredCache, ...]) -> dict[str, Any]:
         with self._lock:
