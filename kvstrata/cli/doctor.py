@@ -67,6 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prefill rate to weigh loads against: the server's own, the profile's, or auto (the "
                         "server's where its counters give one; default)")
     p.add_argument("--workers", type=int, default=2, help="the cache's transfer threads (default 2)")
+    p.add_argument("--since", metavar="DUMP", default=None,
+                   help="an earlier /metrics dump of the same server: diagnose only what happened after it")
     p.add_argument("--timeout", type=float, default=FETCH_TIMEOUT_S, help="seconds to wait for a URL (default 10)")
     cli.add_json_arg(p, "the diagnosis")
     p.set_defaults(func=run)
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise cli.CliError(f"--workers must be at least 1, got {args.workers}")
     profile, calibration = _profile(args.profile)
     diagnoses = []
-    for obs in read(args.source, args.timeout):
+    for obs in read(args.source, args.timeout, args.since):
         hw = Expectations(profile, calibration, args.workers, _prefill_fit(calibration, obs, args.model),
                           PrefillSource(args.prefill))
         diagnoses.append(diagnose(obs, hw))

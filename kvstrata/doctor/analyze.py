@@ -52,6 +52,9 @@ NOTHING_SERVED = 0.02
 # A tier's restores are "below prediction" under this fraction of the predicted rate: calibrated
 # predictions are validated within 10% (``kvstrata validate``); half is far outside noise.
 RATE_SHORTFALL = 0.5
+# A tier below its predicted rate that still loads a block this many times faster than computing
+# it costs little: the shortfall is worth knowing, not fixing first.
+CHEAP_ANYWAY = 2.0
 # Failed loads matter more than a warning past this share of the blocks loaded.
 FAILURES_SERIOUS = 0.05
 
@@ -138,14 +141,15 @@ def _prefill(hw: Expectations, vllm: VllmCounters | None, conn: ConnectorCounter
 
     The server's: its prefill seconds less kvstrata's load time (loads run inside the prefill
     step) over the prompt tokens it computed, a rate through the origin. Per-step fixed costs
-    count as per-token ones, so for short computed tails it errs on the side of computing
-    costing more (loading looking better): a tier it finds slower than computing is so.
+    count as per-token ones, and so does any part of a load outside kvstrata's own time (the
+    copy into vLLM's blocks), so it errs on the side of computing costing more (loading
+    looking better): a tier it finds slower than computing is so.
     """
     server = None
     if vllm is not None and vllm.prefill_seconds_hist is not None and vllm.computed_tokens_hist is not None:
         computed = vllm.computed_tokens_hist.total
         compute_s = vllm.prefill_seconds_hist.total - conn.load_seconds
-        if computed > 0 and compute_s > 0.1 * vllm.prefill_seconds_hist.total:
+        if computed > 0 and compute_s > 0:
             server = PrefillFit(0.0, computed / compute_s)
     if server is not None and hw.prefill_source is not PrefillSource.PROFILE:
         return server, "server"
@@ -425,22 +429,42 @@ def _slower_than_recompute(t: TierReport, timing: _TierTiming) -> Finding:
     )
 
 
+# What makes a tier's restores slower than its path measured, by tier (the explanation's words).
+_SLOWER_BECAUSE = {
+    Medium.HOST: "the copies share the cores and memory with other work (on a CPU host, the engine's own "
+                 "threads), or pay per-restore costs the calibration did not see",
+    Medium.DISK: "a slower drive than the one calibrated, a read cap, or other reads on the same drive",
+    Medium.REMOTE: "a congested network, a busy pool, or a path staged through host memory",
+}
+_FASTER = {
+    Medium.HOST: "Give host restores the path they were calibrated on: cores not busy with other work, pinned memory",
+    Medium.DISK: "Put the disk tier on a drive that delivers the calibrated rate (nothing else reading it, no cap)",
+    Medium.REMOTE: "Give pool restores the calibrated path: a NIC and pool not shared with other traffic",
+}
+
+
 def _below_prediction(t: TierReport, slower_than_compute: bool) -> Finding:
+    """Achieved well below predicted. PROBLEM where loading from the tier also loses to computing;
+    INFO where it still wins by ``CHEAP_ANYWAY`` (the shortfall costs little); else WARN."""
     name = t.medium.label
     evidence = [Evidence("achieved_gbps", t.achieved_gbps, "GB/s"), Evidence("predicted_gbps", t.predicted_gbps, "GB/s")]
     if t.spec_gbps is not None:
         evidence.append(Evidence("spec_gbps", t.spec_gbps, "GB/s"))
     link = f"; the spec path's bottleneck is {t.bottleneck} ({t.spec_gbps:.3g} GB/s)" if t.bottleneck else ""
+    cheap = t.seconds_per_block is not None and t.recompute_s_per_block is not None \
+        and t.seconds_per_block * CHEAP_ANYWAY <= t.recompute_s_per_block
+    severity = Severity.PROBLEM if slower_than_compute else Severity.INFO if cheap else Severity.WARN
+    anyway = (f" Loading still beats computing ({t.seconds_per_block * 1e3:.2f} ms a block against "
+              f"{t.recompute_s_per_block * 1e3:.2f} ms), so this costs little here.") if cheap else ""
     return Finding(
-        Cause.BELOW_PREDICTION, Severity.PROBLEM if slower_than_compute else Severity.WARN,
-        f"{name} restores run at {t.achieved_gbps / t.predicted_gbps:.0%} of the predicted rate",
+        Cause.BELOW_PREDICTION, severity,
+        f"{name} restores run at {100 * t.achieved_gbps / t.predicted_gbps:.2g}% of the predicted rate",
         tuple(evidence),
         f"Restores from {name} moved {t.loaded_bytes / 1e6:,.1f} MB at {t.achieved_gbps:.3g} GB/s; the "
-        f"{t.predicted_basis} model predicts {t.predicted_gbps:.3g} GB/s for the same restores{link}. Something "
-        "between the tier and the device is slower than the hardware measured or specified: a slower drive, a "
-        "read cap, or other work on the same link.",
-        Suggestion(Change.FASTER_PATH, f"Put the {name} tier on a path that delivers its predicted "
-                                       f"{t.predicted_gbps:.3g} GB/s (the drive or link calibrated).", t.medium),
+        f"{t.predicted_basis} model predicts {t.predicted_gbps:.3g} GB/s for the same restores{link}. Likely: "
+        f"{_SLOWER_BECAUSE.get(t.medium, 'other work on the same path')}.{anyway}",
+        Suggestion(Change.FASTER_PATH, f"{_FASTER.get(t.medium, 'A faster path')} (predicted "
+                                       f"{t.predicted_gbps:.3g} GB/s).", t.medium),
         t.medium,
     )
 

@@ -17,8 +17,8 @@ from kvstrata.media import Medium
 class Severity(Enum):
     """How much a finding matters, least first (``rank`` orders them)."""
 
-    OK = "ok"  # kvstrata does its job here
     INFO = "info"  # worth knowing, costs nothing
+    OK = "ok"  # kvstrata does its job here (the answer, above the details)
     WARN = "warn"  # costs time, or leaves a gain on the table
     PROBLEM = "problem"  # kvstrata does not help, or makes it slower
 

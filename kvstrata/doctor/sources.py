@@ -46,6 +46,7 @@ class Samples:
     def __init__(self) -> None:
         # sample name -> [(labels other than engine and model, value)]
         self._by_name: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+        self._cumulative: set[str] = set()  # names of counters' and histograms' samples (they only grow)
         self.models: set[str] = set()
 
     @classmethod
@@ -67,6 +68,30 @@ class Samples:
                         out.models.add(s.labels["model_name"])
                     labels = {k: v for k, v in s.labels.items() if k not in ("engine", "model_name")}
                     out._by_name[s.name].append((labels, s.value))
+                    if family.type in ("counter", "histogram", "summary") and not s.name.endswith("_created"):
+                        out._cumulative.add(s.name)
+        return out
+
+    def since(self, earlier: Samples, source: str) -> Samples:
+        """What happened between ``earlier`` and these samples: counters and histograms are
+        the differences, gauges (tiers' fill, vLLM's config) are these.
+
+        Raises:
+            SourceError: a counter went down (the server restarted in between).
+        """
+        out = Samples()
+        out.models, out._cumulative = set(self.models), set(self._cumulative)
+        for name, samples in self._by_name.items():
+            if name not in self._cumulative:
+                out._by_name[name] = list(samples)
+                continue
+            before = _summed(earlier._by_name.get(name, ()))
+            for key, value in _summed(samples).items():
+                delta = value - before.get(key, 0.0)
+                if delta < -1e-9 * max(1.0, abs(value)):
+                    raise SourceError(f"{source}: {name} went down since the earlier dump (the server restarted "
+                                      "in between?): a window needs two dumps of one run")
+                out._by_name[name].append((dict(key), max(0.0, delta)))
         return out
 
     def has_prefix(self, prefix: str) -> bool:
@@ -96,6 +121,13 @@ class Samples:
             return None
         buckets = sorted((float(le), v) for (le,), v in self.by(f"{name}_bucket", "le").items())
         return Histogram(tuple(buckets), self.total(f"{name}_count"), self.total(f"{name}_sum"))
+
+
+def _summed(samples) -> dict[frozenset, float]:
+    out: dict[frozenset, float] = defaultdict(float)
+    for labels, value in samples:
+        out[frozenset(labels.items())] += value
+    return out
 
 
 def observation(samples: Samples, source: str, requests: tuple[RequestSample, ...] = ()) -> Observation:
@@ -201,30 +233,44 @@ def _int(text: str | None) -> int | None:
 # --- sources -------------------------------------------------------------------------------
 
 
-def read(where: str, timeout_s: float = FETCH_TIMEOUT_S) -> list[Observation]:
+def read(where: str, timeout_s: float = FETCH_TIMEOUT_S, since: str | None = None) -> list[Observation]:
     """The observations of ``where``: a URL (``http://host:port``, its ``/metrics`` then), a
-    metrics dump file, or a ``bench serve --json`` report (one observation per configuration).
+    metrics dump file, or a ``bench serve --json`` report (one observation per server).
+
+    ``since``: an earlier metrics dump of the same server (a file); the observation is then of
+    what happened after it (a window), not since the server started.
 
     Raises:
-        SourceError: no answer, no such file, or not metrics nor a bench report.
+        SourceError: no answer, no such file, or not metrics nor a bench report; a ``since``
+            with a bench report, or one from before a restart.
     """
+    earlier = Samples.parse([_text(since)], since) if since is not None else None
     if where.startswith(("http://", "https://")):
         url = metrics_url(where)
-        return [observation(Samples.parse([fetch(url, timeout_s)], url), url)]
-    path = Path(where)
-    if not path.is_file():
-        raise SourceError(f"{where}: no such file (give a /metrics URL, a metrics dump or a bench serve --json report)")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{where}: cannot read it as text ({exc})") from None
+        samples = Samples.parse([fetch(url, timeout_s)], url)
+        return [observation(samples.since(earlier, url) if earlier is not None else samples, url)]
+    text = _text(where)
     if text.lstrip().startswith(("{", "[")):
+        if earlier is not None:
+            raise SourceError(f"{where}: a bench serve report has its own window (its servers' whole runs); "
+                              "--since is for a metrics dump or a URL")
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise SourceError(f"{where}: looks like JSON but is not ({exc})") from None
         return from_bench(doc, where)
-    return [observation(Samples.parse([text], where), where)]
+    samples = Samples.parse([text], where)
+    return [observation(samples.since(earlier, where) if earlier is not None else samples, where)]
+
+
+def _text(where: str) -> str:
+    path = Path(where)
+    if not path.is_file():
+        raise SourceError(f"{where}: no such file (give a /metrics URL, a metrics dump or a bench serve --json report)")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{where}: cannot read it as text ({exc})") from None
 
 
 def metrics_url(url: str) -> str:

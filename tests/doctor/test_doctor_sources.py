@@ -128,3 +128,18 @@ def test_a_server_url_gets_its_metrics_path():
     assert metrics_url("http://h:8000") == "http://h:8000/metrics"
     assert metrics_url("http://h:8000/") == "http://h:8000/metrics"
     assert metrics_url("http://h:8000/custom/metrics") == "http://h:8000/custom/metrics"
+
+
+def test_a_window_between_two_dumps(tmp_path):
+    earlier, later = tmp_path / "earlier.txt", tmp_path / "later.txt"
+    earlier.write_text(VLLM_DUMP.read_text() + CONNECTOR_TEXT)
+    grown = CONNECTOR_TEXT.replace('tier="host"} 40.0', 'tier="host"} 100.0').replace(
+        'kvstrata_connector_loads_total{engine="0",model_name="m"} 6.0', 'kvstrata_connector_loads_total{engine="0",model_name="m"} 9.0')
+    later.write_text(VLLM_DUMP.read_text() + grown)
+    (obs,) = read(str(later), since=str(earlier))
+    c, v = obs.connector, obs.vllm
+    assert c.tier(Medium.HOST).hit_blocks == 60 and c.loads == 3 and c.miss_blocks == 0
+    assert c.tier(Medium.DISK).used_bytes == 3.5e6  # a gauge: its value now
+    assert v.prompt_tokens == 0 and v.ttft_hist.count == 0 and v.block_tokens == 32
+    with pytest.raises(SourceError, match="went down since the earlier dump"):
+        read(str(earlier), since=str(later))
