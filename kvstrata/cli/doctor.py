@@ -43,7 +43,7 @@ _LABELS = {
     "predicted_gbps": "predicted", "spec_gbps": "spec path", "break_even_gbps": "break-even rate",
     "load_failed_blocks": "failed blocks", "recomputed_blocks": "recomputed blocks", "failed_share": "failed share",
     "recompute_lost_s": "prefill lost", "saved_s_per_load": "saved per load", "saved_s": "saved in all",
-    "ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90",
+    "ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90", "prefill_tokens_per_s": "prefill tokens/s",
 }
 
 
@@ -133,9 +133,13 @@ def render(console: Console, d: Diagnosis, profile: str, calibrated: bool) -> No
     if d.summary:
         console.print("  " + ", ".join(_evidence(e) for e in d.summary), highlight=False, style="dim")
     if d.tiers:
-        console.print(_tier_table(d.tiers, d.prefill_basis))
+        console.print(_tier_table(d.tiers))
         for line in _bottlenecks(d.tiers):
             console.print(line, highlight=False, style="dim")
+        if d.prefill_basis is not None:
+            basis = "the server's own prefill time over the tokens it computed" if d.prefill_basis == "server" \
+                else "the profile's prefill fit for this model"
+            console.print(f"  compute: {basis}", highlight=False, style="dim")
     for i, f in enumerate(d.findings, 1):
         style = _STYLE[f.severity]
         console.print(f"\n[{style}]{i}. {f.severity.value.upper()}[/] [bold]{f.title}[/]", highlight=False)
@@ -146,20 +150,19 @@ def render(console: Console, d: Diagnosis, profile: str, calibrated: bool) -> No
     console.print()
 
 
-def _tier_table(tiers: tuple[TierReport, ...], prefill_basis: str | None) -> Table:
-    compute = f"compute/block ({prefill_basis})" if prefill_basis else "compute/block"
-    table = Table(title="per tier")
-    for col in ("tier", "hit rate", "loaded", "fill", "evicted", "achieved", "predicted", "spec path", "load/block",
-                compute):
+def _tier_table(tiers: tuple[TierReport, ...]) -> Table:
+    table = Table(title="per tier: restore GB/s achieved, predicted and the spec path's; a block's load and compute")
+    for col in ("tier", "hit rate", "loaded", "fill", "evicted", "GB/s", "predicted", "spec", "load", "compute"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for t in tiers:
+        predicted = "-" if t.predicted_gbps is None else _rate(t.predicted_gbps) + \
+            ("" if t.predicted_basis == "calibrated" else f" ({t.predicted_basis})")
         table.add_row(
             t.medium.label, f"{t.hit_rate:.0%}", f"{t.loaded_blocks:,.0f}",
             "-" if t.fill is None else f"{t.fill:.0%}",
             "-" if t.evicted_blocks is None else f"{t.evicted_blocks:,.0f}",
-            _gbps(t.achieved_gbps),
-            "-" if t.predicted_gbps is None else f"{_gbps(t.predicted_gbps)} ({t.predicted_basis})",
-            _gbps(t.spec_gbps), _ms(t.seconds_per_block), _ms(t.recompute_s_per_block),
+            _rate(t.achieved_gbps), predicted, _rate(t.spec_gbps), _ms(t.seconds_per_block),
+            _ms(t.recompute_s_per_block),
         )
     return table
 
@@ -190,6 +193,12 @@ def _value(e: Evidence, label: str) -> str:
     if e.unit == "bytes":
         return f"{v / 1e6:,.1f} MB"
     return f"{v:,.0f}" + ("" if e.unit == "count" or label.endswith(e.unit) else f" {e.unit}")
+
+
+def _rate(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return "inf" if not math.isfinite(v) else f"{v:.3g}"
 
 
 def _gbps(v: float | None) -> str:

@@ -120,6 +120,8 @@ def diagnose(obs: Observation, hw: Expectations) -> Diagnosis:
     helped = _helps(obs, conn, tiers, timings, slow)
     if helped is not None:
         findings.append(helped)
+    if prefill is not None:  # a rate through the origin, or a fit's marginal rate
+        summary += (Evidence("prefill_tokens_per_s", prefill.tokens_per_s, "count"),)
     return Diagnosis(obs.source, _verdict(conn, slow, helped), _ordered(findings), tiers, summary, prefill_basis)
 
 
@@ -438,7 +440,8 @@ _SLOWER_BECAUSE = {
 }
 _FASTER = {
     Medium.HOST: "Give host restores the path they were calibrated on: cores not busy with other work, pinned memory",
-    Medium.DISK: "Put the disk tier on a drive that delivers the calibrated rate (nothing else reading it, no cap)",
+    Medium.DISK: "Put the disk tier on a drive that delivers the calibrated rate, with nothing else reading it "
+                 "and no read cap",
     Medium.REMOTE: "Give pool restores the calibrated path: a NIC and pool not shared with other traffic",
 }
 

@@ -1,0 +1,169 @@
+"""``kvstrata doctor`` on real runs: vLLM's OpenAI server with the connector on the tiny model,
+four workloads, the doctor naming the cause of each from the server's own ``/metrics``.
+
+1. no reuse: distinct prompts only;
+2. fits vLLM's own cache: three short prompts asked five times each, 400 KV blocks;
+3. slow disk: six prompts asked twice through 40 KV blocks (the repeats evicted from vLLM), served
+   from a disk tier whose reads are capped at 2 MB/s (an emulated slow drive), no host tier;
+4. kvstrata helps: the same, served from the host tier.
+
+Cases 1 and 2 share a server: the second is diagnosed on the window after the first's dump
+(``--since``). The hardware profile is this host's, calibrated at small sizes by the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from kvstrata.cli import main  # noqa: E402
+from kvstrata.doctor.sources import Samples  # noqa: E402
+from kvstrata.integrations.vllm.server import ServerSpec, VllmServer  # noqa: E402
+
+PROMPT_TOKENS = 300  # 9 full blocks of 32
+BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 2  # the tiny model: 4 layers x K,V x 32 tokens x 2 KV heads x 64 dims x bf16
+DEVICE_BYTES = 16 * BLOCK_BYTES  # kvstrata's device tier: under two prompts, so repeats come from below it
+TIER_BYTES = 400 * BLOCK_BYTES
+SLOW_DISK_GBPS = 0.002  # 64 KiB blocks in ~33 ms each: far slower than the tiny model computes them
+ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(tokens)]
+
+
+def ask(server: VllmServer, prompts: list[list[int]]) -> None:
+    """Each prompt in turn, streamed (temperature 0, two tokens), as a client would."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    model = client.models.list().data[0].id
+    for p in prompts:
+        for _ in client.completions.create(model=model, prompt=p, max_tokens=2, temperature=0, stream=True):
+            pass
+
+
+def dump(server: VllmServer, stats_path: Path, into: Path, timeout_s: float = 20.0) -> Path:
+    """The server's /metrics into a file, once it shows the stats file's loads and stores (the
+    API server records a step's stats after the step's output)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = server.metrics_text()
+        samples = Samples.parse([text], server.url)
+        stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+        seen = (samples.total("kvstrata_connector_loads_total"), samples.total("kvstrata_connector_stored_blocks_total"))
+        if seen == (stats.get("load_requests", 0), stats.get("new_blocks", 0)) or time.monotonic() > deadline:
+            into.write_text(text)
+            return into
+        time.sleep(0.2)
+
+
+def doctor(source: Path, profile: Path, *args: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["doctor", str(source), "--profile", str(profile), "--json", *args]) == 0
+    return json.loads(out.getvalue())
+
+
+def spec(model_dir: Path, work: Path, kv_blocks: int, **tiers) -> tuple[ServerSpec, Path]:
+    stats = work / "stats.json"
+    connector = {"device_bytes": DEVICE_BYTES, "stats_path": str(stats), **tiers}
+    return ServerSpec(str(model_dir), kv_blocks=kv_blocks, connector=connector, env=ENV), stats
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    """This host calibrated at small sizes (seconds): its disk's block reads and kvstrata's fixed costs."""
+    work = tmp_path_factory.mktemp("calibrate")
+    out = work / "host.toml"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["calibrate", "--sizes-mib", "1", "4", "--repeats", "2", "--dir", str(work), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def big_vllm(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Cases 1 and 2 on one server with 400 KV blocks and a host tier: dumps before, after the
+    distinct prompts, and after the short repeated ones."""
+    work = tmp_path_factory.mktemp("doctor-big")
+    server_spec, stats = spec(tiny_model_dir, work, 400, host_bytes=TIER_BYTES)
+    with VllmServer(server_spec, work / "server.log") as server:
+        ask(server, [prompt(100 + i) for i in range(12)])
+        distinct = dump(server, stats, work / "distinct.txt")
+        short = [prompt(200 + i, 100) for i in range(3)]
+        ask(server, short * 5)
+        repeated = dump(server, stats, work / "repeated.txt")
+    return distinct, repeated, work
+
+
+def served_twice(model_dir: Path, work: Path, **tiers) -> Path:
+    """Six prompts asked twice through 40 KV blocks: the repeats are gone from vLLM's cache."""
+    server_spec, stats = spec(model_dir, work, 40, **tiers)
+    with VllmServer(server_spec, work / "server.log") as server:
+        ask(server, [prompt(i) for i in range(6)] * 2)
+        return dump(server, stats, work / "metrics.txt")
+
+
+def causes(doc: dict) -> dict[str, dict]:
+    return {f["cause"]: f for f in doc["findings"]}
+
+
+def test_no_reuse_is_reuse_limited_not_a_capacity_problem(big_vllm, profile):
+    distinct, _, _ = big_vllm
+    doc = doctor(distinct, profile)
+    found = causes(doc)
+    assert doc["verdict"] == "no_gain"
+    assert found["reuse_limited"]["severity"] == "problem"
+    assert found["reuse_limited"]["change"]["kind"] == "disable_connector"
+    assert "capacity_limited" not in found and "helps" not in found
+    assert all(f["change"]["kind"] != "bigger_tier" for f in doc["findings"])
+    assert doc["summary"]["kvstrata_hit_rate"] == 0
+
+
+def test_a_workload_that_fits_vllms_cache_is_served_by_vllm(big_vllm, profile):
+    distinct, repeated, _ = big_vllm
+    doc = doctor(repeated, profile, "--since", str(distinct))
+    found = causes(doc)
+    assert "vllm_cache_serves" in found and doc["verdict"] == "no_gain"
+    assert doc["summary"]["vllm_hit_rate"] > 0.5
+    assert found["vllm_cache_serves"]["evidence"]["connector_hit_tokens"]["value"] == 0
+
+
+def test_a_slow_disk_is_slower_than_computing_and_below_its_prediction(tiny_model_dir, tmp_path, profile):
+    work = tmp_path / "slow-disk"
+    work.mkdir()
+    metrics = served_twice(tiny_model_dir, work, host_bytes=0, disk_dir=str(work / "disk"), disk_bytes=TIER_BYTES,
+                           disk_read_gbps=SLOW_DISK_GBPS)
+    doc = doctor(metrics, profile)
+    found = causes(doc)
+    assert doc["verdict"] == "hurts" and "helps" not in found
+    slow = found["slower_than_recompute"]
+    assert slow["tier"] == "disk" and slow["change"]["kind"] == "disable_tier"
+    below = found["below_prediction"]
+    assert below["tier"] == "disk" and below["change"]["kind"] == "faster_path"
+    disk = next(t for t in doc["tiers"] if t["tier"] == "disk")
+    assert disk["predicted_basis"] == "calibrated" and disk["loaded_blocks"] > 0
+    assert disk["achieved_gbps"] < 2 * SLOW_DISK_GBPS < disk["predicted_gbps"]
+
+
+def test_host_restores_help_and_the_hit_rate_per_tier_is_reported(tiny_model_dir, tmp_path, profile):
+    work = tmp_path / "host"
+    work.mkdir()
+    metrics = served_twice(tiny_model_dir, work, host_bytes=TIER_BYTES)
+    doc = doctor(metrics, profile)
+    found = causes(doc)
+    assert doc["verdict"] == "helps"
+    assert "slower_than_recompute" not in found
+    assert found.get("below_prediction", {}).get("severity", "info") == "info"  # if slower than calibrated: cheap anyway
+    evidence = found["helps"]["evidence"]
+    assert evidence["host_hit_rate"]["value"] > 0.3 and evidence["saved_s"]["value"] > 0
+    host = next(t for t in doc["tiers"] if t["tier"] == "host")
+    assert host["hit_rate"] > 0.3 and host["seconds_per_block"] < host["recompute_s_per_block"]
