@@ -205,3 +205,14 @@ def test_histogram_quantiles_follow_prometheus():
     assert h.quantile(0.5) == pytest.approx(15.0)  # 4th of 8: halfway through (10, 20]
     assert h.quantile(0.9) == 20.0  # in the +Inf bucket: the highest finite bound
     assert h.mean == 15.0 and Histogram((), 0, 0).quantile(0.5) is None
+
+
+def test_the_analysis_is_pure():
+    """Imported in a fresh interpreter, the doctor's core leaves torch unloaded and opens no socket."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvstrata.doctor.analyze, kvstrata.doctor.derive, kvstrata.doctor.expect; "
+            "print(sorted(m for m in ('torch', 'socket', 'urllib.request', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
