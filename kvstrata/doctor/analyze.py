@@ -107,6 +107,13 @@ def diagnose(obs: Observation, hw: Expectations) -> Diagnosis:
 
 def _no_connector(obs: Observation) -> Finding:
     v = obs.vllm
+    if obs.baseline:
+        return Finding(
+            Cause.NO_CONNECTOR, Severity.INFO, "vLLM alone: the benchmark's baseline", (),
+            "The benchmark ran this server without kvstrata's connector, to compare the others with; its numbers "
+            "are vLLM's own (its prefix cache, its TTFT).",
+            Suggestion(Change.NONE, "Nothing: compare its TTFT with the servers that have the connector."),
+        )
     if v is not None and v.external_hits_tokens > 0:  # some connector answered vLLM, silently
         evidence = (Evidence("connector_hit_tokens", v.external_hits_tokens, "tokens"),)
         why = (f"A KV connector served vLLM {v.external_hits_tokens:,.0f} prompt tokens, but this server has no "

@@ -177,6 +177,8 @@ class Observation:
         connector: kvstrata's; None: no ``kvstrata_connector_`` series (the connector is not
             loaded there, or reports nothing).
         requests: per request, what a client measured (empty from a ``/metrics`` scrape).
+        baseline: a benchmark ran this server without the connector on purpose, to compare
+            the others with (a report where other servers have the connector's series).
     """
 
     source: str
@@ -184,3 +186,4 @@ class Observation:
     vllm: VllmCounters | None = None
     connector: ConnectorCounters | None = None
     requests: tuple[RequestSample, ...] = field(default_factory=tuple)
+    baseline: bool = False

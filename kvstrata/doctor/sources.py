@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +305,8 @@ def from_bench(doc: Any, source: str) -> list[Observation]:
     {"requests": [...]}``); where it is one text (or a list of texts, summed), the object is one
     configuration, named by its ``name`` (else ``config`` or ``label``, else the key it sits
     under), its requests inside it. Requests: the first list of objects with ``prompt_tokens``
-    and ``ttft_s``.
+    and ``ttft_s``. Where some servers have the connector's series, those without are the
+    report's baselines (vLLM alone, on purpose).
 
     Raises:
         SourceError: no ``metrics_text`` in it.
@@ -325,6 +327,8 @@ def from_bench(doc: Any, source: str) -> list[Observation]:
         texts = [texts] if isinstance(texts, str) else [t for t in texts if isinstance(t, str)] \
             if isinstance(texts, list) else []
         out.append(observation(Samples.parse(texts, label), label, _requests(config)))
+    if any(o.connector is not None for o in out):  # the servers without it are the baselines
+        out = [replace(o, baseline=True) if o.connector is None else o for o in out]
     return out
 
 

@@ -75,6 +75,8 @@ def test_a_bench_report_gives_one_diagnosis_per_server(capsys, tmp_path):
     baseline, ours = doctor_json(capsys, str(report))
     assert (baseline["source"], ours["source"]) == (f"{report} [baseline]", f"{report} [kvstrata]")
     assert baseline["verdict"] == "unknown" and ours["summary"]["ttft_p50_s"] == 0.05
+    (finding,) = baseline["findings"]  # vLLM alone on purpose: said so, not a problem
+    assert finding["cause"] == "no_connector" and finding["severity"] == "info"
 
 
 def test_bad_sources_are_one_line_and_exit_2(capsys, tmp_path):

@@ -92,7 +92,8 @@ def test_a_bench_report_is_read_by_its_shape():
                            "ttft_p50_s": 0.04},
               "kvstrata": {"requests": [{"prompt_tokens": 300, "ttft_s": 0.02}]}}
     baseline, ours = from_bench(report, "bench.json")
-    assert baseline.source == "bench.json [baseline]" and baseline.connector is None
+    assert baseline.source == "bench.json [baseline]" and baseline.connector is None and baseline.baseline
+    assert not ours.baseline
     assert [(r.prompt_tokens, r.ttft_s) for r in baseline.requests] == [(300, 0.05), (310, 0.03)]
     assert ours.source == "bench.json [kvstrata]" and ours.connector is not None and len(ours.requests) == 1
     # a list of configurations, each with its own text and requests
