@@ -66,7 +66,7 @@ def dump(server: VllmServer, stats_path: Path, into: Path, timeout_s: float = 20
         time.sleep(0.2)
 
 
-def doctor(source: Path, profile: Path, *args: str) -> dict:
+def doctor(source: Path | str, profile: Path, *args: str) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["doctor", str(source), "--profile", str(profile), "--json", *args]) == 0
@@ -90,18 +90,20 @@ def profile(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def big_vllm(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, Path]:
-    """Cases 1 and 2 on one server with 400 KV blocks and a host tier: dumps before, after the
-    distinct prompts, and after the short repeated ones."""
+def big_vllm(tiny_model_dir, tmp_path_factory, profile) -> tuple[Path, Path, dict]:
+    """Cases 1 and 2 on one server with 400 KV blocks and a host tier: dumps after the distinct
+    prompts and after the short repeated ones, and the doctor's answer from the live URL after
+    the first."""
     work = tmp_path_factory.mktemp("doctor-big")
     server_spec, stats = spec(tiny_model_dir, work, 400, host_bytes=TIER_BYTES)
     with VllmServer(server_spec, work / "server.log") as server:
         ask(server, [prompt(100 + i) for i in range(12)])
         distinct = dump(server, stats, work / "distinct.txt")
+        live = doctor(server.url, profile)
         short = [prompt(200 + i, 100) for i in range(3)]
         ask(server, short * 5)
         repeated = dump(server, stats, work / "repeated.txt")
-    return distinct, repeated, work
+    return distinct, repeated, live
 
 
 def served_twice(model_dir: Path, work: Path, **tiers) -> Path:
@@ -117,9 +119,10 @@ def causes(doc: dict) -> dict[str, dict]:
 
 
 def test_no_reuse_is_reuse_limited_not_a_capacity_problem(big_vllm, profile):
-    distinct, _, _ = big_vllm
+    distinct, _, live = big_vllm
     doc = doctor(distinct, profile)
     found = causes(doc)
+    assert (live["verdict"], set(causes(live))) == (doc["verdict"], set(found))  # the URL answers as its dump
     assert doc["verdict"] == "no_gain"
     assert found["reuse_limited"]["severity"] == "problem"
     assert found["reuse_limited"]["change"]["kind"] == "disable_connector"
