@@ -95,7 +95,7 @@ class ConnectorCounters:
         legs: per route leg, bytes and seconds.
         miss_blocks: blocks a lookup asked for and no tier held.
         loads, load_seconds: loads and their own time (planning and moving), summed.
-        stored_blocks, store_seconds: blocks offered to the cache and the time storing took.
+        stored_blocks, store_seconds: new blocks stored (not held before) and the time storing took.
         load_failed_blocks: blocks whose load failed.
         recomputed_blocks: blocks vLLM computed again after a failed load.
     """
