@@ -1,0 +1,200 @@
+"""``bench serve``'s workload as data: a Mooncake-format trace turned into multi-turn
+conversations of token ids, and when each turn may be sent (pure: no I/O, no randomness
+beyond seeded generators).
+
+From the trace. Conversation ``i`` opens with trace request ``i`` (in arrival order): its
+``hash_ids`` (chained ids of 512-token blocks) become blocks of ``block_tokens`` token ids each,
+drawn from a generator seeded by the id, so two requests that share a leading id run share that
+many blocks of prompt, as the trace says (a system prompt shared across users stays shared).
+Lengths scale by ``block_tokens / 512`` (one trace block becomes one vLLM block), and an opening
+prompt is cut at ``opener_max_tokens`` so the last turn still fits ``max_model_len``:
+``opener + (turns - 1) x (answer + user text) + answer``. Cutting keeps the leading blocks,
+which is what a chained id names.
+
+Later turns. Turn ``t`` sends the previous turn's prompt, its answer (the token ids the server
+returned) and ``user_tokens`` new token ids, so every turn extends the one before. Prompts are
+token ids, which the completions API takes as they are: a text round trip through the tokenizer
+could merge tokens across the seam and change the prefix the next turn was meant to reuse.
+
+Arrivals. Requests are numbered turn by turn (every conversation's first turn, then every
+second turn, ...); request ``n`` may be sent ``n / rate`` seconds after the start, and a turn is
+never sent before its conversation's previous answer is back (a closed loop per conversation).
+
+``variant`` draws other token ids for the same shapes: rounds and phases of one run use the same
+conversations with fresh content, so none finds another's KV cached.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstrata.sim.trace import BLOCK_TOKENS as TRACE_BLOCK_TOKENS
+from kvstrata.sim.trace import Request, sort_by_time
+
+FIRST_TOKEN_ID = 16  # ids below are left out: tokenizers put their special tokens first
+
+
+@dataclass(frozen=True)
+class ServeWorkload:
+    """The conversations' shape and pace.
+
+    Attributes:
+        conversations: conversations at once (each opens with one trace request).
+        turns: turns per conversation.
+        max_tokens: answer tokens per turn (greedy, end-of-sequence ignored: every answer has
+            exactly this many).
+        user_tokens: new user tokens each later turn adds.
+        block_tokens: tokens one 512-token trace block becomes (vLLM's block size).
+        max_model_len: the server's longest prompt plus answer.
+        rate_per_s: requests a second the schedule allows (see the module text).
+        seed: the token ids' seed.
+    """
+
+    conversations: int = 8
+    turns: int = 3
+    max_tokens: int = 16
+    user_tokens: int = 48
+    block_tokens: int = 32
+    max_model_len: int = 512
+    rate_per_s: float = 4.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("conversations", "turns", "max_tokens", "user_tokens", "block_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"bench serve: {name} must be a whole number >= 1, got {value!r}")
+        if not (isinstance(self.rate_per_s, (int, float)) and math.isfinite(self.rate_per_s) and self.rate_per_s > 0):
+            raise ValueError(f"bench serve: rate must be a number of requests/s > 0, got {self.rate_per_s!r}")
+        if self.opener_max_tokens < self.block_tokens:
+            grow = (self.turns - 1) * (self.max_tokens + self.user_tokens) + self.max_tokens + self.block_tokens
+            raise ValueError(
+                f"bench serve: {self.turns} turns of {self.max_tokens} answer + {self.user_tokens} user tokens leave "
+                f"no room for one {self.block_tokens}-token block of opening prompt in max_model_len "
+                f"{self.max_model_len} (needs >= {grow}): fewer turns or tokens, or a longer max_model_len")
+
+    @property
+    def opener_max_tokens(self) -> int:
+        """The longest opening prompt, whole blocks, that leaves room for every later turn."""
+        room = self.max_model_len - (self.turns - 1) * (self.max_tokens + self.user_tokens) - self.max_tokens
+        return max(0, room) // self.block_tokens * self.block_tokens
+
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns
+
+    @property
+    def longest_prompt_tokens(self) -> int:
+        return self.opener_max_tokens + (self.turns - 1) * (self.max_tokens + self.user_tokens)
+
+
+@dataclass(frozen=True)
+class ConversationPlan:
+    """One conversation: its opening prompt and each later turn's new user tokens.
+
+    Attributes:
+        index: its number (arrival order of its trace request).
+        opener: turn 0's prompt, token ids.
+        user: turn ``t``'s new user tokens at ``user[t - 1]``.
+        trace_input_tokens: its trace request's input_length, before scaling.
+        shared_blocks: leading blocks of its opener whose trace ids an earlier opener had too.
+    """
+
+    index: int
+    opener: tuple[int, ...]
+    user: tuple[tuple[int, ...], ...]
+    trace_input_tokens: int
+    shared_blocks: int = 0
+
+    @property
+    def turns(self) -> int:
+        return len(self.user) + 1
+
+    def prompt(self, turn: int, answers: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """Turn ``turn``'s prompt given the answers of turns ``0 .. turn - 1``."""
+        if len(answers) < turn:
+            raise ValueError(f"turn {turn} needs {turn} earlier answers, got {len(answers)}")
+        prompt = list(self.opener)
+        for t in range(1, turn + 1):
+            prompt += [*answers[t - 1], *self.user[t - 1]]
+        return tuple(prompt)
+
+
+def opener_tokens(request: Request, workload: ServeWorkload) -> int:
+    """An opening prompt's length: the trace's, scaled to ``block_tokens`` a trace block, cut to fit."""
+    scaled = -(-request.input_length * workload.block_tokens // TRACE_BLOCK_TOKENS)
+    return max(1, min(scaled, workload.opener_max_tokens))
+
+
+def plan_conversations(trace: Sequence[Request], workload: ServeWorkload, vocab: int,
+                       variant: int = 0) -> tuple[ConversationPlan, ...]:
+    """The first ``workload.conversations`` requests of ``trace`` (arrival order) as conversations
+    of token ids in ``[FIRST_TOKEN_ID, vocab)``.
+
+    Raises:
+        ValueError: the trace has fewer requests than conversations, or the vocabulary is too small.
+    """
+    if vocab <= FIRST_TOKEN_ID:
+        raise ValueError(f"bench serve: the model's vocabulary ({vocab}) is too small to draw prompts from")
+    if len(trace) < workload.conversations:
+        raise ValueError(f"bench serve: the trace has {len(trace)} requests; {workload.conversations} conversations "
+                         "need one each")
+    ordered = sort_by_time(trace)[: workload.conversations]
+    seen: set[int] = set()
+    plans = []
+    for index, request in enumerate(ordered):
+        length = opener_tokens(request, workload)
+        full, tail = divmod(length, workload.block_tokens)
+        opener: list[int] = []
+        shared = 0
+        for b in range(full):
+            if b < len(request.hash_ids):
+                trace_id = request.hash_ids[b]
+                if trace_id in seen and shared == b:  # a leading run another opener had
+                    shared += 1
+                opener += _draw(workload.seed, vocab, variant, f"block/{trace_id}", workload.block_tokens)
+            else:  # the trace left this block unhashed: it is this request's own
+                opener += _draw(workload.seed, vocab, variant, f"own/{index}/{b}", workload.block_tokens)
+        opener += _draw(workload.seed, vocab, variant, f"tail/{index}", tail)
+        seen.update(request.hash_ids[:full])
+        user = tuple(tuple(_draw(workload.seed, vocab, variant, f"user/{index}/{t}", workload.user_tokens))
+                     for t in range(1, workload.turns))
+        plans.append(ConversationPlan(index, tuple(opener), user, request.input_length, shared))
+    return tuple(plans)
+
+
+def replay_plans(prompts: Sequence[Sequence[int]]) -> tuple[ConversationPlan, ...]:
+    """Prompts sent again as they were, each a one-turn conversation (a restarted server's replay)."""
+    return tuple(ConversationPlan(i, tuple(p), (), len(p)) for i, p in enumerate(prompts))
+
+
+def warm_prompts(workload: ServeWorkload, vocab: int, count: int, tag: str) -> list[tuple[int, ...]]:
+    """Prompts of their own (two blocks and a token) to warm a fresh server up with."""
+    return [tuple(_draw(workload.seed, vocab, -1, f"warm/{tag}/{i}", 2 * workload.block_tokens + 1))
+            for i in range(count)]
+
+
+def arrival_s(conversation: int, turn: int, conversations: int, rate_per_s: float) -> float:
+    """When turn ``turn`` of conversation ``conversation`` may be sent, seconds after the start."""
+    return (turn * conversations + conversation) / rate_per_s
+
+
+def alternate(conversation: int, turn: int, servers: int = 2) -> int:
+    """Which of ``servers`` a turn goes to, round robin turn by turn (no affinity: a conversation's
+    next turn always lands on another server than its last, conversations staggered)."""
+    return (conversation + turn) % servers
+
+
+def hit_blocks(prompt_tokens: int, block_tokens: int) -> int:
+    """Full blocks before a prompt's last token: the most a cache can serve (the engine computes
+    at least the last token itself, for the next token's logits)."""
+    return max(0, prompt_tokens - 1) // block_tokens
+
+
+def _draw(seed: int, vocab: int, variant: int, what: str, count: int) -> list[int]:
+    """``count`` token ids for ``what``, the same for the same seed, variant and name."""
+    rng = random.Random(f"{seed}/{variant}/{what}")  # a str seed: stable across processes
+    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(count)]
