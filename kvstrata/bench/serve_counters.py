@@ -1,0 +1,168 @@
+"""A ``vllm serve`` process's counters, read from what it exports (pure: parsing and arithmetic;
+the bench fetches the texts).
+
+Two sources. vLLM's Prometheus ``/metrics``: its own prefix cache's ``vllm:prefix_cache_queries``
+and ``vllm:prefix_cache_hits`` (tokens). The connector's stats file (``stats_path`` in its
+extra config, :mod:`kvstrata.integrations.vllm.stats`): the blocks it loaded into vLLM per
+route, by the tier each came from, its loads and their seconds. When the server's ``/metrics``
+exports the connector's ``kvstrata_connector_lookup_hit_blocks_total`` per tier, the hits per
+tier are taken from there instead, and :attr:`Counters.hits_source` says which was read.
+
+Every counter is cumulative over the process's life: a phase's figures are the difference of a
+snapshot after it and one before (:meth:`Counters.minus`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.media import Medium, parse_route
+
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+CONNECTOR_HITS = "kvstrata_connector_lookup_hit_blocks_total"
+TIER_LABELS = ("tier", "medium", "source")  # the label of CONNECTOR_HITS that names the tier
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+class HitsSource(enum.Enum):
+    METRICS = "metrics"  # kvstrata_connector_lookup_hit_blocks_total on /metrics
+    STATS_FILE = "stats file"  # the connector's stats_path JSON (blocks loaded, by source tier)
+    NONE = "none"  # no connector
+
+
+@dataclass(frozen=True)
+class Counters:
+    """One server's cumulative counters at one moment (or, after :meth:`minus`, over a phase).
+
+    Attributes:
+        loaded_blocks: blocks the connector loaded into vLLM, by the tier each came from (its
+            stats file; empty without a connector).
+        exported_blocks: ``kvstrata_connector_lookup_hit_blocks_total`` per tier from
+            ``/metrics``; None where the server does not export it so.
+        connector: the server has the connector (a stats file was read).
+        load_requests: the connector's loads (requests it served KV to).
+        load_seconds: their time in kvstrata (to its device tier), summed.
+        restored_bytes: bytes kvstrata brought to its device tier.
+        prefix_queries_tokens: prompt tokens vLLM's own prefix cache was asked for.
+        prefix_hits_tokens: of those, tokens it held.
+    """
+
+    loaded_blocks: Mapping[Medium, int] = field(default_factory=dict)
+    exported_blocks: Mapping[Medium, int] | None = None
+    connector: bool = False
+    load_requests: int = 0
+    load_seconds: float = 0.0
+    restored_bytes: int = 0
+    prefix_queries_tokens: float = 0.0
+    prefix_hits_tokens: float = 0.0
+
+    @property
+    def hit_blocks(self) -> dict[Medium, int]:
+        """kvstrata's hits in blocks by tier: from ``/metrics`` where exported, else the stats file."""
+        chosen = self.exported_blocks if self.exported_blocks is not None else self.loaded_blocks
+        return {m: chosen[m] for m in sorted(chosen, key=lambda m: m.value) if chosen[m]}
+
+    @property
+    def hits_source(self) -> HitsSource:
+        if self.exported_blocks is not None:
+            return HitsSource.METRICS
+        return HitsSource.STATS_FILE if self.connector else HitsSource.NONE
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """vLLM's own prefix cache: hit tokens over queried tokens (None: nothing asked)."""
+        return self.prefix_hits_tokens / self.prefix_queries_tokens if self.prefix_queries_tokens else None
+
+    def minus(self, earlier: Counters) -> Counters:
+        """What happened between ``earlier`` and this snapshot of the same process (a per-tier
+        series that appeared in between counts from zero)."""
+        exported = None
+        if self.exported_blocks is not None:
+            exported = _difference(self.exported_blocks, earlier.exported_blocks or {})
+        return Counters(
+            _difference(self.loaded_blocks, earlier.loaded_blocks), exported, self.connector,
+            self.load_requests - earlier.load_requests,
+            self.load_seconds - earlier.load_seconds,
+            self.restored_bytes - earlier.restored_bytes,
+            self.prefix_queries_tokens - earlier.prefix_queries_tokens,
+            self.prefix_hits_tokens - earlier.prefix_hits_tokens,
+        )
+
+    def plus(self, other: Counters) -> Counters:
+        """Two phases' (or servers') counters together."""
+        exported = None
+        if self.exported_blocks is not None or other.exported_blocks is not None:
+            exported = _sum(self.exported_blocks or {}, other.exported_blocks or {})
+        return Counters(
+            _sum(self.loaded_blocks, other.loaded_blocks), exported, self.connector or other.connector,
+            self.load_requests + other.load_requests,
+            self.load_seconds + other.load_seconds,
+            self.restored_bytes + other.restored_bytes,
+            self.prefix_queries_tokens + other.prefix_queries_tokens,
+            self.prefix_hits_tokens + other.prefix_hits_tokens,
+        )
+
+
+def _difference(later: Mapping[Medium, int], earlier: Mapping[Medium, int]) -> dict[Medium, int]:
+    return {m: later[m] - earlier.get(m, 0) for m in later if later[m] - earlier.get(m, 0)}
+
+
+def _sum(a: Mapping[Medium, int], b: Mapping[Medium, int]) -> dict[Medium, int]:
+    media = sorted({*a, *b}, key=lambda m: m.value)
+    return {m: a.get(m, 0) + b.get(m, 0) for m in media}
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text exposition: per metric name, its samples as (labels, value)."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(match["labels"] or ""))
+        samples.setdefault(match["name"], []).append((labels, value))
+    return samples
+
+
+def counters_of(metrics_text: str, stats: Mapping[str, Any] | None) -> Counters:
+    """A snapshot from a server's ``/metrics`` text and its connector's stats (None: no connector)."""
+    metrics = parse_metrics(metrics_text)
+    stats = stats or {}
+    loaded: dict[Medium, int] = {}
+    for route, blocks in (stats.get("load_paths") or {}).items():
+        source = parse_route(route)[0]  # the tier the block was found in
+        loaded[source] = loaded.get(source, 0) + int(blocks)
+    return Counters(
+        loaded, _exported_hits(metrics), bool(stats) or CONNECTOR_HITS in metrics,
+        int(stats.get("load_requests", 0)), float(stats.get("load_seconds", 0.0)), int(stats.get("restored_bytes", 0)),
+        sum(v for _, v in metrics.get(PREFIX_QUERIES, [])), sum(v for _, v in metrics.get(PREFIX_HITS, [])),
+    )
+
+
+def _exported_hits(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> dict[Medium, int] | None:
+    """The connector's hit blocks per tier from ``/metrics``; None where it does not export them
+    per tier (under one of ``TIER_LABELS``, valued a tier's name)."""
+    samples = metrics.get(CONNECTOR_HITS)
+    if not samples:
+        return None
+    by_tier: dict[Medium, int] = {}
+    for labels, value in samples:
+        name = next((labels[k] for k in TIER_LABELS if k in labels), None)
+        medium = Medium.__members__.get(name.upper()) if name else None
+        if medium is None:
+            return None  # a shape this bench does not know: the stats file says it instead
+        by_tier[medium] = by_tier.get(medium, 0) + int(value)
+    return by_tier

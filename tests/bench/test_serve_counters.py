@@ -1,0 +1,43 @@
+"""A vllm serve process's counters as bench serve reads them: vLLM's and the connector's
+/metrics, the connector's stats file, and a phase as the difference of two snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.bench.serve_counters import Counters, HitsSource, counters_of, parse_metrics
+from kvstrata.media import Medium
+
+METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0
+kvstrata_connector_lookup_hit_blocks_total{engine="0",model_name="m",tier="host"} 12.0
+kvstrata_connector_lookup_hit_blocks_total{engine="0",model_name="m",tier="remote"} 3.0
+"""
+STATS = {"load_paths": {"host -> device": 10, "remote -> host -> device": 2, "device": 1}, "load_requests": 4,
+         "load_seconds": 0.2, "restored_bytes": 1000}
+
+
+def test_counters_prefer_the_connectors_metrics_and_fall_back_to_its_stats_file():
+    both = counters_of(METRICS, STATS)
+    assert both.hit_blocks == {Medium.HOST: 12, Medium.REMOTE: 3} and both.hits_source is HitsSource.METRICS
+    assert both.prefix_hit_rate == 0.25
+    plain = "\n".join(line for line in METRICS.splitlines() if not line.startswith("kvstrata_"))
+    file_only = counters_of(plain, STATS)
+    assert file_only.hit_blocks == {Medium.DEVICE: 1, Medium.HOST: 10, Medium.REMOTE: 2}  # by the tier found in
+    assert file_only.hits_source is HitsSource.STATS_FILE
+    assert counters_of(plain, None).hits_source is HitsSource.NONE
+    assert parse_metrics('a{x="1,2",y="q\\"r"} 3\n')["a"] == [({"x": "1,2", "y": 'q\\"r'}, 3.0)]
+
+
+def test_a_phase_is_the_difference_of_two_snapshots():
+    before = counters_of(METRICS.replace(" 12.0", " 2.0").replace("1000.0", "400.0"), STATS)
+    after = counters_of(METRICS, {**STATS, "load_requests": 9, "load_seconds": 0.5})
+    phase = after.minus(before)
+    assert phase.hit_blocks == {Medium.HOST: 10}
+    assert (phase.load_requests, phase.prefix_queries_tokens) == (5, 600.0)
+    assert phase.load_seconds == pytest.approx(0.3)
+    appeared = after.minus(counters_of("", None))  # a per-tier series that appeared in between counts from zero
+    assert appeared.hit_blocks == {Medium.HOST: 12, Medium.REMOTE: 3}
+    assert Counters().plus(phase).hit_blocks == phase.hit_blocks
