@@ -1,0 +1,414 @@
+"""``bench serve``'s results: what the client saw per request, each configuration's figures,
+the paired ratios of the rounds, and the report (pure: built from records and counters; JSON
+through :func:`kvstrata.report.dumps`, the plot through :mod:`kvstrata.plots.cdf`).
+
+Figures. TTFT is the time from sending a request to its first streamed token; TPOT the time
+between its first and last token over the tokens after the first; throughput counts requests
+and answer tokens over the span from the first request sent to the last answer back. Hit rates
+are over the prompt tokens of the configuration's requests: vLLM's own prefix cache from its
+``/metrics``, kvstrata's per tier from the connector (:mod:`kvstrata.bench.serve_counters`), a
+block counting its ``block_tokens``. A completion is identical when its token ids equal those
+the reference server (prefix caching off, no connector) gave for the same prompt.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from kvstrata.bench.rounds import Spread
+from kvstrata.bench.serve_config import Instance
+from kvstrata.bench.serve_counters import Counters, HitsSource
+from kvstrata.media import Medium
+from kvstrata.report import OMIT
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from kvstrata.bench.serve_config import ServeBenchConfig
+    from kvstrata.bench.serve_plan import ConversationPlan
+    from kvstrata.plan.host import HostCalibration
+    from kvstrata.pool.scoped import PoolSource
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One streamed completion as the client saw it.
+
+    Attributes:
+        conversation, turn: which turn of which conversation.
+        server: the server that answered.
+        prompt_tokens: the prompt's tokens.
+        output_ids: the answer's token ids.
+        ttft_s: sent to first token.
+        tpot_s: first to last token over the tokens after the first (None: one token).
+        latency_s: sent to the last byte of the answer.
+        sent_s: when it was sent, seconds after its phase began.
+        identical: its answer equals the reference's for the same prompt (None: not checked).
+        prompt: the prompt's token ids (kept for the reference, not in the JSON).
+    """
+
+    conversation: int
+    turn: int
+    server: Instance
+    prompt_tokens: int
+    output_ids: tuple[int, ...]
+    ttft_s: float
+    tpot_s: float | None
+    latency_s: float
+    sent_s: float
+    identical: bool | None = None
+    prompt: tuple[int, ...] = field(default=(), metadata=OMIT)
+
+    @property
+    def done_s(self) -> float:
+        return self.sent_s + self.latency_s
+
+
+@dataclass(frozen=True)
+class PhaseRun:
+    """One phase as it ran: the answers (a P/D phase's decode answers), a P/D phase's prefill
+    calls, and each server's counters over the phase."""
+
+    records: tuple[RequestRecord, ...]
+    counters: Mapping[Instance, Counters]
+    prefills: tuple[RequestRecord, ...] = ()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, linearly interpolated between the closest
+    ranks (numpy's default); NaN for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class TierHits:
+    """kvstrata's hits from one tier: blocks, their tokens, and those over the prompt tokens."""
+
+    blocks: int
+    tokens: int
+    rate: float
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One configuration's figures over a set of requests (see the module text).
+
+    Attributes:
+        requests: the requests, each with its prompt_tokens and ttft_s.
+        ttft_s: every request's TTFT, in the order sent.
+        hits: kvstrata's hits per tier (the tier a block came from); empty without a connector.
+        hits_source: where kvstrata's hits were read (/metrics or the connector's stats file).
+        vllm_prefix_hit_rate: vLLM's own prefix cache hits over queries (None: not asked).
+        identical: every completion equals the reference's (None: not checked).
+        load_seconds_per_load: kvstrata's own time per load (None: no loads).
+    """
+
+    requests: tuple[RequestRecord, ...]
+    ttft_s: tuple[float, ...]
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float | None
+    wall_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    prompt_tokens: int
+    output_tokens: int
+    hits: dict[Medium, TierHits]
+    hit_rate: float
+    hits_source: HitsSource
+    vllm_prefix_hit_rate: float | None
+    identical: bool | None
+    differing: int
+    load_seconds_per_load: float | None
+
+
+def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: int,
+            wall_s: float | None = None) -> Measured:
+    """The figures of ``records`` (in the order sent) with the servers' ``counters`` over them;
+    ``wall_s``: the time they took (None: from the first sent to the last answer back; records
+    of several phases pass the sum of the phases')."""
+    records = tuple(records)
+    ttft = tuple(r.ttft_s for r in records)
+    tpot = [r.tpot_s for r in records if r.tpot_s is not None]
+    if wall_s is not None:
+        wall = wall_s
+    else:
+        wall = max(r.done_s for r in records) - min(r.sent_s for r in records) if records else 0.0
+    prompt_tokens = sum(r.prompt_tokens for r in records)
+    output_tokens = sum(len(r.output_ids) for r in records)
+    hits = {m: TierHits(n, n * block_tokens, n * block_tokens / prompt_tokens if prompt_tokens else 0.0)
+            for m, n in counters.hit_blocks.items()}
+    checked = [r.identical for r in records if r.identical is not None]
+    return Measured(
+        records, ttft, percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99),
+        statistics.median(tpot) if tpot else None, wall,
+        len(records) / wall if wall > 0 else 0.0, output_tokens / wall if wall > 0 else 0.0,
+        prompt_tokens, output_tokens, hits, sum(h.rate for h in hits.values()), counters.hits_source,
+        counters.prefix_hit_rate, all(checked) if checked and len(checked) == len(records) else None,
+        sum(1 for c in checked if not c),
+        counters.load_seconds / counters.load_requests if counters.load_requests else None,
+    )
+
+
+def total(counters: Iterable[Counters]) -> Counters:
+    out = Counters()
+    for c in counters:
+        out = out.plus(c)
+    return out
+
+
+# --- the report's parts ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A part of the report that did not run, and why."""
+
+    skipped: str
+
+
+@dataclass(frozen=True)
+class ServeRound:
+    """One interleaved round: both configurations on the round's conversations, in ``order``."""
+
+    index: int
+    order: tuple[Instance, ...]
+    baseline: Measured
+    kvstrata: Measured
+
+
+@dataclass(frozen=True)
+class Versus:
+    """kvstrata over the baseline, per round then the median with its spread (times: < 1 is faster)."""
+
+    ttft_p50: Spread
+    ttft_p90: Spread
+    output_tokens_per_s: Spread
+
+
+def versus(rounds: Sequence[ServeRound]) -> Versus:
+    def ratio(of: str) -> Spread:
+        return Spread.of([_ratio(getattr(r.kvstrata, of), getattr(r.baseline, of)) for r in rounds])
+
+    return Versus(ratio("ttft_p50_s"), ratio("ttft_p90_s"), ratio("output_tokens_per_s"))
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class SharedPool:
+    """Two kvstrata servers on one pool, turns alternating between them: each server's figures
+    over the turns it served (its hits per tier), and both together."""
+
+    servers: dict[Instance, Measured]
+    together: Measured
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A server restarted (its disk tier kept) and the turns it had served sent again."""
+
+    server: Instance
+    restart_s: float  # stop, start and /health answering
+    replay: Measured
+    metrics_text_before: str  # its /metrics as it stopped
+
+
+@dataclass(frozen=True)
+class PrefillDecode:
+    """Prefill on a ``kv_producer``, then decode on a ``kv_consumer``, the KV handed over in the pool.
+
+    Attributes:
+        decode: the decode server's requests: its TTFT is the handoff (the KV read from the
+            pool, the prompt's last token computed, the first token out).
+        prefill: the prefill server's requests (one token each).
+        client_ttft_p50_s: median over turns of the prefill's latency plus the decode's TTFT:
+            the first token as the client of the pair sees it.
+        restore_measured_s: kvstrata's own time per load on the decode server (its stats).
+        restore_predicted_s: the mean over the decode loads of the prediction for this host:
+            the restore of the load's bytes over the pool path (``HostCalibration.restore_s``).
+        restore_bytes: the mean bytes a decode request could load (its full blocks).
+        prediction: where the prediction's figures come from.
+    """
+
+    decode: Measured
+    prefill: Measured
+    client_ttft_p50_s: float
+    restore_measured_s: float | None
+    restore_predicted_s: float | None
+    restore_bytes: float
+    prediction: str
+
+
+def prefill_decode(run: PhaseRun, block_tokens: int, block_bytes: int, workers: int,
+                   calibration: HostCalibration | None, prediction: str) -> PrefillDecode:
+    """The P/D phase's figures, with the calibration's restore prediction (None: no prediction)."""
+    from kvstrata.bench.serve_plan import hit_blocks
+
+    decode = measure(run.records, run.counters[Instance.DECODE], block_tokens)
+    prefill = measure(run.prefills, run.counters[Instance.PREFILL], block_tokens)
+    first = {(r.conversation, r.turn): r.latency_s for r in run.prefills}
+    client = [first[(r.conversation, r.turn)] + r.ttft_s for r in run.records if (r.conversation, r.turn) in first]
+    blocks = [hit_blocks(r.prompt_tokens, block_tokens) for r in run.records]
+    predicted = None
+    if calibration is not None and blocks:
+        try:
+            predicted = statistics.mean(calibration.restore_s(Medium.REMOTE.label, b * block_bytes, b, workers=workers)
+                                        for b in blocks)
+        except KeyError:  # the pool path was not calibrated
+            predicted, prediction = None, f"{prediction} (no pool path in it)"
+    return PrefillDecode(decode, prefill, percentile(client, 50), decode.load_seconds_per_load, predicted,
+                         statistics.mean(b * block_bytes for b in blocks) if blocks else 0.0, prediction)
+
+
+@dataclass(frozen=True)
+class ServeBenchReport:
+    """``bench serve``'s report (see :mod:`kvstrata.bench.serve`).
+
+    Attributes:
+        config: what ran, sizes included.
+        trace: the trace file, or what generated it.
+        opener_tokens: each conversation's opening prompt, tokens.
+        baseline, kvstrata: each configuration over every round.
+        rounds: each round's figures.
+        versus: kvstrata over the baseline, paired per round.
+        shared_pool, restart, prefill_decode: the pool's parts (or why they did not run).
+        pool: where the pool came from (None: no pool).
+        reference_prompts: prompts the reference server computed.
+        identical: every completion checked equals the reference's.
+        server_start_s: each server's seconds to answer /health.
+        metrics_text: each server's /metrics as it stopped.
+        wall_s: the whole run.
+    """
+
+    config: ServeBenchConfig
+    trace: str
+    opener_tokens: tuple[int, ...]
+    baseline: Measured
+    kvstrata: Measured
+    rounds: tuple[ServeRound, ...]
+    versus: Versus
+    shared_pool: SharedPool | Skipped
+    restart: Restart
+    prefill_decode: PrefillDecode | Skipped
+    pool: PoolSource | None
+    reference_prompts: int
+    identical: bool
+    server_start_s: dict[Instance, float]
+    metrics_text: dict[Instance, str]
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class RoundRun:
+    """One round as it ran: the order the configurations ran in, and each one's run."""
+
+    order: tuple[Instance, ...]
+    runs: Mapping[Instance, PhaseRun]
+
+
+@dataclass(frozen=True)
+class RestartRun:
+    """A restart as it ran: the server, its replay, the seconds to /health, its /metrics before."""
+
+    server: Instance
+    run: PhaseRun
+    restart_s: float
+    metrics_text_before: str
+
+
+@dataclass(frozen=True)
+class RunLog:
+    """Every phase as it ran, before the reference's check (None: the phase did not run)."""
+
+    rounds: tuple[RoundRun, ...]
+    shared: PhaseRun | None
+    restart: RestartRun
+    prefill_decode: PhaseRun | None
+
+    def runs(self) -> list[PhaseRun]:
+        optional = (self.shared, self.restart.run, self.prefill_decode)
+        return [run for r in self.rounds for run in r.runs.values()] + [run for run in optional if run is not None]
+
+
+def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[ConversationPlan], ran: RunLog,
+                 reference: Mapping[tuple[int, ...], tuple[int, ...]], pool: PoolSource | None,
+                 prediction: tuple[HostCalibration | None, str, int], why_no_pool: str | None,
+                 start_s: dict[Instance, float], metrics_text: dict[Instance, str], wall_s: float) -> ServeBenchReport:
+    """The report of ``ran``, every completion checked against ``reference`` (its answer per
+    prompt); ``prediction``: the calibration for the P/D restore, what it is, the cache's workers."""
+    bt = config.workload.block_tokens
+
+    def final(run: PhaseRun) -> PhaseRun:
+        return replace(run, records=checked(run.records, reference), prefills=checked(run.prefills, reference))
+
+    checked_rounds = [{i: final(run) for i, run in r.runs.items()} for r in ran.rounds]
+    rounds = tuple(ServeRound(n, r.order, *(measure(runs[i].records, runs[i].counters[i], bt)
+                                            for i in (Instance.BASELINE, Instance.OURS)))
+                   for n, (r, runs) in enumerate(zip(ran.rounds, checked_rounds)))
+
+    def over_rounds(instance: Instance) -> Measured:
+        runs = [by[instance] for by in checked_rounds]
+        walls = [r.baseline.wall_s if instance is Instance.BASELINE else r.kvstrata.wall_s for r in rounds]
+        return measure([rec for run in runs for rec in run.records], total(run.counters[instance] for run in runs),
+                       bt, wall_s=sum(walls))
+
+    shared: SharedPool | Skipped = Skipped(why_no_pool or "no pool")
+    if ran.shared is not None:
+        s = final(ran.shared)
+        shared = SharedPool({i: measure([r for r in s.records if r.server is i], s.counters[i], bt)
+                             for i in (Instance.OURS, Instance.SECOND)}, measure(s.records, total(s.counters.values()), bt))
+    replay = final(ran.restart.run)
+    restart = Restart(ran.restart.server, ran.restart.restart_s,
+                      measure(replay.records, replay.counters[ran.restart.server], bt), ran.restart.metrics_text_before)
+    pd: PrefillDecode | Skipped = Skipped(why_no_pool or "no pool")
+    if ran.prefill_decode is not None:
+        calibration, basis, workers = prediction
+        pd = prefill_decode(final(ran.prefill_decode), bt, config.block_bytes, workers, calibration, basis)
+    baseline, ours = over_rounds(Instance.BASELINE), over_rounds(Instance.OURS)
+    every = [baseline, ours, restart.replay]
+    if isinstance(shared, SharedPool):
+        every.append(shared.together)
+    if isinstance(pd, PrefillDecode):
+        every += [pd.decode, pd.prefill]
+    return ServeBenchReport(config, trace, tuple(len(p.opener) for p in first_plans), baseline, ours, rounds,
+                            versus(rounds), shared, restart, pd, pool, len(reference),
+                            all(m.identical is True for m in every), start_s, metrics_text, wall_s)
+
+
+def checked(records: Sequence[RequestRecord], reference: Mapping[tuple[int, ...], tuple[int, ...]]) -> tuple[RequestRecord, ...]:
+    """``records`` with ``identical`` set: the answer equals the reference's for its prompt (a
+    prefill's one token: the reference answer's first)."""
+    out = []
+    for r in records:
+        expected = reference.get(r.prompt)
+        same = None if expected is None else tuple(expected[: len(r.output_ids)]) == r.output_ids
+        out.append(replace(r, identical=same))
+    return tuple(out)
+
+
+def ttft_figure(report: ServeBenchReport) -> Figure:
+    """TTFT CDFs with and without kvstrata (every round's requests)."""
+    from kvstrata.plots.cdf import TTFT, cdf_figure
+
+    w = report.config.workload
+    subject = (f"{report.config.model_dir.name}: {w.conversations} conversations x {w.turns} turns at "
+               f"{w.rate_per_s:g} req/s, {report.config.rounds} round(s); vLLM KV {report.config.kv_blocks} blocks "
+               f"x {w.block_tokens} tokens")
+    samples = {"vLLM, prefix caching": report.baseline.ttft_s, "vLLM + kvstrata": report.kvstrata.ttft_s}
+    return cdf_figure(samples, TTFT, subject, None)
