@@ -1,0 +1,385 @@
+"""``kvstrata bench serve``: serving traffic through vLLM's own OpenAI server, with and without
+kvstrata, driven by the ``openai`` package (an edge: processes, HTTP, files; the workload, the
+servers' specs and the figures are built by the pure modules beside it).
+
+What runs, in order (see :mod:`kvstrata.bench.serve_config` for the servers):
+
+1. Rounds. The baseline (vLLM, its prefix caching on) and kvstrata (vLLM + the connector) serve
+   the round's conversations (:mod:`kvstrata.bench.serve_plan`) one after the other, the order
+   rotating from round to round; each round draws fresh tokens for the same conversations, so
+   no round finds another's KV. vLLM's KV memory is a few requests' worth: by a conversation's
+   next turn its blocks have been evicted from vLLM, and only kvstrata can serve them.
+2. Two servers, one pool. A second kvstrata server joins the first on the shared pool; each
+   conversation's turns alternate between the two (no affinity), so a turn finds its history in
+   the pool, put there by the other server.
+3. Restart. The second server is stopped and started again (its disk directory kept) and the
+   turns it served in the phase before are sent again: their KV comes from its disk tier (the
+   blocks the other server put in the pool, from the pool).
+4. P/D. A ``kv_producer`` server computes each prompt (one token), a ``kv_consumer`` server
+   answers it with the KV read from the pool. Beside the decode server's TTFT: kvstrata's own
+   restore time there and the prediction for this host (``HostCalibration.restore_s`` over the
+   pool path: a ``kvstrata calibrate`` profile, else a quick calibration run here).
+5. Reference. A server with prefix caching off and no connector computes every distinct prompt
+   sent above from scratch; each completion is compared with its answer.
+
+Without a pool (none configured and the pool engine not installed, or ``pool=False``) parts 2
+and 4 are skipped, kvstrata has no pool tier, and the kvstrata server restarts and replays the
+last round's turns.
+Every server and an embedded pool are stopped however the run ends: an exception, Ctrl-C or
+SIGTERM (SIGINT is ignored while they stop, so a second Ctrl-C cannot leave them running).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.bench.rounds import rotated
+from kvstrata.bench.serve_client import Endpoint, Handoff, ask_each, drive
+from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
+from kvstrata.bench.serve_counters import Counters, counters_of
+from kvstrata.bench.serve_plan import (
+    ConversationPlan,
+    alternate,
+    plan_conversations,
+    replay_plans,
+    warm_prompts,
+)
+from kvstrata.bench.serve_report import (
+    PhaseRun,
+    RequestRecord,
+    RestartRun,
+    RoundRun,
+    RunLog,
+    ServeBenchReport,
+    build_report,
+)
+from kvstrata.integrations.vllm.server import ServerSpec, VllmServer
+from kvstrata.progress import NoProgress, Progress
+
+if TYPE_CHECKING:
+    from kvstrata.plan.host import HostCalibration
+    from kvstrata.pool.config import PoolConfig
+    from kvstrata.pool.scoped import PoolSource
+    from kvstrata.sim.trace import Request
+
+POOL_SEGMENT_BYTES = 512 << 20  # an embedded pool's: every connector server's remote_bytes fit
+SETTLE_S = 0.3  # after a phase's last answer, before its counters are read (the stats file is rewritten after a step)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the bench needs of the model before any server starts (read from its config.json)."""
+
+    vocab: int
+    bytes_per_token: int  # KV of one token, every layer, K and V
+
+
+def model_facts(model_dir: Path, dtype: str) -> ModelFacts:
+    """The model's vocabulary size and KV bytes per token served as ``dtype``.
+
+    Raises:
+        ValueError: no usable config.json (the message names it).
+    """
+    from kvstrata.kv.presets import load_geometry
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        raise ValueError(f"{model_dir}/config.json: no vocab_size to draw prompts from")
+    return ModelFacts(vocab, load_geometry(str(model_dir), dtype).bytes_per_token)
+
+
+def load_trace(config: ServeBenchConfig) -> tuple[list[Request], str]:
+    """The trace's requests and what it is: the file's, or one generated with the workload's seed."""
+    from kvstrata.sim.synthetic import SyntheticConfig, generate
+    from kvstrata.sim.traceio import read_trace
+
+    w = config.workload
+    if config.trace is not None:
+        return read_trace(config.trace), str(config.trace)
+    requests = generate(SyntheticConfig(requests=w.conversations, seed=w.seed, rate=w.rate_per_s))
+    return requests, f"generated (kvstrata trace generate --requests {w.conversations} --seed {w.seed} --kind mix)"
+
+
+def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
+                    calibration: HostCalibration | None = None, progress: Progress | None = None,
+                    why_no_pool: str | None = None) -> ServeBenchReport:
+    """Run ``bench serve`` (see the module text).
+
+    Args:
+        config: what to run.
+        pool: the pool to use (None: an embedded one, when ``config.pool``).
+        calibration: this host's profile for the P/D prediction (None: a quick calibration).
+        progress: where progress goes.
+        why_no_pool: why ``config.pool`` is off, for the report.
+
+    Raises:
+        ValueError, FileNotFoundError: a bad trace, or a trace shorter than the conversations
+            (before anything starts).
+        ServerFailed: a server did not start (its log's tail in the message).
+        RequestFailed: a request failed.
+    """
+    progress = progress or NoProgress()
+    began = time.perf_counter()
+    trace, trace_text = load_trace(config)
+    w = config.workload
+    plans = [plan_conversations(trace, w, config.vocab, variant) for variant in range(config.rounds + 2)]  # checks the trace first
+    with ExitStack() as stack:
+        stack.enter_context(_signals_end_the_run())
+        work = _work_dir(config, stack)
+        source = _pool(config, pool, stack)
+        pool_file = _pool_file(source, work)
+        fleet = stack.enter_context(_Fleet(
+            server_specs(config, work, pool_file, f"bench-serve-{uuid.uuid4().hex[:8]}", _server_env(),
+                         cpu_halves(sorted(os.sched_getaffinity(0)))),
+            config, work, progress))
+        stack.callback(_ignore_sigint)  # unwinds first: nothing interrupts the stops below
+        run = _Run(config, fleet, progress)
+        rounds = run.rounds(plans[: config.rounds])
+        shared = run.shared(plans[config.rounds]) if source is not None else None
+        if shared is not None:
+            restart = run.restart(Instance.SECOND, shared.records)
+        else:
+            restart = run.restart(Instance.OURS, rounds[-1].runs[Instance.OURS].records)
+        pd = run.prefill_decode(plans[config.rounds + 1]) if source is not None else None
+        ran = RunLog(tuple(rounds), shared, restart, pd)
+        if pd is not None and calibration is None:
+            progress.start(1)
+            progress.step("calibrating this host's restore paths (a few seconds)")
+            calibration, basis = _quick_calibration(config, work, source.config), "a quick calibration of this host"
+        else:
+            basis = "the calibrated profile given" if calibration is not None else "none"
+        reference = run.reference(ran.runs())
+    from kvstrata.cache import CacheConfig
+
+    return build_report(config, trace_text, plans[0], ran, reference, source, (calibration, basis, CacheConfig.workers),
+                        why_no_pool, dict(fleet.start_s), dict(fleet.metrics_text), time.perf_counter() - began)
+
+
+class _Run:
+    """The phases, each returning its raw runs (checked against the reference at the end)."""
+
+    def __init__(self, config: ServeBenchConfig, fleet: _Fleet, progress: Progress) -> None:
+        self.config, self.fleet, self.progress = config, fleet, progress
+        self.w = config.workload
+
+    def phase(self, plans: Sequence[ConversationPlan], route: Any, servers: Sequence[Instance], label: str) -> PhaseRun:
+        before = self.fleet.counters(servers)
+        driven = drive(plans, route, self.w.max_tokens, self.w.rate_per_s, self.progress, label)
+        time.sleep(SETTLE_S)
+        after = self.fleet.counters(servers)
+        return PhaseRun(driven.records, {s: after[s].minus(before[s]) for s in servers}, driven.prefills)
+
+    def rounds(self, plans: Sequence[Sequence[ConversationPlan]]) -> list[RoundRun]:
+        self.fleet.start(Instance.BASELINE, Instance.OURS)
+        out = []
+        for r, round_plans in enumerate(plans):
+            order = tuple(rotated([Instance.OURS, Instance.BASELINE], r))
+            by = {}
+            for instance in order:
+                endpoint = self.fleet.endpoint(instance)
+                by[instance] = self.phase(round_plans, lambda c, t, e=endpoint: e, [instance],
+                                          f"round {r + 1}/{len(plans)}, {instance.value}")
+            out.append(RoundRun(order, by))
+        self.fleet.stop(Instance.BASELINE)
+        return out
+
+    def shared(self, plans: Sequence[ConversationPlan]) -> PhaseRun:
+        self.fleet.start(Instance.SECOND)
+        pair = (self.fleet.endpoint(Instance.OURS), self.fleet.endpoint(Instance.SECOND))
+        run = self.phase(plans, lambda c, t: pair[alternate(c, t)], [Instance.OURS, Instance.SECOND],
+                         "two servers, one pool")
+        self.fleet.stop(Instance.OURS)
+        return run
+
+    def restart(self, instance: Instance, served: Sequence[RequestRecord]) -> RestartRun:
+        """Restart ``instance``, then send again the prompts it served (of ``served``), in the same order."""
+        mine = [r for r in served if r.server is instance]
+        seconds, before = self.fleet.restart(instance)
+        endpoint = self.fleet.endpoint(instance)
+        run = self.phase(replay_plans([r.prompt for r in mine]), lambda c, t: endpoint, [instance],
+                         f"{instance.value}, restarted: the same turns again")
+        self.fleet.stop(instance)
+        return RestartRun(instance, run, seconds, before)
+
+    def prefill_decode(self, plans: Sequence[ConversationPlan]) -> PhaseRun:
+        self.fleet.start(Instance.PREFILL, Instance.DECODE)
+        handoff = Handoff(self.fleet.endpoint(Instance.PREFILL), self.fleet.endpoint(Instance.DECODE))
+        run = self.phase(plans, lambda c, t: handoff, [Instance.PREFILL, Instance.DECODE], "P/D via the pool")
+        self.fleet.stop(Instance.PREFILL, Instance.DECODE)
+        return run
+
+    def reference(self, runs: Sequence[PhaseRun]) -> dict[tuple[int, ...], tuple[int, ...]]:
+        prompts = list(dict.fromkeys(r.prompt for run in runs for r in (*run.records, *run.prefills)))
+        self.fleet.start(Instance.REFERENCE)
+        answers = ask_each(self.fleet.endpoint(Instance.REFERENCE), prompts, self.w.max_tokens,
+                           self.config.max_num_seqs, self.progress, "reference (prefix caching off)")
+        self.fleet.stop(Instance.REFERENCE)
+        return dict(zip(prompts, answers, strict=True))
+
+
+class _Fleet:
+    """The servers of a run: started, warmed up, stopped (their last /metrics kept); a context
+    manager that stops every one still running on exit."""
+
+    WARM_PROMPTS = 2
+    # a server warms up with the prompts another put in the pool before it: its first loads from
+    # the pool (connecting to the pool's daemon, first transfers) are then not in the measured turns
+    WARM_WITH = {Instance.SECOND: Instance.OURS, Instance.DECODE: Instance.PREFILL}
+
+    def __init__(self, specs: dict[Instance, ServerSpec], config: ServeBenchConfig, work: Path,
+                 progress: Progress) -> None:
+        self.specs, self.workload, self.vocab = specs, config.workload, config.vocab
+        self.work, self.progress = work, progress
+        self.servers: dict[Instance, VllmServer] = {}
+        self.start_s: dict[Instance, float] = {}
+        self.metrics_text: dict[Instance, str] = {}
+        self._timeout_s = config.start_timeout_s
+
+    def __enter__(self) -> _Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(*self.servers)
+
+    def start(self, *instances: Instance) -> None:
+        self.progress.start(len(instances))
+        for instance in instances:
+            self.progress.step(f"starting {instance.value} (vllm serve, ~20-60 s)")
+            server = VllmServer(self.specs[instance], self.work / f"{instance.name.lower()}.log",
+                                start_timeout_s=self._timeout_s)
+            self.servers[instance] = server
+            server.start()
+            self.start_s.setdefault(instance, server.started_s or 0.0)
+            self._warm_up(instance)
+
+    def restart(self, instance: Instance) -> tuple[float, str]:
+        """Stop ``instance`` and start it again, its disk tier kept: the seconds from the stop to
+        /health answering, and its /metrics as it stopped."""
+        self.progress.start(1)
+        self.progress.step(f"restarting {instance.value} (its disk tier kept)")
+        begin = time.perf_counter()
+        self.stop(instance)
+        before = self.metrics_text.pop(instance, "")
+        stats_path(self.work, instance).unlink(missing_ok=True)  # the new process counts from zero
+        server = self.servers[instance] = VllmServer(self.specs[instance], self.work / f"{instance.name.lower()}.log",
+                                                     start_timeout_s=self._timeout_s)
+        server.start()
+        seconds = time.perf_counter() - begin
+        self._warm_up(instance)
+        return seconds, before
+
+    def stop(self, *instances: Instance) -> None:
+        for instance in instances:
+            server = self.servers.pop(instance, None)
+            if server is None:
+                continue
+            try:
+                if server.running:
+                    self.metrics_text[instance] = server.metrics_text()
+            except OSError:
+                pass  # a server that died keeps no metrics; it is still stopped below
+            finally:
+                server.stop()
+
+    def endpoint(self, instance: Instance) -> Endpoint:
+        return Endpoint(instance, self.servers[instance].base_url, self.specs[instance].model)
+
+    def counters(self, instances: Sequence[Instance]) -> dict[Instance, Counters]:
+        out = {}
+        for instance in instances:
+            path = stats_path(self.work, instance)
+            stats = json.loads(path.read_text()) if path.is_file() else None
+            out[instance] = counters_of(self.servers[instance].metrics_text(), stats)
+        return out
+
+    def _warm_up(self, instance: Instance) -> None:
+        """A few requests first: a fresh server's first requests pay one-time costs."""
+        tag = self.WARM_WITH.get(instance, instance).name
+        ask_each(self.endpoint(instance), warm_prompts(self.workload, self.vocab, self.WARM_PROMPTS, tag), 2, 1)
+
+
+# --- the edges' helpers -----------------------------------------------------------------------------
+
+
+def _work_dir(config: ServeBenchConfig, stack: ExitStack) -> Path:
+    if config.directory is not None:
+        config.directory.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix="serve-", dir=config.directory))  # a run of its own: disk tiers are locked
+        return work
+    work = Path(tempfile.mkdtemp(prefix="kvstrata-serve-"))
+    stack.callback(shutil.rmtree, work, ignore_errors=True)
+    return work
+
+
+def _pool(config: ServeBenchConfig, pool: PoolConfig | None, stack: ExitStack) -> PoolSource | None:
+    if not config.pool:
+        return None
+    from kvstrata.pool.scoped import scoped_pool
+
+    return stack.enter_context(scoped_pool(pool, POOL_SEGMENT_BYTES))
+
+
+def _pool_file(source: PoolSource | None, work: Path) -> Path | None:
+    """A file the servers' connectors read the pool from (the pool's own, else written here)."""
+    if source is None:
+        return None
+    if source.config.config_file is not None:
+        return source.config.config_file
+    path = work / "pool.toml"
+    lines = [f"{k} = {json.dumps(v)}" for k, v in source.config.to_json().items() if v is not None]
+    path.write_text("[pool]\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def _server_env() -> dict[str, str]:
+    """The servers import this kvstrata (the connector's module), whichever the venv installed."""
+    import kvstrata
+
+    root = str(Path(kvstrata.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _quick_calibration(config: ServeBenchConfig, work: Path, pool: PoolConfig) -> HostCalibration:
+    from kvstrata.workload.runner import quick_calibration
+
+    return quick_calibration(config.block_bytes, work, pool)
+
+
+@contextmanager
+def _signals_end_the_run() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run as Ctrl-C does (the stack unwinds, the servers stop);
+    SIGINT's handler is put back after (``_ignore_sigint`` sets it aside while they stop)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, end)
+    try:
+        yield
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+
+
+def _ignore_sigint() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
