@@ -137,10 +137,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e2e.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     e2e.add_argument("--lmcache-python", metavar="EXE", help="python of a venv with lmcache (default: .venv-lmcache)")
 
-    from kvstrata.cli import bench_lookup, bench_sglang  # here: they import this module's helpers
+    from kvstrata.cli import bench_lookup, bench_serve, bench_sglang  # here: they import this module's helpers
 
     bench_lookup.register(bench)
     bench_sglang.register(bench)
+    bench_serve.register(bench)
 
 
 def _kv_args(p: argparse.ArgumentParser, size_mib: int, blocks: int, what: str) -> None:

@@ -1,0 +1,252 @@
+"""``kvstrata bench serve``: serving traffic through ``vllm serve`` with and without kvstrata
+(:mod:`kvstrata.bench.serve`). Arguments are checked here, before any server starts; the table
+and its labels are made here (``--json``: the report alone; ``--plot``: TTFT CDFs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from kvstrata import cli
+from kvstrata.bench.serve_counters import HitsSource
+from kvstrata.cli.bench import BenchParser, _run_and_report, spread_x
+
+if TYPE_CHECKING:
+    from kvstrata.bench.serve_report import Measured, ServeBenchReport
+
+MiB = 1 << 20
+
+
+def register(bench: BenchParser) -> None:
+    """Add ``bench serve`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    p = bench(
+        "serve", run_serve, "vllm serve with and without kvstrata: TTFT, throughput, hits per tier, P/D, same tokens",
+        "Start vLLM's own OpenAI server (vllm serve) on 127.0.0.1 without and with the KVStrata connector, "
+        "vLLM's prefix caching on in both and its KV memory a few requests' worth, and drive it with the openai "
+        "package: many multi-turn conversations from a Mooncake-format trace (generated with a seed by default), "
+        "streamed completions, arrivals at --rate, each turn extending the last. Interleaved rounds; per "
+        "configuration TTFT p50/p90/p99, TPOT, throughput, vLLM's prefix hit rate and kvstrata's per tier. Then "
+        "two servers on one pool (turns alternating), a restart (hits from the disk tier), and prefill/decode "
+        "servers handing the KV over in the pool, beside the prediction for this host. Every completion is "
+        "compared with a cold server's (prefix caching off). Makes the tiny model if --model-dir is not given.",
+    )
+    p.add_argument("--model-dir", help="a Hugging Face model directory (default: the tiny model, made if absent)")
+    p.add_argument("--trace", metavar="FILE", help="Mooncake-format JSON-lines trace (default: one generated "
+                                                   "with --seed, as kvstrata trace generate makes it)")
+    p.add_argument("--conversations", type=int, default=8, help="conversations at once (default: 8)")
+    p.add_argument("--turns", type=int, default=3, help="turns per conversation (default: 3)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of vLLM alone and with kvstrata (default: 2)")
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second the schedule sends (default: 4)")
+    p.add_argument("--max-tokens", type=int, default=16, help="answer tokens per turn (default: 16)")
+    p.add_argument("--user-tokens", type=int, default=48, help="new user tokens per later turn (default: 48)")
+    p.add_argument("--max-model-len", type=int, default=512, help="vLLM's max_model_len (default: 512)")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM's block size in tokens, one 512-token trace "
+                                                              "block each (default: 32)")
+    p.add_argument("--kv-blocks", type=int, default=32, help="vLLM's KV memory in blocks (default: 32)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs (default: 8)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the servers' dtype (default: float32, so that a greedy completion's near-ties do not flip "
+                        "with bf16 rounding between a prefill in one piece and one continuing cached KV, and 'same "
+                        "as cold' tests the KV kvstrata restored, not rounding)")
+    p.add_argument("--host-mib", type=int, default=64, help="kvstrata's host DRAM tier, MiB (default: 64)")
+    p.add_argument("--disk-mib", type=int, default=256, help="kvstrata's disk tier, MiB (default: 256)")
+    p.add_argument("--remote-mib", type=int, default=128, help="the pool each server tracks, MiB (default: 128)")
+    p.add_argument("--seed", type=int, default=0, help="the prompts' (and a generated trace's) seed (default: 0)")
+    cli.add_pool_arg(p, "an embedded pool for the run")
+    p.add_argument("--no-pool", action="store_true", help="no pool: skip the two-server and P/D parts")
+    p.add_argument("--profile", metavar="FILE", help="predict the P/D restore with this kvstrata calibrate profile "
+                                                     "(default: a quick calibration of this host)")
+    p.add_argument("--dir", metavar="DIR", help="keep disk tiers, stats and server logs here (default: a "
+                                                "temporary directory, removed)")
+    p.add_argument("--plot", metavar="PATH", help="also write TTFT CDFs with and without kvstrata (PNG) to PATH")
+    cli.add_json_arg(p)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvstrata.bench.serve_plan import ServeWorkload
+
+    # what needs no model and no vLLM first: a bad flag is one line at once
+    workload = ServeWorkload(args.conversations, args.turns, args.max_tokens, args.user_tokens, args.block_size,
+                             args.max_model_len, args.rate, args.seed)
+    if args.trace is not None and not os.path.isfile(args.trace):
+        raise cli.CliError(f"--trace {args.trace}: no such file")
+    for flag in ("host_mib", "disk_mib", "remote_mib"):
+        if getattr(args, flag) < 1:
+            raise cli.CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    calibration = None
+    if args.profile:
+        from kvstrata.calibrate import load_calibration
+
+        calibration = load_calibration(args.profile)
+    pool, use_pool, why = _pool(args)
+    from kvstrata.bench.serve import model_facts, run_serve_bench
+    from kvstrata.bench.serve_client import RequestFailed
+    from kvstrata.bench.serve_config import ServeBenchConfig
+    from kvstrata.cli.workload import model_dir_of
+    from kvstrata.integrations.vllm.server import ServerFailed
+    from kvstrata.pool.client import PoolUnavailable
+    from kvstrata.pool.embedded import PoolError
+
+    model_dir = model_dir_of(args)
+    facts = model_facts(model_dir, args.dtype)
+    config = ServeBenchConfig(
+        workload, model_dir, facts.vocab, facts.bytes_per_token * args.block_size,
+        trace=Path(args.trace) if args.trace else None, rounds=args.rounds, kv_blocks=args.kv_blocks,
+        max_num_seqs=args.max_num_seqs, dtype=args.dtype, host_bytes=args.host_mib * MiB, disk_bytes=args.disk_mib * MiB,
+        remote_bytes=args.remote_mib * MiB, pool=use_pool, directory=Path(args.dir) if args.dir else None,
+    )
+    if args.trace is not None:  # a bad line, or fewer requests than conversations: one line, before any server
+        from kvstrata.bench.serve import load_trace
+        from kvstrata.bench.serve_plan import plan_conversations
+
+        plan_conversations(load_trace(config)[0], workload, facts.vocab)
+    reports: list[ServeBenchReport] = []
+
+    def run(bar: cli.StepBar) -> ServeBenchReport:
+        report = run_serve_bench(config, pool, calibration, bar, why)
+        reports.append(report)
+        if args.plot:
+            _plot(report, args.plot, args.json)
+        return report
+
+    failures = {ServerFailed: "vllm serve failed", RequestFailed: "request failed",
+                PoolUnavailable: "pool unavailable", PoolError: "pool unavailable"}
+    code = _run_and_report(args, run, _print_serve, failures)
+    if code == 0 and reports and not reports[0].identical:
+        Console(stderr=True).print("[bold red]completions differ from the cold reference's (see the table)[/]")
+        return 1
+    return code
+
+
+def _pool(args: argparse.Namespace) -> tuple[object, bool, str | None]:
+    """(the configured pool or None, whether to run the pool's parts, why not)."""
+    if args.no_pool:
+        return None, False, "--no-pool"
+    configured = cli.pool_config(args.pool)
+    if configured is None:
+        from kvstrata.pool import libs
+
+        cannot = libs.problem()
+        if cannot:
+            return None, False, f"no pool: {cannot}"
+    return configured, True, None
+
+
+def _plot(report: ServeBenchReport, path: str, json_output: bool) -> None:
+    from kvstrata.bench.serve_report import ttft_figure
+    from kvstrata.plots import png_bytes, save_png
+
+    save_png(png_bytes(ttft_figure(report)), path)
+    cli.wrote("TTFT CDFs", path, json_output)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0%}"
+
+
+def _hits(m: Measured) -> str:
+    if not m.hits:
+        return "-"
+    return " ".join(f"{tier.label} {h.rate:.0%}" for tier, h in m.hits.items())
+
+
+def _same(m: Measured) -> str:
+    if m.identical is None:
+        return "-"
+    return "[green]yes[/]" if m.identical else f"[bold red]NO ({m.differing})[/]"
+
+
+_HITS_SOURCE = {
+    HitsSource.METRICS: "kvstrata_connector_lookup_hit_blocks_total{tier} on /metrics: the blocks beyond vLLM's own "
+                        "prefix hit that kvstrata held as vLLM admitted the request, by the fastest tier holding them",
+    HitsSource.STATS_FILE: "the connector's stats file: the blocks it loaded into vLLM, by the tier each came from",
+    HitsSource.NONE: "none (no connector)",
+}
+
+
+def _print_serve(report: ServeBenchReport) -> None:
+    from kvstrata.bench.serve_report import Skipped
+
+    c, w = report.config, report.config.workload
+    tiers = f"device {c.device_bytes / MiB:g} MiB, host {c.host_bytes / MiB:g} MiB, disk {c.disk_bytes / MiB:g} MiB"
+    if report.pool is not None:
+        tiers += f", pool {c.remote_bytes / MiB:g} MiB"
+    title = (f"kvstrata bench serve: {c.model_dir.name} ({c.dtype}), {w.conversations} conversations x {w.turns} "
+             f"turns at {w.rate_per_s:g} req/s, {c.rounds} interleaved round(s); vLLM KV {c.kv_blocks} blocks x "
+             f"{w.block_tokens} tokens ({c.vllm_kv_tokens:,} tokens); kvstrata {tiers}. Times in ms")
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("configuration", "left"), ("n", "right"), ("TTFT p50", "right"), ("p90", "right"),
+                          ("p99", "right"), ("TPOT", "right"), ("req/s", "right"), ("tok/s", "right"),
+                          ("vLLM hit", "right"), ("kvstrata hit by tier", "left"), ("same", "left")):
+        table.add_column(name, justify=justify, no_wrap=name != "kvstrata hit by tier")  # type: ignore[arg-type]
+
+    def row(label: str, m: Measured) -> None:
+        table.add_row(label, str(len(m.requests)), _ms(m.ttft_p50_s), _ms(m.ttft_p90_s), _ms(m.ttft_p99_s),
+                      _ms(m.tpot_p50_s), f"{m.requests_per_s:.1f}", f"{m.output_tokens_per_s:.0f}",
+                      _pct(m.vllm_prefix_hit_rate), _hits(m), _same(m))
+
+    def skipped(label: str, why: str) -> None:
+        table.add_row(label, "", "[yellow]skipped[/]", *[""] * 7, f"[yellow]{why}[/]")
+
+    row("vLLM alone", report.baseline)
+    row("vLLM + kvstrata", report.kvstrata)
+    table.add_section()
+    if isinstance(report.shared_pool, Skipped):
+        skipped("2 servers, 1 pool", report.shared_pool.skipped)
+    else:
+        for instance, m in report.shared_pool.servers.items():
+            row(f"2 servers: {instance.value}", m)
+    row(f"{report.restart.server.value}, restarted", report.restart.replay)
+    pd = report.prefill_decode
+    if isinstance(pd, Skipped):
+        skipped("P/D", pd.skipped)
+    else:
+        row("P/D: decode", pd.decode)
+        row("P/D: prefill", pd.prefill)
+    out = cli.console()
+    out.print(table)
+    v = report.versus
+    lines = [
+        f"kvstrata / vLLM, the median over {v.ttft_p50.rounds} round(s) of the ratio within a round (lowest-highest "
+        f"round): TTFT p50 {spread_x(v.ttft_p50)}, p90 {spread_x(v.ttft_p90)} (< 1x: faster); output tok/s "
+        f"{spread_x(v.output_tokens_per_s)}.",
+        "Rows: vLLM alone and with kvstrata over every round; two kvstrata servers on one pool, turns alternating "
+        "(each server's turns); the second restarted, the same turns sent again; prefill (kv_producer, 1 token) and "
+        "decode (kv_consumer) servers, the KV handed over in the pool. TPOT and hits: p50 and rates over the prompt "
+        "tokens; same: every completion equals a cold server's (prefix caching off, no connector).",
+        f"Workload: trace {report.trace}; its 512-token blocks become {w.block_tokens} tokens (lengths x "
+        f"{w.block_tokens}/512), openers cut at {w.opener_max_tokens} tokens (this run's: "
+        f"{min(report.opener_tokens)}-{max(report.opener_tokens)}); each later turn adds the {w.max_tokens}-token "
+        f"answer and {w.user_tokens} user tokens. Completions API, stream=True, prompts as token ids, greedy, "
+        f"max_tokens {w.max_tokens}, ignore_eos.",
+        f"Restart: {report.restart.server.value} stopped and started again in {report.restart.restart_s:.0f} s, its "
+        f"disk tier kept; {len(report.restart.replay.requests)} turns it had served sent again.",
+    ]
+    if not isinstance(pd, Skipped):
+        predicted = "-" if pd.restore_predicted_s is None else f"{pd.restore_predicted_s * 1e3:.1f} ms"
+        lines.append(
+            f"P/D handoff (the decode server's TTFT, the prompt's KV in the pool): p50 {_ms(pd.decode.ttft_p50_s)} ms, against "
+            f"{_ms(pd.prefill.ttft_p50_s)} ms for the prefill server computing it; the pair's first token as its client "
+            f"sees it (prefill latency + decode TTFT): p50 {_ms(pd.client_ttft_p50_s)} ms. kvstrata's restore on the "
+            f"decode server: {_ms(pd.restore_measured_s)} ms a load ({pd.restore_bytes / 1e3:.0f} KB on average); "
+            f"predicted for this host ({pd.prediction}): {predicted}.")
+    lines.append("kvstrata hits: " + "; ".join(sorted({_HITS_SOURCE[m.hits_source] for m in (report.kvstrata,
+                                                                                              report.restart.replay)})))
+    if report.identical:
+        lines.append(f"Completions: every one equals the reference's (vllm serve, prefix caching off, no connector; "
+                     f"{report.reference_prompts} distinct prompts).")
+    else:
+        lines.append("[bold red]Completions: some differ from the reference's (prefix caching off, no connector).[/]")
+    starts = ", ".join(f"{i.value} {s:.0f}" for i, s in report.server_start_s.items())
+    lines.append(f"Server starts, s: {starts}. Wall {report.wall_s:.0f} s.")
+    for line in lines:
+        out.print(line, highlight=False)

@@ -1,0 +1,175 @@
+"""``kvstrata bench serve`` end to end at its smallest: real ``vllm serve`` processes on the tiny
+model, the real ``openai`` client, the shared pool; through the command line with ``--json`` and
+``--plot``, the typed report kept to render the table too.
+
+4 conversations x 2 turns, one round; vLLM's KV memory 9 blocks of 32 tokens (8 and its null
+block: one request of 256 tokens), so by a conversation's second turn vLLM has evicted its first,
+and kvstrata's device tier (as many blocks) has passed it on to the host tier. Six servers start
+one after another, and one restarts (~20 s each on 2 cores): about three minutes.
+
+Asserted: the report's shape (what ``kvstrata doctor`` reads: metrics_text by server, each
+request's prompt_tokens and ttft_s), and behaviour that could fail: kvstrata's hits from its host
+tier on the second turns, every completion equal to the cold server's, the second server's hits
+from the pool, the restarted server's from its disk, the decode server's KV from the pool, and no
+server left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("openai")
+
+from kvstrata.cli import main  # noqa: E402
+
+CONVERSATIONS, TURNS = 4, 2
+ARGS = ["--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--rounds", "1", "--max-model-len", "256",
+        "--kv-blocks", "9", "--max-tokens", "8", "--user-tokens", "32", "--rate", "4", "--host-mib", "16",
+        "--disk-mib", "32", "--remote-mib", "32"]
+SERVERS = {"baseline", "kvstrata", "second", "prefill", "decode", "reference"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from kvstrata.integrations.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def pool_file(request):
+    """The session's pool as a file; None without the pool engine (the pool's parts are then skipped)."""
+    try:
+        return request.getfixturevalue("pool").config_file
+    except pytest.skip.Exception:
+        return None
+
+
+@pytest.fixture(scope="module")
+def run(tiny, pool_file, tmp_path_factory):
+    """(the --json document, the typed report, the plot's path)."""
+    from kvstrata.bench import serve
+
+    tmp = tmp_path_factory.mktemp("serve")
+    reports = []
+    real = serve.run_serve_bench
+
+    def keep(*args, **kwargs):
+        reports.append(real(*args, **kwargs))
+        return reports[-1]
+
+    pool = ["--pool", str(pool_file)] if pool_file is not None else ["--no-pool"]
+    argv = ["bench", "serve", "--model-dir", str(tiny), *ARGS, *pool, "--json", "--plot", str(tmp / "ttft.png")]
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(serve, "run_serve_bench", keep)
+        code = main(argv)
+    assert code == 0
+    return json.loads(out.getvalue()), reports[0], tmp / "ttft.png"
+
+
+def test_the_report_has_each_configurations_figures_per_request(run):
+    doc, _, plot = run
+    config = doc["config"]
+    assert (config["kv_blocks"], config["workload"]["block_tokens"], config["block_bytes"]) == (9, 32, 4 * 2 * 32 * 2 * 64 * 4)  # float32: layers x K,V x tokens x heads x dim x 4 B
+    assert config["host_bytes"] == 16 << 20 and config["disk_bytes"] == 32 << 20
+    for name in ("baseline", "kvstrata"):
+        m = doc[name]
+        assert len(m["requests"]) == len(m["ttft_s"]) == CONVERSATIONS * TURNS
+        assert all(r["prompt_tokens"] > 0 and r["ttft_s"] > 0 and len(r["output_ids"]) == 8 for r in m["requests"])
+        assert 0 < m["ttft_p50_s"] <= m["ttft_p90_s"] <= m["ttft_p99_s"]
+        assert m["tpot_p50_s"] > 0 and m["requests_per_s"] > 0 and m["output_tokens_per_s"] > 0
+        assert 0 <= m["vllm_prefix_hit_rate"] <= 1
+    assert doc["versus"]["ttft_p50"]["rounds"] == 1
+    assert doc["baseline"]["hits"] == {}  # vLLM alone
+    assert set(doc["metrics_text"]) == (SERVERS if doc["pool"] else {"baseline", "kvstrata", "reference"})
+    assert all("vllm:prefix_cache_queries_total" in text for text in doc["metrics_text"].values())
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kvstrata_serves_later_turns_from_its_host_tier_after_vllm_evicted_them(run):
+    doc, _, _ = run
+    hits = doc["kvstrata"]["hits"]
+    assert hits["host"]["blocks"] > 0
+    # kvstrata's hits are the blocks beyond vLLM's own prefix hit: the two never count a token twice
+    assert doc["kvstrata"]["hit_rate"] + doc["kvstrata"]["vllm_prefix_hit_rate"] <= 1
+    later = [r for r in doc["kvstrata"]["requests"] if r["turn"] > 0]
+    assert len(later) == CONVERSATIONS
+
+
+def test_every_completion_equals_the_cold_servers(run):
+    doc, _, _ = run
+    assert doc["identical"] is True
+    assert doc["baseline"]["identical"] is True and doc["kvstrata"]["identical"] is True
+    assert all(r["identical"] for r in doc["kvstrata"]["requests"])
+    assert doc["reference_prompts"] >= CONVERSATIONS * TURNS
+
+
+def test_two_servers_share_the_pool_and_a_restarted_server_reads_its_disk(run, pool_file):
+    doc, _, _ = run
+    restart = doc["restart"]
+    if pool_file is None:
+        assert doc["shared_pool"] == {"skipped": "--no-pool"}
+        assert restart["server"] == "kvstrata" and restart["replay"]["hits"]["disk"]["blocks"] > 0
+        return
+    second = doc["shared_pool"]["servers"]["second"]
+    assert second["hits"]["remote"]["blocks"] > 0  # its turns' history was put in the pool by the other server
+    assert len(second["requests"]) + len(doc["shared_pool"]["servers"]["kvstrata"]["requests"]) == CONVERSATIONS * TURNS
+    assert restart["server"] == "second" and restart["restart_s"] > 0
+    assert restart["replay"]["hits"]["disk"]["blocks"] > 0
+    assert [r["prompt_tokens"] for r in restart["replay"]["requests"]] == [r["prompt_tokens"] for r in second["requests"]]
+    assert restart["replay"]["identical"] is True
+    assert "vllm:prefix_cache_queries_total" in restart["metrics_text_before"]
+
+
+def test_prefill_decode_hands_the_kv_over_in_the_pool(run, pool_file):
+    if pool_file is None:
+        pytest.skip("no pool engine")
+    pd = run[0]["prefill_decode"]
+    assert pd["decode"]["hits"]["remote"]["blocks"] > 0
+    assert all(len(r["output_ids"]) == 1 for r in pd["prefill"]["requests"])
+    assert len(pd["decode"]["requests"]) == len(pd["prefill"]["requests"]) == CONVERSATIONS * TURNS
+    assert pd["restore_measured_s"] > 0 and pd["restore_predicted_s"] > 0
+    assert pd["prediction"] == "a quick calibration of this host"
+    assert pd["decode"]["identical"] is True and pd["prefill"]["identical"] is True
+
+
+def test_no_server_is_left_running(run):
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
+    assert not [p for p in children if "api_server" in _cmdline(p)]
+
+
+def test_the_table_names_each_configuration(run):
+    from kvstrata.cli.bench_serve import _print_serve
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _print_serve(run[1])
+    text = out.getvalue()
+    for words in ("vLLM alone", "vLLM + kvstrata", "kvstrata / vLLM", "restarted", "Completions: every one"):
+        assert words in text
+    if run[1].pool is not None:
+        assert "2 servers: second" in text and "P/D handoff" in text and "predicted for this host" in text
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

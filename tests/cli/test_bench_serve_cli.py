@@ -1,0 +1,92 @@
+"""``kvstrata bench serve``'s bad input: one line on stderr naming what is wrong, exit code 2,
+before any server or pool starts (no vLLM is run here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstrata.cli import main
+
+# a model directory as far as the bench reads one before starting servers: its config.json
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+          "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "vocab_size": 4096, "max_position_embeddings": 8192, "dtype": "bfloat16"}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return path
+
+
+def refused(capsys, argv: list[str]) -> str:
+    assert main(["bench", "serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--rate", "0"], "rate must be a number of requests/s > 0, got 0.0"),
+    (["--rate", "-3"], "rate must be a number of requests/s > 0"),
+    (["--conversations", "0"], "conversations must be a whole number >= 1, got 0"),
+    (["--turns", "40"], "40 turns of 16 answer + 48 user tokens leave no room"),
+    (["--trace", "/no/such/trace.jsonl"], "--trace /no/such/trace.jsonl: no such file"),
+    (["--host-mib", "0"], "--host-mib must be >= 1, got 0"),
+])
+def test_bad_flags_are_one_line_before_anything_starts(capsys, argv, named):
+    assert named in refused(capsys, argv)
+
+
+def test_a_model_and_sizes_that_do_not_fit_are_one_line(capsys, model_dir, tmp_path):
+    assert "--model-dir" in refused(capsys, ["--model-dir", str(tmp_path / "nothing")])
+    err = refused(capsys, ["--model-dir", str(model_dir), "--kv-blocks", "4", "--no-pool"])
+    assert "--kv-blocks >= 17" in err  # 512 tokens in blocks of 32, and vLLM's null block
+
+
+def test_a_bad_or_short_trace_is_one_line_naming_it(capsys, model_dir, tmp_path):
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n')
+    err = refused(capsys, ["--model-dir", str(model_dir), "--trace", str(short), "--no-pool"])
+    assert "the trace has 1 requests; 8 conversations need one each" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
+    err = refused(capsys, ["--model-dir", str(model_dir), "--trace", str(bad), "--conversations", "1", "--no-pool"])
+    assert str(bad) in err and "line 2" in err
+
+
+def test_the_table_says_which_parts_were_skipped_and_why(capsys):
+    from pathlib import Path
+
+    from kvstrata.bench.serve_config import Instance, ServeBenchConfig
+    from kvstrata.bench.serve_counters import counters_of
+    from kvstrata.bench.serve_plan import ServeWorkload
+    from kvstrata.bench.serve_report import (
+        RequestRecord, Restart, ServeBenchReport, ServeRound, Skipped, measure, versus,
+    )
+    from kvstrata.cli.bench_serve import _print_serve
+
+    metrics = 'vllm:prefix_cache_queries_total 1000\nvllm:prefix_cache_hits_total 250\n'
+    stats = {"load_paths": {"host -> device": 6, "disk -> device": 2}, "load_requests": 2, "load_seconds": 0.004}
+
+    def measured(instance: Instance, same: bool = True):
+        records = [RequestRecord(i, 0, instance, 128, (1, 2), 0.02 * (i + 1), 0.004, 0.03, 0.25 * i, identical=same)
+                   for i in range(4)]
+        return measure(records, counters_of(metrics, stats if instance is not Instance.BASELINE else None), 32)
+
+    rounds = (ServeRound(0, (Instance.OURS, Instance.BASELINE), measured(Instance.BASELINE), measured(Instance.OURS)),)
+    report = ServeBenchReport(
+        ServeBenchConfig(ServeWorkload(), Path("/models/tiny"), 4096, 131072), "t.jsonl", (352, 96),
+        measured(Instance.BASELINE), measured(Instance.OURS, same=False), rounds, versus(rounds), Skipped("--no-pool"),
+        Restart(Instance.OURS, 19.0, measured(Instance.OURS), ""), Skipped("--no-pool"), None, 8, False,
+        {Instance.BASELINE: 20.0}, {}, 60.0)
+    _print_serve(report)
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 2 and "--no-pool" in out
+    assert "host 38% disk 12%" in out  # 6 and 2 blocks of 32 tokens over 4 x 128 prompt tokens
+    assert "NO (4)" in out and "some differ" in out
+    assert "P/D handoff" not in out
