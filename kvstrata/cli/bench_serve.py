@@ -116,7 +116,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     failures = {ServerFailed: "vllm serve failed", RequestFailed: "request failed",
                 PoolUnavailable: "pool unavailable", PoolError: "pool unavailable"}
-    code = _run_and_report(args, run, _print_serve, failures)
+    try:
+        code = _run_and_report(args, run, _print_serve, failures)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[yellow]interrupted: every server (and an embedded pool) stopped[/]")
+        return 130
     if code == 0 and reports and not reports[0].identical:
         Console(stderr=True).print("[bold red]completions differ from the cold reference's (see the table)[/]")
         return 1
