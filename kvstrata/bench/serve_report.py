@@ -403,12 +403,14 @@ def checked(records: Sequence[RequestRecord], reference: Mapping[tuple[int, ...]
 
 
 def ttft_figure(report: ServeBenchReport) -> Figure:
-    """TTFT CDFs with and without kvstrata (every round's requests)."""
-    from kvstrata.plots.cdf import TTFT, cdf_figure
+    """TTFT CDFs with and without kvstrata (every round's requests), in milliseconds."""
+    from kvstrata.plots.cdf import Latency, cdf_figure
 
     w = report.config.workload
     subject = (f"{report.config.model_dir.name}: {w.conversations} conversations x {w.turns} turns at "
                f"{w.rate_per_s:g} req/s, {report.config.rounds} round(s); vLLM KV {report.config.kv_blocks} blocks "
                f"x {w.block_tokens} tokens")
     samples = {"vLLM, prefix caching": report.baseline.ttft_s, "vLLM + kvstrata": report.kvstrata.ttft_s}
-    return cdf_figure(samples, TTFT, subject, None)
+    fig = cdf_figure(samples, Latency("TTFT", "time to first token", "ms", 1e3, "ttft_s"), subject, None)
+    fig.axes[0].set_title(f"TTFT CDF with and without kvstrata\n{subject}", fontsize=10)  # not per architecture
+    return fig
