@@ -43,10 +43,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstrata.bench.rounds import rotated
-from kvstrata.bench.serve_client import Endpoint, Handoff, ask_each, drive
+from kvstrata.bench.serve_client import Endpoint, Handoff, Route, ask_each, drive
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
 from kvstrata.bench.serve_counters import Counters, counters_of
 from kvstrata.bench.serve_plan import (
@@ -65,7 +65,8 @@ from kvstrata.bench.serve_report import (
     ServeBenchReport,
     build_report,
 )
-from kvstrata.integrations.vllm.server import ServerSpec, VllmServer
+from kvstrata.cache import CacheConfig
+from kvstrata.integrations.vllm.server import ServerFailed, ServerSpec, VllmServer
 from kvstrata.progress import NoProgress, Progress
 
 if TYPE_CHECKING:
@@ -162,8 +163,6 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
         else:
             basis = "the calibrated profile given" if calibration is not None else "none"
         reference = run.reference(ran.runs())
-    from kvstrata.cache import CacheConfig
-
     return build_report(config, trace_text, plans[0], ran, reference, source, (calibration, basis, CacheConfig.workers),
                         why_no_pool, dict(fleet.start_s), dict(fleet.metrics_text), time.perf_counter() - began)
 
@@ -175,7 +174,7 @@ class _Run:
         self.config, self.fleet, self.progress = config, fleet, progress
         self.w = config.workload
 
-    def phase(self, plans: Sequence[ConversationPlan], route: Any, servers: Sequence[Instance], label: str) -> PhaseRun:
+    def phase(self, plans: Sequence[ConversationPlan], route: Route, servers: Sequence[Instance], label: str) -> PhaseRun:
         before = self.fleet.counters(servers)
         driven = drive(plans, route, self.w.max_tokens, self.w.rate_per_s, self.progress, label)
         time.sleep(SETTLE_S)
@@ -300,9 +299,12 @@ class _Fleet:
     def counters(self, instances: Sequence[Instance]) -> dict[Instance, Counters]:
         out = {}
         for instance in instances:
+            server = self.servers[instance]
+            if not server.running:
+                raise ServerFailed(f"vllm serve ({instance.value}) exited during the run:\n{server.log_tail()}")
             path = stats_path(self.work, instance)
             stats = json.loads(path.read_text()) if path.is_file() else None
-            out[instance] = counters_of(self.servers[instance].metrics_text(), stats)
+            out[instance] = counters_of(server.metrics_text(), stats)
         return out
 
     def _warm_up(self, instance: Instance) -> None:
