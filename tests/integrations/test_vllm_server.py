@@ -29,7 +29,8 @@ def test_the_command_line_is_vllms_server_with_the_connector():
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"kv_blocks": 10, "block_size": 32, "max_model_len": 1024}, "10 KV blocks of 32 tokens hold fewer than one request"),
+        ({"kv_blocks": 32, "block_size": 32, "max_model_len": 1024},
+         "32 KV blocks of 32 tokens, less vLLM's null block, hold fewer than one request"),
         ({"kv_role": "producer"}, "kv_role must be kv_both, kv_producer or kv_consumer, got 'producer'"),
     ],
 )

@@ -42,7 +42,8 @@ class ServerSpec:
 
     Attributes:
         model: a model directory (or a name vLLM can load offline).
-        kv_blocks: vLLM's KV blocks (``--num-gpu-blocks-override``): its whole KV memory.
+        kv_blocks: vLLM's KV blocks (``--num-gpu-blocks-override``): its whole KV memory, one of them
+            its null block.
         block_size: tokens per vLLM block (vLLM's CPU backend: a multiple of 32; 16 for MLA).
         max_model_len: the longest prompt plus output, in tokens.
         max_num_seqs: requests batched at once.
@@ -69,10 +70,10 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kv_blocks * self.block_size < self.max_model_len:
+        if (self.kv_blocks - 1) * self.block_size < self.max_model_len:  # vLLM keeps one as its null block
             raise ValueError(
-                f"server: {self.kv_blocks} KV blocks of {self.block_size} tokens hold fewer than one request of "
-                f"max_model_len {self.max_model_len} tokens (vLLM refuses to start)"
+                f"server: {self.kv_blocks} KV blocks of {self.block_size} tokens, less vLLM's null block, hold fewer "
+                f"than one request of max_model_len {self.max_model_len} tokens (vLLM refuses to start)"
             )
         if self.kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
             raise ValueError(f"server: kv_role must be kv_both, kv_producer or kv_consumer, got {self.kv_role!r}")
