@@ -38,7 +38,9 @@ LAYERS = 3
 MLA_BLOCK_BYTES = LAYERS * MLA_BLOCK * LATENT * 4  # layers x tokens x latent x fp32: one copy, no K/V pair
 # float32: a restored run prefills the prompt's last tokens against loaded latents, a cold one
 # the whole prompt, through other kernels; fp32 keeps their rounding far below the logits' margins.
-ENGINE = {"block_size": MLA_BLOCK, "dtype": "float32", "custom_ops": ["-rotary_embedding"]}
+# CPU_MLA named: on a CPU with AMX tiles vLLM picks its AMX MLA backend, whose weight packing
+# takes bf16/fp16/int8 weights only and refuses this float32 model at load.
+ENGINE = {"block_size": MLA_BLOCK, "dtype": "float32", "custom_ops": ["-rotary_embedding"], "attention_backend": "CPU_MLA"}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ extra (kv_connector_extra_config), passes (a list of prompt batches, each a list
 lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
 multiprocessing (vLLM's engine core and worker in processes of their own; default true),
 max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks),
-dtype (default bfloat16), block_size (default 32; vLLM's CPU MLA forces 16), tensor_parallel_size (default 1; more runs
+dtype (default bfloat16), block_size (default 32; vLLM's CPU MLA forces 16), attention_backend
+(a vLLM attention backend by name; default: vLLM's choice), tensor_parallel_size (default 1; more runs
 vLLM's CPU workers over gloo/shm, one process each, their OpenMP threads left unbound: the
 automatic binding wants a NUMA node per rank).
 Prints one JSON line last: per pass the output token ids and vLLM's cached-token counts,
@@ -32,7 +33,10 @@ def main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
+    # e.g. "CPU_MLA": a backend named, not vLLM's choice for this CPU (test_vllm_mla.py says why)
+    named = {"attention_config": {"backend": spec["attention_backend"]}} if "attention_backend" in spec else {}
     llm = LLM(
+        **named,
         model=spec["model"],
         dtype=spec.get("dtype", "bfloat16"),
         enforce_eager=True,  # no torch.compile / graphs on CPU
