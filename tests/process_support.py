@@ -36,3 +36,28 @@ def kill_and_reap(pid: int, timeout_s: float = 10.0) -> None:
                 return
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still alive {timeout_s} s after SIGKILL")
+
+
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped: ``kill`` returns once
+    the signal is sent, and on a busy host a thread of the process can still answer a request
+    before it is scheduled to stop, which a test that hangs the process then misreads."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return True
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, IndexError):
+                continue
+            if state not in ("T", "t"):
+                return False
+        return True
+
+    if not wait_until(stopped, timeout_s):
+        raise AssertionError(f"process {pid} not stopped {timeout_s} s after SIGSTOP")
