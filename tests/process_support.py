@@ -49,15 +49,32 @@ def stop_process(pid: int, timeout_s: float = 5.0) -> None:
             tasks = os.listdir(f"/proc/{pid}/task")
         except FileNotFoundError:
             return True
-        for task in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except (FileNotFoundError, IndexError):
-                continue
-            if state not in ("T", "t"):
-                return False
-        return True
+        states = (_stat(f"/proc/{pid}/task/{task}/stat") for task in tasks)
+        return all(fields is None or fields[0] in ("T", "t") for fields in states)
 
     if not wait_until(stopped, timeout_s):
         raise AssertionError(f"process {pid} not stopped {timeout_s} s after SIGSTOP")
+
+
+def children_running(fragment: str) -> list[int]:
+    """This process's children whose command line holds ``fragment`` (e.g. a server left behind)."""
+    me = os.getpid()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and (fields := _stat(f"/proc/{p}/stat")) is not None
+            and fields[1] == str(me) and fragment in _cmdline(p)]
+
+
+def _stat(path: str) -> list[str] | None:
+    """A /proc stat file's fields after the command name (state first, then the parent pid)."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

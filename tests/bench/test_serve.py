@@ -19,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 
 import pytest
+
+from tests.process_support import children_running
 
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
@@ -142,8 +143,7 @@ def test_prefill_decode_hands_the_kv_over_in_the_pool(run, pool_file):
 
 
 def test_no_server_is_left_running(run):
-    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
-    assert not [p for p in children if "api_server" in _cmdline(p)]
+    assert not children_running("api_server")
 
 
 def test_the_table_names_each_configuration(run):
@@ -158,18 +158,3 @@ def test_the_table_names_each_configuration(run):
     if run[1].pool is not None:
         assert "2 servers: second" in text and "P/D handoff" in text and "predicted for this host" in text
 
-
-def _parent(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""

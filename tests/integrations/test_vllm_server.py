@@ -4,9 +4,10 @@ server that cannot start failing in one error with its log, leaving no process b
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
+
+from tests.process_support import children_running
 
 from kvstrata.integrations.vllm.server import ServerFailed, ServerSpec, VllmServer
 
@@ -47,21 +48,5 @@ def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(tmp_pa
         server.start()
     assert "no-such-model" in str(info.value)  # the log's tail says what vLLM refused
     assert not server.running
-    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
-    assert not [p for p in children if "api_server" in _cmdline(p)]
+    assert not children_running("api_server")
 
-
-def _parent(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
