@@ -46,3 +46,12 @@ def tiny_tmpfs(tmp_path):
         pytest.skip(f"mount not permitted here: {run.stderr.decode().strip()}")
     yield mount
     subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: even if a failed test left a file open
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama model, built offline once per session (a few seconds)."""
+    pytest.importorskip("transformers")
+    from kvstrata.integrations.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-model"))

@@ -37,14 +37,6 @@ SERVERS = {"baseline", "kvstrata", "second", "prefill", "decode", "reference"}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from kvstrata.integrations.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module")
 def pool_file(request):
     """The session's pool as a file; None without the pool engine (the pool's parts are then skipped)."""
     try:
@@ -54,7 +46,7 @@ def pool_file(request):
 
 
 @pytest.fixture(scope="module")
-def run(tiny, pool_file, tmp_path_factory):
+def run(tiny_model_dir, pool_file, tmp_path_factory):
     """(the --json document, the typed report, the plot's path)."""
     from kvstrata.bench import serve
 
@@ -67,7 +59,7 @@ def run(tiny, pool_file, tmp_path_factory):
         return reports[-1]
 
     pool = ["--pool", str(pool_file)] if pool_file is not None else ["--no-pool"]
-    argv = ["bench", "serve", "--model-dir", str(tiny), *ARGS, *pool, "--json", "--plot", str(tmp / "ttft.png")]
+    argv = ["bench", "serve", "--model-dir", str(tiny_model_dir), *ARGS, *pool, "--json", "--plot", str(tmp / "ttft.png")]
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
         patch.setattr(serve, "run_serve_bench", keep)

@@ -1,16 +1,9 @@
-"""A tiny random-weight Llama model, built offline once per session (a few seconds)."""
+"""Tiny random-weight hybrid and MLA models, built offline once per session (the Llama is
+``tiny_model_dir`` in tests/conftest.py, which tests/bench uses too)."""
 
 from __future__ import annotations
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from kvstrata.integrations.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")
