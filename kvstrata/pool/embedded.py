@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -178,38 +179,11 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     os.chmod(run_dir, 0o700)  # its logs and state: the owner's only
     master_port, daemon_port, metrics_port = free_port(), free_port(), free_port()
     master, daemon = f"127.0.0.1:{master_port}", f"127.0.0.1:{daemon_port}"
-    logs = {name: _private(run_dir / f"{name}.log", "wb") for name in ("master", "daemon")}
-    env = native_log.pool_process_env()  # Mooncake's WARNING and ERROR lines, into these logs
-    master_proc = subprocess.Popen(
-        [
-            _binary("mooncake_master"),
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={master_port}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics_port}",
-            "--enable_http_metadata_server=false",
-            f"--client_ttl={CLIENT_TTL_S}",
-        ],
-        stdout=logs["master"], stderr=subprocess.STDOUT, start_new_session=True, env=env,
-    )
-    _wait_for(master, master_proc, run_dir / "master.log")
-    daemon_proc = subprocess.Popen(
-        [
-            _binary("mooncake_client"),
-            "--host=127.0.0.1",
-            f"--port={daemon_port}",
-            f"--global_segment_size={segment_bytes}",
-            "--local_buffer_size=16MB",
-            f"--master_server_address={master}",
-            "--metadata_server=P2PHANDSHAKE",
-            "--protocol=tcp",
-        ],
-        stdout=logs["daemon"], stderr=subprocess.STDOUT, start_new_session=True, env=env,
-    )
-    for log in logs.values():
-        log.close()
+    master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log")
     try:
-        _wait_for(daemon, daemon_proc, run_dir / "daemon.log")
+        wait_for(master, master_proc, run_dir / "master.log")
+        daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log")
+        wait_for(daemon, daemon_proc, run_dir / "daemon.log")
     except PoolError:
         _terminate(master_proc.pid)
         raise
@@ -224,6 +198,46 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     return state
 
 
+def launch_master(host: str, port: int, metrics_port: int, log: Path, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """``mooncake_master`` on ``host:port`` in its own session, logging to ``log`` (0600);
+    ``prefix``: a command that runs it elsewhere (``ip netns exec NS``, for the lab)."""
+    with _private(log, "wb") as out:
+        return subprocess.Popen(
+            [
+                *prefix,
+                _binary("mooncake_master"),
+                f"--rpc_address={host}",
+                f"--rpc_port={port}",
+                f"--metrics_host={host}",
+                f"--metrics_port={metrics_port}",
+                "--enable_http_metadata_server=false",
+                f"--client_ttl={CLIENT_TTL_S}",
+            ],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=native_log.pool_process_env(),
+        )
+
+
+def launch_daemon(host: str, port: int, master: str, segment_bytes: int, log: Path,
+                  prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """A pool daemon (``mooncake_client``) on ``host:port`` owning a segment of ``segment_bytes``
+    of the master at ``master``; as ``launch_master``."""
+    with _private(log, "wb") as out:
+        return subprocess.Popen(
+            [
+                *prefix,
+                _binary("mooncake_client"),
+                f"--host={host}",
+                f"--port={port}",
+                f"--global_segment_size={segment_bytes}",
+                "--local_buffer_size=16MB",
+                f"--master_server_address={master}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--protocol=tcp",
+            ],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=native_log.pool_process_env(),
+        )
+
+
 def _private(path: Path, mode: str):
     """``open(path, mode)`` for writing, the file readable by its owner only (0600)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -231,19 +245,21 @@ def _private(path: Path, mode: str):
     return os.fdopen(fd, mode)
 
 
-def _wait_for(address: str, proc: subprocess.Popen, log: Path) -> None:
-    """Until ``proc`` accepts connections on ``address``.
+def wait_for(address: str, proc: subprocess.Popen, log: Path,
+             accepting: Callable[[str, float], bool] = accepts) -> None:
+    """Until ``proc`` accepts connections on ``address`` (``accepting``: how to ask; the lab
+    asks from inside a namespace).
 
     Raises:
         PoolError: it exited, or did not listen in time; the message carries the last line of
             its log (a temporary run directory's log is gone by the time a caller reads it).
     """
-    name = Path(proc.args[0]).name
+    name = next((Path(a).name for a in proc.args if Path(a).name.startswith("mooncake")), Path(proc.args[0]).name)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise PoolError(f"{name} exited with {proc.returncode}: {_last_line(log)}", log)
-        if accepts(address, 0.2):
+        if accepting(address, 0.2):
             return
         time.sleep(0.1)
     _terminate(proc.pid)

@@ -53,7 +53,7 @@ def test_a_pool_program_that_cannot_load_says_why_without_its_log(tmp_path):
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(program)], stdout=out, stderr=subprocess.STDOUT)
     with pytest.raises(embedded.PoolError) as raised:
-        embedded._wait_for("127.0.0.1:1", proc, log)
+        embedded.wait_for("127.0.0.1:1", proc, log)
     log.unlink()  # as a temporary run directory is removed: the message must not need it
     message = str(raised.value)
     assert message.startswith("mooncake_master exited with 127: ")
