@@ -80,6 +80,11 @@ class PoolConfig:
             owner only): pool values are sealed with it and object names keyed (see
             ``kvstrata.tiers.poolvalue``); None: values are not authenticated (a pool only
             trusted processes can reach). An embedded pool makes one.
+        segments: the pool daemons' segment names (``host:port``, as each daemon's ``--host``)
+            that puts are spread over in turn, so that a later batched get draws on every
+            daemon's NIC port at once; empty: the master places each object (measured: 32
+            objects 13/19 over two daemons). A preference only: the master places an object
+            elsewhere when that segment is full or unknown. Read as a list from TOML or JSON.
         config_file: the file this was read from (a TOML or a ``pool.json``), read again when
             the pool is lost; None: built in code, never re-read. Not part of the pool's
             identity (equality, hashing) nor of its JSON.
@@ -92,14 +97,21 @@ class PoolConfig:
     local_hostname: str = "127.0.0.1"
     rdma_devices: str = ""
     secret_file: str | None = None
+    segments: tuple[str, ...] = ()
     config_file: Path | None = field(default=None, compare=False, metadata=OMIT)
 
     def __post_init__(self) -> None:
         for name in ("master",) + (("daemon",) if self.daemon else ()):
-            value = getattr(self, name)
-            host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-            if not host or not port.isdigit():
+            if not _host_port(getattr(self, name)):
                 raise ValueError(f"pool {name} must be host:port, got {getattr(self, name)!r}")
+        if not isinstance(self.segments, (list, tuple)):
+            raise ValueError(f"pool segments must be a list of host:port, got {self.segments!r}")
+        bad = [segment for segment in self.segments if not _host_port(segment)]
+        if bad:
+            raise ValueError(f"pool segments must each be host:port, got {bad[0]!r}")
+        if len(set(self.segments)) != len(self.segments):
+            raise ValueError(f"pool segments must name each segment once, got {list(self.segments)!r}")
+        object.__setattr__(self, "segments", tuple(self.segments))  # a list from TOML or JSON; hashable
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"pool protocol must be tcp or rdma, got {self.protocol!r}")
         if self.config_file is not None and not isinstance(self.config_file, Path):
@@ -107,7 +119,14 @@ class PoolConfig:
 
     def to_json(self) -> dict:
         """How to reach the pool (``config_file`` left out: it is where this copy came from)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config_file"}
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config_file"}
+        return doc | {"segments": list(self.segments)}
+
+
+def _host_port(value: object) -> bool:
+    """Whether ``value`` is a ``host:port`` string."""
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    return bool(host) and port.isdigit()
 
 
 def json_error(exc: Exception) -> str:

@@ -21,6 +21,15 @@ one block. In SHM mode the daemon on this host copies between the pool and share
 one object from and into the buffers ``[header, *pieces]``; ``write_many`` and
 ``read_many_into`` are the same batched calls, one piece per block.
 
+Placement. With the pool's ``segments`` (pool daemons by segment name), each batched put goes
+as one call per segment, all in flight at once, on contiguous near-equal runs of its blocks, so
+that a later batched get of those blocks draws on every daemon's NIC port at once (measured:
+blocks on two daemons behind two 1 Gbit/s links got at 2x one link). The runs go round the
+segments block by block over the tier's puts (no segment takes more than one block more than
+another); ``write`` picks its object's segment by the key. Without segments the master places
+each object (measured: 32 objects 13/19 over two daemons). A segment is a preference: the master
+places an object elsewhere when that segment is full or unknown.
+
 Faults. Every store call is bounded (``op_timeout_s``) on a private worker thread; a timeout or
 a transport error puts the tier DOWN: calls raise PoolUnavailable at once while a background
 thread probes the pool with backoff, reconnecting (to new addresses, if the pool's config file
@@ -49,6 +58,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -188,6 +198,8 @@ class RemoteTier(Tier):
         self._lanes = threading.local()
         self._lock = threading.Lock()
         self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
+        self._replicas: dict[str, Any] = {}  # segment name -> the ReplicateConfig that puts objects there
+        self._turn = 0  # the segment the next batched put's first run goes to (an index, mod their count)
         self._listener: Callable[[RemoteTier, Reconnected], None] | None = None
         self._pool = pool
         reconnected = weakref.WeakMethod(self._reconnected)  # the client must not keep the tier alive
@@ -292,7 +304,7 @@ class RemoteTier(Tier):
         sizes = [poolvalue.HEADER_BYTES, payload.numel()]
         try:
             (rc,) = client.call(
-                f"put of {name}", "batch_put_from_multi_buffers", [name], [ptrs], [sizes],
+                f"put of {name}", "batch_put_from_multi_buffers", [name], [ptrs], [sizes], *self._placed(key),
                 on_late=lambda store, codes: _undo_late_put(store, name, codes), generation=lane.generation,
             )
         except CallTimedOut:
@@ -379,40 +391,91 @@ class RemoteTier(Tier):
     def _put_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
                     blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
         """Batched, pipelined puts of blocks given as their parts in registered memory (flat
-        uint8, in order): the object of ``keys[i]`` from the buffers ``[header, *blocks[i]]``."""
+        uint8, in order): the object of ``keys[i]`` from the buffers ``[header, *blocks[i]]``.
+        Each call goes as the sub-calls ``_spread`` cuts it into (one per segment), together."""
         names = [self.object_name(k) for k in keys]
         out: list[BaseException | None] = [None] * len(keys)
-        pending: tuple[range, PendingCall] | None = None
+        pending: list[tuple[range, PendingCall]] = []  # the sub-calls in flight, in block order
         try:
             for k, batch in enumerate(self._calls(len(keys), growing=True, parts=max(map(len, blocks)))):
                 headers = self._headers(lane, k % 2, len(batch))
-                for j, i in enumerate(batch):  # overlaps the put of the previous call
+                for j, i in enumerate(batch):  # overlaps the puts of the previous call
                     header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]])
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
-                if pending is not None:
-                    settled, pending = pending, None
-                    if not self._settle_put(client, lane, names, *settled, out):
-                        return out
-                ptrs, sizes = _buffers(headers, blocks, batch)
-                batch_names = names[batch.start : batch.stop]
-                try:
-                    call = client.start(f"batch put of {len(batch)} blocks", "batch_put_from_multi_buffers",
-                                        batch_names, ptrs, sizes, generation=lane.generation,
-                                        on_late=lambda store, codes, n=batch_names: _undo_late_puts(store, n, codes))
-                except PoolUnavailable as error:  # DOWN: these blocks and the later ones were not put
-                    out[batch.start :] = [error] * (len(keys) - batch.start)
+                if not self._settle_puts(client, lane, names, pending, out):
                     return out
-                pending = (batch, call)
-            if pending is not None:
-                settled, pending = pending, None
-                self._settle_put(client, lane, names, *settled, out)
+                ptrs, sizes = _buffers(headers, blocks, batch)
+                for run, placed in self._spread(batch):
+                    run_names, at = names[run.start : run.stop], slice(run.start - batch.start, run.stop - batch.start)
+                    try:
+                        call = client.start(f"batch put of {len(run)} blocks", "batch_put_from_multi_buffers",
+                                            run_names, ptrs[at], sizes[at], *placed, generation=lane.generation,
+                                            on_late=lambda store, codes, n=run_names: _undo_late_puts(store, n, codes))
+                    except PoolUnavailable as error:  # DOWN: this call's blocks (some perhaps put) and the later ones fail
+                        out[batch.start :] = [error] * (len(keys) - batch.start)
+                        return out
+                    pending.append((run, call))
+            self._settle_puts(client, lane, names, pending, out)
         finally:
-            if pending is not None:  # an error escaped with a put in flight: let it finish reading
+            for _, call in pending:  # an error escaped with puts in flight: let them finish reading
                 try:
-                    pending[1].result()
+                    call.result()
                 except Exception:  # noqa: BLE001 - the error that escaped is the one to report
                     pass
         return out
+
+    def _spread(self, batch: range) -> list[tuple[range, tuple[Any, ...]]]:
+        """The sub-calls that put one call's blocks: with the pool's segments, ``batch`` cut into
+        a contiguous run per segment (near-equal, the longer first, none empty), each with the
+        extra argument of its call (the ReplicateConfig that puts its objects on its segment);
+        without, the whole batch and none (the master places the objects).
+
+        The first run's segment turns by ``len(batch)`` from call to call, so the runs go round
+        the segments block by block: over the tier's puts, in any threads, no segment gets more
+        than one block more than another."""
+        segments = self.pool.segments
+        if not segments:
+            return [(batch, ())]
+        count = len(segments)
+        with self._lock:
+            turn = self._turn
+            self._turn = (turn + len(batch)) % count
+        share, longer = divmod(len(batch), count)
+        runs, at = [], batch.start
+        for n in range(min(count, len(batch))):
+            size = share + (n < longer)
+            runs.append((range(at, at + size), (self._replica(segments[(turn + n) % count]),)))
+            at += size
+        return runs
+
+    def _placed(self, key: BlockKey) -> tuple[Any, ...]:
+        """The extra argument of a put of ``key``'s object alone: the ReplicateConfig of the
+        segment its key picks (keys are uniform hashes), or none without segments."""
+        segments = self.pool.segments
+        return (self._replica(segments[int.from_bytes(key, "little") % len(segments)]),) if segments else ()
+
+    def _replica(self, segment: str) -> Any:
+        """A ``mooncake.store.ReplicateConfig`` that puts each object once, on ``segment``; one per
+        segment, made on first use (Mooncake is imported only where a tier reached a pool)."""
+        with self._lock:
+            config = self._replicas.get(segment)
+            if config is None:
+                from mooncake.store import ReplicateConfig
+
+                config = ReplicateConfig()
+                config.replica_num, config.preferred_segment = 1, segment
+                self._replicas[segment] = config
+            return config
+
+    def _settle_puts(self, client: PoolClient, lane: _Lane, names: list[str], pending: list[tuple[range, PendingCall]],
+                     out: list[BaseException | None]) -> bool:
+        """Settle the sub-calls in ``pending`` in order (``_settle_put``), taking each off it; False
+        once one finds the pool DOWN (those left are still in flight: the caller waits for them)."""
+        while pending:
+            run, call = pending.pop(0)
+            if not self._settle_put(client, lane, names, run, call, out):
+                return False
+        return True
 
     def _settle_put(self, client: PoolClient, lane: _Lane, names: list[str], blocks: range, call: PendingCall,
                     out: list[BaseException | None]) -> bool:

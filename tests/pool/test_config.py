@@ -40,3 +40,29 @@ def test_a_file_that_is_no_pool_config_is_refused_in_one_line(tmp_path, text):
 def test_budgets_that_cannot_work_are_refused_in_one_line(seconds, message):
     with pytest.raises(ValueError, match=f"^pool client: {message}"):
         check_budgets("pool client:", **seconds)
+
+
+def test_segments_round_trip_through_toml_json_and_the_state_file(tmp_path):
+    segments = ("10.0.0.2:17001", "10.0.0.3:17001")
+    toml = tmp_path / "pool.toml"
+    toml.write_text('[pool]\nmaster = "10.0.0.1:50051"\nsegments = ["10.0.0.2:17001", "10.0.0.3:17001"]\n')
+    from_toml = load_pool_config(toml)
+    assert from_toml.segments == segments  # a tuple: the config stays hashable
+    assert from_toml.to_json()["segments"] == list(segments)
+    state = tmp_path / "pool.json"
+    state.write_text(json.dumps({"config": from_toml.to_json()}))
+    from_state = load_pool_config(state)
+    assert from_state == from_toml == PoolConfig("10.0.0.1:50051", segments=segments)
+    assert hash(from_state) == hash(from_toml) != hash(PoolConfig("10.0.0.1:50051"))  # part of the pool's identity
+    assert PoolConfig("10.0.0.1:50051").to_json()["segments"] == []
+
+
+@pytest.mark.parametrize(("segments", "message"), [
+    (["10.0.0.2"], "pool segments must each be host:port, got '10.0.0.2'"),
+    (["10.0.0.2:1", ":2"], "pool segments must each be host:port, got ':2'"),
+    ("10.0.0.2:1", "pool segments must be a list of host:port, got '10.0.0.2:1'"),
+    (["10.0.0.2:1", "10.0.0.2:1"], "pool segments must name each segment once"),
+])
+def test_segments_that_are_not_host_port_are_refused_in_one_line(segments, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        PoolConfig("10.0.0.1:50051", segments=segments)
