@@ -101,15 +101,34 @@ class CallTimedOut(PoolUnavailable):
         self.settled = settled
 
 
+# How long a caller that overlaps work with a started call waits for the call to be inside the
+# pool engine first (``PendingCall.handed_over``): a worker takes a call in microseconds, unless
+# every worker is busy; then the caller goes on rather than wait for one.
+HAND_OVER_S = 0.05
+
+
 class PendingCall:
     """A store call started by :meth:`PoolClient.start`: ``result()`` once, on the caller's
     thread. Its deadline runs from the start, so a call overlapped with other work is bounded
     as one waited for at once."""
 
     def __init__(self, client: PoolClient, what: str, future: Future, store: Any, generation: int, deadline: float,
-                 timeout_s: float, on_late: Callable[[Any, Any], None] | None) -> None:
+                 timeout_s: float, on_late: Callable[[Any, Any], None] | None, entered: threading.Event) -> None:
         self._client, self._what, self._future, self._store = client, what, future, store
         self._generation, self._deadline, self._timeout_s, self._on_late = generation, deadline, timeout_s, on_late
+        self._entered = entered
+
+    def handed_over(self, timeout_s: float = HAND_OVER_S) -> bool:
+        """Wait (at most ``timeout_s``) until a worker has taken the call into the pool engine,
+        which releases the interpreter's lock while it moves bytes; whether it has.
+
+        Call before CPU-bound work that holds that lock (a MAC over a block, in C, does): a
+        worker that still needs the lock to start the call waits a switch interval (5 ms) for
+        each of the few times it takes it, and the transfer does not begin until the work ends.
+        Measured in the lab (256 MiB from the pool over a 2.5 Gbit/s link, gets pipelined in
+        calls of 48, 12 and 4 blocks): each call waited out the previous call's checks (43 ms,
+        then 12 ms) before its first byte moved; 0.92 s against 0.87 s for raw Mooncake."""
+        return self._entered.wait(timeout_s)
 
     def result(self) -> Any:
         """The call's result.
@@ -495,8 +514,9 @@ class PoolClient:
         """
         store, current = self._ensure_up(generation)
         timeout_s = timeout_s or self.op_timeout_s
-        future = self._submit(getattr(store, method), *args)
-        return PendingCall(self, what, future, store, current, time.monotonic() + timeout_s, timeout_s, on_late)
+        entered = threading.Event()
+        future = self._submit(_entering, entered, getattr(store, method), *args)
+        return PendingCall(self, what, future, store, current, time.monotonic() + timeout_s, timeout_s, on_late, entered)
 
     def _ensure_up(self, generation: int | None) -> tuple[Any, int]:
         with self._lock:
@@ -672,6 +692,11 @@ def _probe_until_up(ref: weakref.ref, wake: threading.Event) -> None:
             return
         del client
         failures += 1
+
+
+def _entering(entered: threading.Event, fn: Callable[..., Any], *args: Any) -> Any:
+    entered.set()  # the next line calls into the engine, which releases the lock while it moves bytes
+    return fn(*args)
 
 
 def _store_class() -> type:

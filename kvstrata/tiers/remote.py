@@ -415,6 +415,8 @@ class RemoteTier(Tier):
                         out[batch.start :] = [error] * (len(keys) - batch.start)
                         return out
                     pending.append((run, call))
+                for _, call in pending:  # before the next call's seals hold the interpreter's lock
+                    call.handed_over()
             self._settle_puts(client, lane, names, pending, out)
         finally:
             for _, call in pending:  # an error escaped with puts in flight: let them finish reading
@@ -629,6 +631,7 @@ class RemoteTier(Tier):
                 if k + 1 < len(calls):
                     try:
                         pending = self._start_get(client, lane, calls[k + 1], (k + 1) % 2, names, blocks)
+                        pending.handed_over()  # before the checks below hold the interpreter's lock
                     except PoolUnavailable as error:  # DOWN since: the later blocks stay untouched
                         unstarted = error
                 self._check_got(client, lane, keys, names, blocks, batch, got, self._headers(lane, k % 2, len(batch)), out)
