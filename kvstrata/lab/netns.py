@@ -68,10 +68,10 @@ def unavailable() -> str | None:
     if made.returncode != 0:
         return f"network namespaces cannot be created here: {made.stderr.strip()}"
     try:
-        veth = _ip("-n", probe, "link", "add", "a", "type", "veth", "peer", "name", "b", check=False)
+        veth = _ip("-n", probe, "link", "add", "name", "probe0", "type", "veth", "peer", "name", "probe1", check=False)
         if veth.returncode != 0:
             return f"veth pairs cannot be created here: {veth.stderr.strip()}"
-        tbf = _tc("-n", probe, "qdisc", "add", "dev", "a", "root", "tbf", *LinkShape(1.0).tbf_args(), check=False)
+        tbf = _tc("-n", probe, "qdisc", "add", "dev", "probe0", "root", "tbf", *LinkShape(1.0).tbf_args(), check=False)
         if tbf.returncode != 0:
             return f"tbf shaping is not available here: {tbf.stderr.strip()}"
     finally:
@@ -85,8 +85,8 @@ def netem_available() -> bool:
     if _ip("netns", "add", probe, check=False).returncode != 0:
         return False
     try:
-        _ip("-n", probe, "link", "add", "a", "type", "dummy", check=False)
-        return _tc("-n", probe, "qdisc", "add", "dev", "a", "root", "netem", "delay", "1ms", check=False).returncode == 0
+        _ip("-n", probe, "link", "add", "name", "probe0", "type", "dummy", check=False)
+        return _tc("-n", probe, "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms", check=False).returncode == 0
     finally:
         _ip("netns", "del", probe, check=False)
 

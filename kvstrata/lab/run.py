@@ -184,7 +184,7 @@ def _fit_paths(config: LabConfig, moved: dict[int, int], times: dict, copies: di
     the sizes, and the copy's rate."""
     sizes = sorted(moved)
     direct = [statistics.median(times[(None, s, FetchPath.DIRECT)]) for s in sizes]
-    transport = fit_path([moved[s] for s in sizes], direct)
+    transport = fit_path([moved[s] for s in sizes], direct, relative=True)  # every size to the same relative error
     copy = fit_path([moved[s] for s in sizes], [statistics.median(copies[s]) for s in sizes], origin=True)
     return LabPaths(transport, copy)
 
