@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab.add_argument("--model", default=d.model, help=f"model preset for the KV layout (default {d.model})")
     lab.add_argument("--quick", action="store_true",
                      help="one shaped link at 2.5 Gbit/s and one far above the host's paths, 16 and 64 MiB, 1 round")
+    lab.add_argument("--plot", metavar="PATH", help="also write measured vs predicted GB/s per rate (PNG) to PATH")
     cli.add_json_arg(lab)
     lab.set_defaults(func=run_lab_command)
     sub = lab.add_subparsers(dest="lab_command")
@@ -75,6 +76,12 @@ def run_lab_command(args: argparse.Namespace) -> int:
     with cli.progress() as progress:
         report = run_lab(config, cli.StepBar(progress))
     seconds = time.perf_counter() - started
+    if args.plot:
+        from kvstrata.plots import png_bytes, save_png
+        from kvstrata.plots.lab import lab_figure
+
+        save_png(png_bytes(lab_figure(report)), args.plot)
+        cli.wrote("measured vs predicted", args.plot, args.json)
     if args.json:
         print(dumps(report))
         return 0
