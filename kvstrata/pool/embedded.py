@@ -201,41 +201,36 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
 def launch_master(host: str, port: int, metrics_port: int, log: Path, prefix: Sequence[str] = ()) -> subprocess.Popen:
     """``mooncake_master`` on ``host:port`` in its own session, logging to ``log`` (0600);
     ``prefix``: a command that runs it elsewhere (``ip netns exec NS``, for the lab)."""
-    with _private(log, "wb") as out:
-        return subprocess.Popen(
-            [
-                *prefix,
-                _binary("mooncake_master"),
-                f"--rpc_address={host}",
-                f"--rpc_port={port}",
-                f"--metrics_host={host}",
-                f"--metrics_port={metrics_port}",
-                "--enable_http_metadata_server=false",
-                f"--client_ttl={CLIENT_TTL_S}",
-            ],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=native_log.pool_process_env(),
-        )
+    return _launch("mooncake_master", [
+        f"--rpc_address={host}",
+        f"--rpc_port={port}",
+        f"--metrics_host={host}",
+        f"--metrics_port={metrics_port}",
+        "--enable_http_metadata_server=false",
+        f"--client_ttl={CLIENT_TTL_S}",
+    ], log, prefix)
 
 
 def launch_daemon(host: str, port: int, master: str, segment_bytes: int, log: Path,
                   prefix: Sequence[str] = ()) -> subprocess.Popen:
-    """A pool daemon (``mooncake_client``) on ``host:port`` owning a segment of ``segment_bytes``
-    of the master at ``master``; as ``launch_master``."""
+    """A pool daemon (``mooncake_client``) on ``host`` (its segment's name: ``ip:port`` there
+    names it exactly) serving on ``port``, owning a segment of ``segment_bytes`` of the master
+    at ``master``; as ``launch_master``."""
+    return _launch("mooncake_client", [
+        f"--host={host}",
+        f"--port={port}",
+        f"--global_segment_size={segment_bytes}",
+        "--local_buffer_size=16MB",
+        f"--master_server_address={master}",
+        "--metadata_server=P2PHANDSHAKE",
+        "--protocol=tcp",
+    ], log, prefix)
+
+
+def _launch(program: str, flags: list[str], log: Path, prefix: Sequence[str]) -> subprocess.Popen:
     with _private(log, "wb") as out:
-        return subprocess.Popen(
-            [
-                *prefix,
-                _binary("mooncake_client"),
-                f"--host={host}",
-                f"--port={port}",
-                f"--global_segment_size={segment_bytes}",
-                "--local_buffer_size=16MB",
-                f"--master_server_address={master}",
-                "--metadata_server=P2PHANDSHAKE",
-                "--protocol=tcp",
-            ],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=native_log.pool_process_env(),
-        )
+        return subprocess.Popen([*prefix, _binary(program), *flags], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=native_log.pool_process_env())
 
 
 def _private(path: Path, mode: str):
