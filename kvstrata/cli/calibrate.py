@@ -7,6 +7,7 @@ Progress goes to stderr; tables (or ``--json``) to stdout. Decimal GB/s (1 GB = 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -39,6 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--base", default="workstation", help="the hardware profile to calibrate (name or .toml; default workstation)")
     cal.add_argument("--model-dir", metavar="DIR", action="append", default=[],
                      help="also fit this Hugging Face model's prefill rate (for load-or-recompute); repeatable")
+    cal.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                     help="what runs --model-dir: transformers (its prefill, for load-or-recompute) or vLLM (its prefill "
+                          "and decode steps as it serves, for the simulator; prefix caching on; default transformers)")
+    cal.add_argument("--dtype", default="float32", help="the model's dtype under --engine vllm (default float32)")
     cli.add_json_arg(cal, "the measurements")
     cal.set_defaults(func=run_calibrate)
 
@@ -115,13 +120,30 @@ def _with_prefill(calibration, model_dirs: list[str]):
     return dataclasses.replace(calibration, prefill=prefill)
 
 
+def _with_vllm_steps(calibration, model_dirs: list[str], dtype: str):
+    """The calibration plus each model's prefill and decode step fits as vLLM serves it (keyed as
+    ``_with_prefill`` keys them)."""
+    import dataclasses
+
+    from kvstrata.integrations.vllm.steps import measure_vllm_steps
+
+    prefill, decode = dict(calibration.prefill), dict(calibration.decode)
+    for model_dir in model_dirs:
+        steps = measure_vllm_steps(model_dir, dtype=dtype)
+        name = Path(model_dir).resolve().name
+        prefill[name], decode[name] = steps.prefill, steps.decode
+    return dataclasses.replace(calibration, prefill=prefill, decode=decode)
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     base = base_profile_text(args.base)  # a bad --base fails before minutes of measuring
     pool, pool_source = _pool(args.pool)
     for model_dir in args.model_dir:
         cli.model_dir(model_dir)  # a bad one fails before minutes of measuring
     run = _calibrate(args.quick, args.threads, args.dir, pool, args.sizes_mib, args.repeats)
-    if args.model_dir:
+    if args.model_dir and args.engine == "vllm":
+        run.calibration = _with_vllm_steps(run.calibration, args.model_dir, args.dtype)
+    elif args.model_dir:
         run.calibration = _with_prefill(run.calibration, args.model_dir)
     if args.out:
         out = Path(args.out)
@@ -139,6 +161,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None, "spread": p.spread}
                      for k, p in run.calibration.paths.items()},
             "efficiency": run.calibration.efficiency, "out": args.out,
+            "prefill": {m: dataclasses.asdict(f) for m, f in run.calibration.prefill.items()},
+            "decode": {m: dataclasses.asdict(d) for m, d in run.calibration.decode.items()},
         }, indent=2))
         return 0
     console = cli.console()
@@ -159,6 +183,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for model, f in run.calibration.prefill.items():
         console.print(f"prefill {model}: {f.latency_s * 1e3:.2f} ms + tokens / {f.tokens_per_s:,.0f} per s "
                       f"+ {f.attn_s:.3g} s x tokens x context", highlight=False)
+    for model, d in run.calibration.decode.items():
+        console.print(f"decode step {model}: {d.latency_s * 1e3:.2f} ms + {d.per_request_s * 1e6:.0f} us x requests "
+                      f"+ {d.per_token_s * 1e9:.0f} ns x tokens held", highlight=False)
     for k, v in run.calibration.efficiency.items():
         console.print(f"efficiency.{k} = {v:.3f} (measured)", highlight=False)
     where = f"wrote {args.out} (base {args.base})" if args.out else "no --out: profile not written"

@@ -20,6 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from kvstrata.plan.steps import DecodeFit
+
 GB = 1e9
 
 # Path names, as ``calibrate`` measures them and ``validate`` checks them.
@@ -215,6 +217,7 @@ class HostCalibration:
         threads: the N of "memcpy N threads".
         paths: fits per path name (see ``PATHS``); absent paths were not measurable here.
         prefill: per model id, its prefill fit.
+        decode: per model id, its serving engine's decode step fit (``--engine vllm``).
         efficiency: derived link efficiencies for a hardware profile (e.g. pcie = measured
             pinned H2D GB/s over the PCIe payload bandwidth), when a GPU was present.
     """
@@ -225,6 +228,7 @@ class HostCalibration:
     paths: dict[str, PathFit] = field(default_factory=dict)
     prefill: dict[str, PrefillFit] = field(default_factory=dict)
     efficiency: dict[str, float] = field(default_factory=dict)
+    decode: dict[str, DecodeFit] = field(default_factory=dict)
 
     def path(self, name: str) -> PathFit:
         try:
@@ -331,6 +335,8 @@ class HostCalibration:
             lines += _array_entry("calibration.path", {"name": name, **asdict(p)})
         for model, f in self.prefill.items():
             lines += _array_entry("calibration.prefill", {"model": model, **asdict(f)})
+        for model, d in self.decode.items():
+            lines += _array_entry("calibration.decode", {"model": model, **asdict(d)})
         if self.efficiency:
             lines += ["", "[efficiency]"] + [f"{_q(k)} = {v!r}" for k, v in self.efficiency.items()]
         return "\n".join(lines) + "\n"
@@ -346,8 +352,10 @@ class HostCalibration:
                                         tuple(int(s) for s in p.get("sizes", ()))) for p in c.get("path", [])}
             prefill = {f["model"]: PrefillFit(float(f["latency_s"]), float(f["tokens_per_s"]), float(f.get("attn_s", 0.0)))
                        for f in c.get("prefill", [])}
+            decode = {d["model"]: DecodeFit(float(d["latency_s"]), float(d["per_request_s"]), float(d.get("per_token_s", 0.0)))
+                      for d in c.get("decode", [])}
             return cls(str(c["host"]), str(c["device"]), int(c["threads"]), paths, prefill,
-                       {str(k): float(v) for k, v in doc.get("efficiency", {}).items()})
+                       {str(k): float(v) for k, v in doc.get("efficiency", {}).items()}, decode)
         except KeyError as e:
             raise ValueError(f"calibration is missing field {e.args[0]!r}") from None
 

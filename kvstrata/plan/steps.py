@@ -1,0 +1,67 @@
+"""A serving engine's decode step on this host, fitted to what the engine shows (pure arithmetic).
+
+A decode step runs every request of the batch one token further; it reads the weights once and
+each request's kept tokens, and computes per request. On a host whose engine was measured
+(``kvstrata calibrate --model-dir DIR --engine vllm``) a step of ``b`` requests holding ``S``
+tokens in all is fitted as
+
+    seconds(b, S) = latency_s + b * per_request_s + S * per_token_s
+
+by least squares on relative error (each point weighted by 1 / seconds, as the prefill fit in
+:mod:`kvstrata.plan.host` is: step times span an order of magnitude across batch sizes); a term
+fitted negative is dropped and the rest refitted (every term is a cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    """Seconds of one decode step (see the module text)."""
+
+    latency_s: float
+    per_request_s: float
+    per_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("latency_s", "per_request_s", "per_token_s"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"decode fit {name} must be >= 0, got {value!r}")
+
+    def step_s(self, batch: int, held_tokens: int) -> float:
+        """One step of ``batch`` requests holding ``held_tokens`` tokens in all (0 for no batch)."""
+        if batch <= 0:
+            return 0.0
+        return self.latency_s + batch * self.per_request_s + held_tokens * self.per_token_s
+
+
+def fit_decode(points: Sequence[tuple[int, int, float]]) -> DecodeFit:
+    """The fit through ``(batch, held_tokens, seconds)`` points.
+
+    Raises:
+        ValueError: fewer than 3 points, a non-positive batch or time, or no term left that grows
+            with the batch (measure larger batches).
+    """
+    import numpy as np
+
+    if len(points) < 3:
+        raise ValueError(f"a decode fit needs at least 3 points, got {len(points)}")
+    if any(b <= 0 or s < 0 or not t > 0 for b, s, t in points):
+        raise ValueError("decode fit needs positive batch sizes and times, and held tokens >= 0")
+    weight = np.array([1 / t for _, _, t in points])
+    rows = np.array([[1.0, b, s] for b, s, _ in points]) * weight[:, None]
+    keep = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(rows[:, keep], np.ones(len(points)), rcond=None)
+        values = dict(zip(keep, coef))
+        negative = [k for k in keep if values[k] < 0]
+        if not negative:
+            break
+        keep.remove(min(negative, key=lambda k: values[k]))
+        if 1 not in keep and 2 not in keep:
+            raise ValueError("decode fit: step time does not grow with the batch or its tokens; measure larger batches")
+    return DecodeFit(float(values.get(0, 0.0)), float(values.get(1, 0.0)), float(values.get(2, 0.0)))
