@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab.add_argument("--sizes-mib", type=float, nargs="+", metavar="MIB",
                      help=f"restore sizes (default {' '.join(f'{s // MIB}' for s in d.sizes)})")
     lab.add_argument("--repeats", type=int, default=d.repeats, help=f"timed rounds after a warm-up (default {d.repeats})")
-    lab.add_argument("--phases", nargs="+", choices=Phase.ALL, default=list(Phase.ALL), help="which clusters to run")
+    lab.add_argument("--phases", nargs="+", choices=[p.value for p in Phase], default=[p.value for p in Phase],
+                     help="which clusters to run (default all)")
     lab.add_argument("--ports-rate", type=float, default=d.ports_rate_gbit, metavar="GBIT",
                      help=f"each port's rate in the two-port phase (default {d.ports_rate_gbit:g})")
     lab.add_argument("--uplink-rate", type=float, default=d.uplink_rate_gbit, metavar="GBIT",
@@ -57,7 +58,8 @@ def _config(args: argparse.Namespace):
         return LabConfig(rates_gbit=(2.5, 40.0), sizes=(16 * MIB, 64 * MIB), repeats=1, phases=(Phase.LINK,),
                          model=args.model)
     sizes = tuple(int(s * MIB) for s in args.sizes_mib) if args.sizes_mib else LabConfig.sizes
-    return LabConfig(rates_gbit=tuple(args.rates), sizes=sizes, repeats=args.repeats, phases=tuple(args.phases),
+    return LabConfig(rates_gbit=tuple(args.rates), sizes=sizes, repeats=args.repeats,
+                     phases=tuple(Phase(p) for p in dict.fromkeys(args.phases)),
                      ports_rate_gbit=args.ports_rate, uplink_rate_gbit=args.uplink_rate, model=args.model)
 
 

@@ -174,7 +174,9 @@ class Lab:
     # --- names -----------------------------------------------------------------------------
 
     def namespace(self, host: str) -> str:
-        self.spec.host(host) if host != "fabric" else None
+        """The namespace of ``host`` (a host of the spec, or "fabric": the switches')."""
+        if host != "fabric":
+            self.spec.host(host)  # ValueError naming an unknown host
         return f"{PREFIX}{os.getpid()}-{host}"
 
     def exec_prefix(self, host: str) -> list[str]:

@@ -19,6 +19,7 @@ rotated from the round before (``kvstrata.bench.rounds.rotated``). Figures are m
 
 from __future__ import annotations
 
+import enum
 import statistics
 import tempfile
 from collections import defaultdict
@@ -43,9 +44,12 @@ MIB = 1 << 20
 THROTTLED_PER_MIB = 1.0
 
 
-class Phase:
-    LINK, PORTS, UPLINK = "link", "ports", "uplink"
-    ALL = (LINK, PORTS, UPLINK)
+class Phase(enum.Enum):
+    """The clusters a lab runs (see the module text)."""
+
+    LINK = "link"
+    PORTS = "ports"
+    UPLINK = "uplink"
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class LabConfig:
         uplink_rate_gbit, uplink_size: the shared uplink's rate and each host's restore.
         repeats: timed rounds after a warm-up round.
         model, block_tokens: the KV's geometry and blocks.
-        phases: which of ``Phase.ALL`` to run.
+        phases: which clusters to run.
     """
 
     rates_gbit: tuple[float, ...] = (1.0, 2.5, 5.0, 40.0)
@@ -74,7 +78,7 @@ class LabConfig:
     repeats: int = 3
     model: str = "llama-3-8b"
     block_tokens: int = 32
-    phases: tuple[str, ...] = Phase.ALL
+    phases: tuple[Phase, ...] = tuple(Phase)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -85,9 +89,8 @@ class LabConfig:
             raise ValueError("lab: the one-link phase needs two sizes at least (the host's paths are fitted over them)")
         for rate in (*self.rates_gbit, self.ports_rate_gbit, self.uplink_rate_gbit):
             specs.LinkShape(rate)  # one line naming a bad rate
-        unknown = set(self.phases) - set(Phase.ALL)
-        if unknown or not self.phases:
-            raise ValueError(f"lab: phases must be some of {', '.join(Phase.ALL)}, got {', '.join(self.phases)}")
+        if not self.phases or not all(isinstance(p, Phase) for p in self.phases):
+            raise ValueError(f"lab: phases must be some of {', '.join(p.value for p in Phase)}, got {self.phases!r}")
 
     def blocks(self, nbytes: int, block_bytes: int) -> int:
         return max(1, nbytes // block_bytes)
