@@ -195,10 +195,15 @@ def _memcpy_1t(s: _Scratch, nbytes: int) -> Callable[[], float]:
 
 
 def _memcpy_one(s: _Scratch, nbytes: int) -> Callable[[], float]:
-    """One ``torch._foreach_copy_`` of every byte in COPY_PIECE_BYTES pieces, on torch's
-    intra-op threads: a load into a CPU device tier (one dispatch of its blocks' copies)."""
     src, dst = s.pair(nbytes)
-    cuts = range(0, nbytes, COPY_PIECE_BYTES)
+    return one_torch_copy(dst, src)
+
+
+def one_torch_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
+    """A timed step: one ``torch._foreach_copy_`` of ``src`` into ``dst`` (flat uint8, as long) in
+    COPY_PIECE_BYTES pieces, on torch's intra-op threads: a load into a CPU device tier (one
+    dispatch of its blocks' copies); ``MEMCPY_ONE``, and the lab's staged restore's second hop."""
+    cuts = range(0, dst.numel(), COPY_PIECE_BYTES)
     dsts = [dst[c : c + COPY_PIECE_BYTES] for c in cuts]
     srcs = [src[c : c + COPY_PIECE_BYTES] for c in cuts]
     return lambda: elapsed_s(lambda: torch._foreach_copy_(dsts, srcs))

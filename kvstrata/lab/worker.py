@@ -29,13 +29,12 @@ from kvstrata.bench.kvdata import random_kv
 from kvstrata.bench.ours_remote import OursRemote
 from kvstrata.bench.poolcache import PoolReader
 from kvstrata.cache import CacheConfig
-from kvstrata.calibrate.measure import COPY_PIECE_BYTES
+from kvstrata.calibrate.measure import one_torch_copy
 from kvstrata.index.keys import block_keys
 from kvstrata.kv import load_geometry
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import FetchPath
 from kvstrata.pool.config import PoolConfig, RemoteMode, read_secret
-from kvstrata.timing import elapsed_s
 
 POOL_TIMEOUT_S = 120.0  # one pool call of up to 256 MiB over a link shaped down to 0.1 Gbit/s: ~22 s
 
@@ -101,15 +100,11 @@ class Worker:
 
 
 def copy_s(nbytes: int) -> float:
-    """One ``torch._foreach_copy_`` of ``nbytes`` in COPY_PIECE_BYTES pieces (as a CPU device
-    tier's load copies; ``kvstrata.calibrate.measure``'s "memcpy (one torch copy)")."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    cuts = range(0, nbytes, COPY_PIECE_BYTES)
-    dsts, srcs = [dst[c : c + COPY_PIECE_BYTES] for c in cuts], [src[c : c + COPY_PIECE_BYTES] for c in cuts]
-    torch._foreach_copy_(dsts, srcs)  # fault the pages in first
-    dst.zero_()
-    return elapsed_s(lambda: torch._foreach_copy_(dsts, srcs))
+    """The calibration's "memcpy (one torch copy)" of ``nbytes``, pages faulted in first."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    step = one_torch_copy(dst, src)
+    step()  # fault the pages in
+    return step()
 
 
 def _answer(doc: dict) -> None:
