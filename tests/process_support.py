@@ -32,7 +32,7 @@ def kill_and_reap(pid: int, timeout_s: float = 10.0) -> None:
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 return
         except ChildProcessError:  # not our child (or reaped already): wait for it to vanish
-            if not embedded._alive(pid):
+            if not embedded.process_alive(pid):
                 return
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still alive {timeout_s} s after SIGKILL")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstrata.lab.spec import LAB_MTU, LabSpec, LinkShape
+from kvstrata.pool.embedded import process_alive
 
 PREFIX = "kvlab-"
 CLONE_NEWNET = 0x40000000
@@ -103,20 +104,10 @@ def clean_stale() -> list[str]:
     gone = []
     for name in lab_namespaces():
         match = re.match(rf"{PREFIX}(\d+)-", name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             _delete_namespace(name)
             gone.append(name)
     return gone
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _delete_namespace(name: str) -> None:
@@ -130,7 +121,7 @@ def _delete_namespace(name: str) -> None:
                 pass
         deadline = time.monotonic() + wait_s
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _pid_alive(p) and not _zombie(p)]
+            pids = [p for p in pids if process_alive(p)]
             time.sleep(0.05)
         if not pids:
             break
@@ -140,14 +131,6 @@ def _delete_namespace(name: str) -> None:
 def _pids_in(name: str) -> list[int]:
     done = _ip("netns", "pids", name, check=False)
     return [int(p) for p in done.stdout.split() if p.isdigit()]
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @dataclass(frozen=True)

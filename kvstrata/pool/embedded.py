@@ -116,7 +116,7 @@ class PoolState:
         return cls(PoolConfig(**doc["config"]), **{k: doc[k] for k in doc if k != "config"})
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -146,8 +146,8 @@ def status(run_dir: Path | None = None) -> dict:
     state = read_state(run_dir)
     if state is None:
         return {"running": False, "reason": "no embedded pool started in " + str(run_dir or default_run_dir())}
-    master_up = _alive(state.master_pid) and answers(state.config.master)
-    daemon_up = _alive(state.daemon_pid) and answers(state.config.daemon)
+    master_up = process_alive(state.master_pid) and answers(state.config.master)
+    daemon_up = process_alive(state.daemon_pid) and answers(state.config.daemon)
     return {
         "running": master_up and daemon_up,
         "master": {"address": state.config.master, "pid": state.master_pid, "up": master_up},
@@ -281,9 +281,9 @@ def _terminate(pid: int, grace_s: float = 5.0) -> None:
     except (ProcessLookupError, PermissionError):
         return
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and process_alive(pid):
         time.sleep(0.05)
-    if _alive(pid):
+    if process_alive(pid):
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -77,7 +77,7 @@ def test_an_error_inside_the_lab_ends_its_pool_and_removes_every_namespace(tmp_p
             assert len(pids) == 3  # a master and a daemon per port
             raise RuntimeError("boom")
     assert not _namespaces_of(os.getpid())
-    assert all(not embedded._alive(p) for p in pids)
+    assert all(not embedded.process_alive(p) for p in pids)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -96,7 +96,7 @@ def test_a_lab_stopped_by_a_signal_leaves_no_namespace_or_process(sig):
             proc.kill()
             proc.wait()
     assert not _namespaces_of(proc.pid)
-    assert all(not embedded._alive(p) for p in running)
+    assert all(not embedded.process_alive(p) for p in running)
     assert _root_links() == links
 
 
