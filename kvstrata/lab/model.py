@@ -68,10 +68,6 @@ class Predicted:
     bound: Bound
     bottleneck: str  # the resource's label
 
-    @property
-    def gbps(self) -> float:
-        return self.restore.nbytes / self.seconds / 1e9
-
 
 def link_bandwidth(shape: LinkShape, what: str) -> Bandwidth | None:
     """A shaped link's one-way capacity (None: unshaped, no constraint): the tbf rate / 8, of

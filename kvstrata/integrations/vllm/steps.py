@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,3 @@ def _median(measure: Callable[[], float], repeats: int) -> float:
     measure()  # warm-up
     return statistics.median(measure() for _ in range(repeats))
 
-
-def fitted_error(fit: Callable[..., float], points: Sequence[tuple[int, int, float]]) -> float:
-    """The largest relative error of ``fit(a, b)`` over ``(a, b, seconds)`` points."""
-    return max(abs(fit(a, b) - t) / t for a, b, t in points)
