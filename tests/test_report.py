@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvstrata.bench.goals import CacheFigure, Goal, RemoteFigure
-from kvstrata.bench.remote_report import ModeSkipped, PathRestore
-from kvstrata.bench.rounds import Rounds
+from kvstrata.bench.remote_report import PathRestore
+from kvstrata.bench.rounds import Rounds, Skipped
 from kvstrata.media import FetchPath, Medium
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.pool.scoped import PoolOrigin, PoolSource
@@ -114,7 +114,7 @@ def test_remote_modes_paths_and_the_pool_come_out_as_the_old_json():
     pool = PoolSource(PoolOrigin.EMBEDDED, PoolConfig("127.0.0.1:5000", "127.0.0.1:5001"), 1 << 20, 11, 12)
     doc = to_json({
         "pool": pool,
-        "modes": {RemoteMode.SHM: ModeSkipped("no daemon")},
+        "modes": {RemoteMode.SHM: Skipped("no daemon")},
         "cache": {FetchPath.DIRECT: PathRestore((R, D), 1.0, 2.0, 0.5, 0.25, 0.75)},
     })
     assert doc["pool"]["source"] == "embedded" and doc["pool"]["master"] == "127.0.0.1:5000"

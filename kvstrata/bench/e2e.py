@@ -20,18 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import lmcache_e2e
-from kvstrata.bench.rounds import Spread
+from kvstrata.bench.rounds import Skipped, Spread
 from kvstrata.media import Medium
 from kvstrata.report import FLATTEN
 from kvstrata.workload import WorkloadReport
 from kvstrata.workload.spec import Workload
 
 LMCACHE_TIERS = (Medium.HOST, Medium.DISK)
-
-
-@dataclass(frozen=True)
-class LMCacheSkipped:
-    skipped: str
 
 
 def paired(ours: Sequence[float], theirs: Sequence[float]) -> Spread | None:
@@ -72,7 +67,7 @@ class E2EBenchReport:
 
     run: WorkloadReport = field(metadata=FLATTEN)
     versus: dict[Medium, TierVersus]
-    lmcache: dict[str, Any] | LMCacheSkipped | None
+    lmcache: dict[str, Any] | Skipped | None
     note: str | None = None
 
 
@@ -113,11 +108,11 @@ class LMCacheBeside:
             return
         self.turns[tier].append(turn)
 
-    def document(self) -> dict[str, Any] | LMCacheSkipped:
+    def document(self) -> dict[str, Any] | Skipped:
         """LMCache's side as its JSON documents have it: versions, and per tier its summary."""
         ran = {t: turns for t, turns in self.turns.items() if turns}
         if not ran:
-            return LMCacheSkipped(self.failed or "no turn ran")
+            return Skipped(self.failed or "no turn ran")
         about = self._side.about if self._side is not None else self._about
         tiers = {t.label: lmcache_e2e.summary(t.label, turns, drop_pages=False) for t, turns in ran.items()}
         return {**about, "tiers": tiers, **({"failed": self.failed} if self.failed else {})}
@@ -135,7 +130,7 @@ class LMCacheBeside:
         self.close()
 
 
-def versus(run: WorkloadReport, lmcache: dict[str, Any] | LMCacheSkipped | None) -> dict[Medium, TierVersus]:
+def versus(run: WorkloadReport, lmcache: dict[str, Any] | Skipped | None) -> dict[Medium, TierVersus]:
     """Per tier that ran: ours cold over plain transformers, ours warm over LMCache (per turn)."""
     out = {}
     for tier, report in run.tiers.items():
@@ -163,7 +158,7 @@ def _over_host_and_pool(run: WorkloadReport, tier: Medium) -> Spread | None:
                           [h.ttft_warm_s + r.hit_tokens * token_bytes / (run.pool_gbps * 1e9) for r, h in pairs])
 
 
-def version_note(lmcache: dict[str, Any] | LMCacheSkipped | None) -> str | None:
+def version_note(lmcache: dict[str, Any] | Skipped | None) -> str | None:
     """A line when LMCache's side ran other transformers or torch than ours (their TTFTs then
     compare two libraries' code, not two caches)."""
     if not isinstance(lmcache, dict):

@@ -54,13 +54,12 @@ from kvstrata.bench.ours_remote import OursRemote
 from kvstrata.bench.poolcache import PoolReader
 from kvstrata.bench.remote_report import (
     ModeFigures,
-    ModeSkipped,
     RemoteBenchReport,
     RemoteRun,
     mode_figures,
     remote_report,
 )
-from kvstrata.bench.rounds import Environment, Rounds, check_rounds, rotated
+from kvstrata.bench.rounds import Environment, Rounds, Skipped, check_rounds, rotated
 from kvstrata.cache import CacheConfig
 from kvstrata.index.keys import block_keys
 from kvstrata.kv.layout import KVLayout
@@ -132,13 +131,13 @@ def run_remote_bench(
     tokens, kv_bytes = random_kv(layout, config.blocks, device)  # [layers, kv, tokens, kv_heads, hd * item]
     blocks = torch.stack([block_of(kv_bytes, layout, i).cpu() for i in range(config.blocks)])
     run_id = uuid.uuid4().hex[:12]  # object names of this run only: a shared pool has others
-    modes: dict[RemoteMode, ModeFigures | ModeSkipped] = {}
+    modes: dict[RemoteMode, ModeFigures | Skipped] = {}
     prefault = config.prefault_bytes()  # once: every mode uses the same segment
     with scoped_pool(pool, config.pool_segment_bytes()) as source:
         progress.step("pool ready")
         for mode in config.modes:
             if mode is RemoteMode.SHM and not source.config.daemon:
-                modes[mode] = ModeSkipped("the pool has no daemon on this host (SHM mode needs one)")
+                modes[mode] = Skipped("the pool has no daemon on this host (SHM mode needs one)")
                 progress.step(f"{mode.value}: skipped")
                 continue
             base = CacheConfig(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvstrata.bench.goals import LOOKUP_OF_EXISTS, REMOTE_OF_RAW, SEALED_OF_UNSEALED, Goal, RemoteFigure
 from kvstrata.bench.poolcache import ROUTES
 from kvstrata.bench.kvdata import KVSetup
-from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
+from kvstrata.bench.rounds import Compared, Environment, Rounds, Skipped, Summary
 from kvstrata.media import FetchPath, Route
 from kvstrata.pool.config import RemoteMode
 from kvstrata.pool.scoped import PoolSource
@@ -110,11 +110,6 @@ class ModeFigures:
 
 
 @dataclass(frozen=True)
-class ModeSkipped:
-    skipped: str
-
-
-@dataclass(frozen=True)
 class RemoteVerified:
     bytes: int
     bit_exact: bool = True  # a mismatch raises VerificationError: a report exists only if all matched
@@ -125,7 +120,7 @@ class RemoteVerified:
 @dataclass(frozen=True)
 class RemoteBenchReport:
     config: RemoteRun
-    modes: dict[RemoteMode, ModeFigures | ModeSkipped]
+    modes: dict[RemoteMode, ModeFigures | Skipped]
     verified: RemoteVerified
     goals: tuple[Goal, ...]
 
@@ -165,12 +160,12 @@ def mode_figures(
     )
 
 
-def remote_report(run: RemoteRun, modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> RemoteBenchReport:
+def remote_report(run: RemoteRun, modes: dict[RemoteMode, ModeFigures | Skipped]) -> RemoteBenchReport:
     measured = [m for m in modes.values() if isinstance(m, ModeFigures)]
     return RemoteBenchReport(run, modes, RemoteVerified(sum(m.verified_bytes for m in measured)), remote_goals(modes))
 
 
-def remote_goals(modes: dict[RemoteMode, ModeFigures | ModeSkipped]) -> tuple[Goal, ...]:
+def remote_goals(modes: dict[RemoteMode, ModeFigures | Skipped]) -> tuple[Goal, ...]:
     """Per measured pool mode: restore and store through the tier at >= 0.9x the raw calls, a
     lookup that asks the pool within 1.5x the raw existence query, and sealed restores at
     >= 0.9x unsealed ones (authentication costs at most 10%)."""

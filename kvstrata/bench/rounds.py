@@ -103,6 +103,13 @@ class Spread:
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """A part of a benchmark's report that did not run, and why (JSON: ``{"skipped": why}``)."""
+
+    skipped: str
+
+
+@dataclass(frozen=True)
 class Environment:
     """What the figures were measured on."""
 

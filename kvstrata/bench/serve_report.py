@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.rounds import Spread
+from kvstrata.bench.rounds import Skipped, Spread
 from kvstrata.bench.serve_config import Instance
 from kvstrata.bench.serve_counters import Counters, HitsSource
 from kvstrata.media import Medium
@@ -171,13 +171,6 @@ def total(counters: Iterable[Counters]) -> Counters:
 
 
 # --- the report's parts ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """A part of the report that did not run, and why."""
-
-    skipped: str
 
 
 @dataclass(frozen=True)

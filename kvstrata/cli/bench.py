@@ -416,7 +416,7 @@ def run_remote(args: argparse.Namespace) -> int:
 
 def _print_remote(report: RemoteBenchReport) -> None:
     from kvstrata.bench.goals import RemoteFigure, goals_for
-    from kvstrata.bench.remote_report import ModeSkipped
+    from kvstrata.bench.rounds import Skipped
     from kvstrata.media import FetchPath
     from kvstrata.pool.scoped import PoolOrigin
 
@@ -426,7 +426,7 @@ def _print_remote(report: RemoteBenchReport) -> None:
     rows: list[tuple[RemoteFigure | None, str, str, str, str, str]] = []  # judged, label, what, ours, raw, ratio
     skipped = []
     for mode, m in report.modes.items():
-        if isinstance(m, ModeSkipped):
+        if isinstance(m, Skipped):
             skipped.append(f"{mode.value}: not measured ({m.skipped})")
             continue
         direct, staged = m.cache[FetchPath.DIRECT], m.cache[FetchPath.STAGED]
@@ -633,7 +633,8 @@ def _plot_recompute(report: RecomputeBenchReport, path: str) -> None:
 
 
 def run_bench_e2e(args: argparse.Namespace) -> int:
-    from kvstrata.bench.e2e import E2EBenchReport, LMCacheBeside, LMCacheSkipped, version_note, versus
+    from kvstrata.bench.e2e import E2EBenchReport, LMCacheBeside, version_note, versus
+    from kvstrata.bench.rounds import Skipped
     from kvstrata.cli.workload import model_dir_of, parse_tiers, workload_of
 
     if args.no_lmcache:
@@ -651,7 +652,7 @@ def run_bench_e2e(args: argparse.Namespace) -> int:
     workload = run.workload
     render_tiers(out, run, f"kvstrata bench e2e: {run.model_dir.name}, {workload.conversations} x {workload.turns} turns")
     _print_versus(out, report)
-    if isinstance(lmcache, LMCacheSkipped):
+    if isinstance(lmcache, Skipped):
         out.print(f"LMCache: {lmcache.skipped}", highlight=False)
     elif isinstance(lmcache, dict) and lmcache.get("failed"):
         out.print(f"[yellow]LMCache {lmcache['failed']}[/]", highlight=False)

@@ -178,7 +178,7 @@ _HITS_SOURCE = {
 
 
 def _print_serve(report: ServeBenchReport) -> None:
-    from kvstrata.bench.serve_report import Skipped
+    from kvstrata.bench.rounds import Skipped
 
     c, w = report.config, report.config.workload
     tiers = f"device {c.device_bytes / MiB:g} MiB, host {c.host_bytes / MiB:g} MiB, disk {c.disk_bytes / MiB:g} MiB"
