@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import time
 
 from rich.table import Table
@@ -131,27 +132,21 @@ def _print(report, seconds: float) -> None:
         for col in ("rate/port", "size", "one port", "two ports", "speedup", "planner"):
             table.add_column(col, justify="right")
         for r in report.ports:
-            table.add_row(f"{r.rate_gbit:g} Gbit/s", f"{r.nbytes / MIB:g} MiB", _ms(_med(r.one_port_runs_s)),
-                          _ms(_med(r.two_ports_runs_s)), f"{r.speedup:.2f}x", f"{r.predicted_speedup:.2f}x")
+            table.add_row(f"{r.rate_gbit:g} Gbit/s", f"{r.nbytes / MIB:g} MiB", _ms(statistics.median(r.one_port_runs_s)),
+                          _ms(statistics.median(r.two_ports_runs_s)), f"{r.speedup:.2f}x", f"{r.predicted_speedup:.2f}x")
         out.print(table)
     if report.uplink:
         table = Table(title="shared uplink: two hosts restoring at once behind one shaped link")
         for col in ("host", "uplink", "size", "alone", "at once", "share", "planner's share"):
             table.add_column(col, justify="right")
         for r in report.uplink:
-            table.add_row(r.host, f"{r.rate_gbit:g} Gbit/s", f"{r.nbytes / MIB:g} MiB", _ms(_med(r.alone_runs_s)),
-                          _ms(_med(r.together_runs_s)), f"{r.share:.2f}", f"{r.predicted_share:.2f}")
+            table.add_row(r.host, f"{r.rate_gbit:g} Gbit/s", f"{r.nbytes / MIB:g} MiB", _ms(statistics.median(r.alone_runs_s)),
+                          _ms(statistics.median(r.together_runs_s)), f"{r.share:.2f}", f"{r.predicted_share:.2f}")
         out.print(table)
     for goal in report.goals:
         mark = "[green]met[/]" if goal.met else "[bold red]MISSED[/]"
         out.print(f"{mark} {goal.what}: {goal.detail}", highlight=False)
     out.print(f"{seconds:.0f} s; every namespace, link and qdisc removed", highlight=False)
-
-
-def _med(runs: tuple[float, ...]) -> float:
-    import statistics
-
-    return statistics.median(runs)
 
 
 def _ms(seconds: float) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.lab.model import Bound, LabPaths
+from kvstrata.lab.spec import tcp_efficiency
 from kvstrata.media import FetchPath
 
 if TYPE_CHECKING:
@@ -90,8 +91,6 @@ class UplinkRow:
     predicted_share: float = field(init=False)
 
     def __post_init__(self) -> None:
-        from kvstrata.lab.spec import tcp_efficiency
-
         link = self.rate_gbit * 1e9 / 8 * tcp_efficiency()
         object.__setattr__(self, "share", self.nbytes / _median(self.together_runs_s) / link)
         object.__setattr__(self, "predicted_share", self.nbytes / self.together_predicted_s / link)
