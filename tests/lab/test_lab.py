@@ -39,7 +39,7 @@ def _lab_cli(*args: str) -> list[str]:
 def test_a_small_lab_names_the_bound_it_shapes_and_predicts_the_restore_within_its_noise():
     links = _root_links()
     started = time.monotonic()
-    proc = subprocess.Popen(_lab_cli("--rates", "2.5", "--sizes-mib", "16", "64", "--repeats", "1", "--phases", "link",
+    proc = subprocess.Popen(_lab_cli("--rates", "2.5", "--sizes-mib", "16", "64", "--repeats", "3", "--phases", "link",
                                      "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - started
@@ -59,7 +59,7 @@ def test_a_small_lab_names_the_bound_it_shapes_and_predicts_the_restore_within_i
             assert measured_gbps <= payload_gbps * 1.05  # a shaped link is never beaten
             assert r["bottleneck"].startswith("inf port 0 (2.5 Gbit/s)")
             if r["nbytes"] >= 64 << 20:
-                assert abs(r["error"]) < 0.2, r  # the goal is 10% over 3 rounds; one round on a shared CI box
+                assert abs(r["error"]) < 0.2, r  # the goal is 10%; a median of 3 rounds on a shared CI box (one round strayed 40% once)
     assert seconds < 60
     assert not _namespaces_of(proc.pid)
     assert _root_links() == links  # no veth, bridge or qdisc ever reached this namespace
