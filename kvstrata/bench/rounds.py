@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import torch
 
 from kvstrata.report import OMIT, key
 
@@ -120,6 +119,8 @@ class Environment:
 
     @staticmethod
     def here() -> Environment:
+        import torch  # here, not at the top: the serving simulator reads rounds and imports no torch
+
         return Environment(torch.__version__, torch.get_num_threads(), os.cpu_count(), platform.machine())
 
 

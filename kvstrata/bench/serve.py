@@ -104,14 +104,13 @@ def model_facts(model_dir: Path, dtype: str) -> ModelFacts:
 
 def load_trace(config: ServeBenchConfig) -> tuple[list[Request], str]:
     """The trace's requests and what it is: the file's, or one generated with the workload's seed."""
-    from kvstrata.sim.synthetic import SyntheticConfig, generate
+    from kvstrata.bench.serve_plan import generated_trace
     from kvstrata.sim.traceio import read_trace
 
     w = config.workload
     if config.trace is not None:
         return read_trace(config.trace), str(config.trace)
-    requests = generate(SyntheticConfig(requests=w.conversations, seed=w.seed, rate=w.rate_per_s))
-    return requests, f"generated (kvstrata trace generate --requests {w.conversations} --seed {w.seed} --kind mix)"
+    return generated_trace(w), f"generated (kvstrata trace generate --requests {w.conversations} --seed {w.seed} --kind mix)"
 
 
 def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,

@@ -76,8 +76,8 @@ def ask_each(endpoint: Endpoint, prompts: Sequence[Sequence[int]], max_tokens: i
     return asyncio.run(_ask_each(endpoint, prompts, max_tokens, concurrency, progress or NoProgress(), label))
 
 
-class _Clients:
-    """One ``AsyncOpenAI`` per server, closed together."""
+class Clients:
+    """One ``AsyncOpenAI`` per server (its connections kept from call to call), closed together."""
 
     def __init__(self) -> None:
         self._clients: dict[str, object] = {}
@@ -102,7 +102,7 @@ class _Clients:
 
 async def _drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: int, rate_per_s: float,
                  progress: Progress, label: str) -> Driven:
-    clients = _Clients()
+    clients = Clients()
     records: list[RequestRecord] = []
     prefills: list[RequestRecord] = []
     steps = sum(p.turns * (2 if isinstance(route(p.index, 0), Handoff) else 1) for p in plans)
@@ -121,11 +121,11 @@ async def _drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: in
             prompt = plan.prompt(turn, answers)
             target = route(plan.index, turn)
             if isinstance(target, Handoff):
-                first = await _complete(clients(target.prefill), target.prefill, prompt, 1, plan.index, turn, start)
+                first = await complete(clients(target.prefill), target.prefill, prompt, 1, plan.index, turn, start)
                 prefills.append(first)
                 done(first)
                 target = target.decode
-            record = await _complete(clients(target), target, prompt, max_tokens, plan.index, turn, start)
+            record = await complete(clients(target), target, prompt, max_tokens, plan.index, turn, start)
             records.append(record)
             done(record)
             answers.append(record.output_ids)
@@ -139,7 +139,7 @@ async def _drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: in
 
 async def _ask_each(endpoint: Endpoint, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
                     progress: Progress, label: str) -> list[tuple[int, ...]]:
-    clients = _Clients()
+    clients = Clients()
     gate = asyncio.Semaphore(concurrency)
     answers: list[tuple[int, ...] | None] = [None] * len(prompts)
     progress.start(len(prompts))
@@ -147,7 +147,7 @@ async def _ask_each(endpoint: Endpoint, prompts: Sequence[Sequence[int]], max_to
 
     async def one(i: int) -> None:
         async with gate:
-            record = await _complete(clients(endpoint), endpoint, prompts[i], max_tokens, i, 0, start)
+            record = await complete(clients(endpoint), endpoint, prompts[i], max_tokens, i, 0, start)
         answers[i] = record.output_ids
         progress.step(f"{label}: {sum(a is not None for a in answers)}/{len(prompts)} prompts")
 
@@ -170,7 +170,7 @@ async def _all(coroutines: Sequence[Any]) -> None:
         raise
 
 
-async def _complete(client, endpoint: Endpoint, prompt: Sequence[int], max_tokens: int, conversation: int,
+async def complete(client, endpoint: Endpoint, prompt: Sequence[int], max_tokens: int, conversation: int,
                     turn: int, start: float) -> RequestRecord:
     """One streamed completion, timed from just before it is sent."""
     import openai

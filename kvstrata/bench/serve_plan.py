@@ -123,6 +123,14 @@ class ConversationPlan:
         return tuple(prompt)
 
 
+def generated_trace(workload: ServeWorkload) -> list[Request]:
+    """The trace ``bench serve`` generates when given none: ``kvstrata trace generate``'s, seeded
+    with the workload's seed, one request per conversation at its rate."""
+    from kvstrata.sim.synthetic import SyntheticConfig, generate
+
+    return generate(SyntheticConfig(requests=workload.conversations, seed=workload.seed, rate=workload.rate_per_s))
+
+
 def opener_tokens(request: Request, workload: ServeWorkload) -> int:
     """An opening prompt's length: the trace's, scaled to ``block_tokens`` a trace block, cut to fit."""
     scaled = -(-request.input_length * workload.block_tokens // TRACE_BLOCK_TOKENS)
