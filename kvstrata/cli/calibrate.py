@@ -42,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="also fit this Hugging Face model's prefill rate (for load-or-recompute); repeatable")
     cal.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                      help="what runs --model-dir: transformers (its prefill, for load-or-recompute) or vLLM (its prefill "
-                          "and decode steps as it serves, for the simulator; prefix caching on; default transformers)")
+                          "and decode steps as a client of vllm serve sees them, bound to the CPUs bench serve gives a "
+                          "server: the serving simulator's profile; default transformers)")
     cal.add_argument("--dtype", default="float32", help="the model's dtype under --engine vllm (default float32)")
     cli.add_json_arg(cal, "the measurements")
     cal.set_defaults(func=run_calibrate)
@@ -66,6 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     val.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
     cli.add_pool_arg(val, "no remote row")
     val.add_argument("--dir", metavar="DIR", help="where the disk tier's files go (default: temp)")
+    val.add_argument("--serve", metavar="BENCH.json", nargs="+",
+                     help="instead: simulate each bench serve --json report's run on --profile (a profile from "
+                          "kvstrata calibrate --model-dir DIR --engine vllm) and put the simulation beside what was "
+                          "measured, per configuration: TTFT/TPOT percentiles, throughput, hit rates per tier")
+    val.add_argument("--plot", metavar="PATH", help="with --serve: write measured and simulated CDFs (PNG) here")
     cli.add_json_arg(val, "the rows")
     val.set_defaults(func=run_validate)
 
@@ -122,17 +128,34 @@ def _with_prefill(calibration, model_dirs: list[str]):
 
 def _with_vllm_steps(calibration, model_dirs: list[str], dtype: str):
     """The calibration plus each model's prefill and decode step fits as vLLM serves it (keyed as
-    ``_with_prefill`` keys them)."""
+    ``_with_prefill`` keys them), measured on the CPUs ``bench serve`` binds a server to."""
     import dataclasses
+    import os
+    import tempfile
 
-    from kvstrata.integrations.vllm.steps import measure_vllm_steps
+    from kvstrata.bench.serve_config import CPU_HALF, Instance, cpu_halves
+    from kvstrata.bench.serve import model_facts
+    from kvstrata.integrations.vllm.steps import measure_connector, measure_vllm_steps
+    from kvstrata.bench.serve_plan import ServeWorkload
+    from kvstrata.plan.host import MEMCPY_ONE
 
-    prefill, decode = dict(calibration.prefill), dict(calibration.decode)
+    block_tokens = ServeWorkload().block_tokens  # bench serve's default block size
+
+    halves = cpu_halves(sorted(os.sched_getaffinity(0)))  # bench serve's servers run on half the CPUs
+    cpus = None if halves is None else halves[CPU_HALF[Instance.OURS]]
+    prefill, decode, connector = dict(calibration.prefill), dict(calibration.decode), dict(calibration.connector)
     for model_dir in model_dirs:
-        steps = measure_vllm_steps(model_dir, dtype=dtype)
+        block_bytes = model_facts(Path(model_dir), dtype).bytes_per_token * block_tokens
+        with tempfile.TemporaryDirectory(prefix="kvstrata-steps-") as logs:
+            steps = measure_vllm_steps(model_dir, Path(logs) / "vllm-serve.log", dtype=dtype, block_size=block_tokens,
+                                       cpus=cpus)
+            restore = lambda blocks: calibration.restore_s("host", blocks * block_bytes, blocks)  # noqa: E731
+            store = lambda blocks: calibration.path(MEMCPY_ONE).seconds(blocks * block_bytes)  # noqa: E731
+            fit = measure_connector(model_dir, Path(logs) / "vllm-serve-connector.log", steps.prefill, restore, store,
+                                    dtype=dtype, block_size=block_tokens, cpus=cpus)
         name = Path(model_dir).resolve().name
-        prefill[name], decode[name] = steps.prefill, steps.decode
-    return dataclasses.replace(calibration, prefill=prefill, decode=decode)
+        prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, fit
+    return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -194,6 +217,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    if args.serve:
+        from kvstrata.cli.validate_serve import run_validate_serve
+
+        return run_validate_serve(args)
+    if args.plot:
+        raise cli.CliError("--plot goes with --serve")
     from kvstrata.calibrate.validate import DEFAULT_SIZES, GOAL, GOAL_MIN_BYTES, QUICK_SIZES, ValidateConfig, validate
 
     pool, pool_source = _pool(args.pool)

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvstrata.plan.steps import DecodeFit
+from kvstrata.plan.steps import ConnectorFit, DecodeFit
 
 GB = 1e9
 
@@ -220,6 +220,8 @@ class HostCalibration:
         decode: per model id, its serving engine's decode step fit (``--engine vllm``).
         efficiency: derived link efficiencies for a hardware profile (e.g. pcie = measured
             pinned H2D GB/s over the PCIe payload bandwidth), when a GPU was present.
+        connector: per model id, what the KVStrata connector adds to a served request
+            (``--engine vllm``).
     """
 
     host: str
@@ -229,6 +231,7 @@ class HostCalibration:
     prefill: dict[str, PrefillFit] = field(default_factory=dict)
     efficiency: dict[str, float] = field(default_factory=dict)
     decode: dict[str, DecodeFit] = field(default_factory=dict)
+    connector: dict[str, ConnectorFit] = field(default_factory=dict)
 
     def path(self, name: str) -> PathFit:
         try:
@@ -337,6 +340,8 @@ class HostCalibration:
             lines += _array_entry("calibration.prefill", {"model": model, **asdict(f)})
         for model, d in self.decode.items():
             lines += _array_entry("calibration.decode", {"model": model, **asdict(d)})
+        for model, k in self.connector.items():
+            lines += _array_entry("calibration.connector", {"model": model, **asdict(k)})
         if self.efficiency:
             lines += ["", "[efficiency]"] + [f"{_q(k)} = {v!r}" for k, v in self.efficiency.items()]
         return "\n".join(lines) + "\n"
@@ -352,10 +357,13 @@ class HostCalibration:
                                         tuple(int(s) for s in p.get("sizes", ()))) for p in c.get("path", [])}
             prefill = {f["model"]: PrefillFit(float(f["latency_s"]), float(f["tokens_per_s"]), float(f.get("attn_s", 0.0)))
                        for f in c.get("prefill", [])}
-            decode = {d["model"]: DecodeFit(float(d["latency_s"]), float(d["per_request_s"]), float(d.get("per_token_s", 0.0)))
+            decode = {d["model"]: DecodeFit(float(d["latency_s"]), float(d["per_request_s"]), float(d.get("per_token_s", 0.0)),
+                                            float(d.get("busy_cpus", 0.0)), int(d.get("cpus", 0)))
                       for d in c.get("decode", [])}
+            connector = {k["model"]: ConnectorFit(float(k["request_s"]), float(k.get("load_s", 0.0)))
+                         for k in c.get("connector", [])}
             return cls(str(c["host"]), str(c["device"]), int(c["threads"]), paths, prefill,
-                       {str(k): float(v) for k, v in doc.get("efficiency", {}).items()}, decode)
+                       {str(k): float(v) for k, v in doc.get("efficiency", {}).items()}, decode, connector)
         except KeyError as e:
             raise ValueError(f"calibration is missing field {e.args[0]!r}") from None
 

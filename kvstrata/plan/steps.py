@@ -25,9 +25,11 @@ class DecodeFit:
     latency_s: float
     per_request_s: float
     per_token_s: float = 0.0
+    busy_cpus: float = 0.0  # the host's CPUs busy while one server decodes (its engine, its HTTP server, the client); 0: not measured
+    cpus: int = 0  # the host's CPUs then
 
     def __post_init__(self) -> None:
-        for name in ("latency_s", "per_request_s", "per_token_s"):
+        for name in ("latency_s", "per_request_s", "per_token_s", "busy_cpus", "cpus"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"decode fit {name} must be >= 0, got {value!r}")
@@ -37,6 +39,26 @@ class DecodeFit:
         if batch <= 0:
             return 0.0
         return self.latency_s + batch * self.per_request_s + held_tokens * self.per_token_s
+
+
+@dataclass(frozen=True)
+class ConnectorFit:
+    """What the KVStrata connector adds to a request on a serving engine, beyond the cache's own
+    restores and stores (its lookup asked of the worker, the metadata of each step, the copy of
+    a load into the engine's blocks), measured through ``vllm serve``.
+
+    Attributes:
+        request_s: every request the connector looks up.
+        load_s: a request that loads, beyond the restore's own time.
+    """
+
+    request_s: float
+    load_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_s", "load_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"connector fit {name} must be >= 0, got {getattr(self, name)!r}")
 
 
 def fit_decode(points: Sequence[tuple[int, int, float]]) -> DecodeFit:

@@ -1,30 +1,21 @@
-"""vLLM's own prefill and decode steps on this host, measured through vLLM and fitted: what the
-simulator's serving profile is made of (``kvstrata calibrate --model-dir DIR --engine vllm``)."""
+"""vLLM's own prefill and decode steps on this host, measured through ``vllm serve`` and fitted:
+what the serving simulator's profile is made of (``kvstrata calibrate --model-dir DIR --engine vllm``)."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("vllm")
 
-CHILD = """
-import dataclasses, json, sys
-from kvstrata.integrations.vllm.steps import measure_vllm_steps
-steps = measure_vllm_steps(sys.argv[1], repeats=2)
-print("STEPS " + json.dumps(dataclasses.asdict(steps)))
-"""
-
 
 @pytest.fixture(scope="module")
-def steps(tiny_model_dir) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("STEPS "))
-    return json.loads(line[len("STEPS "):])
+def steps(tiny_model_dir, tmp_path_factory) -> dict:
+    import dataclasses
+
+    from kvstrata.integrations.vllm.steps import measure_vllm_steps
+
+    log = tmp_path_factory.mktemp("steps") / "vllm-serve.log"
+    return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, log, repeats=2))
 
 
 def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
