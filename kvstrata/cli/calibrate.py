@@ -127,34 +127,32 @@ def _with_prefill(calibration, model_dirs: list[str]):
 
 
 def _with_vllm_steps(calibration, model_dirs: list[str], dtype: str):
-    """The calibration plus each model's prefill and decode step fits as vLLM serves it (keyed as
-    ``_with_prefill`` keys them), measured on the CPUs ``bench serve`` binds a server to."""
+    """The calibration plus each model's prefill and decode step fits and the connector's cost as
+    ``vllm serve`` serves it (keyed as ``_with_prefill`` keys them), on the CPUs ``bench serve``
+    binds its servers to."""
     import dataclasses
     import os
     import tempfile
 
-    from kvstrata.bench.serve_config import CPU_HALF, Instance, cpu_halves
     from kvstrata.bench.serve import model_facts
-    from kvstrata.integrations.vllm.steps import measure_connector, measure_vllm_steps
+    from kvstrata.bench.serve_config import CPU_HALF, Instance, cpu_halves
     from kvstrata.bench.serve_plan import ServeWorkload
+    from kvstrata.integrations.vllm.steps import measure_vllm_steps
     from kvstrata.plan.host import MEMCPY_ONE
 
+    halves = cpu_halves(sorted(os.sched_getaffinity(0)))  # bench serve's servers run on half the CPUs each
+    cpus = None if halves is None else (halves[CPU_HALF[Instance.OURS]], halves[CPU_HALF[Instance.SECOND]])
     block_tokens = ServeWorkload().block_tokens  # bench serve's default block size
-
-    halves = cpu_halves(sorted(os.sched_getaffinity(0)))  # bench serve's servers run on half the CPUs
-    cpus = None if halves is None else halves[CPU_HALF[Instance.OURS]]
     prefill, decode, connector = dict(calibration.prefill), dict(calibration.decode), dict(calibration.connector)
     for model_dir in model_dirs:
         block_bytes = model_facts(Path(model_dir), dtype).bytes_per_token * block_tokens
+        restore = lambda blocks: calibration.restore_s("host", blocks * block_bytes, blocks)  # noqa: E731
+        store = lambda blocks: calibration.path(MEMCPY_ONE).seconds(blocks * block_bytes)  # noqa: E731
         with tempfile.TemporaryDirectory(prefix="kvstrata-steps-") as logs:
-            steps = measure_vllm_steps(model_dir, Path(logs) / "vllm-serve.log", dtype=dtype, block_size=block_tokens,
+            steps = measure_vllm_steps(model_dir, Path(logs), restore, store, dtype=dtype, block_size=block_tokens,
                                        cpus=cpus)
-            restore = lambda blocks: calibration.restore_s("host", blocks * block_bytes, blocks)  # noqa: E731
-            store = lambda blocks: calibration.path(MEMCPY_ONE).seconds(blocks * block_bytes)  # noqa: E731
-            fit = measure_connector(model_dir, Path(logs) / "vllm-serve-connector.log", steps.prefill, restore, store,
-                                    dtype=dtype, block_size=block_tokens, cpus=cpus)
         name = Path(model_dir).resolve().name
-        prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, fit
+        prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, steps.connector
     return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector)
 
 

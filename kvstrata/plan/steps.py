@@ -25,14 +25,15 @@ class DecodeFit:
     latency_s: float
     per_request_s: float
     per_token_s: float = 0.0
-    busy_cpus: float = 0.0  # the host's CPUs busy while one server decodes (its engine, its HTTP server, the client); 0: not measured
-    cpus: int = 0  # the host's CPUs then
+    together: float = 1.0  # how much slower a step runs while another server on this host steps too
 
     def __post_init__(self) -> None:
-        for name in ("latency_s", "per_request_s", "per_token_s", "busy_cpus", "cpus"):
+        for name in ("latency_s", "per_request_s", "per_token_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"decode fit {name} must be >= 0, got {value!r}")
+        if not self.together >= 1:
+            raise ValueError(f"decode fit together must be >= 1 (a step no faster for another's), got {self.together!r}")
 
     def step_s(self, batch: int, held_tokens: int) -> float:
         """One step of ``batch`` requests holding ``held_tokens`` tokens in all (0 for no batch)."""

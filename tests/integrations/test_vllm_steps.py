@@ -10,12 +10,17 @@ pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def steps(tiny_model_dir, tmp_path_factory) -> dict:
+    """Both servers (plain and with the connector), each on its half of the CPUs as bench serve
+    binds them; the cache's own restores and stores taken as free (their fits are tested apart)."""
     import dataclasses
+    import os
 
+    from kvstrata.bench.serve_config import cpu_halves
     from kvstrata.integrations.vllm.steps import measure_vllm_steps
 
-    log = tmp_path_factory.mktemp("steps") / "vllm-serve.log"
-    return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, log, repeats=2))
+    logs = tmp_path_factory.mktemp("steps")
+    return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
+                                                 repeats=2, cpus=cpu_halves(sorted(os.sched_getaffinity(0)))))
 
 
 def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
@@ -27,15 +32,31 @@ def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
     _follows(fit.seconds, steps["prefill_points"])
 
 
-def test_a_decode_step_grows_with_the_batch_and_the_fit_follows_the_points(steps):
+def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
+    from kvstrata.integrations.vllm.steps import DECODE_BATCHES, DECODE_CONTEXTS
     from kvstrata.plan.steps import DecodeFit
 
     fit = DecodeFit(**steps["decode"])
-    by = {(b, s): t for b, s, t in steps["decode_points"]}
-    one, eight = min(by.items())[1], max(by.items())[1]
-    assert eight > one  # eight requests' step costs more than one's
-    assert fit.step_s(8, 8 * 264) > fit.step_s(1, 264)
+    assert sorted(b for b, _, _ in steps["decode_points"]) == sorted(DECODE_BATCHES * len(DECODE_CONTEXTS))
+    assert all(0 < t < 1 for _, _, t in steps["decode_points"])  # a streamed token of the tiny model: ms, not s
     _follows(fit.step_s, steps["decode_points"])
+
+
+def test_two_servers_decoding_at_once_are_timed_against_one_alone(steps):
+    from kvstrata.integrations.vllm.steps import TOGETHER
+
+    assert [(b, s // b - 16) for b, s, _, _ in steps["together_points"]] == list(TOGETHER)
+    assert all(alone > 0 and both > 0 for _, _, alone, both in steps["together_points"])
+    assert steps["decode"]["together"] >= 1
+
+
+def test_a_prompt_sent_again_is_served_by_kvstrata_faster_than_it_was_computed(steps):
+    """vLLM's own prefix cache is off on the connector's server: the repeat's blocks come from
+    kvstrata's tiers. A 448-token prompt loads 13 blocks and computes 32 tokens."""
+    longest = [(miss, hit) for n, miss, hit in steps["connector_points"] if n == max(n for n, _, _ in steps["connector_points"])]
+    assert len(longest) == 2  # the repeats, the warm-up left out
+    assert sorted(hit for _, hit in longest)[0] < sorted(miss for miss, _ in longest)[-1]
+    assert steps["connector"]["request_s"] >= 0 and steps["connector"]["load_s"] >= 0
 
 
 def _follows(fit, points) -> None:

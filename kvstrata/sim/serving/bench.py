@@ -104,7 +104,7 @@ class _Bench:
         self.pool = TierLRU(setup.blocks(setup.remote_bytes)) if setup.pool else None
         self.disks: dict[Instance, TierLRU] = {}
         self._answer_ids = itertools.count(1)
-        self.cpus = HostCpus(setup.times.decode.cpus, setup.times.decode.busy_cpus)
+        self.cpus = HostCpus(setup.times.decode.together)
 
     def run(self) -> SimulatedServe:
         s, w = self.setup, self.w
@@ -179,9 +179,10 @@ class _Bench:
             self.clock.at(self.clock.now_s + self.setup.times.request_in_s, lambda r=request: server.submit(r))
             self.clock.run()
 
-    def _out_s(self) -> float:
-        """A token's way out to the client, from now (the host's CPUs shared as they are now)."""
-        return self.setup.times.response_out_s * self.cpus.stretch(self.clock.now_s)
+    def _out_s(self, instance: Instance) -> float:
+        """A token's way out from ``instance`` to the client, from now (slower while another
+        server steps: the host's CPUs are shared)."""
+        return self.setup.times.response_out_s * self.cpus.stretch(id(self.servers[instance]))
 
     def _answer(self, n: int) -> tuple[int, ...]:
         """Token ids no prompt has (negative): what a request generates."""
@@ -212,11 +213,11 @@ class _Bench:
                                                  self.clock.now_s - sent, sent - start, prompt=prompt))
                     then(r)
 
+                server = self.servers[instance]
                 request = SimRequest(prompt, self._answer(max_tokens), sent,
-                                     lambda r: self.clock.at(self.clock.now_s + self._out_s(), lambda: done(r)),
-                                     first=lambda r: setattr(r, "first_out_s", self._out_s()))
-                self.clock.at(sent + times.request_in_s * self.cpus.stretch(sent),
-                              lambda: self.servers[instance].submit(request))
+                                     lambda r: self.clock.at(self.clock.now_s + self._out_s(instance), lambda: done(r)),
+                                     first=lambda r: setattr(r, "first_out_s", self._out_s(instance)))
+                self.clock.at(sent + times.request_in_s * self.cpus.stretch(id(server)), lambda: server.submit(request))
 
             def answered(r: SimRequest) -> None:
                 if turn + 1 < plan.turns:

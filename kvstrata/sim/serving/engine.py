@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstrata.bench.serve_counters import Counters
-from kvstrata.media import Medium
 from kvstrata.sim.serving.blocks import PrefixBlocks, chain_keys
 from kvstrata.sim.serving.cpus import HostCpus
 from kvstrata.sim.serving.store import ServerStore, StoreHit
@@ -133,7 +132,7 @@ class ServerSim:
                  loads: bool = True, saves: bool = True, cpus: HostCpus | None = None, sync_save: bool = True) -> None:
         self.clock, self.limits, self.times = clock, limits, times
         self.sync_save = sync_save
-        self.cpus = cpus if cpus is not None else HostCpus(0, 0.0)
+        self.cpus = cpus if cpus is not None else HostCpus()
         self.store = store
         self.loads = loads and store is not None
         self.saves = saves and store is not None
@@ -229,7 +228,7 @@ class ServerSim:
         self._busy = True
         self.steps += 1
         self.cpus.stepping(id(self), True)
-        seconds = (self.times.step_s(chunks, decodes, held) + load_s + self._save_s(scheduled)) * self.cpus.stretch(now)
+        seconds = (self.times.step_s(chunks, decodes, held) + load_s + self._save_s(scheduled)) * self.cpus.stretch(id(self))
         self.clock.at(now + seconds, lambda: self._stepped(scheduled))
 
     def _admit(self, r: SimRequest, budget: int) -> tuple[int, float] | None:
@@ -341,7 +340,6 @@ class ServerSim:
         if self.sync_save:
             ready = dict.fromkeys(self.store.tiers, now)
         else:
-            ready = {tier: self.cpus.store(now, self.times.store_s(tier, len(keys))) if tier is not Medium.DEVICE
-                     else now for tier in self.store.tiers}
+            ready = {tier: now + self.times.store_s(tier, len(keys)) for tier in self.store.tiers}
         self.store.store(keys, ready, now)
         r.stored_blocks = min(r.computed, len(r.prompt)) // self.limits.block_tokens

@@ -118,7 +118,7 @@ class ServingTimes:
         return seconds
 
     def store_s(self, tier: Medium, blocks: int) -> float:
-        """When a store of ``blocks`` can be served from ``tier``, after the step that made them."""
+        """A store of ``blocks`` written into ``tier`` (0 for the device tier: the step's own copy)."""
         path = STORE_PATH.get(tier)
         if self.calibration is None or path is None or path not in self.calibration.paths:
             return 0.0
