@@ -307,12 +307,49 @@ class _Fleet:
         return out
 
     def _warm_up(self, instance: Instance) -> None:
-        """A few requests first: a fresh server's first requests pay one-time costs."""
+        """A few requests first: a fresh server's first requests pay one-time costs. Then wait
+        for the host's CPUs to go quiet: a server answering /health still has start-up work
+        in hand, which the next phase's first requests would otherwise share the CPUs with."""
         tag = self.WARM_WITH.get(instance, instance).name
         ask_each(self.endpoint(instance), warm_prompts(self.workload, self.vocab, self.WARM_PROMPTS, tag), 2, 1)
+        _wait_quiet()
 
 
 # --- the edges' helpers -----------------------------------------------------------------------------
+
+
+QUIET_BUSY = 0.25  # the host's CPUs at most this busy over QUIET_WINDOW_S: quiet
+QUIET_WINDOW_S = 0.5
+QUIET_WAIT_S = 20.0
+
+
+def _wait_quiet() -> float:
+    """Wait until the host's CPUs are at most ``QUIET_BUSY`` busy over ``QUIET_WINDOW_S``
+    (``/proc/stat``), ``QUIET_WAIT_S`` at most; the seconds waited (0 where there is no ``/proc/stat``)."""
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < QUIET_WAIT_S:
+        before = _cpu_ticks()
+        time.sleep(QUIET_WINDOW_S)
+        after = _cpu_ticks()
+        if before is None or after is None or after[1] <= before[1]:
+            break
+        if (after[0] - before[0]) / (after[1] - before[1]) <= QUIET_BUSY:
+            break
+    return time.perf_counter() - begin
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, all) ticks of every CPU so far, from ``/proc/stat``; None where there is none.
+    Busy: user, nice, system, irq, softirq; all: those and idle and iowait."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 7:
+        return None
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
+    return busy, busy + fields[3] + fields[4]
 
 
 def _work_dir(config: ServeBenchConfig, stack: ExitStack) -> Path:

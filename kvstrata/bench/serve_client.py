@@ -9,7 +9,9 @@ the same length, and vLLM's ``return_token_ids`` so the answer's token ids come 
 next turn appends them, and they are what is compared with the reference). TTFT is taken when
 the first chunk carrying a token arrives.
 
-Conversations run at once, each a closed loop: a turn is sent at its slot in the schedule
+Before a phase's clock starts, the client asks each of its servers for its model list, so the
+client library's own first call is not in the first request's TTFT. Conversations run at once,
+each a closed loop: a turn is sent at its slot in the schedule
 (:func:`~kvstrata.bench.serve_plan.arrival_s`) or when the previous answer is back, whichever is
 later. A route says where each turn goes: one server, or a :class:`Handoff` (the prompt to a
 prefill server for one token, then to a decode server). A failed request fails the phase.
@@ -107,6 +109,7 @@ async def _drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: in
     prefills: list[RequestRecord] = []
     steps = sum(p.turns * (2 if isinstance(route(p.index, 0), Handoff) else 1) for p in plans)
     progress.start(steps)
+    await _ready(clients, [route(p.index, t) for p in plans for t in range(p.turns)])
     start = time.perf_counter()
 
     def done(record: RequestRecord) -> None:
@@ -135,6 +138,23 @@ async def _drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: in
     finally:
         await clients.close()
     return Driven(tuple(sorted(records, key=lambda r: r.sent_s)), tuple(sorted(prefills, key=lambda r: r.sent_s)))
+
+
+async def _ready(clients: Clients, targets: Sequence[Endpoint | Handoff]) -> None:
+    """Each server the phase will send to answers a request of the client's own (its model list)
+    before the clock starts: the client library's first call (its set-up, the first connection)
+    is then not in the phase's first TTFT."""
+    import openai
+
+    endpoints = {}
+    for target in targets:
+        for e in (target.prefill, target.decode) if isinstance(target, Handoff) else (target,):
+            endpoints[e.base_url] = e
+    for e in endpoints.values():
+        try:
+            await clients(e).models.list()
+        except openai.OpenAIError as exc:
+            raise RequestFailed(f"{e.instance.value} server: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
 
 
 async def _ask_each(endpoint: Endpoint, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
