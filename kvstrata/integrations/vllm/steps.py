@@ -7,7 +7,8 @@ the engine this host actually serves with, it is fitted to what that engine show
 ``vllm serve`` processes are set up as ``bench serve`` sets its servers up (prefix caching on,
 eager, each one's compute bound to its half of the host's CPUs): one plain, one with the
 KVStrata connector (a host tier; vLLM's own prefix cache off, so a prompt sent again is served by
-kvstrata alone). ``bench serve``'s own streaming client sends seeded random token ids, each
+kvstrata alone; a device, host and disk tier, and the pool when one is given, as ``bench serve``'s
+kvstrata server has). ``bench serve``'s own streaming client sends seeded random token ids, each
 prompt new unless a point needs it otherwise:
 
 - prefill of ``n`` new tokens (plain server): one prompt, one token asked for, its time to first
@@ -17,7 +18,7 @@ prompt new unless a point needs it otherwise:
   ``T`` tokens each, the median over them of the time between tokens; the batch then holds
   ``b * (ctx + T / 2)`` tokens on average;
 - the connector (its server): a new prompt (a lookup that misses, the prompt computed, its
-  blocks stored), then the same prompt again (every full block short of the last token loaded,
+  blocks stored down every tier, which the connector waits for), then the same prompt again (every full block short of the last token loaded,
   the rest computed); what each took beyond the plain server's prefill fit, less the store and
   the restore the cache's own paths account for, is :class:`~kvstrata.plan.steps.ConnectorFit`;
 - together: decode points on both servers at once, against the plain server's alone: how much
@@ -37,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import statistics
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -81,16 +83,20 @@ class EngineSteps:
 
 def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable[[int], float],
                        store_s: Callable[[int], float], dtype: str = "float32", block_size: int = 32,
-                       repeats: int = 3, seed: int = 0, cpus: tuple[str, str] | None = None) -> EngineSteps:
+                       repeats: int = 3, seed: int = 0, cpus: tuple[str, str] | None = None,
+                       pool_file: Path | None = None) -> EngineSteps:
     """Start the two servers on the model in ``model_dir`` (their logs in ``log_dir``), measure
     and fit (see the module text), stop them.
 
     Args:
-        restore_s, store_s: the cache's own restore and store of so many blocks from and into its
-            host tier on this host (from the path calibration), taken out of the connector's cost.
+        restore_s, store_s: the cache's own restore of so many blocks from its host tier, and its
+            store of so many blocks down every tier the connector's server has (from the path
+            calibration), taken out of the connector's cost.
         cpus: the two halves of the host's CPUs (vLLM's CPU lists, e.g. ``("0", "1")``) the plain and
             the connector's server are bound to, as ``bench serve`` binds its servers; None: vLLM's
             own binding.
+        pool_file: the pool the connector's server stores in too (a pool TOML or ``pool.json``);
+            None: device, host and disk tiers only. ``bench serve``'s kvstrata server has all four.
 
     Raises:
         ValueError: ``repeats`` < 1.
@@ -108,7 +114,12 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
 
     def spec(half: int, connector: bool) -> ServerSpec:
         env = {BIND: cpus[half]} if cpus else {}
-        extra = {"device_bytes": KV_BLOCKS * block_bytes, "host_bytes": 64 << 20} if connector else None
+        extra = None
+        if connector:  # the tiers of bench serve's kvstrata server
+            extra = {"device_bytes": KV_BLOCKS * block_bytes, "host_bytes": 64 << 20,
+                     "disk_dir": str(log_dir / "disk"), "disk_bytes": 256 << 20}
+            if pool_file is not None:
+                extra |= {"pool": str(pool_file), "remote_bytes": 128 << 20, "model_id": f"calibrate-{uuid.uuid4().hex[:8]}"}
         return ServerSpec(str(model_dir), kv_blocks=KV_BLOCKS, block_size=block_size, max_model_len=MAX_MODEL_LEN,
                           max_num_seqs=max(DECODE_BATCHES), dtype=dtype, env=env, prefix_caching=not connector,
                           connector=extra)
