@@ -202,9 +202,8 @@ def summary(validations: Sequence[ServeValidation]) -> dict[str, Any]:
             k = (r.configuration, r.figure)
             if k not in worst or abs(r.error) > abs(worst[k].error):
                 worst[k] = r
+    timed = [abs(r.error) for r in worst.values() if not r.points and r.goal is not None and math.isfinite(r.error)]
     return {"reports": len(validations), "rankings_same": sum(v.ranking_same for v in validations),
             "misses": [f"{r.configuration} {r.figure}" for r in worst.values() if r.met is False],
-            "median_abs_time_error": statistics.median(abs(r.error) for r in worst.values()
-                                                       if not r.points and r.goal is not None)
-            if worst else math.nan}
+            "median_abs_time_error": statistics.median(timed) if timed else None}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from rich.table import Table
@@ -108,9 +109,15 @@ def _to_json(path: str, v, sim) -> dict:
     return {"report": path, "ranking_measured": list(v.ranking_measured), "ranking_simulated": list(v.ranking_simulated),
             "ranking_same": v.ranking_same,
             "preemptions": {i.value: n for i, n in sim.preemptions.items()},
-            "rows": [{"configuration": r.configuration, "figure": r.figure, "measured": r.measured,
-                      "simulated": r.simulated, "error": r.error, "error_unit": "points" if r.points else "relative",
-                      "goal": r.goal, "met": r.met} for r in v.rows]}
+            "rows": [{"configuration": r.configuration, "figure": r.figure, "measured": _finite(r.measured),
+                      "simulated": _finite(r.simulated), "error": _finite(r.error),
+                      "error_unit": "points" if r.points else "relative", "goal": r.goal, "met": r.met}
+                     for r in v.rows]}
+
+
+def _finite(x: float) -> float | None:
+    """``x``, or None where it is not a number (JSON has no NaN)."""
+    return x if math.isfinite(x) else None
 
 
 def _plot(validations: list, path: str, json_output: bool) -> None:
