@@ -60,7 +60,7 @@ def test_a_prompt_sent_again_is_served_by_kvstrata_faster_than_it_was_computed(s
 
 
 def _follows(fit, points) -> None:
-    """Most points within 15% of the fit, none beyond 50% (one point is the median of two timed
-    calls on a shared 2-core machine)."""
+    """Most points within 20% of the fit, none twice off (one point is the median of two streamed
+    requests on a shared 2-core machine, each a few milliseconds of a server's time)."""
     errors = sorted(abs(fit(a, b) - t) / t for a, b, t in points)
-    assert errors[len(errors) // 2] < 0.15 and errors[-1] < 0.5, errors
+    assert errors[len(errors) // 2] < 0.2 and errors[-1] < 1.0, errors
