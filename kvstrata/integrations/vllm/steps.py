@@ -136,7 +136,9 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
         decode = fit_decode(decode_points)
     except ValueError:  # no step grew with the batch, within this host's noise: a step is a step
         decode = DecodeFit(statistics.median(t for _, _, t in decode_points), 0.0)
-    decode = dataclasses.replace(decode, together=max(1.0, statistics.median(both / alone for _, _, alone, both
+    # against the fit, not the one point measured alone: a point can be a burst (a client starved
+    # for a moment reads every token at once), and a ratio to it would be any number
+    decode = dataclasses.replace(decode, together=max(1.0, statistics.median(both / decode.step_s(b, held) for b, held, _, both
                                                                              in together_points)))
     connector = _connector_fit(connector_points, prefill, restore_s, store_s, block_size)
     return EngineSteps(prefill, decode, connector, tuple(prefill_points), tuple(decode_points),
