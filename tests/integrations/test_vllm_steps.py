@@ -28,7 +28,7 @@ def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
 
     fit = PrefillFit(**steps["prefill"])
     fresh = {n: t for n, c, t in steps["prefill_points"] if c == 0}
-    assert fresh[512] > 2 * fresh[32]  # the tiny model still does more work for more tokens
+    assert fresh[512] > 1.25 * fresh[32]  # more work for more tokens, on top of serving's ~20 ms of its own
     _follows(fit.seconds, steps["prefill_points"])
 
 
