@@ -55,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "when configured) at several sizes and compare LoadResult.seconds (median) with "
         "HostCalibration.restore_s, calibrated in the same sitting: each round probes the paths the restore "
         "moves bytes on, restores, and restores two tiny blocks (the tier's fixed cost), back to back. "
-        "Goal: within 10%% at 64 MiB and more; misses are marked, exit code 0.",
+        "Goal: within 10%% at 64 MiB and more; misses are marked, exit code 0. With --serve: the serving "
+        "simulator instead, on bench serve --json reports and a --profile from calibrate --engine vllm.",
     )
     val.add_argument("--profile", metavar="FILE",
                      help="also show the predictions of this profile written by `kvstrata calibrate` (the rows' "
