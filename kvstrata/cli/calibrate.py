@@ -127,40 +127,6 @@ def _with_prefill(calibration, model_dirs: list[str]):
     return dataclasses.replace(calibration, prefill=prefill)
 
 
-def _with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolConfig | None):
-    """The calibration plus each model's prefill and decode step fits and the connector's cost as
-    ``vllm serve`` serves it (keyed as ``_with_prefill`` keys them), on the CPUs ``bench serve``
-    binds its servers to."""
-    import dataclasses
-    import os
-    import tempfile
-
-    from kvstrata.bench.serve import model_facts
-    from kvstrata.bench.serve_config import CPU_HALF, Instance, cpu_halves
-    from kvstrata.bench.serve_plan import ServeWorkload
-    from kvstrata.integrations.vllm.steps import measure_vllm_steps
-    from kvstrata.plan.host import DISK_WRITE, MEMCPY_ONE, POOL_PUT
-
-    halves = cpu_halves(sorted(os.sched_getaffinity(0)))  # bench serve's servers run on half the CPUs each
-    cpus = None if halves is None else (halves[CPU_HALF[Instance.OURS]], halves[CPU_HALF[Instance.SECOND]])
-    block_tokens = ServeWorkload().block_tokens  # bench serve's default block size
-    pool_file = None
-    if pool is not None and POOL_PUT in calibration.paths:  # the connector's server stores in the pool too
-        pool_file = pool.config_file
-    prefill, decode, connector = dict(calibration.prefill), dict(calibration.decode), dict(calibration.connector)
-    for model_dir in model_dirs:
-        block_bytes = model_facts(Path(model_dir), dtype).bytes_per_token * block_tokens
-        written = [MEMCPY_ONE, DISK_WRITE] + ([POOL_PUT] if pool_file is not None else [])  # the server's tiers
-        restore = lambda blocks: calibration.restore_s("host", blocks * block_bytes, blocks)  # noqa: E731
-        store = lambda blocks: max(calibration.path(p).seconds(blocks * block_bytes) for p in written)  # noqa: E731
-        with tempfile.TemporaryDirectory(prefix="kvstrata-steps-") as logs:
-            steps = measure_vllm_steps(model_dir, Path(logs), restore, store, dtype=dtype, block_size=block_tokens,
-                                       cpus=cpus, pool_file=pool_file)
-        name = Path(model_dir).resolve().name
-        prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, steps.connector
-    return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector)
-
-
 def run_calibrate(args: argparse.Namespace) -> int:
     base = base_profile_text(args.base)  # a bad --base fails before minutes of measuring
     pool, pool_source = _pool(args.pool)
@@ -168,7 +134,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         cli.model_dir(model_dir)  # a bad one fails before minutes of measuring
     run = _calibrate(args.quick, args.threads, args.dir, pool, args.sizes_mib, args.repeats)
     if args.model_dir and args.engine == "vllm":
-        run.calibration = _with_vllm_steps(run.calibration, args.model_dir, args.dtype, pool)
+        from kvstrata.cli.bench_steps import with_vllm_steps  # measured through bench serve's servers and client
+
+        run.calibration = with_vllm_steps(run.calibration, args.model_dir, args.dtype, pool)
     elif args.model_dir:
         run.calibration = _with_prefill(run.calibration, args.model_dir)
     if args.out:
@@ -221,7 +189,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     if args.serve:
-        from kvstrata.cli.validate_serve import run_validate_serve
+        from kvstrata.cli.bench_validate import run_validate_serve
 
         return run_validate_serve(args)
     if args.plot:

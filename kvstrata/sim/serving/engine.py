@@ -32,7 +32,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstrata.bench.serve_counters import Counters
 from kvstrata.sim.serving.blocks import PrefixBlocks, chain_keys
 from kvstrata.sim.serving.cpus import HostCpus
 from kvstrata.sim.serving.store import ServerStore, StoreHit
@@ -144,13 +143,6 @@ class ServerSim:
         self.load_requests, self.load_s = 0, 0.0
         self.preemptions = self.steps = 0
         self._busy = False
-
-    def counters(self) -> Counters:
-        """Its counters as ``bench serve`` reads a server's (cumulative; kvstrata's hits as its
-        /metrics exports them)."""
-        exported = {m: n for m, n in self.hit_blocks.items() if n} if self.store is not None else None
-        return Counters(dict(exported or {}), exported, self.store is not None, self.load_requests, self.load_s, 0,
-                        float(self.prefix_queries_tokens), float(self.prefix_hits_tokens))
 
     def submit(self, request: SimRequest) -> None:
         """Queue ``request``.

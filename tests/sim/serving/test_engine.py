@@ -22,6 +22,7 @@ from kvstrata.plan.host import (
     PrefillFit,
 )
 from kvstrata.plan.steps import DecodeFit
+from kvstrata.bench.serve_sim import counters_of
 from kvstrata.sim.serving.cpus import HostCpus
 from kvstrata.sim.serving.engine import Clock, EngineLimits, ServerSim, SimRequest
 from kvstrata.sim.serving.store import ServerStore, StoreHit, TierLRU
@@ -48,7 +49,7 @@ def _prompt(n: int, first: int) -> tuple[int, ...]:
 
 
 class _Client:
-    """The bench's client (:mod:`kvstrata.sim.serving.bench`): a request reaches the engine
+    """The bench's client (:mod:`kvstrata.bench.serve_sim`): a request reaches the engine
     ``request_in_s`` after it is sent; each token reaches the client ``response_out_s`` after
     it is sampled."""
 
@@ -175,7 +176,7 @@ def test_a_repeated_prompt_hits_vllms_prefix_cache_short_of_its_last_token(promp
     client.send(server, prompt, 4, 0.0)
     again = client.send(server, prompt, 4, 5.0)
     clock.run()
-    counters = server.counters()
+    counters = counters_of(server)
     assert counters.prefix_queries_tokens == 2 * prompt_tokens
     assert counters.prefix_hits_tokens == hit_tokens
     step = TIMES.step_s([Chunk(prompt_tokens - hit_tokens, hit_tokens)], 0, 0)
@@ -192,7 +193,7 @@ def test_a_prompt_admitted_next_hits_the_blocks_scheduled_before_it_in_the_same_
     second = client.send(server, prompt, 2, 0.001)  # arrives while the first's first chunk computes
     clock.run()
     # the next step schedules the first's last 36 tokens (its 6 full blocks cached), then admits the second
-    assert server.counters().prefix_hits_tokens == 96
+    assert counters_of(server).prefix_hits_tokens == 96
     assert second.first_token_s == pytest.approx(TIMES.step_s([Chunk(64, 0)], 0, 0)
                                                  + TIMES.step_s([Chunk(36, 64), Chunk(4, 96)], 0, 0)
                                                  + TIMES.request_in_s)
@@ -231,7 +232,7 @@ def test_kv_memory_too_small_preempts_and_every_request_completes_once_with_its_
         assert r.tokens == r.prompt + r.answer
         assert r.first_token_s <= r.finish_s
     assert server.blocks.free == server.blocks.usable == 10  # every block given back
-    assert server.counters().prefix_queries_tokens == 3 * 40  # a re-admission is not queried again
+    assert counters_of(server).prefix_queries_tokens == 3 * 40  # a re-admission is not queried again
 
 
 def test_the_null_block_is_left_out_of_the_servers_kv_memory():
@@ -274,7 +275,7 @@ def test_a_prompt_vllm_evicted_is_loaded_from_kvstrata_counted_by_tier_and_its_s
     client = _Client(clock, server.times)
     again = _evicted_then_again(server, client)
     clock.run()
-    counters = server.counters()
+    counters = counters_of(server)
     assert counters.prefix_hits_tokens == 0  # vLLM's copy is gone
     assert counters.hit_blocks == tiers
     assert counters.load_requests == 1
@@ -293,7 +294,7 @@ def test_a_prompt_vllm_still_holds_is_not_loaded_again():
     client.send(server, a, 2, 0.0)
     client.send(server, a, 2, 1.0)
     clock.run()
-    counters = server.counters()
+    counters = counters_of(server)
     assert counters.prefix_hits_tokens == 96
     assert counters.hit_blocks == {} and counters.load_requests == 0
 
@@ -332,7 +333,7 @@ def test_a_synchronous_save_does_not_charge_the_blocks_its_step_loaded():
     client = _Client(clock, server.times)
     again = _evicted_then_again(server, client)
     clock.run()
-    assert server.counters().hit_blocks == {Medium.HOST: 6}
+    assert counters_of(server).hit_blocks == {Medium.HOST: 6}
     load_s = HOST_FIXED_S + 6 * BLOCK_BYTES / (HOST_GBPS * 1e9)
     step = TIMES.step_s([Chunk(4, 96)], 0, 0)
     assert client.ttft_s(again) == pytest.approx(TIMES.request_in_s + step + load_s + TIMES.response_out_s)
@@ -367,9 +368,9 @@ def test_a_producer_saves_without_loading_and_a_consumer_loads_without_saving():
     client.send(consumer, a, 2, 2.0)
     client.send(consumer, _prompt(100, 500), 2, 3.0)
     clock.run()
-    assert producer.counters().hit_blocks == {}  # vLLM's own hit served the repeat; no lookups
+    assert counters_of(producer).hit_blocks == {}  # vLLM's own hit served the repeat; no lookups
     assert len(pool) == 6  # A's full blocks only: the consumer stored nothing
-    assert consumer.counters().hit_blocks == {Medium.REMOTE: 6}
+    assert counters_of(consumer).hit_blocks == {Medium.REMOTE: 6}
 
 
 # --- the host's CPUs ------------------------------------------------------------------------------

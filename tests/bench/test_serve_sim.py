@@ -12,7 +12,7 @@ from kvstrata.bench.serve_validate import simulated_figures
 from kvstrata.media import Medium
 from kvstrata.plan.host import PrefillFit
 from kvstrata.plan.steps import DecodeFit
-from kvstrata.sim.serving.bench import ServeSetup, SimulatedServe, simulate_serve
+from kvstrata.bench.serve_sim import ServeSetup, SimulatedServe, simulate_serve
 from kvstrata.sim.serving.engine import EngineLimits
 from kvstrata.sim.serving.timing import ServingTimes
 

@@ -18,7 +18,7 @@ PLOT_FIGURES = ("ttft", "tpot")
 def run_validate_serve(args: argparse.Namespace) -> int:
     from kvstrata.bench.serve_validate import BadReport, compare, measured_figures, setup_of, simulated_figures, summary
     from kvstrata.calibrate import load_calibration
-    from kvstrata.sim.serving.bench import simulate_serve
+    from kvstrata.bench.serve_sim import simulate_serve
 
     if not args.profile:
         raise cli.CliError("--serve needs --profile PROFILE.toml: a profile from kvstrata calibrate --model-dir DIR "
@@ -122,7 +122,7 @@ def _finite(x: float) -> float | None:
 
 def _plot(validations: list, path: str, json_output: bool) -> None:
     from kvstrata.plots import png_bytes, save_png
-    from kvstrata.plots.serve_validate import validation_figure
+    from kvstrata.bench.serve_validate_plot import validation_figure
 
     save_png(png_bytes(validation_figure([(p, v) for p, v, _ in validations])), path)
     cli.wrote("measured and simulated CDFs", path, json_output)

@@ -16,7 +16,7 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
     import os
 
     from kvstrata.bench.serve_config import cpu_halves
-    from kvstrata.integrations.vllm.steps import measure_vllm_steps
+    from kvstrata.bench.serve_steps import measure_vllm_steps
 
     logs = tmp_path_factory.mktemp("steps")
     return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
@@ -33,7 +33,7 @@ def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
 
 
 def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
-    from kvstrata.integrations.vllm.steps import DECODE_BATCHES, DECODE_CONTEXTS
+    from kvstrata.bench.serve_steps import DECODE_BATCHES, DECODE_CONTEXTS
     from kvstrata.plan.steps import DecodeFit
 
     fit = DecodeFit(**steps["decode"])
@@ -43,7 +43,7 @@ def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
 
 
 def test_two_servers_decoding_at_once_are_timed_against_one_alone(steps):
-    from kvstrata.integrations.vllm.steps import TOGETHER
+    from kvstrata.bench.serve_steps import TOGETHER
 
     assert [(b, s // b - 16) for b, s, _, _ in steps["together_points"]] == list(TOGETHER)
     assert all(alone > 0 and both > 0 for _, _, alone, both in steps["together_points"])

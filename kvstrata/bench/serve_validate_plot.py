@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from kvstrata.bench.serve_validate import ServeValidation
 
 
+
 def validation_figure(validations: Sequence[tuple[str, ServeValidation]]) -> Figure:
     """One column per configuration, TTFT above and TPOT below, every report's pair of curves."""
     names = list(dict.fromkeys(n for _, v in validations for n in v.measured if n in v.simulated))

@@ -194,7 +194,7 @@ class _Bench:
               servers: Sequence[Instance]) -> tuple[tuple[RequestRecord, ...], dict[Instance, Counters], float]:
         """One phase: every conversation of ``plans`` through ``route``; its records (a P/D turn's
         prefill call too, by its server), each server's counters over it, and its wall time."""
-        before = {i: self.servers[i].counters() for i in servers}
+        before = {i: counters_of(self.servers[i]) for i in servers}
         start = self.clock.now_s
         records: list[RequestRecord] = []
         rate, turns = self.w.rate_per_s, len(plans)
@@ -234,4 +234,12 @@ class _Bench:
         self.clock.run()
         wall = max((r.done_s for r in records), default=0.0) - min((r.sent_s for r in records), default=0.0)
         return (tuple(sorted(records, key=lambda r: r.sent_s)),
-                {i: self.servers[i].counters().minus(before[i]) for i in servers}, wall)
+                {i: counters_of(self.servers[i]).minus(before[i]) for i in servers}, wall)
+
+
+def counters_of(server: ServerSim) -> Counters:
+    """A simulated server's counters as ``bench serve`` reads a real one's (cumulative; kvstrata's
+    hits as its /metrics exports them)."""
+    exported = {m: n for m, n in server.hit_blocks.items() if n} if server.store is not None else None
+    return Counters(dict(exported or {}), exported, server.store is not None, server.load_requests, server.load_s, 0,
+                    float(server.prefix_queries_tokens), float(server.prefix_hits_tokens))

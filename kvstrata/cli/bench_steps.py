@@ -1,0 +1,42 @@
+"""``kvstrata calibrate --engine vllm``'s measurement: vLLM's steps, the connector's cost and two
+servers at once, through ``bench serve``'s servers and client (:mod:`kvstrata.bench.serve_steps`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstrata.pool.config import PoolConfig
+
+
+def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolConfig | None):
+    """The calibration plus each model's prefill and decode step fits and the connector's cost as
+    ``vllm serve`` serves it (keyed as ``calibrate``'s transformers prefill keys them), on the CPUs ``bench serve``
+    binds its servers to."""
+    import dataclasses
+    import os
+    import tempfile
+
+    from kvstrata.bench.serve import model_facts
+    from kvstrata.bench.serve_config import CPU_HALF, Instance, cpu_halves
+    from kvstrata.bench.serve_plan import ServeWorkload
+    from kvstrata.bench.serve_steps import measure_vllm_steps
+    from kvstrata.plan.host import DISK_WRITE, MEMCPY_ONE, POOL_PUT
+
+    halves = cpu_halves(sorted(os.sched_getaffinity(0)))  # bench serve's servers run on half the CPUs each
+    cpus = None if halves is None else (halves[CPU_HALF[Instance.OURS]], halves[CPU_HALF[Instance.SECOND]])
+    block_tokens = ServeWorkload().block_tokens  # bench serve's default block size
+    pool_file = None
+    if pool is not None and POOL_PUT in calibration.paths:  # the connector's server stores in the pool too
+        pool_file = pool.config_file
+    prefill, decode, connector = dict(calibration.prefill), dict(calibration.decode), dict(calibration.connector)
+    for model_dir in model_dirs:
+        block_bytes = model_facts(Path(model_dir), dtype).bytes_per_token * block_tokens
+        written = [MEMCPY_ONE, DISK_WRITE] + ([POOL_PUT] if pool_file is not None else [])  # the server's tiers
+        restore = lambda blocks: calibration.restore_s("host", blocks * block_bytes, blocks)  # noqa: E731
+        store = lambda blocks: max(calibration.path(p).seconds(blocks * block_bytes) for p in written)  # noqa: E731
+        with tempfile.TemporaryDirectory(prefix="kvstrata-steps-") as logs:
+            steps = measure_vllm_steps(model_dir, Path(logs), restore, store, dtype=dtype, block_size=block_tokens,
+                                       cpus=cpus, pool_file=pool_file)
+        name = Path(model_dir).resolve().name
+        prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, steps.connector
+    return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector)
