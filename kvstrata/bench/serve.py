@@ -174,6 +174,10 @@ class _Run:
         self.w = config.workload
 
     def phase(self, plans: Sequence[ConversationPlan], route: Route, servers: Sequence[Instance], label: str) -> PhaseRun:
+        """One phase, on a quiet host: a vLLM worker busy-polls its queue for a while after its
+        last step (about 1 s), and a phase begun while the last one's server still spun on the
+        CPUs this one's is bound to had its first requests take 0.2-0.7 s to a first token."""
+        _wait_quiet()
         before = self.fleet.counters(servers)
         driven = drive(plans, route, self.w.max_tokens, self.w.rate_per_s, self.progress, label)
         time.sleep(SETTLE_S)

@@ -14,6 +14,7 @@ Every server warms up with the same two prompts the bench sends it (a server tha
 another's prompts finds them where that one stored them). The conversations are the bench's
 own (:func:`~kvstrata.bench.serve_plan.plan_conversations`, a variant per phase); the answers
 are token ids of their own, one set per request, since what the model says changes no timing.
+Each phase begins once the workers have stopped spinning, as the bench waits for a quiet host.
 The client is the bench's: a turn goes at its slot or when its previous answer is back,
 whichever is later; a request reaches its server's engine ``request_in_s`` after it is sent, and
 each token the client ``response_out_s`` after it is sampled (:mod:`~kvstrata.sim.serving.timing`). Each configuration's figures are computed by the bench's own
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstrata.bench.rounds import rotated
-from kvstrata.bench.serve_config import Instance
+from kvstrata.bench.serve_config import CPU_HALF, Instance
 from kvstrata.bench.serve_counters import Counters
 from kvstrata.bench.serve_plan import (
     ConversationPlan,
@@ -104,7 +105,7 @@ class _Bench:
         self.pool = TierLRU(setup.blocks(setup.remote_bytes)) if setup.pool else None
         self.disks: dict[Instance, TierLRU] = {}
         self._answer_ids = itertools.count(1)
-        self.cpus = HostCpus(setup.times.decode.together)
+        self.cpus = HostCpus(setup.times.decode.together, setup.times.decode.spin_s)
 
     def run(self) -> SimulatedServe:
         s, w = self.setup, self.w
@@ -117,6 +118,7 @@ class _Bench:
             for instance in rotated([Instance.OURS, Instance.BASELINE], r):
                 records, counters, wall = self.phase(plans[r], lambda c, t, i=instance: i, [instance])
                 by[instance].append((records, counters[instance], wall))
+        self.stop(Instance.BASELINE)
         for instance, name in ((Instance.BASELINE, "baseline"), (Instance.OURS, "kvstrata")):
             runs = by[instance]
             out[name] = measure([rec for records, _, _ in runs for rec in records],
@@ -131,12 +133,14 @@ class _Bench:
                 out[f"shared_pool.{instance.value}"] = measure([r for r in records if r.server is instance],
                                                                counters[instance], w.block_tokens)
             restart, served = Instance.SECOND, records
+            self.stop(Instance.OURS)
         else:
             restart, served = Instance.OURS, last_ours
         prompts = [r.prompt for r in served if r.server is restart]
         self.restart(restart)
         records, counters, _ = self.phase(replay_plans(prompts), lambda c, t: restart, [restart])
         out["restart"] = measure(records, counters[restart], w.block_tokens)
+        self.stop(restart)
         if s.pool:
             self.start(Instance.PREFILL, Instance.DECODE)
             records, counters, _ = self.phase(plans[s.rounds + 1], lambda c, t: (Instance.PREFILL, Instance.DECODE),
@@ -162,12 +166,20 @@ class _Bench:
 
     def start(self, *instances: Instance) -> None:
         for instance in instances:
-            self.servers[instance] = ServerSim(self.clock, self.setup.limits, self.setup.times, self._store(instance),
-                                               loads=instance is not Instance.PREFILL,
-                                               saves=instance is not Instance.DECODE, cpus=self.cpus)
+            server = ServerSim(self.clock, self.setup.limits, self.setup.times, self._store(instance),
+                               loads=instance is not Instance.PREFILL, saves=instance is not Instance.DECODE,
+                               cpus=self.cpus)
+            self.cpus.bind(id(server), CPU_HALF.get(instance, instance))
+            self.servers[instance] = server
             self._warm_up(instance)
 
+    def stop(self, *instances: Instance) -> None:
+        """As the bench stops ``instances``: their workers hold no CPU from now (their counters stay readable)."""
+        for instance in instances:
+            self.cpus.leave(id(self.servers[instance]))
+
     def restart(self, instance: Instance) -> None:
+        self.stop(instance)
         self.servers[instance].restarted(self._store(instance))
         self._warm_up(instance)
 
@@ -182,7 +194,7 @@ class _Bench:
     def _out_s(self, instance: Instance) -> float:
         """A token's way out from ``instance`` to the client, from now (slower while another
         server steps: the host's CPUs are shared)."""
-        return self.setup.times.response_out_s * self.cpus.stretch(id(self.servers[instance]))
+        return self.setup.times.response_out_s * self.cpus.stretch(id(self.servers[instance]), self.clock.now_s)
 
     def _answer(self, n: int) -> tuple[int, ...]:
         """Token ids no prompt has (negative): what a request generates."""
@@ -195,7 +207,7 @@ class _Bench:
         """One phase: every conversation of ``plans`` through ``route``; its records (a P/D turn's
         prefill call too, by its server), each server's counters over it, and its wall time."""
         before = {i: counters_of(self.servers[i]) for i in servers}
-        start = self.clock.now_s
+        start = self.clock.now_s + self.cpus.spin_s  # the bench waits for a quiet host: no worker spinning
         records: list[RequestRecord] = []
         rate, turns = self.w.rate_per_s, len(plans)
         times = self.setup.times
@@ -217,7 +229,7 @@ class _Bench:
                 request = SimRequest(prompt, self._answer(max_tokens), sent,
                                      lambda r: self.clock.at(self.clock.now_s + self._out_s(instance), lambda: done(r)),
                                      first=lambda r: setattr(r, "first_out_s", self._out_s(instance)))
-                self.clock.at(sent + times.request_in_s * self.cpus.stretch(id(server)), lambda: server.submit(request))
+                self.clock.at(sent + times.request_in_s * self.cpus.stretch(id(server), sent), lambda: server.submit(request))
 
             def answered(r: SimRequest) -> None:
                 if turn + 1 < plan.turns:

@@ -21,10 +21,16 @@ prompt new unless a point needs it otherwise:
   blocks stored down every tier, which the connector waits for), then the same prompt again (every full block short of the last token loaded,
   the rest computed); what each took beyond the plain server's prefill fit, less the store and
   the restore the cache's own paths account for, is :class:`~kvstrata.plan.steps.ConnectorFit`;
-- together: decode points on both servers at once, against the plain server's alone: how much
-  slower a step runs while the other server steps too (``DecodeFit.together``). On a host with
-  few CPUs the servers do not run apart: each serving server keeps more than its engine's CPU
-  busy (its HTTP server streams every token, the client reads them).
+- spin (plain server): after a request's last token, the server's processes' CPU use from
+  ``/proc`` in windows of ``SPIN_WINDOW_S``: how long it stays above half a CPU
+  (``DecodeFit.spin_s``). A vLLM worker busy-polls its queue for a while after its last step.
+- together: decode points on the plain server just after the connector's server answered a
+  request (its worker still spinning on the other half of the CPUs), against the decode fit: how
+  much slower a step runs while another server's worker holds the CPUs this one's serving work
+  would run on (``DecodeFit.together``; :mod:`kvstrata.sim.serving.cpus`). On a host with few
+  CPUs the servers do not run apart: each serving server keeps more than its worker's CPUs
+  busy (its engine core schedules each step, its HTTP server streams every token, the client
+  reads them).
 
 So the fits hold what serving adds to the engine's own work (the HTTP server, the hand-off to
 the engine, streaming each token back, the client's reading it), as ``bench serve`` measures.
@@ -38,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import statistics
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import ExitStack
@@ -53,7 +60,9 @@ PREFILL_NEW = (32, 64, 128, 256, 512)
 PREFILL_CACHED = ((256, 32), (256, 128), (512, 32), (512, 128))  # (cached, new)
 DECODE_BATCHES = (1, 2, 4, 8)
 DECODE_CONTEXTS = (64, 256)
-TOGETHER = ((1, 64), (4, 64), (8, 256))  # (batch, context) decoded on both servers at once
+TOGETHER = ((1, 64), (4, 64), (8, 256))  # (batch, context) decoded beside the other server's spinning worker
+SPIN_WINDOW_S = 0.1  # a few of /proc's 10 ms ticks
+SPIN_WATCH_S = 3.0  # vLLM's reader busy-polls 1 s after its last read
 CONNECTOR_PROMPTS = (64, 128, 256, 448)
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 DECODE_TOKENS = 33  # per decode point: 32 steps after the prefill's
@@ -69,7 +78,8 @@ class EngineSteps:
         prefill_points: ``(new, cached, seconds)``.
         decode_points: ``(batch, held tokens, seconds per step)``.
         connector_points: ``(prompt tokens, TTFT new, TTFT sent again)`` on the connector's server.
-        together_points: ``(batch, held tokens, seconds per step alone, with the other server decoding too)``.
+        together_points: ``(batch, held tokens, seconds per step alone, beside the other server's spinning worker)``.
+        spin_points: seconds the plain server's processes kept half a CPU or more busy after a request.
     """
 
     prefill: PrefillFit
@@ -79,6 +89,7 @@ class EngineSteps:
     decode_points: tuple[tuple[int, int, float], ...]
     connector_points: tuple[tuple[int, float, float], ...]
     together_points: tuple[tuple[int, int, float, float], ...]
+    spin_points: tuple[float, ...] = ()
 
 
 def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable[[int], float],
@@ -129,8 +140,8 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
         ours = stack.enter_context(VllmServer(spec(1, True), log_dir / "vllm-serve-connector.log"))
         endpoints = (Endpoint(Instance.BASELINE, plain.base_url, plain.spec.model),
                      Endpoint(Instance.OURS, ours.base_url, ours.spec.model))
-        raw = asyncio.run(_measure(endpoints, _Prompts(facts.vocab, seed), repeats))
-    prefill_points, decode_points, connector_points, together_points = raw
+        raw = asyncio.run(_measure(endpoints, _Prompts(facts.vocab, seed), repeats, plain.cpu_seconds))
+    prefill_points, decode_points, connector_points, together_points, spin_points = raw
     prefill = fit_prefill(prefill_points)
     try:
         decode = fit_decode(decode_points)
@@ -139,10 +150,11 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
     # against the fit, not the one point measured alone: a point can be a burst (a client starved
     # for a moment reads every token at once), and a ratio to it would be any number
     decode = dataclasses.replace(decode, together=max(1.0, statistics.median(both / decode.step_s(b, held) for b, held, _, both
-                                                                             in together_points)))
+                                                                             in together_points)),
+                                 spin_s=statistics.median(spin_points) if spin_points else 0.0)
     connector = _connector_fit(connector_points, prefill, restore_s, store_s, block_size)
     return EngineSteps(prefill, decode, connector, tuple(prefill_points), tuple(decode_points),
-                       tuple(connector_points), tuple(together_points))
+                       tuple(connector_points), tuple(together_points), tuple(spin_points))
 
 
 def _connector_fit(points: Sequence[tuple[int, float, float]], prefill: PrefillFit, restore_s: Callable[[int], float],
@@ -158,7 +170,7 @@ def _connector_fit(points: Sequence[tuple[int, float, float]], prefill: PrefillF
     return ConnectorFit(request, max(0.0, statistics.median(loads)))
 
 
-async def _measure(endpoints, prompts: _Prompts, repeats: int):
+async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Callable[[], float | None]):
     from kvstrata.bench.serve_client import Clients, complete
 
     clients = Clients()
@@ -176,11 +188,25 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int):
                                       for i, p in enumerate(batch)))
         return statistics.median(r.tpot_s for r in done)
 
-    async def both(b: int, ctx: int) -> float:
-        """The plain server's step while the connector's server decodes as many at once."""
-        mine, _ = await asyncio.gather(step(plain, [prompts.new(ctx) for _ in range(b)]),
-                                       step(ours, [prompts.new(ctx) for _ in range(b)]))
-        return mine
+    async def beside(b: int, ctx: int) -> float:
+        """The plain server's step just after the connector's server answered: its worker spins."""
+        await ttft(ours, prompts.new(ctx))
+        return await step(plain, [prompts.new(ctx) for _ in range(b)])
+
+    async def spin() -> float | None:
+        """How long the plain server keeps half a CPU or more busy after a request (None: no /proc)."""
+        await ttft(plain, prompts.new(64))
+        end = last_t = time.perf_counter()
+        last, busy = cpu_seconds(), 0.0
+        while last is not None and last_t - end < SPIN_WATCH_S:
+            await asyncio.sleep(SPIN_WINDOW_S)
+            now_t, now = time.perf_counter(), cpu_seconds()
+            if now is None:
+                return None
+            if (now - last) / (now_t - last_t) >= 0.5:
+                busy = now_t - end
+            last, last_t = now, now_t
+        return busy if last is not None else None
 
     async def miss_then_hit(n: int) -> tuple[float, float]:
         prompt = prompts.new(n)
@@ -204,11 +230,12 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int):
         together = []
         for b, ctx in TOGETHER:
             alone = next(t for bb, held, t in decode if bb == b and held == b * (ctx + DECODE_TOKENS // 2))
-            together.append((b, b * (ctx + DECODE_TOKENS // 2), alone, await _median(lambda b=b, ctx=ctx: both(b, ctx),
+            together.append((b, b * (ctx + DECODE_TOKENS // 2), alone, await _median(lambda b=b, ctx=ctx: beside(b, ctx),
                                                                                       repeats)))
+        spins = [s for s in [await spin() for _ in range(repeats)] if s is not None]
     finally:
         await clients.close()
-    return prefill, decode, connector, together
+    return prefill, decode, connector, together, spins
 
 
 class _Prompts:

@@ -358,7 +358,7 @@ class HostCalibration:
             prefill = {f["model"]: PrefillFit(float(f["latency_s"]), float(f["tokens_per_s"]), float(f.get("attn_s", 0.0)))
                        for f in c.get("prefill", [])}
             decode = {d["model"]: DecodeFit(float(d["latency_s"]), float(d["per_request_s"]), float(d.get("per_token_s", 0.0)),
-                                            float(d.get("together", 1.0)))
+                                            float(d.get("together", 1.0)), float(d.get("spin_s", 0.0)))
                       for d in c.get("decode", [])}
             connector = {k["model"]: ConnectorFit(float(k["request_s"]), float(k.get("load_s", 0.0)))
                          for k in c.get("connector", [])}

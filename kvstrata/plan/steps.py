@@ -25,7 +25,8 @@ class DecodeFit:
     latency_s: float
     per_request_s: float
     per_token_s: float = 0.0
-    together: float = 1.0  # how much slower a step runs while another server on this host steps too
+    together: float = 1.0  # how much slower a step runs while another server's worker holds the other CPUs
+    spin_s: float = 0.0  # how long a worker holds its CPUs after its last step (busy-polling for the next)
 
     def __post_init__(self) -> None:
         for name in ("latency_s", "per_request_s", "per_token_s"):
@@ -34,6 +35,8 @@ class DecodeFit:
                 raise ValueError(f"decode fit {name} must be >= 0, got {value!r}")
         if not self.together >= 1:
             raise ValueError(f"decode fit together must be >= 1 (a step no faster for another's), got {self.together!r}")
+        if not self.spin_s >= 0:
+            raise ValueError(f"decode fit spin_s must be >= 0, got {self.spin_s!r}")
 
     def step_s(self, batch: int, held_tokens: int) -> float:
         """One step of ``batch`` requests holding ``held_tokens`` tokens in all (0 for no batch)."""

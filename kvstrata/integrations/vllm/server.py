@@ -189,6 +189,25 @@ class VllmServer:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout_s) as answer:
             return answer.read().decode()
 
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds its processes (the API server, the engine core, the workers: its process
+        group) have used so far, from ``/proc``; None where there is no ``/proc`` or it is not running."""
+        if self._process is None or not os.path.isdir("/proc"):
+            return None
+        ticks = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # gone meanwhile
+            fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+            if int(fields[2]) == self._process.pid:  # its process group: it leads its own session
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL it after ``STOP_TIMEOUT_S``; idempotent."""
         process, self._process = self._process, None

@@ -1,35 +1,65 @@
 """The host's CPUs as the simulated servers share them (pure).
 
-On a host with few CPUs the servers do not run apart: each serving server keeps more than its
-engine's CPU busy (its HTTP server streams every token, the client reads them). The model,
-stated: a step that starts while another server on the host has a step in flight runs
-``together`` times slower (``DecodeFit.together``, measured with two servers decoding at once,
-each bound to its half of the CPUs, as ``bench serve`` binds them); a step alone runs as fitted.
-Judged when the step starts.
+On a host with few CPUs the servers do not run apart. A serving server keeps more than its
+engine worker's CPUs busy: its engine core schedules every step, its HTTP server streams every
+token, the client reads them. That work runs on the CPUs no worker holds. A vLLM worker holds
+its CPUs while it steps and for ``spin_s`` after its last step: it busy-polls its input queue
+(vLLM's shared-memory reader keeps spinning a while before it sleeps), measured on this host
+from ``/proc`` by ``kvstrata calibrate --engine vllm``.
+
+The model, stated: a step, or a request's way in or out, on a server runs ``together`` times
+slower while a worker bound to other CPUs than its own holds them (another server stepping, or
+done stepping less than ``spin_s`` ago); alone it runs as fitted. Servers bound to the same CPUs
+(``bench serve``'s baseline and kvstrata, never busy at once) take turns on them and leave the
+rest free, so they do not slow each other this way. Judged when the step starts.
+``together`` is measured the same way: a server's decode step while the other server's worker
+spins, over the same step alone (``DecodeFit.together``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
 @dataclass
 class HostCpus:
-    """The CPUs every simulated server on this host shares (see the module text)."""
+    """The CPUs every simulated server on this host shares (see the module text).
+
+    Attributes:
+        together: how much slower a server's work runs while another's worker holds other CPUs.
+        spin_s: how long a worker holds its CPUs after its last step.
+    """
 
     together: float = 1.0
-    _stepping: set[int] = field(default_factory=set)
+    spin_s: float = 0.0
+    _bound: dict[int, Hashable] = field(default_factory=dict)
+    _held_until: dict[int, float] = field(default_factory=dict)  # inf while stepping
 
     def __post_init__(self) -> None:
         if not self.together >= 1:
             raise ValueError(f"together must be >= 1, got {self.together!r}")
+        if not self.spin_s >= 0:
+            raise ValueError(f"spin_s must be >= 0, got {self.spin_s!r}")
 
-    def stretch(self, server: int) -> float:
-        """How much slower a step ``server`` starts now runs (1: not at all)."""
-        return self.together if self._stepping - {server} else 1.0
+    def bind(self, server: int, cpus: Hashable) -> None:
+        """``server``'s worker runs on ``cpus`` (any label: servers with equal labels share CPUs;
+        a server never bound shares its CPUs with none)."""
+        self._bound[server] = cpus
 
-    def stepping(self, server: int, busy: bool) -> None:
-        if busy:
-            self._stepping.add(server)
-        else:
-            self._stepping.discard(server)
+    def stretch(self, server: int, now: float) -> float:
+        """How much slower ``server``'s work started at ``now`` runs (1: not at all)."""
+        mine = self._bound.get(server, server)
+        for other, until in self._held_until.items():
+            if other != server and until > now and self._bound.get(other, other) != mine:
+                return self.together
+        return 1.0
+
+    def leave(self, server: int) -> None:
+        """``server``'s process has stopped: its worker holds nothing."""
+        self._held_until.pop(server, None)
+
+    def stepping(self, server: int, busy: bool, now: float) -> None:
+        """``server`` starts stepping (``busy``) or has stopped at ``now``."""
+        self._held_until[server] = math.inf if busy else now + self.spin_s

@@ -122,7 +122,8 @@ class ServerSim:
         times: its time model.
         store: kvstrata's tiers behind it; None: vLLM alone.
         loads, saves: the connector's role (``kv_both``: both; a producer saves, a consumer loads).
-        cpus: the host's CPUs, shared with the other servers (None: unlimited).
+        cpus: the host's CPUs, shared with the other servers (None: unlimited); bind the server's
+            worker to its CPUs there (``cpus.bind(id(server), ...)``).
         sync_save: the step waits for its saves to be written down every tier (the connector's
             ``sync_save``, on by default); off: saves run behind the engine.
     """
@@ -214,13 +215,15 @@ class ServerSim:
             self._cache(r, r.computed + n)
             chunks.append(Chunk(n, r.computed))
         if not scheduled:
+            if self._busy:  # its worker spins on a while (see cpus)
+                self.cpus.stepping(id(self), False, now)
             self._busy = False
-            self.cpus.stepping(id(self), False)
             return
         self._busy = True
         self.steps += 1
-        self.cpus.stepping(id(self), True)
-        seconds = (self.times.step_s(chunks, decodes, held) + load_s + self._save_s(scheduled)) * self.cpus.stretch(id(self))
+        stretch = self.cpus.stretch(id(self), now)
+        self.cpus.stepping(id(self), True, now)
+        seconds = (self.times.step_s(chunks, decodes, held) + load_s + self._save_s(scheduled)) * stretch
         self.clock.at(now + seconds, lambda: self._stepped(scheduled))
 
     def _admit(self, r: SimRequest, budget: int) -> tuple[int, float] | None:

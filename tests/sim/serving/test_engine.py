@@ -376,28 +376,70 @@ def test_a_producer_saves_without_loading_and_a_consumer_loads_without_saving():
 # --- the host's CPUs ------------------------------------------------------------------------------
 
 
-def test_a_step_runs_together_times_slower_while_another_server_steps():
-    cpus = HostCpus(2.5)
-    cpus.stepping(1, True)
-    assert cpus.stretch(1) == 1.0  # its own step in flight is no other server's
-    assert cpus.stretch(2) == 2.5
-    cpus.stepping(2, True)
-    assert cpus.stretch(1) == 2.5
-    cpus.stepping(1, False)
-    cpus.stepping(2, False)
-    assert cpus.stretch(1) == cpus.stretch(2) == 1.0
+def test_work_runs_together_times_slower_while_another_worker_holds_other_cpus():
+    cpus = HostCpus(2.5, spin_s=1.0)
+    cpus.stepping(1, True, 0.0)
+    assert cpus.stretch(1, 0.0) == 1.0  # its own step in flight is no other server's
+    assert cpus.stretch(2, 0.0) == 2.5
+    cpus.stepping(2, True, 0.1)
+    assert cpus.stretch(1, 0.1) == 2.5
+    cpus.stepping(1, False, 0.2)
+    cpus.stepping(2, False, 0.5)
+    assert cpus.stretch(1, 1.0) == 2.5  # 2's worker spins until 1.5
+    assert cpus.stretch(2, 1.1) == 2.5  # 1's until 1.2
+    assert cpus.stretch(2, 1.3) == 1.0
+    assert cpus.stretch(1, 1.5) == cpus.stretch(2, 1.5) == 1.0
+
+
+def test_servers_bound_to_the_same_cpus_leave_the_rest_free():
+    cpus = HostCpus(2.0, spin_s=1.0)
+    cpus.bind(1, "0")
+    cpus.bind(2, "0")
+    cpus.bind(3, "1")
+    cpus.stepping(1, True, 0.0)
+    assert cpus.stretch(2, 0.0) == 1.0
+    assert cpus.stretch(3, 0.0) == 2.0
+
+
+def test_a_stopped_server_holds_no_cpu():
+    cpus = HostCpus(2.0, spin_s=1.0)
+    cpus.stepping(1, True, 0.0)
+    cpus.stepping(1, False, 0.1)
+    cpus.leave(1)
+    assert cpus.stretch(2, 0.2) == 1.0
 
 
 def test_a_host_measured_as_not_slowing_never_stretches():
-    cpus = HostCpus()
+    cpus = HostCpus(spin_s=5.0)
     for server in range(8):
-        cpus.stepping(server, True)
-    assert cpus.stretch(99) == 1.0
+        cpus.stepping(server, True, 0.0)
+    assert cpus.stretch(99, 1.0) == 1.0
 
 
-def test_together_below_one_is_refused():
+def test_together_below_one_and_a_negative_spin_are_refused():
     with pytest.raises(ValueError, match="together"):
         HostCpus(0.5)
+    with pytest.raises(ValueError, match="spin_s"):
+        HostCpus(2.0, spin_s=-1.0)
+
+
+def test_a_request_after_the_other_server_stepped_runs_slower_while_its_worker_spins():
+    """Two servers taking turns, never stepping at once: the second's request, sent while the
+    first's worker still spins, runs slower than one sent after the spin is over."""
+    def second_after(gap_s: float) -> SimRequest:
+        clock = Clock()
+        cpus = HostCpus(2.0, spin_s=0.5)
+        client = _Client(clock)
+        a, b = _server(clock, cpus=cpus), _server(clock, cpus=cpus)
+        first = client.send(a, _prompt(100, 1), 4, 0.0)
+        clock.run()
+        second = client.send(b, _prompt(100, 500), 16, first.finish_s + gap_s)
+        clock.run()
+        return second
+
+    spun, quiet = second_after(0.05), second_after(0.6)
+    assert spun.tpot_s > 1.5 * quiet.tpot_s
+    assert spun.ttft_s > quiet.ttft_s
 
 
 def _two_servers_at_once(cpus: HostCpus | None) -> list[SimRequest]:
