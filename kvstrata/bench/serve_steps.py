@@ -89,7 +89,7 @@ class EngineSteps:
     decode_points: tuple[tuple[int, int, float], ...]
     connector_points: tuple[tuple[int, float, float], ...]
     together_points: tuple[tuple[int, int, float, float], ...]
-    spin_points: tuple[float, ...] = ()
+    spin_points: tuple[float, ...]
 
 
 def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable[[int], float],
@@ -198,15 +198,15 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         await ttft(plain, prompts.new(64))
         end = last_t = time.perf_counter()
         last, busy = cpu_seconds(), 0.0
-        while last is not None and last_t - end < SPIN_WATCH_S:
+        while last_t - end < SPIN_WATCH_S:
             await asyncio.sleep(SPIN_WINDOW_S)
             now_t, now = time.perf_counter(), cpu_seconds()
-            if now is None:
+            if last is None or now is None:
                 return None
             if (now - last) / (now_t - last_t) >= 0.5:
                 busy = now_t - end
             last, last_t = now, now_t
-        return busy if last is not None else None
+        return busy
 
     async def miss_then_hit(n: int) -> tuple[float, float]:
         prompt = prompts.new(n)
