@@ -177,7 +177,7 @@ class _Run:
         """One phase, on a quiet host: a vLLM worker busy-polls its queue for a while after its
         last step (about 1 s), and a phase begun while the last one's server still spun on the
         CPUs this one's is bound to had its first requests take 0.2-0.7 s to a first token."""
-        _wait_quiet()
+        wait_quiet()
         before = self.fleet.counters(servers)
         driven = drive(plans, route, self.w.max_tokens, self.w.rate_per_s, self.progress, label)
         time.sleep(SETTLE_S)
@@ -316,7 +316,7 @@ class _Fleet:
         in hand, which the next phase's first requests would otherwise share the CPUs with."""
         tag = self.WARM_WITH.get(instance, instance).name
         ask_each(self.endpoint(instance), warm_prompts(self.workload, self.vocab, self.WARM_PROMPTS, tag), 2, 1)
-        _wait_quiet()
+        wait_quiet()
 
 
 # --- the edges' helpers -----------------------------------------------------------------------------
@@ -327,7 +327,7 @@ QUIET_WINDOW_S = 0.5
 QUIET_WAIT_S = 20.0
 
 
-def _wait_quiet() -> float:
+def wait_quiet() -> float:
     """Wait until the host's CPUs are at most ``QUIET_BUSY`` busy over ``QUIET_WINDOW_S``
     (``/proc/stat``), ``QUIET_WAIT_S`` at most; the seconds waited (0 where there is no ``/proc/stat``)."""
     begin = time.perf_counter()

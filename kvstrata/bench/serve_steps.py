@@ -5,10 +5,15 @@
 The simulator's time model for a GPU comes from its datasheet (:mod:`kvstrata.sim.model`); for
 the engine this host actually serves with, it is fitted to what that engine shows. Two
 ``vllm serve`` processes are set up as ``bench serve`` sets its servers up (prefix caching on,
-eager, each one's compute bound to its half of the host's CPUs): one plain, one with the
-KVStrata connector (a host tier; vLLM's own prefix cache off, so a prompt sent again is served by
-kvstrata alone; a device, host and disk tier, and the pool when one is given, as ``bench serve``'s
-kvstrata server has). ``bench serve``'s own streaming client sends seeded random token ids, each
+eager, each one's compute bound to a half of the host's CPUs): on the first half, as ``bench
+serve``'s vLLM-alone and kvstrata servers are, one plain and one with the KVStrata connector
+(vLLM's own prefix cache off, so a prompt sent again is served by kvstrata alone; a device, host
+and disk tier, and the pool when one is given, as ``bench serve``'s kvstrata server has); on the
+other half, as its second and decode servers are, one plain server more, the other server of
+``together``. The connector's cost is what its server took beyond the plain one's fits, so the
+two run on the same CPUs: a server on the other half ran up to 1.4x slower here, and that
+difference was counted as the connector's (22 ms a request, against 8-10 ms measured in
+``bench serve``). ``bench serve``'s own streaming client sends seeded random token ids, each
 prompt new unless a point needs it otherwise:
 
 - prefill of ``n`` new tokens (plain server): one prompt, one token asked for, its time to first
@@ -24,8 +29,8 @@ prompt new unless a point needs it otherwise:
 - spin (plain server): after a request's last token, the server's processes' CPU use from
   ``/proc`` in windows of ``SPIN_WINDOW_S``: how long it stays above half a CPU
   (``DecodeFit.spin_s``). A vLLM worker busy-polls its queue for a while after its last step.
-- together: decode points on the plain server just after the connector's server answered a
-  request (its worker still spinning on the other half of the CPUs), against the decode fit: how
+- together: decode points on the plain server just after the server on the other half answered
+  a request (its worker still spinning on the other half of the CPUs), against the decode fit: how
   much slower a step runs while another server's worker holds the CPUs this one's serving work
   would run on (``DecodeFit.together``; :mod:`kvstrata.sim.serving.cpus`). On a host with few
   CPUs the servers do not run apart: each serving server keeps more than its worker's CPUs
@@ -50,11 +55,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstrata.plan.host import PrefillFit, fit_prefill
 from kvstrata.plan.steps import ConnectorFit, DecodeFit, fit_decode
+
+if TYPE_CHECKING:
+    from kvstrata.integrations.vllm.server import ServerSpec
 
 PREFILL_NEW = (32, 64, 128, 256, 512)
 PREFILL_CACHED = ((256, 32), (256, 128), (512, 32), (512, 128))  # (cached, new)
@@ -96,16 +105,16 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
                        store_s: Callable[[int], float], dtype: str = "float32", block_size: int = 32,
                        repeats: int = 3, seed: int = 0, cpus: tuple[str, str] | None = None,
                        pool_file: Path | None = None) -> EngineSteps:
-    """Start the two servers on the model in ``model_dir`` (their logs in ``log_dir``), measure
+    """Start the three servers on the model in ``model_dir`` (their logs in ``log_dir``), measure
     and fit (see the module text), stop them.
 
     Args:
         restore_s, store_s: the cache's own restore of so many blocks from its host tier, and its
             store of so many blocks down every tier the connector's server has (from the path
             calibration), taken out of the connector's cost.
-        cpus: the two halves of the host's CPUs (vLLM's CPU lists, e.g. ``("0", "1")``) the plain and
-            the connector's server are bound to, as ``bench serve`` binds its servers; None: vLLM's
-            own binding.
+        cpus: the two halves of the host's CPUs (vLLM's CPU lists, e.g. ``("0", "1")``): the plain
+            and the connector's server are bound to the first, the other server to the second, as
+            ``bench serve`` binds its servers; None: vLLM's own binding.
         pool_file: the pool the connector's server stores in too (a pool TOML or ``pool.json``);
             None: device, host and disk tiers only. ``bench serve``'s kvstrata server has all four.
 
@@ -116,30 +125,18 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
     from kvstrata.bench.serve import model_facts
     from kvstrata.bench.serve_client import Endpoint
     from kvstrata.bench.serve_config import Instance
-    from kvstrata.integrations.vllm.server import ServerSpec, VllmServer
+    from kvstrata.integrations.vllm.server import VllmServer
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     facts = model_facts(Path(model_dir), dtype)
-    block_bytes = facts.bytes_per_token * block_size
-
-    def spec(half: int, connector: bool) -> ServerSpec:
-        env = {BIND: cpus[half]} if cpus else {}
-        extra = None
-        if connector:  # the tiers of bench serve's kvstrata server
-            extra = {"device_bytes": KV_BLOCKS * block_bytes, "host_bytes": 64 << 20,
-                     "disk_dir": str(log_dir / "disk"), "disk_bytes": 256 << 20}
-            if pool_file is not None:
-                extra |= {"pool": str(pool_file), "remote_bytes": 128 << 20, "model_id": f"calibrate-{uuid.uuid4().hex[:8]}"}
-        return ServerSpec(str(model_dir), kv_blocks=KV_BLOCKS, block_size=block_size, max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=max(DECODE_BATCHES), dtype=dtype, env=env, prefix_caching=not connector,
-                          connector=extra)
-
+    specs = server_specs(model_dir, log_dir, facts.bytes_per_token * block_size, dtype, block_size, cpus, pool_file)
     with ExitStack() as stack:
-        plain = stack.enter_context(VllmServer(spec(0, False), log_dir / "vllm-serve.log"))
-        ours = stack.enter_context(VllmServer(spec(1, True), log_dir / "vllm-serve-connector.log"))
+        plain, ours, other = (stack.enter_context(VllmServer(spec, log_dir / f"vllm-serve-{name}.log"))
+                              for name, spec in zip(("plain", "connector", "other-half"), specs, strict=True))
         endpoints = (Endpoint(Instance.BASELINE, plain.base_url, plain.spec.model),
-                     Endpoint(Instance.OURS, ours.base_url, ours.spec.model))
+                     Endpoint(Instance.OURS, ours.base_url, ours.spec.model),
+                     Endpoint(Instance.SECOND, other.base_url, other.spec.model))
         raw = asyncio.run(_measure(endpoints, _Prompts(facts.vocab, seed), repeats, plain.cpu_seconds))
     prefill_points, decode_points, connector_points, together_points, spin_points = raw
     prefill = fit_prefill(prefill_points)
@@ -157,6 +154,27 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
                        tuple(connector_points), tuple(together_points), tuple(spin_points))
 
 
+def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: str, block_size: int,
+                 cpus: tuple[str, str] | None, pool_file: Path | None) -> tuple[ServerSpec, ServerSpec, ServerSpec]:
+    """The plain server's, the connector's server's (both on ``cpus[0]``) and the other half's
+    plain server's (on ``cpus[1]``) specs; see :func:`measure_vllm_steps`."""
+    from kvstrata.integrations.vllm.server import ServerSpec
+
+    def spec(half: int, connector: bool) -> ServerSpec:
+        env = {BIND: cpus[half]} if cpus else {}
+        extra = None
+        if connector:  # the tiers of bench serve's kvstrata server
+            extra = {"device_bytes": KV_BLOCKS * block_bytes, "host_bytes": 64 << 20,
+                     "disk_dir": str(log_dir / "disk"), "disk_bytes": 256 << 20}
+            if pool_file is not None:
+                extra |= {"pool": str(pool_file), "remote_bytes": 128 << 20, "model_id": f"calibrate-{uuid.uuid4().hex[:8]}"}
+        return ServerSpec(str(model_dir), kv_blocks=KV_BLOCKS, block_size=block_size, max_model_len=MAX_MODEL_LEN,
+                          max_num_seqs=max(DECODE_BATCHES), dtype=dtype, env=env, prefix_caching=not connector,
+                          connector=extra)
+
+    return spec(0, False), spec(0, True), spec(1, False)
+
+
 def _connector_fit(points: Sequence[tuple[int, float, float]], prefill: PrefillFit, restore_s: Callable[[int], float],
                    store_s: Callable[[int], float], block_size: int) -> ConnectorFit:
     """``request_s``: the median of what new prompts took beyond the prefill and their store;
@@ -171,10 +189,14 @@ def _connector_fit(points: Sequence[tuple[int, float, float]], prefill: PrefillF
 
 
 async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Callable[[], float | None]):
+    from kvstrata.bench.serve import wait_quiet
     from kvstrata.bench.serve_client import Clients, complete
 
+    async def quiet() -> None:
+        await asyncio.to_thread(wait_quiet)
+
     clients = Clients()
-    plain, ours = endpoints
+    plain, ours, other = endpoints
 
     async def ttft(endpoint, prompt: list[int]) -> float:
         return (await complete(clients(endpoint), endpoint, prompt, 1, 0, 0, 0.0)).ttft_s
@@ -189,8 +211,8 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         return statistics.median(r.tpot_s for r in done)
 
     async def beside(b: int, ctx: int) -> float:
-        """The plain server's step just after the connector's server answered: its worker spins."""
-        await ttft(ours, prompts.new(ctx))
+        """The plain server's step just after the other half's server answered: its worker spins."""
+        await ttft(other, prompts.new(ctx))
         return await step(plain, [prompts.new(ctx) for _ in range(b)])
 
     async def spin() -> float | None:
@@ -221,17 +243,20 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
             for b in DECODE_BATCHES:
                 seconds = await _median(lambda b=b, ctx=ctx: step(plain, [prompts.new(ctx) for _ in range(b)]), repeats)
                 decode.append((b, b * (ctx + DECODE_TOKENS // 2), seconds))
+        await quiet()  # the plain server's worker spins on the CPUs the connector's server runs on
         connector = []
         for i in range(repeats + 1):
             for n in CONNECTOR_PROMPTS:
                 miss, hit = await miss_then_hit(n)
                 if i:  # the first round warms the connector's paths up
                     connector.append((n, miss, hit))
+        await quiet()  # now the connector's server's
         together = []
         for b, ctx in TOGETHER:
             alone = next(t for bb, held, t in decode if bb == b and held == b * (ctx + DECODE_TOKENS // 2))
             together.append((b, b * (ctx + DECODE_TOKENS // 2), alone, await _median(lambda b=b, ctx=ctx: beside(b, ctx),
                                                                                       repeats)))
+        await quiet()
         spins = [s for s in [await spin() for _ in range(repeats)] if s is not None]
     finally:
         await clients.close()

@@ -10,8 +10,9 @@ pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def steps(tiny_model_dir, tmp_path_factory) -> dict:
-    """Both servers (plain and with the connector), each on its half of the CPUs as bench serve
-    binds them; the cache's own restores and stores taken as free (their fits are tested apart)."""
+    """The three servers (plain and with the connector on one half of the CPUs, a plain one on
+    the other), as bench serve binds its servers; the cache's own restores and stores taken as
+    free (their fits are tested apart)."""
     import dataclasses
     import os
 
@@ -21,6 +22,18 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
     logs = tmp_path_factory.mktemp("steps")
     return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
                                                  repeats=2, cpus=cpu_halves(sorted(os.sched_getaffinity(0)))))
+
+
+def test_the_connector_s_server_runs_where_the_plain_one_does_and_the_other_server_apart(tmp_path):
+    """The connector's cost is what its server took beyond the plain server's fits: on other CPUs
+    it would count their difference in speed as the connector's."""
+    from kvstrata.bench.serve_steps import BIND, server_specs
+
+    plain, ours, other = server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, ("0-3", "4-7"), None)
+    assert (plain.env[BIND], ours.env[BIND], other.env[BIND]) == ("0-3", "0-3", "4-7")
+    assert ours.connector is not None and plain.connector is None and other.connector is None
+    assert plain.prefix_caching and other.prefix_caching and not ours.prefix_caching
+    assert all(BIND not in spec.env for spec in server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, None, None))
 
 
 def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
