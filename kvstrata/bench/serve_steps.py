@@ -100,6 +100,15 @@ class EngineSteps:
     together_points: tuple[tuple[int, int, float, float], ...]
     spin_points: tuple[float, ...]
 
+    @property
+    def misfit(self) -> dict[str, float]:
+        """How far the points lie from their fit: the median of ``|fit - point| / point``, for the
+        prefill and the decode points. A host busy with other work while they were measured
+        shows here (a fit with no fixed cost, points 50% away), before a profile made of them
+        puts every replay off."""
+        return {"prefill": _misfit([(self.prefill.seconds(n, c), t) for n, c, t in self.prefill_points]),
+                "decode": _misfit([(self.decode.step_s(b, held), t) for b, held, t in self.decode_points])}
+
 
 def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable[[int], float],
                        store_s: Callable[[int], float], dtype: str = "float32", block_size: int = 32,
@@ -261,6 +270,10 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
     finally:
         await clients.close()
     return prefill, decode, connector, together, spins
+
+
+def _misfit(pairs: Sequence[tuple[float, float]]) -> float:
+    return statistics.median(abs(fit - t) / t for fit, t in pairs) if pairs else 0.0
 
 
 class _Prompts:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvstrata import cli
 from kvstrata.pool.config import PoolConfig
+
+MISFIT_WARN = 0.25  # a quiet host's points lie within 10-15% of their fit
 
 
 def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolConfig | None):
@@ -38,5 +41,13 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
             steps = measure_vllm_steps(model_dir, Path(logs), restore, store, dtype=dtype, block_size=block_tokens,
                                        cpus=cpus, pool_file=pool_file)
         name = Path(model_dir).resolve().name
+        misfit = steps.misfit
+        cli.console().print(f"{name} through vllm serve: prefill points {misfit['prefill']:.0%} and decode points "
+                            f"{misfit['decode']:.0%} from their fits (median)", highlight=False)
+        for what, error in misfit.items():
+            if error > MISFIT_WARN:
+                cli.console().print(f"[yellow]warning:[/] {name}'s {what} points lie {error:.0%} (median) from their fit: "
+                                    f"the host was busy while they were measured, and replays on this profile will be "
+                                    f"off; calibrate again on a quiet host", highlight=False)
         prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, steps.connector
     return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector)

@@ -36,6 +36,19 @@ def test_the_connector_s_server_runs_where_the_plain_one_does_and_the_other_serv
     assert all(BIND not in spec.env for spec in server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, None, None))
 
 
+def test_misfit_is_how_far_the_points_lie_from_their_fits():
+    from kvstrata.bench.serve_steps import EngineSteps
+    from kvstrata.plan.host import PrefillFit
+    from kvstrata.plan.steps import ConnectorFit, DecodeFit
+
+    prefill, decode = PrefillFit(0.02, 10_000.0), DecodeFit(0.005, 0.0, 1e-6)
+    on_fit = [(n, 0, prefill.seconds(n)) for n in (32, 64, 128)]
+    twice = [(b, b * 100, 2 * decode.step_s(b, b * 100)) for b in (1, 2, 4)]
+    steps = EngineSteps(prefill, decode, ConnectorFit(0.0), tuple(on_fit), tuple(twice), (), (), ())
+    assert steps.misfit["prefill"] < 1e-9
+    assert abs(steps.misfit["decode"] - 0.5) < 1e-9  # every point twice its fit: the fit is half off
+
+
 def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
     from kvstrata.plan.host import PrefillFit
 
@@ -53,6 +66,19 @@ def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
     assert sorted(b for b, _, _ in steps["decode_points"]) == sorted(DECODE_BATCHES * len(DECODE_CONTEXTS))
     assert all(0 < t < 1 for _, _, t in steps["decode_points"])  # a streamed token of the tiny model: ms, not s
     _follows(fit.step_s, steps["decode_points"])
+
+
+def test_the_measured_steps_say_how_far_their_points_lie_from_their_fits(steps):
+    from kvstrata.bench.serve_steps import EngineSteps
+    from kvstrata.plan.host import PrefillFit
+    from kvstrata.plan.steps import ConnectorFit, DecodeFit
+
+    rebuilt = EngineSteps(PrefillFit(**steps["prefill"]), DecodeFit(**steps["decode"]), ConnectorFit(**steps["connector"]),
+                          *(tuple(tuple(p) if isinstance(p, list) else p for p in steps[k])
+                            for k in ("prefill_points", "decode_points", "connector_points", "together_points",
+                                      "spin_points")))
+    assert set(rebuilt.misfit) == {"prefill", "decode"}
+    assert all(0 <= e < 0.5 for e in rebuilt.misfit.values()), rebuilt.misfit
 
 
 def test_a_step_beside_the_other_server_s_spinning_worker_is_timed_against_one_alone(steps):
