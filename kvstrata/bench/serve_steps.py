@@ -20,8 +20,12 @@ prompt new unless a point needs it otherwise:
   token; after a cached prefix of ``c`` tokens, that prefix is asked first, untimed, so vLLM's
   prefix cache holds it (``c`` a whole number of blocks);
 - a decode step of ``b`` requests of ``ctx`` tokens (plain server): ``b`` prompts sent at once,
-  ``T`` tokens each, the median over them of the time between tokens; the batch then holds
-  ``b * (ctx + T / 2)`` tokens on average;
+  ``T`` tokens each, the mean time between their tokens as the engine stamped them (vLLM's
+  ``vllm:inter_token_latency_seconds`` over the point); the batch then holds
+  ``b * (ctx + T / 2)`` tokens on average. The client's own gaps between streamed tokens have
+  the same mean, but a client starved for a moment on this 2-core host reads a burst of tokens
+  at once, and a point of such gaps is any number (1 in 3 calibrations had its decode points
+  80% from their fit);
 - the connector (its server): a new prompt (a lookup that misses, the prompt computed, its
   blocks stored down every tier, which the connector waits for), then the same prompt again (every full block short of the last token loaded,
   the rest computed); what each took beyond the plain server's prefill fit, less the store and
@@ -29,8 +33,8 @@ prompt new unless a point needs it otherwise:
 - spin (plain server): after a request's last token, the server's processes' CPU use from
   ``/proc`` in windows of ``SPIN_WINDOW_S``: how long it stays above half a CPU
   (``DecodeFit.spin_s``). A vLLM worker busy-polls its queue for a while after its last step.
-- together: decode points on the plain server just after the server on the other half answered
-  a request (its worker still spinning on the other half of the CPUs), against the decode fit: how
+- together: decode points (engine-stamped, as above) on the plain server just after the server
+  on the other half answered a request (its worker still spinning on the other half of the CPUs), against the decode fit: how
   much slower a step runs while another server's worker holds the CPUs this one's serving work
   would run on (``DecodeFit.together``; :mod:`kvstrata.sim.serving.cpus`). On a host with few
   CPUs the servers do not run apart: each serving server keeps more than its worker's CPUs
@@ -74,6 +78,8 @@ SPIN_WINDOW_S = 0.1  # a few of /proc's 10 ms ticks
 SPIN_WATCH_S = 3.0  # vLLM's reader busy-polls 1 s after its last read
 CONNECTOR_PROMPTS = (64, 128, 256, 448)
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
+INTER_TOKEN = "vllm:inter_token_latency_seconds"  # vLLM's histogram of the gaps between a request's tokens, engine-stamped
+GAPS_RECORDED_S = 0.05  # the API server records a batch's gaps just after it streams their tokens out
 DECODE_TOKENS = 33  # per decode point: 32 steps after the prefill's
 MAX_MODEL_LEN = 1024  # the longest point (640 tokens) and its answer fit
 KV_BLOCKS = 160  # every point's blocks at once (8 x 289 tokens; 640 and a cached 512), and vLLM's null block
@@ -146,7 +152,8 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
         endpoints = (Endpoint(Instance.BASELINE, plain.base_url, plain.spec.model),
                      Endpoint(Instance.OURS, ours.base_url, ours.spec.model),
                      Endpoint(Instance.SECOND, other.base_url, other.spec.model))
-        raw = asyncio.run(_measure(endpoints, _Prompts(facts.vocab, seed), repeats, plain.cpu_seconds))
+        raw = asyncio.run(_measure(endpoints, _Prompts(facts.vocab, seed), repeats, plain.cpu_seconds,
+                                   lambda: engine_gaps(plain.metrics_text())))
     prefill_points, decode_points, connector_points, together_points, spin_points = raw
     prefill = fit_prefill(prefill_points)
     try:
@@ -197,7 +204,18 @@ def _connector_fit(points: Sequence[tuple[int, float, float]], prefill: PrefillF
     return ConnectorFit(request, max(0.0, statistics.median(loads)))
 
 
-async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Callable[[], float | None]):
+def engine_gaps(metrics_text: str) -> tuple[float, int]:
+    """The seconds between tokens a server's engine has stamped so far, and how many gaps: the
+    sum and the count of its ``vllm:inter_token_latency_seconds`` histogram."""
+    from kvstrata.bench.serve_counters import parse_metrics
+
+    metrics = parse_metrics(metrics_text)
+    return (sum(v for _, v in metrics.get(f"{INTER_TOKEN}_sum", [])),
+            int(sum(v for _, v in metrics.get(f"{INTER_TOKEN}_count", []))))
+
+
+async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Callable[[], float | None],
+                   gaps: Callable[[], tuple[float, int]]):
     from kvstrata.bench.serve import wait_quiet
     from kvstrata.bench.serve_client import Clients, complete
 
@@ -214,15 +232,21 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         await ttft(plain, prefix)  # untimed: vLLM's prefix cache now holds the prefix's blocks
         return await ttft(plain, prefix + new)
 
-    async def step(endpoint, batch: list[list[int]]) -> float:
-        done = await asyncio.gather(*(complete(clients(endpoint), endpoint, p, DECODE_TOKENS, i, 0, 0.0)
+    async def engine_step(batch: list[list[int]]) -> float:
+        """The plain server's mean time between the tokens of ``batch``, as its engine stamped them
+        (as the client read them where the server stamped none)."""
+        before = await asyncio.to_thread(gaps)
+        done = await asyncio.gather(*(complete(clients(plain), plain, p, DECODE_TOKENS, i, 0, 0.0)
                                       for i, p in enumerate(batch)))
-        return statistics.median(r.tpot_s for r in done)
+        await asyncio.sleep(GAPS_RECORDED_S)
+        after = await asyncio.to_thread(gaps)
+        count = after[1] - before[1]
+        return (after[0] - before[0]) / count if count > 0 else statistics.median(r.tpot_s for r in done)
 
     async def beside(b: int, ctx: int) -> float:
         """The plain server's step just after the other half's server answered: its worker spins."""
         await ttft(other, prompts.new(ctx))
-        return await step(plain, [prompts.new(ctx) for _ in range(b)])
+        return await engine_step([prompts.new(ctx) for _ in range(b)])
 
     async def spin() -> float | None:
         """How long the plain server keeps half a CPU or more busy after a request (None: no /proc)."""
@@ -250,7 +274,7 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         decode = []
         for ctx in DECODE_CONTEXTS:
             for b in DECODE_BATCHES:
-                seconds = await _median(lambda b=b, ctx=ctx: step(plain, [prompts.new(ctx) for _ in range(b)]), repeats)
+                seconds = await _median(lambda b=b, ctx=ctx: engine_step([prompts.new(ctx) for _ in range(b)]), repeats)
                 decode.append((b, b * (ctx + DECODE_TOKENS // 2), seconds))
         await quiet()  # the plain server's worker spins on the CPUs the connector's server runs on
         connector = []

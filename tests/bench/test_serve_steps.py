@@ -49,6 +49,20 @@ def test_misfit_is_how_far_the_points_lie_from_their_fits():
     assert abs(steps.misfit["decode"] - 0.5) < 1e-9  # every point twice its fit: the fit is half off
 
 
+def test_engine_gaps_are_the_sum_and_count_of_vllm_s_inter_token_histogram():
+    from kvstrata.bench.serve_steps import engine_gaps
+
+    text = """# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 700.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 722.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 3.99661019002815
+vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.28
+"""
+    assert engine_gaps(text) == (3.99661019002815, 722)
+    assert engine_gaps("") == (0.0, 0)  # a server that stamps none: the client's gaps are taken instead
+
+
 def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
     from kvstrata.plan.host import PrefillFit
 
