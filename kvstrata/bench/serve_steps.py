@@ -20,12 +20,14 @@ prompt new unless a point needs it otherwise:
   token; after a cached prefix of ``c`` tokens, that prefix is asked first, untimed, so vLLM's
   prefix cache holds it (``c`` a whole number of blocks);
 - a decode step of ``b`` requests of ``ctx`` tokens (plain server): ``b`` prompts sent at once,
-  ``T`` tokens each, the mean time between their tokens as the engine stamped them (vLLM's
-  ``vllm:inter_token_latency_seconds`` over the point); the batch then holds
-  ``b * (ctx + T / 2)`` tokens on average. The client's own gaps between streamed tokens have
-  the same mean, but a client starved for a moment on this 2-core host reads a burst of tokens
-  at once, and a point of such gaps is any number (1 in 3 calibrations had its decode points
-  80% from their fit);
+  ``T`` tokens each, the time between their tokens: the larger of the median gap the client
+  read and the mean gap the engine stamped (vLLM's ``vllm:inter_token_latency_seconds`` over the
+  point); the batch then holds ``b * (ctx + T / 2)`` tokens on average. Tokens reach the client
+  no faster than the engine makes them, and slower where streaming them out is slower than the
+  step (then the client's gap is the step a replay needs); but a client starved for a moment on
+  this 2-core host reads a burst of tokens at once, 0.1 ms apart, and there the engine's stamps
+  say what the step was (with the client's gaps alone, 2 of 4 calibrations here had their
+  decode points 80% from their fit);
 - the connector (its server): a new prompt (a lookup that misses, the prompt computed, its
   blocks stored down every tier, which the connector waits for), then the same prompt again (every full block short of the last token loaded,
   the rest computed); what each took beyond the plain server's prefill fit, less the store and
@@ -33,7 +35,7 @@ prompt new unless a point needs it otherwise:
 - spin (plain server): after a request's last token, the server's processes' CPU use from
   ``/proc`` in windows of ``SPIN_WINDOW_S``: how long it stays above half a CPU
   (``DecodeFit.spin_s``). A vLLM worker busy-polls its queue for a while after its last step.
-- together: decode points (engine-stamped, as above) on the plain server just after the server
+- together: decode points (taken as above) on the plain server just after the server
   on the other half answered a request (its worker still spinning on the other half of the CPUs), against the decode fit: how
   much slower a step runs while another server's worker holds the CPUs this one's serving work
   would run on (``DecodeFit.together``; :mod:`kvstrata.sim.serving.cpus`). On a host with few
@@ -233,15 +235,16 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         return await ttft(plain, prefix + new)
 
     async def engine_step(batch: list[list[int]]) -> float:
-        """The plain server's mean time between the tokens of ``batch``, as its engine stamped them
-        (as the client read them where the server stamped none)."""
+        """The time between the tokens of ``batch`` on the plain server: the larger of the median
+        gap the client read and the mean gap the engine stamped (see the module text)."""
         before = await asyncio.to_thread(gaps)
         done = await asyncio.gather(*(complete(clients(plain), plain, p, DECODE_TOKENS, i, 0, 0.0)
                                       for i, p in enumerate(batch)))
         await asyncio.sleep(GAPS_RECORDED_S)
         after = await asyncio.to_thread(gaps)
         count = after[1] - before[1]
-        return (after[0] - before[0]) / count if count > 0 else statistics.median(r.tpot_s for r in done)
+        client = statistics.median(r.tpot_s for r in done)
+        return max(client, (after[0] - before[0]) / count) if count > 0 else client
 
     async def beside(b: int, ctx: int) -> float:
         """The plain server's step just after the other half's server answered: its worker spins."""
