@@ -29,9 +29,14 @@ prompt new unless a point needs it otherwise:
   say what the step was (with the client's gaps alone, 2 of 4 calibrations here had their
   decode points 80% from their fit);
 - the connector (its server): a new prompt (a lookup that misses, the prompt computed, its
-  blocks stored down every tier, which the connector waits for), then the same prompt again (every full block short of the last token loaded,
-  the rest computed); what each took beyond the plain server's prefill fit, less the store and
-  the restore the cache's own paths account for, is :class:`~kvstrata.plan.steps.ConnectorFit`;
+  blocks stored down every tier, which the connector waits for), then the same prompt again
+  (every full block short of the last token loaded, the rest computed), each miss paired with a
+  new prompt of its length sent to the plain server just before it (both on a quiet host). What
+  a miss took beyond its pair, less the store the cache's own paths account for, is the
+  connector's cost per request (the median over pairs: one calibration's prefill fit against
+  another moment's misses put it anywhere from 6 to 24 ms here); what a repeat took beyond the
+  prefill fit of what was left, that cost and its restore, its cost per load
+  (:class:`~kvstrata.plan.steps.ConnectorFit`);
 - spin (plain server): after a request's last token, the server's processes' CPU use from
   ``/proc`` in windows of ``SPIN_WINDOW_S``: how long it stays above half a CPU
   (``DecodeFit.spin_s``). A vLLM worker busy-polls its queue for a while after its last step.
@@ -94,7 +99,8 @@ class EngineSteps:
     Attributes:
         prefill_points: ``(new, cached, seconds)``.
         decode_points: ``(batch, held tokens, seconds per step)``.
-        connector_points: ``(prompt tokens, TTFT new, TTFT sent again)`` on the connector's server.
+        connector_points: ``(prompt tokens, TTFT of a new prompt on the plain server, TTFT new
+            and TTFT sent again on the connector's server)``.
         together_points: ``(batch, held tokens, seconds per step alone, beside the other server's spinning worker)``.
         spin_points: seconds the plain server's processes kept half a CPU or more busy after a request.
     """
@@ -104,7 +110,7 @@ class EngineSteps:
     connector: ConnectorFit
     prefill_points: tuple[tuple[int, int, float], ...]
     decode_points: tuple[tuple[int, int, float], ...]
-    connector_points: tuple[tuple[int, float, float], ...]
+    connector_points: tuple[tuple[int, float, float, float], ...]
     together_points: tuple[tuple[int, int, float, float], ...]
     spin_points: tuple[float, ...]
 
@@ -167,7 +173,7 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
     decode = dataclasses.replace(decode, together=max(1.0, statistics.median(both / decode.step_s(b, held) for b, held, _, both
                                                                              in together_points)),
                                  spin_s=statistics.median(spin_points) if spin_points else 0.0)
-    connector = _connector_fit(connector_points, prefill, restore_s, store_s, block_size)
+    connector = connector_fit(connector_points, prefill, restore_s, store_s, block_size)
     return EngineSteps(prefill, decode, connector, tuple(prefill_points), tuple(decode_points),
                        tuple(connector_points), tuple(together_points), tuple(spin_points))
 
@@ -193,14 +199,14 @@ def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: 
     return spec(0, False), spec(0, True), spec(1, False)
 
 
-def _connector_fit(points: Sequence[tuple[int, float, float]], prefill: PrefillFit, restore_s: Callable[[int], float],
-                   store_s: Callable[[int], float], block_size: int) -> ConnectorFit:
-    """``request_s``: the median of what new prompts took beyond the prefill and their store;
-    ``load_s``: what the repeats took beyond the prefill of what was left, ``request_s`` and the
-    restore of their hit. Both at least 0."""
-    request = max(0.0, statistics.median(miss - prefill.seconds(n) - store_s(n // block_size) for n, miss, _ in points))
+def connector_fit(points: Sequence[tuple[int, float, float, float]], prefill: PrefillFit,
+                   restore_s: Callable[[int], float], store_s: Callable[[int], float], block_size: int) -> ConnectorFit:
+    """``request_s``: the median of what new prompts took beyond their pair on the plain server
+    and their store; ``load_s``: what the repeats took beyond the prefill of what was left,
+    ``request_s`` and the restore of their hit. Both at least 0."""
+    request = max(0.0, statistics.median(miss - plain - store_s(n // block_size) for n, plain, miss, _ in points))
     loads = []
-    for n, _, hit in points:
+    for n, _, _, hit in points:
         cached = (n - 1) // block_size * block_size
         loads.append(hit - prefill.seconds(n - cached, cached) - request - restore_s(cached // block_size))
     return ConnectorFit(request, max(0.0, statistics.median(loads)))
@@ -266,9 +272,14 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
             last, last_t = now, now_t
         return busy
 
-    async def miss_then_hit(n: int) -> tuple[float, float]:
+    async def paired(n: int) -> tuple[float, float, float]:
+        """A new prompt's TTFT on the plain server, then on the connector's (on the same CPUs,
+        each on a quiet host: not beside the other's spinning worker), and that prompt's again."""
+        await quiet()
+        alone = await ttft(plain, prompts.new(n))
+        await quiet()
         prompt = prompts.new(n)
-        return await ttft(ours, prompt), await ttft(ours, prompt)
+        return alone, await ttft(ours, prompt), await ttft(ours, prompt)
 
     try:
         prefill = [(n, 0, await _median(lambda n=n: ttft(plain, prompts.new(n)), repeats)) for n in PREFILL_NEW]
@@ -283,9 +294,9 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         connector = []
         for i in range(repeats + 1):
             for n in CONNECTOR_PROMPTS:
-                miss, hit = await miss_then_hit(n)
+                alone, miss, hit = await paired(n)
                 if i:  # the first round warms the connector's paths up
-                    connector.append((n, miss, hit))
+                    connector.append((n, alone, miss, hit))
         await quiet()  # now the connector's server's
         together = []
         for b, ctx in TOGETHER:

@@ -63,6 +63,20 @@ vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.28
     assert engine_gaps("") == (0.0, 0)  # a server that stamps none: the client's gaps are taken instead
 
 
+def test_the_connector_s_cost_per_request_is_a_miss_beyond_its_pair_on_the_plain_server():
+    """Paired: however slow the host was at each moment (the plain prompts 20-80 ms), a miss that
+    took 6 ms more than its pair and its 2 ms store costs the connector 6 ms."""
+    from kvstrata.bench.serve_steps import connector_fit
+    from kvstrata.plan.host import PrefillFit
+
+    prefill = PrefillFit(0.02, 10_000.0)
+    points = [(n, plain, plain + 0.008, prefill.seconds(n % 32 or 32, n - (n % 32 or 32)) + 0.006 + 0.001)
+              for n, plain in ((64, 0.02), (128, 0.08), (256, 0.03), (448, 0.05))]
+    fit = connector_fit(points, prefill, lambda blocks: 0.001, lambda blocks: 0.002, 32)
+    assert abs(fit.request_s - 0.006) < 1e-9
+    assert abs(fit.load_s) < 1e-9  # each repeat: its prefill of what was left, the 6 ms and its 1 ms restore
+
+
 def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
     from kvstrata.plan.host import PrefillFit
 
@@ -115,7 +129,8 @@ def test_a_vllm_worker_is_seen_spinning_after_its_last_step(steps):
 def test_a_prompt_sent_again_is_served_by_kvstrata_faster_than_it_was_computed(steps):
     """vLLM's own prefix cache is off on the connector's server: the repeat's blocks come from
     kvstrata's tiers. A 448-token prompt loads 13 blocks and computes 32 tokens."""
-    longest = [(miss, hit) for n, miss, hit in steps["connector_points"] if n == max(n for n, _, _ in steps["connector_points"])]
+    points = steps["connector_points"]
+    longest = [(miss, hit) for n, _, miss, hit in points if n == max(n for n, *_ in points)]
     assert len(longest) == 2  # the repeats, the warm-up left out
     assert sorted(hit for _, hit in longest)[0] < sorted(miss for miss, _ in longest)[-1]
     assert steps["connector"]["request_s"] >= 0 and steps["connector"]["load_s"] >= 0
