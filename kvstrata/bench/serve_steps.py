@@ -9,11 +9,10 @@ eager, each one's compute bound to a half of the host's CPUs): on the first half
 serve``'s vLLM-alone and kvstrata servers are, one plain and one with the KVStrata connector
 (vLLM's own prefix cache off, so a prompt sent again is served by kvstrata alone; a device, host
 and disk tier, and the pool when one is given, as ``bench serve``'s kvstrata server has); on the
-other half, as its second and decode servers are, one plain server more, the other server of
-``together``. The connector's cost is what its server took beyond the plain one's fits, so the
-two run on the same CPUs: a server on the other half ran up to 1.4x slower here, and that
-difference was counted as the connector's (22 ms a request, against 8-10 ms measured in
-``bench serve``). ``bench serve``'s own streaming client sends seeded random token ids, each
+other half, as its second and decode servers are, a second server with the connector (and the
+pool), the other server of ``together``. The connector's cost is what its server took beyond the
+plain one's, so the two run on the same CPUs (on different ones, the halves' difference in speed
+counted as the connector's). ``bench serve``'s own streaming client sends seeded random token ids, each
 prompt new unless a point needs it otherwise:
 
 - prefill of ``n`` new tokens (plain server): one prompt, one token asked for, its time to first
@@ -181,7 +180,7 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
 def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: str, block_size: int,
                  cpus: tuple[str, str] | None, pool_file: Path | None) -> tuple[ServerSpec, ServerSpec, ServerSpec]:
     """The plain server's, the connector's server's (both on ``cpus[0]``) and the other half's
-    plain server's (on ``cpus[1]``) specs; see :func:`measure_vllm_steps`."""
+    server's (on ``cpus[1]``, with the connector too) specs; see :func:`measure_vllm_steps`."""
     from kvstrata.integrations.vllm.server import ServerSpec
 
     def spec(half: int, connector: bool) -> ServerSpec:
@@ -189,14 +188,14 @@ def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: 
         extra = None
         if connector:  # the tiers of bench serve's kvstrata server
             extra = {"device_bytes": KV_BLOCKS * block_bytes, "host_bytes": 64 << 20,
-                     "disk_dir": str(log_dir / "disk"), "disk_bytes": 256 << 20}
+                     "disk_dir": str(log_dir / f"disk-{half}"), "disk_bytes": 256 << 20}
             if pool_file is not None:
                 extra |= {"pool": str(pool_file), "remote_bytes": 128 << 20, "model_id": f"calibrate-{uuid.uuid4().hex[:8]}"}
         return ServerSpec(str(model_dir), kv_blocks=KV_BLOCKS, block_size=block_size, max_model_len=MAX_MODEL_LEN,
                           max_num_seqs=max(DECODE_BATCHES), dtype=dtype, env=env, prefix_caching=not connector,
                           connector=extra)
 
-    return spec(0, False), spec(0, True), spec(1, False)
+    return spec(0, False), spec(0, True), spec(1, True)
 
 
 def connector_fit(points: Sequence[tuple[int, float, float, float]], prefill: PrefillFit,

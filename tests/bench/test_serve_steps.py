@@ -10,8 +10,8 @@ pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def steps(tiny_model_dir, tmp_path_factory) -> dict:
-    """The three servers (plain and with the connector on one half of the CPUs, a plain one on
-    the other), as bench serve binds its servers; the cache's own restores and stores taken as
+    """The three servers (plain and with the connector on one half of the CPUs, one with the
+    connector on the other), as bench serve binds its servers; the cache's own restores and stores taken as
     free (their fits are tested apart)."""
     import dataclasses
     import os
@@ -31,8 +31,9 @@ def test_the_connector_s_server_runs_where_the_plain_one_does_and_the_other_serv
 
     plain, ours, other = server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, ("0-3", "4-7"), None)
     assert (plain.env[BIND], ours.env[BIND], other.env[BIND]) == ("0-3", "0-3", "4-7")
-    assert ours.connector is not None and plain.connector is None and other.connector is None
-    assert plain.prefix_caching and other.prefix_caching and not ours.prefix_caching
+    assert plain.connector is None and ours.connector is not None and other.connector is not None
+    assert ours.connector["disk_dir"] != other.connector["disk_dir"]
+    assert plain.prefix_caching and not ours.prefix_caching
     assert all(BIND not in spec.env for spec in server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, None, None))
 
 
