@@ -3,7 +3,7 @@
 --engine vllm``).
 
 The simulator's time model for a GPU comes from its datasheet (:mod:`kvstrata.sim.model`); for
-the engine this host actually serves with, it is fitted to what that engine shows. Two
+the engine this host actually serves with, it is fitted to what that engine shows. Three
 ``vllm serve`` processes are set up as ``bench serve`` sets its servers up (prefix caching on,
 eager, each one's compute bound to a half of the host's CPUs): on the first half, as ``bench
 serve``'s vLLM-alone and kvstrata servers are, one plain and one with the KVStrata connector
@@ -137,7 +137,7 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
         cpus: the two halves of the host's CPUs (vLLM's CPU lists, e.g. ``("0", "1")``): the plain
             and the connector's server are bound to the first, the other server to the second, as
             ``bench serve`` binds its servers; None: vLLM's own binding.
-        pool_file: the pool the connector's server stores in too (a pool TOML or ``pool.json``);
+        pool_file: the pool the connector servers store in too (a pool TOML or ``pool.json``);
             None: device, host and disk tiers only. ``bench serve``'s kvstrata server has all four.
 
     Raises:
