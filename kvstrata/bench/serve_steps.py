@@ -25,7 +25,7 @@ prompt new unless a point needs it otherwise:
   no faster than the engine makes them, and slower where streaming them out is slower than the
   step (then the client's gap is the step a replay needs); but a client starved for a moment on
   this 2-core host reads a burst of tokens at once, 0.1 ms apart, and there the engine's stamps
-  say what the step was (with the client's gaps alone, 2 of 4 calibrations here had their
+  say what the step was (with the client's gaps alone, 2 of 4 test runs here had their
   decode points 80% from their fit);
 - the connector (its server): a new prompt (a lookup that misses, the prompt computed, its
   blocks stored down every tier, which the connector waits for), then the same prompt again

@@ -97,19 +97,6 @@ def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
     _follows(fit.step_s, steps["decode_points"])
 
 
-def test_the_measured_steps_say_how_far_their_points_lie_from_their_fits(steps):
-    from kvstrata.bench.serve_steps import EngineSteps
-    from kvstrata.plan.host import PrefillFit
-    from kvstrata.plan.steps import ConnectorFit, DecodeFit
-
-    rebuilt = EngineSteps(PrefillFit(**steps["prefill"]), DecodeFit(**steps["decode"]), ConnectorFit(**steps["connector"]),
-                          *(tuple(tuple(p) if isinstance(p, list) else p for p in steps[k])
-                            for k in ("prefill_points", "decode_points", "connector_points", "together_points",
-                                      "spin_points")))
-    assert set(rebuilt.misfit) == {"prefill", "decode"}
-    assert all(0 <= e < 0.5 for e in rebuilt.misfit.values()), rebuilt.misfit
-
-
 def test_a_step_beside_the_other_server_s_spinning_worker_is_timed_against_one_alone(steps):
     from kvstrata.bench.serve_steps import TOGETHER
 
