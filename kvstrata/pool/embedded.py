@@ -30,6 +30,11 @@ from kvstrata.pool.config import PoolConfig, json_error, make_secret
 STATE = "pool.json"
 SECRET = "pool.key"
 START_TIMEOUT_S = 30.0
+# A pool daemon's start is tried again (on a new port) once: on a busy host (CI, beside SGLang's
+# and vLLM's own Mooncake clients) one was seen stuck in Mooncake's own retries of its client's
+# port ("Failed to create client on port 13788, retry 6/20") past START_TIMEOUT_S, and a fresh
+# one starts.
+DAEMON_ATTEMPTS = 2
 
 
 class PoolError(RuntimeError):
@@ -177,13 +182,21 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
         raise PoolError(libs.describe(missing))
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)  # its logs and state: the owner's only
-    master_port, daemon_port, metrics_port = free_port(), free_port(), free_port()
-    master, daemon = f"127.0.0.1:{master_port}", f"127.0.0.1:{daemon_port}"
+    master_port, metrics_port = free_port(), free_port()
+    master = f"127.0.0.1:{master_port}"
     master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log")
     try:
         wait_for(master, master_proc, run_dir / "master.log")
-        daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log")
-        wait_for(daemon, daemon_proc, run_dir / "daemon.log")
+        for attempt in range(DAEMON_ATTEMPTS):
+            daemon_port = free_port()
+            daemon = f"127.0.0.1:{daemon_port}"
+            daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log")
+            try:
+                wait_for(daemon, daemon_proc, run_dir / "daemon.log")
+                break
+            except PoolError:
+                if attempt + 1 == DAEMON_ATTEMPTS:
+                    raise
     except PoolError:
         _terminate(master_proc.pid)
         raise

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import stat
 
 import pytest
@@ -54,3 +55,21 @@ def test_a_stopped_process_is_not_up_and_a_dead_daemon_is_not_up_for_a_configure
         assert state.config.config_file == run_dir / embedded.STATE  # clients built on it follow a restart
     finally:
         embedded.stop(run_dir)
+
+
+def test_a_daemon_that_cannot_take_its_port_is_started_again_on_another(tmp_path, monkeypatch):
+    taken = socket.socket()  # bound, not listening: the daemon cannot bind it, and nothing accepts on it
+    taken.bind(("127.0.0.1", 0))
+    ports = iter([embedded.free_port(), embedded.free_port(), taken.getsockname()[1]])
+    chooser = embedded.free_port
+    monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or chooser())
+    run_dir = tmp_path / "pool"
+    try:
+        state = embedded.start(64 * 1024**2, run_dir)
+        try:
+            assert state.config.daemon != f"127.0.0.1:{taken.getsockname()[1]}"
+            assert embedded.status(run_dir)["running"]
+        finally:
+            embedded.stop(run_dir)
+    finally:
+        taken.close()
