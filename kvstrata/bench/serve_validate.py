@@ -10,6 +10,12 @@ the hit rate of vLLM's own prefix cache and of each kvstrata tier.
 Goals (the issue's): hit rates within 2 percentage points; TTFT and TPOT p50 within 15% and p90
 within 25%; the configurations ranked by TTFT p90 in the same order. TTFT p99, throughput and
 kvstrata's own time per load (where the time model's loads stand) are shown without a goal.
+
+Several runs of one workload (the same arrival rate) also say how far the host lets any
+simulation go: a figure whose runs differ among themselves by more than its goal's band
+(``max / min > (1 + goal) / (1 - goal)``: 1.35 for a p50, 1.67 for a p90; for a hit rate, more
+than twice its points apart) has no single value within the goal of every run
+(:func:`run_spreads`). What the simulation misses there, a deterministic model cannot meet.
 """
 
 from __future__ import annotations
@@ -207,3 +213,59 @@ def summary(validations: Sequence[ServeValidation]) -> dict[str, Any]:
             "misses": [f"{r.configuration} {r.figure}" for r in worst.values() if r.met is False],
             "median_abs_time_error": statistics.median(timed) if timed else None}
 
+
+
+@dataclass(frozen=True)
+class RunSpread:
+    """One figure of one configuration over several runs of one workload, measured.
+
+    Attributes:
+        workload: what the runs share (their arrival rate, as the caller labels it).
+        configuration, figure: as the rows name them.
+        measured: the figure in each run.
+        goal: the figure's goal (relative; hit rates in points).
+        points: the goal is in percentage points.
+    """
+
+    workload: str
+    configuration: str
+    figure: str
+    measured: tuple[float, ...]
+    goal: float
+    points: bool = False
+
+    @property
+    def ratio(self) -> float:
+        """The largest run's figure over the smallest's (inf where the smallest is 0)."""
+        low = min(self.measured)
+        return max(self.measured) / low if low > 0 else math.inf
+
+    @property
+    def attainable(self) -> bool:
+        """Whether one value lies within the goal of every run's figure."""
+        low, high = min(self.measured), max(self.measured)
+        if self.points:
+            return high - low <= 2 * self.goal + 1e-12
+        return high * (1 - self.goal) <= low * (1 + self.goal) + 1e-12
+
+
+def run_spreads(runs: Sequence[tuple[str, ServeValidation]]) -> tuple[RunSpread, ...]:
+    """For each workload with two runs or more (``runs``: each validation with its workload's
+    label), each goal's figure over those runs (see the module text)."""
+    by: dict[str, list[ServeValidation]] = {}
+    for workload, v in runs:
+        by.setdefault(workload, []).append(v)
+    out = []
+    for workload, group in by.items():
+        if len(group) < 2:
+            continue
+        values: dict[tuple[str, str], list[Row]] = {}
+        for v in group:
+            for r in v.rows:
+                if r.goal is not None:
+                    values.setdefault((r.configuration, r.figure), []).append(r)
+        for (configuration, figure), rows in values.items():
+            if len(rows) == len(group):  # every run has it
+                out.append(RunSpread(workload, configuration, figure, tuple(r.measured for r in rows), rows[0].goal,
+                                     rows[0].points))
+    return tuple(out)

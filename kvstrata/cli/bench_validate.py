@@ -16,7 +16,15 @@ PLOT_FIGURES = ("ttft", "tpot")
 
 
 def run_validate_serve(args: argparse.Namespace) -> int:
-    from kvstrata.bench.serve_validate import BadReport, compare, measured_figures, setup_of, simulated_figures, summary
+    from kvstrata.bench.serve_validate import (
+        BadReport,
+        compare,
+        measured_figures,
+        run_spreads,
+        setup_of,
+        simulated_figures,
+        summary,
+    )
     from kvstrata.calibrate import load_calibration
     from kvstrata.bench.serve_sim import simulate_serve
 
@@ -24,7 +32,7 @@ def run_validate_serve(args: argparse.Namespace) -> int:
         raise cli.CliError("--serve needs --profile PROFILE.toml: a profile from kvstrata calibrate --model-dir DIR "
                            "--engine vllm (the engine's step times on this host)")
     calibration = load_calibration(args.profile)
-    validations = []
+    validations, workloads = [], []
     for path in args.serve:
         doc = _read(path)
         try:
@@ -37,10 +45,13 @@ def run_validate_serve(args: argparse.Namespace) -> int:
             raise cli.CliError(f"--profile {args.profile}: {exc}") from None
         sim = simulate_serve(setup)
         validations.append((path, compare(measured, simulated_figures(sim)), sim))
+        workloads.append(_workload(doc))
+    spreads = run_spreads([(w, v) for w, (_, v, _) in zip(workloads, validations, strict=True)])
     if args.plot:
         _plot(validations, args.plot, args.json)
     if args.json:
-        print(json.dumps({"profile": args.profile, "summary": summary([v for _, v, _ in validations]),
+        print(json.dumps({"profile": args.profile,
+                          "summary": summary([v for _, v, _ in validations]) | {"spreads": _spreads_json(spreads)},
                           "reports": [_to_json(path, v, sim) for path, v, sim in validations]}, indent=2))
         return 0
     for path, v, sim in validations:
@@ -49,7 +60,35 @@ def run_validate_serve(args: argparse.Namespace) -> int:
         s = summary([v for _, v, _ in validations])
         cli.console().print(f"{s['reports']} reports: ranking by TTFT p90 the same in {s['rankings_same']}; worst "
                             f"misses: {', '.join(s['misses']) or 'none'}", highlight=False)
+    if spreads:
+        _print_spreads(spreads, [v for _, v, _ in validations], workloads)
     return 0
+
+
+def _workload(doc: dict) -> str:
+    """What runs of one workload share, as a label: the rate, the conversations, the trace."""
+    w, trace = doc["config"]["workload"], doc["config"].get("trace")
+    label = f"{w['rate_per_s']:g} requests/s, {w['conversations']} conversations x {w['turns']} turns"
+    return label + (f", trace {Path(trace).name}" if trace else "")
+
+
+def _print_spreads(spreads, validations, workloads: list[str]) -> None:
+    """How many goals no prediction could meet in every run, and how many of the misses they are."""
+    apart = [x for x in spreads if not x.attainable]
+    keys = {(x.workload, x.configuration, x.figure) for x in apart}
+    missed = [(w, r) for w, v in zip(workloads, validations, strict=True) for r in v.misses]
+    within = sum(1 for w, r in missed if (w, r.configuration, r.figure) in keys)
+    shown = ", ".join(f"{x.configuration} {x.figure} at {x.workload.split(',')[0]} (x{x.ratio:.2f})" for x in apart)
+    cli.console().print(f"runs of one workload: {len(apart)} of {len(spreads)} goals' figures differ between the runs by "
+                        f"more than the goal's band, so no prediction meets them in every run"
+                        f"{': ' + shown if apart else ''}; {within} of the {len(missed)} misses are among them",
+                        highlight=False)
+
+
+def _spreads_json(spreads) -> list[dict]:
+    return [{"workload": x.workload, "configuration": x.configuration, "figure": x.figure,
+             "measured": [_finite(m) for m in x.measured], "ratio": _finite(x.ratio), "attainable": x.attainable}
+            for x in spreads]
 
 
 def _read(path: str) -> dict:

@@ -15,6 +15,7 @@ from kvstrata.bench.serve_validate import (
     Figures,
     compare,
     measured_figures,
+    run_spreads,
     setup_of,
     summary,
 )
@@ -232,6 +233,28 @@ def test_summary_keeps_each_rows_worst_error_over_the_reports():
     assert s["median_abs_time_error"] == pytest.approx(0.1)
 
 
+def test_runs_apart_by_more_than_a_goals_band_have_no_prediction_within_it_in_every_run():
+    simulated = {"baseline": _figures(TTFT)}
+
+    def run(scale: float, vllm: float = 0.3):
+        figures = _figures([t * scale for t in TTFT])
+        return compare({"baseline": dataclasses.replace(figures, hit_rate={"vllm": vllm})}, simulated)
+
+    # p50 +-15%: one value within it of runs 1.3x apart (1.35 at most), none for 1.4x; p90 +-25%: 1.67
+    spreads = {(x.workload, x.figure): x for x in run_spreads([("a", run(1.0)), ("a", run(1.3)),
+                                                               ("b", run(1.0)), ("b", run(1.4)),
+                                                               ("c", run(1.0)), ("c", run(1.7)),
+                                                               ("d", run(1.0, 0.30)), ("d", run(1.0, 0.35)),
+                                                               ("alone", run(3.0))])}
+    assert spreads[("a", "ttft_p50")].attainable and spreads[("a", "ttft_p50")].ratio == pytest.approx(1.3)
+    assert not spreads[("b", "ttft_p50")].attainable and spreads[("b", "ttft_p90")].attainable
+    assert not spreads[("c", "ttft_p90")].attainable and spreads[("c", "tpot_p50")].attainable  # TPOT: the same
+    assert spreads[("c", "hit vllm")].attainable  # hit rates: within 2 points of both, 4 apart at most
+    assert not spreads[("d", "hit vllm")].attainable
+    assert not any(w == "alone" for w, _ in spreads)  # one run: nothing to say
+    assert ("a", "ttft_p99") not in spreads  # shown without a goal
+
+
 # --- the command ----------------------------------------------------------------------------------
 
 
@@ -333,3 +356,20 @@ def test_cli_plot_without_serve_is_refused(tmp_path, capsys):
 def test_hit_tiers_are_labelled_as_the_bench_labels_them():
     # the simulation's tiers and the report's keys must meet in one row, not two
     assert [m.label for m in Medium] == ["device", "host", "disk", "remote"]
+
+
+def test_cli_two_runs_of_one_workload_say_which_goals_their_spread_allows(files, tmp_path, capsys):
+    report, profile = files
+    slower = tmp_path / "slower.json"
+    doc = _report()
+    doc["baseline"] = _configuration([2 * (0.040 + 0.001 * i) for i in range(2 * WORKLOAD.requests)])
+    slower.write_text(json.dumps(doc))
+    assert main(["validate", "--serve", str(report), str(slower), "--profile", str(profile), "--json"]) == 0
+    spreads = {(x["configuration"], x["figure"]): x for x in json.loads(capsys.readouterr().out)["summary"]["spreads"]}
+    assert spreads[("baseline", "ttft_p50")]["ratio"] == pytest.approx(2, rel=0.05)
+    assert not spreads[("baseline", "ttft_p50")]["attainable"]
+    assert spreads[("kvstrata", "ttft_p50")]["attainable"] and spreads[("kvstrata", "ttft_p50")]["ratio"] == 1
+    assert {x["workload"] for x in spreads.values()} == {"8 requests/s, 4 conversations x 2 turns"}
+    assert main(["validate", "--serve", str(report), str(slower), "--profile", str(profile)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps at its width
+    assert "no prediction meets them in every run" in out and "baseline ttft_p50 at 8 requests/s (x2.0" in out
