@@ -105,7 +105,7 @@ class _Bench:
         self.pool = TierLRU(setup.blocks(setup.remote_bytes)) if setup.pool else None
         self.disks: dict[Instance, TierLRU] = {}
         self._answer_ids = itertools.count(1)
-        self.cpus = HostCpus(setup.times.decode.together, setup.times.decode.spin_s)
+        self.cpus = HostCpus(setup.times.decode.together, setup.times.decode.spin_s, setup.times.decode.beside_spin)
 
     def run(self) -> SimulatedServe:
         s, w = self.setup, self.w

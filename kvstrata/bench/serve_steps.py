@@ -36,16 +36,27 @@ prompt new unless a point needs it otherwise:
   another moment's misses put it anywhere from 6 to 24 ms here); what a repeat took beyond the
   prefill fit of what was left, that cost and its restore, its cost per load
   (:class:`~kvstrata.plan.steps.ConnectorFit`);
+- a load from the pool (with a pool): a new prompt sent to the other half's server (computed,
+  stored down to the pool), then to the connector's server, which loads its blocks from the
+  pool while the other's worker still spins, as ``bench serve``'s two servers taking turns on
+  one pool do. What the cache's own load took (the connector's ``/metrics``) beyond the pool's
+  restore path is ``ConnectorFit.remote_load_s``: the bench measured 11-17 ms per load from the
+  pool where the path, measured on a quiet host, put 1.6 ms; this measured 6-8 ms beyond it;
 - spin (plain server): after a request's last token, the server's processes' CPU use from
   ``/proc`` in windows of ``SPIN_WINDOW_S``: how long it stays above half a CPU
   (``DecodeFit.spin_s``). A vLLM worker busy-polls its queue for a while after its last step.
-- together: decode points (taken as above) on the plain server just after the server
-  on the other half answered a request (its worker still spinning on the other half of the CPUs), against the decode fit: how
-  much slower a step runs while another server's worker holds the CPUs this one's serving work
-  would run on (``DecodeFit.together``; :mod:`kvstrata.sim.serving.cpus`). On a host with few
-  CPUs the servers do not run apart: each serving server keeps more than its worker's CPUs
-  busy (its engine core schedules each step, its HTTP server streams every token, the client
-  reads them).
+- together: decode points (taken as above) on the plain server while the server on the other
+  half decodes as many requests of its own, longer (sent just before), against the decode fit:
+  how much slower a step runs while another server steps (``DecodeFit.together``;
+  :mod:`kvstrata.sim.serving.cpus`); and the same points just after the other server answered
+  a request, its worker spinning (``DecodeFit.beside_spin``). On a host with few CPUs the servers do not run apart: each
+  serving server keeps more than its worker's CPUs busy (its engine core schedules each step,
+  its HTTP server streams every token, the client reads them), and that work runs on the
+  other's CPUs too. Beside a neighbour that only spins after its last step this was 1.0 in
+  one calibration and up to 1.8 in others, beside one decoding 1.5-2.2, while ``bench serve``'s
+  two servers on one pool stepped ~1.6x slower than one alone (two plain servers taking turns
+  at 4 requests/s: time between tokens 8-11.6 ms, against 5.4-6.5 ms for one server taking them
+  all): its neighbours step part of the time and spin the rest.
 
 So the fits hold what serving adds to the engine's own work (the HTTP server, the hand-off to
 the engine, streaming each token back, the client's reading it), as ``bench serve`` measures.
@@ -79,14 +90,16 @@ PREFILL_NEW = (32, 64, 128, 256, 512)
 PREFILL_CACHED = ((256, 32), (256, 128), (512, 32), (512, 128))  # (cached, new)
 DECODE_BATCHES = (1, 2, 4, 8)
 DECODE_CONTEXTS = (64, 256)
-TOGETHER = ((1, 64), (4, 64), (8, 256))  # (batch, context) decoded beside the other server's spinning worker
+DECODE_TOKENS = 33  # per decode point: 32 steps after the prefill's
+TOGETHER = ((1, 64), (4, 64), (8, 256))  # (batch, context) decoded beside the other server decoding as many
+NEIGHBOUR_TOKENS = 4 * DECODE_TOKENS  # the other server's answers: four times a point's, so it decodes through the point
+NEIGHBOUR_LEAD_S = 0.05  # its prefill done before the point's requests go
 SPIN_WINDOW_S = 0.1  # a few of /proc's 10 ms ticks
 SPIN_WATCH_S = 3.0  # vLLM's reader busy-polls 1 s after its last read
 CONNECTOR_PROMPTS = (64, 128, 256, 448)
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 INTER_TOKEN = "vllm:inter_token_latency_seconds"  # vLLM's histogram of the gaps between a request's tokens, engine-stamped
 GAPS_RECORDED_S = 0.05  # the API server records a batch's gaps just after it streams their tokens out
-DECODE_TOKENS = 33  # per decode point: 32 steps after the prefill's
 MAX_MODEL_LEN = 1024  # the longest point (640 tokens) and its answer fit
 KV_BLOCKS = 160  # every point's blocks at once (8 x 289 tokens; 640 and a cached 512), and vLLM's null block
 
@@ -100,7 +113,10 @@ class EngineSteps:
         decode_points: ``(batch, held tokens, seconds per step)``.
         connector_points: ``(prompt tokens, TTFT of a new prompt on the plain server, TTFT new
             and TTFT sent again on the connector's server)``.
-        together_points: ``(batch, held tokens, seconds per step alone, beside the other server's spinning worker)``.
+        together_points: ``(batch, held tokens, seconds per step alone, beside the other server
+            decoding, just after it answered (its worker spinning))``.
+        pool_points: ``(blocks, seconds)``: a load from the pool on the connector's server, as the
+            cache's own time counts it, just after the other server stored those blocks.
         spin_points: seconds the plain server's processes kept half a CPU or more busy after a request.
     """
 
@@ -110,8 +126,9 @@ class EngineSteps:
     prefill_points: tuple[tuple[int, int, float], ...]
     decode_points: tuple[tuple[int, int, float], ...]
     connector_points: tuple[tuple[int, float, float, float], ...]
-    together_points: tuple[tuple[int, int, float, float], ...]
+    together_points: tuple[tuple[int, int, float, float, float], ...]
     spin_points: tuple[float, ...]
+    pool_points: tuple[tuple[int, float], ...] = ()
 
     @property
     def misfit(self) -> dict[str, float]:
@@ -126,7 +143,8 @@ class EngineSteps:
 def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable[[int], float],
                        store_s: Callable[[int], float], dtype: str = "float32", block_size: int = 32,
                        repeats: int = 3, seed: int = 0, cpus: tuple[str, str] | None = None,
-                       pool_file: Path | None = None) -> EngineSteps:
+                       pool_file: Path | None = None, remote_restore_s: Callable[[int], float] | None = None
+                       ) -> EngineSteps:
     """Start the three servers on the model in ``model_dir`` (their logs in ``log_dir``), measure
     and fit (see the module text), stop them.
 
@@ -139,6 +157,8 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
             ``bench serve`` binds its servers; None: vLLM's own binding.
         pool_file: the pool the connector servers store in too (a pool TOML or ``pool.json``);
             None: device, host and disk tiers only. ``bench serve``'s kvstrata server has all four.
+        remote_restore_s: with a pool, the cache's own restore of so many blocks from it (from the
+            path calibration), taken out of a load from the pool as served.
 
     Raises:
         ValueError: ``repeats`` < 1.
@@ -160,8 +180,10 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
                      Endpoint(Instance.OURS, ours.base_url, ours.spec.model),
                      Endpoint(Instance.SECOND, other.base_url, other.spec.model))
         raw = asyncio.run(_measure(endpoints, _Prompts(facts.vocab, seed), repeats, plain.cpu_seconds,
-                                   lambda: engine_gaps(plain.metrics_text())))
-    prefill_points, decode_points, connector_points, together_points, spin_points = raw
+                                   lambda: engine_gaps(plain.metrics_text()),
+                                   (lambda: cache_loads(ours.metrics_text())) if pool_file is not None else None,
+                                   block_size))
+    prefill_points, decode_points, connector_points, together_points, spin_points, pool_points = raw
     prefill = fit_prefill(prefill_points)
     try:
         decode = fit_decode(decode_points)
@@ -169,12 +191,14 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
         decode = DecodeFit(statistics.median(t for _, _, t in decode_points), 0.0)
     # against the fit, not the one point measured alone: a point can be a burst (a client starved
     # for a moment reads every token at once), and a ratio to it would be any number
-    decode = dataclasses.replace(decode, together=max(1.0, statistics.median(both / decode.step_s(b, held) for b, held, _, both
-                                                                             in together_points)),
+    decode = dataclasses.replace(decode, together=_stretch(decode, [(b, held, t) for b, held, _, t, _ in together_points]),
+                                 beside_spin=_stretch(decode, [(b, held, t) for b, held, _, _, t in together_points]),
                                  spin_s=statistics.median(spin_points) if spin_points else 0.0)
     connector = connector_fit(connector_points, prefill, restore_s, store_s, block_size)
+    if pool_points and remote_restore_s is not None:
+        connector = dataclasses.replace(connector, remote_load_s=remote_load_fit(pool_points, remote_restore_s))
     return EngineSteps(prefill, decode, connector, tuple(prefill_points), tuple(decode_points),
-                       tuple(connector_points), tuple(together_points), tuple(spin_points))
+                       tuple(connector_points), tuple(together_points), tuple(spin_points), tuple(pool_points))
 
 
 def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: str, block_size: int,
@@ -183,6 +207,8 @@ def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: 
     server's (on ``cpus[1]``, with the connector too) specs; see :func:`measure_vllm_steps`."""
     from kvstrata.integrations.vllm.server import ServerSpec
 
+    model_id = f"calibrate-{uuid.uuid4().hex[:8]}"  # both connector servers': one's stores are the other's hits
+
     def spec(half: int, connector: bool) -> ServerSpec:
         env = {BIND: cpus[half]} if cpus else {}
         extra = None
@@ -190,7 +216,7 @@ def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: 
             extra = {"device_bytes": KV_BLOCKS * block_bytes, "host_bytes": 64 << 20,
                      "disk_dir": str(log_dir / f"disk-{half}"), "disk_bytes": 256 << 20}
             if pool_file is not None:
-                extra |= {"pool": str(pool_file), "remote_bytes": 128 << 20, "model_id": f"calibrate-{uuid.uuid4().hex[:8]}"}
+                extra |= {"pool": str(pool_file), "remote_bytes": 128 << 20, "model_id": model_id}
         return ServerSpec(str(model_dir), kv_blocks=KV_BLOCKS, block_size=block_size, max_model_len=MAX_MODEL_LEN,
                           max_num_seqs=max(DECODE_BATCHES), dtype=dtype, env=env, prefix_caching=not connector,
                           connector=extra)
@@ -211,6 +237,24 @@ def connector_fit(points: Sequence[tuple[int, float, float, float]], prefill: Pr
     return ConnectorFit(request, max(0.0, statistics.median(loads)))
 
 
+def remote_load_fit(points: Sequence[tuple[int, float]], remote_restore_s: Callable[[int], float]) -> float:
+    """What loads from the pool took beyond its restore path: the median over ``(blocks,
+    seconds)`` points of ``seconds - remote_restore_s(blocks)``, at least 0."""
+    return max(0.0, statistics.median(t - remote_restore_s(blocks) for blocks, t in points))
+
+
+def cache_loads(metrics_text: str) -> tuple[float, int, int]:
+    """The connector's loads so far on a server: the cache's seconds loading, how many loads, and
+    how many blocks came from the pool."""
+    from kvstrata.bench.serve_counters import parse_metrics
+
+    metrics = parse_metrics(metrics_text)
+    total = lambda name: sum(v for _, v in metrics.get(name, []))  # noqa: E731
+    remote = sum(v for labels, v in metrics.get("kvstrata_connector_loaded_blocks_total", [])
+                 if dict(labels).get("tier") == "remote")
+    return (total("kvstrata_connector_load_seconds_total"), int(total("kvstrata_connector_loads_total")), int(remote))
+
+
 def engine_gaps(metrics_text: str) -> tuple[float, int]:
     """The seconds between tokens a server's engine has stamped so far, and how many gaps: the
     sum and the count of its ``vllm:inter_token_latency_seconds`` histogram."""
@@ -222,7 +266,8 @@ def engine_gaps(metrics_text: str) -> tuple[float, int]:
 
 
 async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Callable[[], float | None],
-                   gaps: Callable[[], tuple[float, int]]):
+                   gaps: Callable[[], tuple[float, int]], loads: Callable[[], tuple[float, int, int]] | None,
+                   block_size: int):
     from kvstrata.bench.serve import wait_quiet
     from kvstrata.bench.serve_client import Clients, complete
 
@@ -251,10 +296,22 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         client = statistics.median(r.tpot_s for r in done)
         return max(client, (after[0] - before[0]) / count) if count > 0 else client
 
-    async def beside(b: int, ctx: int) -> float:
+    async def beside_spinning(b: int, ctx: int) -> float:
         """The plain server's step just after the other half's server answered: its worker spins."""
         await ttft(other, prompts.new(ctx))
         return await engine_step([prompts.new(ctx) for _ in range(b)])
+
+    async def beside(b: int, ctx: int) -> float:
+        """The plain server's step while the other half's server decodes a batch of its own,
+        started first and longer than the point, so that it steps throughout."""
+        await ttft(other, prompts.new(ctx))  # its worker warm
+        busy = asyncio.gather(*(complete(clients(other), other, prompts.new(ctx), NEIGHBOUR_TOKENS, i, 0, 0.0)
+                                for i in range(b)))
+        try:
+            await asyncio.sleep(NEIGHBOUR_LEAD_S)
+            return await engine_step([prompts.new(ctx) for _ in range(b)])
+        finally:
+            await busy
 
     async def spin() -> float | None:
         """How long the plain server keeps half a CPU or more busy after a request (None: no /proc)."""
@@ -280,6 +337,19 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         prompt = prompts.new(n)
         return alone, await ttft(ours, prompt), await ttft(ours, prompt)
 
+    async def from_pool(n: int) -> tuple[int, float] | None:
+        """A new prompt computed and stored by the other half's server, then sent to the
+        connector's server (the other's worker still spinning): its load from the pool, as the
+        cache's own time counts it (None: it did not load from the pool alone)."""
+        prompt = prompts.new(n)
+        await quiet()
+        await ttft(other, prompt)
+        before = await asyncio.to_thread(loads)
+        await ttft(ours, prompt)
+        after = await asyncio.to_thread(loads)
+        count, remote = after[1] - before[1], after[2] - before[2]
+        return (remote, after[0] - before[0]) if count == 1 and remote == (n - 1) // block_size else None
+
     try:
         prefill = [(n, 0, await _median(lambda n=n: ttft(plain, prompts.new(n)), repeats)) for n in PREFILL_NEW]
         for c, n in PREFILL_CACHED:
@@ -300,13 +370,28 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         together = []
         for b, ctx in TOGETHER:
             alone = next(t for bb, held, t in decode if bb == b and held == b * (ctx + DECODE_TOKENS // 2))
-            together.append((b, b * (ctx + DECODE_TOKENS // 2), alone, await _median(lambda b=b, ctx=ctx: beside(b, ctx),
-                                                                                      repeats)))
+            stepping = await _median(lambda b=b, ctx=ctx: beside(b, ctx), repeats)
+            await quiet()
+            spinning = await _median(lambda b=b, ctx=ctx: beside_spinning(b, ctx), repeats)
+            together.append((b, b * (ctx + DECODE_TOKENS // 2), alone, stepping, spinning))
+            await quiet()
+        pool = []
+        if loads is not None:
+            for i in range(repeats + 1):
+                for n in CONNECTOR_PROMPTS:
+                    point = await from_pool(n)
+                    if i and point is not None:  # the first round warms the pool's paths up
+                        pool.append(point)
         await quiet()
         spins = [s for s in [await spin() for _ in range(repeats)] if s is not None]
     finally:
         await clients.close()
-    return prefill, decode, connector, together, spins
+    return prefill, decode, connector, together, spins, pool
+
+
+def _stretch(decode: DecodeFit, points: Sequence[tuple[int, int, float]]) -> float:
+    """The median of steps measured beside the other server over the fit's (at least 1)."""
+    return max(1.0, statistics.median(t / decode.step_s(b, held) for b, held, t in points))
 
 
 def _misfit(pairs: Sequence[tuple[float, float]]) -> float:

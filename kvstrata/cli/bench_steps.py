@@ -37,9 +37,10 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
         written = [MEMCPY_ONE, DISK_WRITE] + ([POOL_PUT] if pool_file is not None else [])  # the server's tiers
         restore = lambda blocks: calibration.restore_s("host", blocks * block_bytes, blocks)  # noqa: E731
         store = lambda blocks: max(calibration.path(p).seconds(blocks * block_bytes) for p in written)  # noqa: E731
+        remote = (lambda blocks: calibration.restore_s("remote", blocks * block_bytes, blocks)) if pool_file else None  # noqa: E731
         with tempfile.TemporaryDirectory(prefix="kvstrata-steps-") as logs:
             steps = measure_vllm_steps(model_dir, Path(logs), restore, store, dtype=dtype, block_size=block_tokens,
-                                       cpus=cpus, pool_file=pool_file)
+                                       cpus=cpus, pool_file=pool_file, remote_restore_s=remote)
         name = Path(model_dir).resolve().name
         misfit = steps.misfit
         cli.console().print(f"{name} through vllm serve: prefill points {misfit['prefill']:.0%} and decode points "
@@ -49,5 +50,9 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
                 cli.console().print(f"[yellow]warning:[/] {name}'s {what} points lie {error:.0%} (median) from their fit: "
                                     f"the host was busy while they were measured, and replays on this profile will be "
                                     f"off; calibrate again on a quiet host", highlight=False)
+        if pool_file is not None and not steps.pool_points:
+            cli.console().print(f"[yellow]warning:[/] {name}: no load from the pool was seen on the connector's server "
+                                f"after the other server stored the blocks; loads from the pool are timed by its "
+                                f"path alone", highlight=False)
         prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, steps.connector
     return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector)

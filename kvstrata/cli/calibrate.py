@@ -179,8 +179,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
                       f"+ {f.attn_s:.3g} s x tokens x context", highlight=False)
     for model, d in run.calibration.decode.items():
         console.print(f"decode step {model}: {d.latency_s * 1e3:.2f} ms + {d.per_request_s * 1e6:.0f} us x requests "
-                      f"+ {d.per_token_s * 1e9:.0f} ns x tokens held; {d.together:.2f}x beside another server's "
-                      f"worker, which holds its CPUs {d.spin_s * 1e3:.0f} ms after its last step", highlight=False)
+                      f"+ {d.per_token_s * 1e9:.0f} ns x tokens held; {d.together:.2f}x beside another server "
+                      f"stepping, {d.beside_spin:.2f}x beside its worker spinning, which it does "
+                      f"{d.spin_s * 1e3:.0f} ms after its last step", highlight=False)
+    for model, k in run.calibration.connector.items():
+        console.print(f"connector {model}: {k.request_s * 1e3:.1f} ms per request, {k.load_s * 1e3:.1f} ms per load "
+                      f"beyond its restore, {k.remote_load_s * 1e3:.1f} ms more from the pool as served", highlight=False)
     for k, v in run.calibration.efficiency.items():
         console.print(f"efficiency.{k} = {v:.3f} (measured)", highlight=False)
     where = f"wrote {args.out} (base {args.base})" if args.out else "no --out: profile not written"

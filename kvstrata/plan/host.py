@@ -358,9 +358,11 @@ class HostCalibration:
             prefill = {f["model"]: PrefillFit(float(f["latency_s"]), float(f["tokens_per_s"]), float(f.get("attn_s", 0.0)))
                        for f in c.get("prefill", [])}
             decode = {d["model"]: DecodeFit(float(d["latency_s"]), float(d["per_request_s"]), float(d.get("per_token_s", 0.0)),
-                                            float(d.get("together", 1.0)), float(d.get("spin_s", 0.0)))
+                                            float(d.get("together", 1.0)), float(d.get("spin_s", 0.0)),
+                                            float(d.get("beside_spin", 1.0)))
                       for d in c.get("decode", [])}
-            connector = {k["model"]: ConnectorFit(float(k["request_s"]), float(k.get("load_s", 0.0)))
+            connector = {k["model"]: ConnectorFit(float(k["request_s"]), float(k.get("load_s", 0.0)),
+                                                      float(k.get("remote_load_s", 0.0)))
                          for k in c.get("connector", [])}
             return cls(str(c["host"]), str(c["device"]), int(c["threads"]), paths, prefill,
                        {str(k): float(v) for k, v in doc.get("efficiency", {}).items()}, decode, connector)

@@ -25,8 +25,9 @@ class DecodeFit:
     latency_s: float
     per_request_s: float
     per_token_s: float = 0.0
-    together: float = 1.0  # how much slower a step runs while another server's worker holds the other CPUs
+    together: float = 1.0  # how much slower a step runs while another server (on the other CPUs) steps
     spin_s: float = 0.0  # how long a worker holds its CPUs after its last step (busy-polling for the next)
+    beside_spin: float = 1.0  # how much slower while the other server's worker only spins (within spin_s)
 
     def __post_init__(self) -> None:
         for name in ("latency_s", "per_request_s", "per_token_s"):
@@ -35,6 +36,8 @@ class DecodeFit:
                 raise ValueError(f"decode fit {name} must be >= 0, got {value!r}")
         if not self.together >= 1:
             raise ValueError(f"decode fit together must be >= 1 (a step no faster for another's), got {self.together!r}")
+        if not self.beside_spin >= 1:
+            raise ValueError(f"decode fit beside_spin must be >= 1 (a step no faster for another's), got {self.beside_spin!r}")
         if not self.spin_s >= 0:
             raise ValueError(f"decode fit spin_s must be >= 0, got {self.spin_s!r}")
 
@@ -54,13 +57,18 @@ class ConnectorFit:
     Attributes:
         request_s: every request the connector looks up.
         load_s: a request that loads, beyond the restore's own time.
+        remote_load_s: a load from the pool, beyond the pool's restore path, as the cache's own
+            load time counts it on a server just after another server stored those blocks
+            (``bench serve``'s two servers on one pool and its P/D pair): the pool's daemon and
+            the cache's threads then share the CPUs two servers' workers hold.
     """
 
     request_s: float
     load_s: float = 0.0
+    remote_load_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("request_s", "load_s"):
+        for name in ("request_s", "load_s", "remote_load_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"connector fit {name} must be >= 0, got {getattr(self, name)!r}")
 

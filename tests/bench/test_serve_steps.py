@@ -35,6 +35,8 @@ def test_the_connector_s_server_runs_where_the_plain_one_does_and_the_other_serv
     assert ours.connector["disk_dir"] != other.connector["disk_dir"]
     assert plain.prefix_caching and not ours.prefix_caching
     assert all(BIND not in spec.env for spec in server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, None, None))
+    _, ours, other = server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, None, tmp_path / "pool.json")
+    assert ours.connector["model_id"] == other.connector["model_id"]  # one's stores are the other's hits in the pool
 
 
 def test_misfit_is_how_far_the_points_lie_from_their_fits():
@@ -62,6 +64,27 @@ vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.28
 """
     assert engine_gaps(text) == (3.99661019002815, 722)
     assert engine_gaps("") == (0.0, 0)  # a server that stamps none: the client's gaps are taken instead
+
+
+def test_a_load_from_the_pool_as_served_costs_what_it_took_beyond_the_pool_s_path():
+    from kvstrata.bench.serve_steps import remote_load_fit
+
+    path = lambda blocks: 0.001 + 0.0002 * blocks  # noqa: E731
+    points = [(1, path(1) + 0.010), (3, path(3) + 0.013), (13, path(13) + 0.012), (7, path(7) + 0.030)]
+    assert remote_load_fit(points, path) == pytest.approx(0.0125)  # the median: one slow load does not set it
+    assert remote_load_fit([(4, 0.0001)], path) == 0.0  # faster than the path: no cost beyond it
+
+
+def test_cache_loads_reads_the_connector_s_seconds_loads_and_blocks_from_the_pool():
+    from kvstrata.bench.serve_steps import cache_loads
+
+    text = """kvstrata_connector_loads_total{engine="0",model_name="m"} 25.0
+kvstrata_connector_load_seconds_total{engine="0",model_name="m"} 0.3609
+kvstrata_connector_loaded_blocks_total{engine="0",model_name="m",tier="remote"} 70.0
+kvstrata_connector_loaded_blocks_total{engine="0",model_name="m",tier="host"} 56.0
+"""
+    assert cache_loads(text) == (0.3609, 25, 70)
+    assert cache_loads("") == (0.0, 0, 0)
 
 
 def test_the_connector_s_cost_per_request_is_a_miss_beyond_its_pair_on_the_plain_server():
@@ -97,12 +120,12 @@ def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
     _follows(fit.step_s, steps["decode_points"])
 
 
-def test_a_step_beside_the_other_server_s_spinning_worker_is_timed_against_one_alone(steps):
+def test_a_step_beside_the_other_server_decoding_is_timed_against_one_alone(steps):
     from kvstrata.bench.serve_steps import TOGETHER
 
-    assert [(b, s // b - 16) for b, s, _, _ in steps["together_points"]] == list(TOGETHER)
-    assert all(alone > 0 and both > 0 for _, _, alone, both in steps["together_points"])
-    assert steps["decode"]["together"] >= 1
+    assert [(b, s // b - 16) for b, s, _, _, _ in steps["together_points"]] == list(TOGETHER)
+    assert all(alone > 0 and stepping > 0 and spinning > 0 for _, _, alone, stepping, spinning in steps["together_points"])
+    assert steps["decode"]["together"] >= 1 and steps["decode"]["beside_spin"] >= 1
 
 
 def test_a_vllm_worker_is_seen_spinning_after_its_last_step(steps):

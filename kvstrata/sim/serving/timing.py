@@ -109,10 +109,11 @@ class ServingTimes:
 
     def load_s(self, hit: StoreHit) -> float:
         """A load of ``hit``'s blocks: the connector's own cost of a load, and each tier's restore
-        of its blocks, one after another."""
+        of its blocks, one after another (from the pool, with what a load from it took beyond its
+        path as served: ``ConnectorFit.remote_load_s``)."""
+        seconds = self.connector.load_s + (self.connector.remote_load_s if Medium.REMOTE in hit.tiers else 0.0)
         if self.calibration is None:
-            return self.connector.load_s
-        seconds = self.connector.load_s
+            return seconds
         for path in dict.fromkeys(LOAD_TIER[t] for t in hit.tiers):  # device and host blocks: one copy
             n = sum(1 for t in hit.tiers if LOAD_TIER[t] == path)
             seconds += self.calibration.restore_s(path, n * self.block_bytes, n, workers=self.workers)

@@ -21,7 +21,7 @@ from kvstrata.plan.host import (
     PathFit,
     PrefillFit,
 )
-from kvstrata.plan.steps import DecodeFit
+from kvstrata.plan.steps import ConnectorFit, DecodeFit
 from kvstrata.bench.serve_sim import counters_of
 from kvstrata.sim.serving.cpus import HostCpus
 from kvstrata.sim.serving.engine import Clock, EngineLimits, ServerSim, SimRequest
@@ -113,6 +113,16 @@ def test_a_load_takes_each_tiers_restore_one_after_another():
     assert times.load_s(StoreHit((Medium.DEVICE,) * 3)) == pytest.approx(times.load_s(StoreHit((Medium.HOST,) * 3)))
     assert times.load_s(StoreHit(())) == 0.0
     assert TIMES.load_s(hit) == 0.0  # no calibration: loads take no time
+
+
+def test_a_load_from_the_pool_pays_what_loads_from_it_took_beyond_its_path_as_served():
+    with_pool = HostCalibration("h", "cpu", 2, {**CALIBRATION.paths, POOL_GET: PathFit(0.0, 2.0)},
+                                {MODEL: PREFILL}, decode={MODEL: DECODE})
+    path = ServingTimes(PREFILL, DECODE, with_pool, BLOCK_BYTES)
+    served = dataclasses.replace(path, connector=ConnectorFit(0.0, 0.001, 0.012))
+    pooled = StoreHit((Medium.HOST, Medium.REMOTE, Medium.REMOTE))
+    assert served.load_s(pooled) == pytest.approx(path.load_s(pooled) + 0.001 + 0.012)
+    assert served.load_s(StoreHit((Medium.HOST,))) == pytest.approx(path.load_s(StoreHit((Medium.HOST,))) + 0.001)
 
 
 def test_a_store_lands_after_its_paths_time():
@@ -376,19 +386,24 @@ def test_a_producer_saves_without_loading_and_a_consumer_loads_without_saving():
 # --- the host's CPUs ------------------------------------------------------------------------------
 
 
-def test_work_runs_together_times_slower_while_another_worker_holds_other_cpus():
-    cpus = HostCpus(2.5, spin_s=1.0)
+def test_work_runs_slower_while_another_worker_steps_and_less_while_it_only_spins_on_other_cpus():
+    cpus = HostCpus(2.5, spin_s=1.0, beside_spin=1.5)
     cpus.stepping(1, True, 0.0)
     assert cpus.stretch(1, 0.0) == 1.0  # its own step in flight is no other server's
     assert cpus.stretch(2, 0.0) == 2.5
     cpus.stepping(2, True, 0.1)
     assert cpus.stretch(1, 0.1) == 2.5
     cpus.stepping(1, False, 0.2)
+    assert cpus.stretch(2, 0.3) == 1.5  # 1's worker spins until 1.2
+    assert cpus.stretch(1, 0.3) == 2.5  # 2 still steps
     cpus.stepping(2, False, 0.5)
-    assert cpus.stretch(1, 1.0) == 2.5  # 2's worker spins until 1.5
-    assert cpus.stretch(2, 1.1) == 2.5  # 1's until 1.2
+    assert cpus.stretch(1, 1.0) == 1.5  # 2's worker spins until 1.5
+    assert cpus.stretch(2, 1.1) == 1.5  # 1's until 1.2
     assert cpus.stretch(2, 1.3) == 1.0
     assert cpus.stretch(1, 1.5) == cpus.stretch(2, 1.5) == 1.0
+    cpus.stepping(3, False, 1.5)  # one spinning, one stepping: the stepping one counts
+    cpus.stepping(4, True, 1.5)
+    assert cpus.stretch(1, 1.6) == 2.5
 
 
 def test_servers_bound_to_the_same_cpus_leave_the_rest_free():
@@ -416,11 +431,13 @@ def test_a_host_measured_as_not_slowing_never_stretches():
     assert cpus.stretch(99, 1.0) == 1.0
 
 
-def test_together_below_one_and_a_negative_spin_are_refused():
+def test_stretches_below_one_and_a_negative_spin_are_refused():
     with pytest.raises(ValueError, match="together"):
         HostCpus(0.5)
     with pytest.raises(ValueError, match="spin_s"):
         HostCpus(2.0, spin_s=-1.0)
+    with pytest.raises(ValueError, match="beside_spin"):
+        HostCpus(2.0, beside_spin=0.9)
 
 
 def test_a_request_after_the_other_server_stepped_runs_slower_while_its_worker_spins():
@@ -428,7 +445,7 @@ def test_a_request_after_the_other_server_stepped_runs_slower_while_its_worker_s
     first's worker still spins, runs slower than one sent after the spin is over."""
     def second_after(gap_s: float) -> SimRequest:
         clock = Clock()
-        cpus = HostCpus(2.0, spin_s=0.5)
+        cpus = HostCpus(3.0, spin_s=0.5, beside_spin=2.0)
         client = _Client(clock)
         a, b = _server(clock, cpus=cpus), _server(clock, cpus=cpus)
         first = client.send(a, _prompt(100, 1), 4, 0.0)
