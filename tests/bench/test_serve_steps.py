@@ -8,6 +8,10 @@ import pytest
 pytest.importorskip("vllm")
 
 
+TOGETHER = ((1, 64), (8, 256))  # (batch, context): the smallest and the largest of a calibration's
+CONNECTOR_PROMPTS = (128, 448)
+
+
 @pytest.fixture(scope="module")
 def steps(tiny_model_dir, tmp_path_factory) -> dict:
     """The three servers (plain and with the connector on one half of the CPUs, one with the
@@ -16,12 +20,16 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
     import dataclasses
     import os
 
+    from kvstrata.bench import serve_steps
     from kvstrata.bench.serve_config import cpu_halves
     from kvstrata.bench.serve_steps import measure_vllm_steps
 
     logs = tmp_path_factory.mktemp("steps")
-    return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
-                                                 repeats=2, cpus=cpu_halves(sorted(os.sched_getaffinity(0)))))
+    with pytest.MonkeyPatch.context() as patch:  # fewer points than a calibration: each section still runs
+        patch.setattr(serve_steps, "TOGETHER", TOGETHER)
+        patch.setattr(serve_steps, "CONNECTOR_PROMPTS", CONNECTOR_PROMPTS)
+        return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
+                                                     repeats=2, cpus=cpu_halves(sorted(os.sched_getaffinity(0)))))
 
 
 def test_the_connector_s_server_runs_where_the_plain_one_does_and_the_other_server_apart(tmp_path):
@@ -121,8 +129,6 @@ def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
 
 
 def test_a_step_beside_the_other_server_decoding_is_timed_against_one_alone(steps):
-    from kvstrata.bench.serve_steps import TOGETHER
-
     assert [(b, s // b - 16) for b, s, _, _, _ in steps["together_points"]] == list(TOGETHER)
     assert all(alone > 0 and stepping > 0 and spinning > 0 for _, _, alone, stepping, spinning in steps["together_points"])
     assert steps["decode"]["together"] >= 1 and steps["decode"]["beside_spin"] >= 1
