@@ -251,7 +251,7 @@ def cache_loads(metrics_text: str) -> tuple[float, int, int]:
     metrics = parse_metrics(metrics_text)
     total = lambda name: sum(v for _, v in metrics.get(name, []))  # noqa: E731
     remote = sum(v for labels, v in metrics.get("kvstrata_connector_loaded_blocks_total", [])
-                 if dict(labels).get("tier") == "remote")
+                 if labels.get("tier") == "remote")
     return (total("kvstrata_connector_load_seconds_total"), int(total("kvstrata_connector_loads_total")), int(remote))
 
 
