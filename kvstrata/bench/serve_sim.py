@@ -16,9 +16,11 @@ own (:func:`~kvstrata.bench.serve_plan.plan_conversations`, a variant per phase)
 are token ids of their own, one set per request, since what the model says changes no timing.
 Each phase begins once the workers have stopped spinning, as the bench waits for a quiet host.
 The client is the bench's: a turn goes at its slot or when its previous answer is back,
-whichever is later; a request reaches its server's engine ``request_in_s`` after it is sent, and
-each token the client ``response_out_s`` after it is sampled (:mod:`~kvstrata.sim.serving.timing`). Each configuration's figures are computed by the bench's own
-:func:`~kvstrata.bench.serve_report.measure`, on simulated records and counters.
+whichever is later; a request reaches its server's engine ``request_in_s`` after it is sent (and
+now and then a stall later: :mod:`~kvstrata.sim.serving.cpus`, drawn with the workload's seed),
+and each token the client ``response_out_s`` after it is sampled
+(:mod:`~kvstrata.sim.serving.timing`). Each configuration's figures are computed by the bench's
+own :func:`~kvstrata.bench.serve_report.measure`, on simulated records and counters.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class _Bench:
         self.pool = TierLRU(setup.blocks(setup.remote_bytes)) if setup.pool else None
         self.disks: dict[Instance, TierLRU] = {}
         self._answer_ids = itertools.count(1)
-        self.cpus = HostCpus(setup.times.decode.together, setup.times.decode.spin_s, setup.times.decode.beside_spin)
+        decode = setup.times.decode
+        self.cpus = HostCpus(decode.together, decode.spin_s, decode.beside_spin, setup.times.stalls, setup.workload.seed)
 
     def run(self) -> SimulatedServe:
         s, w = self.setup, self.w
@@ -229,7 +232,8 @@ class _Bench:
                 request = SimRequest(prompt, self._answer(max_tokens), sent,
                                      lambda r: self.clock.at(self.clock.now_s + self._out_s(instance), lambda: done(r)),
                                      first=lambda r: setattr(r, "first_out_s", self._out_s(instance)))
-                self.clock.at(sent + times.request_in_s * self.cpus.stretch(id(server), sent), lambda: server.submit(request))
+                way_in = times.request_in_s * self.cpus.stretch(id(server), sent) + self.cpus.stall_s(id(server), sent)
+                self.clock.at(sent + way_in, lambda: server.submit(request))
 
             def answered(r: SimRequest) -> None:
                 if turn + 1 < plan.turns:

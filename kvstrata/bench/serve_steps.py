@@ -42,6 +42,12 @@ prompt new unless a point needs it otherwise:
   one pool do. What the cache's own load took (the connector's ``/metrics``) beyond the pool's
   restore path is ``ConnectorFit.remote_load_s``: the bench measured 11-17 ms per load from the
   pool where the path, measured on a quiet host, put 1.6 ms; this measured 6-8 ms beyond it;
+- stalls: ``STALL_REQUESTS`` new prompts at ``bench serve``'s pace, each sent at its slot, to
+  the plain server alone, then taking turns between the connector's server and the other half's
+  (as ``bench serve``'s two servers on one pool take turns): which of their times to first token
+  came well past their server's median, and by how much (:class:`~kvstrata.plan.steps.Stalls`).
+  The host's tail: on this 2-core host a few requests in every ``bench serve`` phase wait
+  100-450 ms, plain servers as often as servers with the connector, and a mean says nothing of it;
 - spin (plain server): after a request's last token, the server's processes' CPU use from
   ``/proc`` in windows of ``SPIN_WINDOW_S``: how long it stays above half a CPU
   (``DecodeFit.spin_s``). A vLLM worker busy-polls its queue for a while after its last step.
@@ -81,7 +87,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstrata.plan.host import PrefillFit, fit_prefill
-from kvstrata.plan.steps import ConnectorFit, DecodeFit, fit_decode
+from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls, fit_decode, fit_stalls
 
 if TYPE_CHECKING:
     from kvstrata.integrations.vllm.server import ServerSpec
@@ -100,6 +106,10 @@ CONNECTOR_PROMPTS = (64, 128, 256, 448)
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 INTER_TOKEN = "vllm:inter_token_latency_seconds"  # vLLM's histogram of the gaps between a request's tokens, engine-stamped
 GAPS_RECORDED_S = 0.05  # the API server records a batch's gaps just after it streams their tokens out
+STALL_REQUESTS = 48  # per stream: twice a bench serve phase's requests
+STALL_RATE_PER_S = 4.0  # bench serve's default rate
+STALL_PROMPT = 128
+STALL_TOKENS = 16  # bench serve's answers
 MAX_MODEL_LEN = 1024  # the longest point (640 tokens) and its answer fit
 KV_BLOCKS = 160  # every point's blocks at once (8 x 289 tokens; 640 and a cached 512), and vLLM's null block
 
@@ -118,6 +128,9 @@ class EngineSteps:
         pool_points: ``(blocks, seconds)``: a load from the pool on the connector's server, as the
             cache's own time counts it, just after the other server stored those blocks.
         spin_points: seconds the plain server's processes kept half a CPU or more busy after a request.
+        stall_alone: times to first token of a steady stream of requests to the plain server alone.
+        stall_beside: the same of a stream taking turns between the connector's server and the
+            other half's, one sequence per server.
     """
 
     prefill: PrefillFit
@@ -129,6 +142,9 @@ class EngineSteps:
     together_points: tuple[tuple[int, int, float, float, float], ...]
     spin_points: tuple[float, ...]
     pool_points: tuple[tuple[int, float], ...] = ()
+    stalls: Stalls = Stalls()
+    stall_alone: tuple[float, ...] = ()
+    stall_beside: tuple[tuple[float, ...], ...] = ()
 
     @property
     def misfit(self) -> dict[str, float]:
@@ -183,7 +199,7 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
                                    lambda: engine_gaps(plain.metrics_text()),
                                    (lambda: cache_loads(ours.metrics_text())) if pool_file is not None else None,
                                    block_size))
-    prefill_points, decode_points, connector_points, together_points, spin_points, pool_points = raw
+    prefill_points, decode_points, connector_points, together_points, spin_points, pool_points, streams = raw
     prefill = fit_prefill(prefill_points)
     try:
         decode = fit_decode(decode_points)
@@ -197,8 +213,11 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
     connector = connector_fit(connector_points, prefill, restore_s, store_s, block_size)
     if pool_points and remote_restore_s is not None:
         connector = dataclasses.replace(connector, remote_load_s=remote_load_fit(pool_points, remote_restore_s))
+    alone, beside = streams
+    stalls = Stalls(*fit_stalls([alone]), *fit_stalls(beside))
     return EngineSteps(prefill, decode, connector, tuple(prefill_points), tuple(decode_points),
-                       tuple(connector_points), tuple(together_points), tuple(spin_points), tuple(pool_points))
+                       tuple(connector_points), tuple(together_points), tuple(spin_points), tuple(pool_points),
+                       stalls, tuple(alone), tuple(tuple(t) for t in beside))
 
 
 def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: str, block_size: int,
@@ -328,6 +347,20 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
             last, last_t = now, now_t
         return busy
 
+    async def stream(targets) -> list[list[float]]:
+        """``STALL_REQUESTS`` new prompts at ``STALL_RATE_PER_S``, taking turns among ``targets``
+        (each sent at its slot, whether the last is back or not): each target's times to first token."""
+        batch = [prompts.new(STALL_PROMPT) for _ in range(STALL_REQUESTS)]
+        start = time.perf_counter()
+
+        async def one(i: int) -> float:
+            await asyncio.sleep(max(0.0, start + i / STALL_RATE_PER_S - time.perf_counter()))
+            endpoint = targets[i % len(targets)]
+            return (await complete(clients(endpoint), endpoint, batch[i], STALL_TOKENS, i, 0, 0.0)).ttft_s
+
+        done = await asyncio.gather(*(one(i) for i in range(STALL_REQUESTS)))
+        return [done[k::len(targets)] for k in range(len(targets))]
+
     async def paired(n: int) -> tuple[float, float, float]:
         """A new prompt's TTFT on the plain server, then on the connector's (on the same CPUs,
         each on a quiet host: not beside the other's spinning worker), and that prompt's again."""
@@ -383,10 +416,14 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
                     if i and point is not None:  # the first round warms the pool's paths up
                         pool.append(point)
         await quiet()
+        alone = (await stream([plain]))[0]
+        await quiet()
+        beside = await stream([ours, other])  # as bench serve's two servers on one pool take turns
+        await quiet()
         spins = [s for s in [await spin() for _ in range(repeats)] if s is not None]
     finally:
         await clients.close()
-    return prefill, decode, connector, together, spins, pool
+    return prefill, decode, connector, together, spins, pool, (alone, beside)
 
 
 def _stretch(decode: DecodeFit, points: Sequence[tuple[int, int, float]]) -> float:

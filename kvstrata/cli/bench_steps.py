@@ -32,6 +32,7 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
     if pool is not None and POOL_PUT in calibration.paths:  # the connector's server stores in the pool too
         pool_file = pool.config_file
     prefill, decode, connector = dict(calibration.prefill), dict(calibration.decode), dict(calibration.connector)
+    stalls = dict(calibration.stalls)
     for model_dir in model_dirs:
         block_bytes = model_facts(Path(model_dir), dtype).bytes_per_token * block_tokens
         written = [MEMCPY_ONE, DISK_WRITE] + ([POOL_PUT] if pool_file is not None else [])  # the server's tiers
@@ -55,4 +56,5 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
                                 f"after the other server stored the blocks; loads from the pool are timed by its "
                                 f"path alone", highlight=False)
         prefill[name], decode[name], connector[name] = steps.prefill, steps.decode, steps.connector
-    return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector)
+        stalls[name] = steps.stalls
+    return dataclasses.replace(calibration, prefill=prefill, decode=decode, connector=connector, stalls=stalls)

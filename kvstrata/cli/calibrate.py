@@ -157,6 +157,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "efficiency": run.calibration.efficiency, "out": args.out,
             "prefill": {m: dataclasses.asdict(f) for m, f in run.calibration.prefill.items()},
             "decode": {m: dataclasses.asdict(d) for m, d in run.calibration.decode.items()},
+            "connector": {m: dataclasses.asdict(k) for m, k in run.calibration.connector.items()},
+            "stalls": {m: dataclasses.asdict(st) for m, st in run.calibration.stalls.items()},
         }, indent=2))
         return 0
     console = cli.console()
@@ -185,11 +187,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for model, k in run.calibration.connector.items():
         console.print(f"connector {model}: {k.request_s * 1e3:.1f} ms per request, {k.load_s * 1e3:.1f} ms per load "
                       f"beyond its restore, {k.remote_load_s * 1e3:.1f} ms more from the pool as served", highlight=False)
+    for model, st in run.calibration.stalls.items():
+        console.print(f"stalls {model}: {st.alone:.0%} of requests alone ({_stall_sizes(st.alone_s)}), {st.beside:.0%} "
+                      f"beside another server ({_stall_sizes(st.beside_s)})", highlight=False)
     for k, v in run.calibration.efficiency.items():
         console.print(f"efficiency.{k} = {v:.3f} (measured)", highlight=False)
     where = f"wrote {args.out} (base {args.base})" if args.out else "no --out: profile not written"
     console.print(f"{where}; {run.seconds:.1f} s", highlight=False)
     return 0
+
+
+def _stall_sizes(sizes: tuple[float, ...]) -> str:
+    return f"{min(sizes) * 1e3:.0f}-{max(sizes) * 1e3:.0f} ms late" if sizes else "none late"
 
 
 def run_validate(args: argparse.Namespace) -> int:

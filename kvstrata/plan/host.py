@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvstrata.plan.steps import ConnectorFit, DecodeFit
+from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 
 GB = 1e9
 
@@ -222,6 +222,8 @@ class HostCalibration:
             pinned H2D GB/s over the PCIe payload bandwidth), when a GPU was present.
         connector: per model id, what the KVStrata connector adds to a served request
             (``--engine vllm``).
+        stalls: per model id, how often and how long its served requests stall on this host
+            (``--engine vllm``).
     """
 
     host: str
@@ -232,6 +234,7 @@ class HostCalibration:
     efficiency: dict[str, float] = field(default_factory=dict)
     decode: dict[str, DecodeFit] = field(default_factory=dict)
     connector: dict[str, ConnectorFit] = field(default_factory=dict)
+    stalls: dict[str, Stalls] = field(default_factory=dict)
 
     def path(self, name: str) -> PathFit:
         try:
@@ -342,6 +345,8 @@ class HostCalibration:
             lines += _array_entry("calibration.decode", {"model": model, **asdict(d)})
         for model, k in self.connector.items():
             lines += _array_entry("calibration.connector", {"model": model, **asdict(k)})
+        for model, st in self.stalls.items():
+            lines += _array_entry("calibration.stalls", {"model": model, **asdict(st)})
         if self.efficiency:
             lines += ["", "[efficiency]"] + [f"{_q(k)} = {v!r}" for k, v in self.efficiency.items()]
         return "\n".join(lines) + "\n"
@@ -364,8 +369,11 @@ class HostCalibration:
             connector = {k["model"]: ConnectorFit(float(k["request_s"]), float(k.get("load_s", 0.0)),
                                                       float(k.get("remote_load_s", 0.0)))
                          for k in c.get("connector", [])}
+            stalls = {st["model"]: Stalls(float(st["alone"]), tuple(float(x) for x in st["alone_s"]),
+                                          float(st["beside"]), tuple(float(x) for x in st["beside_s"]))
+                      for st in c.get("stalls", [])}
             return cls(str(c["host"]), str(c["device"]), int(c["threads"]), paths, prefill,
-                       {str(k): float(v) for k, v in doc.get("efficiency", {}).items()}, decode, connector)
+                       {str(k): float(v) for k, v in doc.get("efficiency", {}).items()}, decode, connector, stalls)
         except KeyError as e:
             raise ValueError(f"calibration is missing field {e.args[0]!r}") from None
 

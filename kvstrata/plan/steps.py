@@ -73,6 +73,61 @@ class ConnectorFit:
                 raise ValueError(f"connector fit {name} must be >= 0, got {getattr(self, name)!r}")
 
 
+@dataclass(frozen=True)
+class Stalls:
+    """How often a served request's first token comes late for the host's own reasons, and by how
+    much: what a step's mean leaves out. On a host with few CPUs a request now and then waits
+    far past its server's usual time to first token (here 100-450 ms against ~60 ms), on a
+    plain server as on one with the connector, most of all while another server's worker holds
+    the other CPUs (``kvstrata calibrate --engine vllm`` sends a steady stream of requests to one
+    server alone, then to two taking turns, and counts what came ``STALL_MIN_S`` or more past
+    its server's median).
+
+    Attributes:
+        alone: the share of requests that stall while no other server's worker holds CPUs.
+        alone_s: the stalls measured then, seconds past the median (any order).
+        beside: the share while another server's worker on other CPUs steps or spins.
+        beside_s: the stalls measured then.
+    """
+
+    alone: float = 0.0
+    alone_s: tuple[float, ...] = ()
+    beside: float = 0.0
+    beside_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for share, sizes, name in ((self.alone, self.alone_s, "alone"), (self.beside, self.beside_s, "beside")):
+            if not 0 <= share <= 1:
+                raise ValueError(f"stalls {name} must be a share in [0, 1], got {share!r}")
+            if share > 0 and not sizes:
+                raise ValueError(f"stalls {name} is {share!r} but no stall of that kind was measured ({name}_s is empty)")
+            if any(not s > 0 for s in sizes):
+                raise ValueError(f"stalls {name}_s must be seconds > 0, got {sizes!r}")
+
+
+STALL_MIN_S = 0.04  # past its server's median: several decode steps here, well beyond a step's noise
+
+
+def fit_stalls(ttfts: Sequence[Sequence[float]], min_s: float = STALL_MIN_S) -> tuple[float, tuple[float, ...]]:
+    """The share of requests that stalled and their stalls, from the times to first token of a
+    steady stream of like requests, one sequence per server: a stall is a time ``min_s`` or
+    more past its server's median, by how much.
+
+    Raises:
+        ValueError: no times.
+    """
+    import statistics
+
+    if not any(ttfts):
+        raise ValueError("stalls need the times to first token of at least one request")
+    stalls = []
+    for times in ttfts:
+        if times:
+            median = statistics.median(times)
+            stalls += [t - median for t in times if t - median >= min_s]
+    return len(stalls) / sum(len(t) for t in ttfts), tuple(sorted(stalls))
+
+
 def fit_decode(points: Sequence[tuple[int, int, float]]) -> DecodeFit:
     """The fit through ``(batch, held_tokens, seconds)`` points.
 

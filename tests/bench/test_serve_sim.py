@@ -3,6 +3,8 @@ sends, the tiers its hits come from, and the same figures on every run."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvstrata.bench.serve_config import Instance
@@ -11,7 +13,7 @@ from kvstrata.bench.serve_plan import ServeWorkload, generated_trace
 from kvstrata.bench.serve_validate import simulated_figures
 from kvstrata.media import Medium
 from kvstrata.plan.host import PrefillFit
-from kvstrata.plan.steps import DecodeFit
+from kvstrata.plan.steps import DecodeFit, Stalls
 from kvstrata.bench.serve_sim import ServeSetup, SimulatedServe, simulate_serve
 from kvstrata.sim.serving.engine import EngineLimits
 from kvstrata.sim.serving.timing import ServingTimes
@@ -120,3 +122,16 @@ def test_without_a_pool_the_restart_is_the_kvstrata_server_replaying_its_last_ro
     assert Medium.REMOTE not in hits
     assert hits[Medium.DISK].blocks > sum(h.blocks for h in hits.values()) / 2
     assert set(sim_no_pool.preemptions) == {Instance.BASELINE, Instance.OURS}
+
+
+def test_stalls_measured_beside_another_server_delay_the_pooled_phases_first_tokens_only():
+    """Every request sent while another server's worker holds the other CPUs stalls 0.5 s: the two
+    servers' and P/D's first tokens come that much later, the rounds' (one server at a time) not."""
+    spinning = dataclasses.replace(TIMES, decode=dataclasses.replace(TIMES.decode, spin_s=1.0))
+    stalled = dataclasses.replace(spinning, stalls=Stalls(beside=1.0, beside_s=(0.5,)))
+    calm, late = (simulated_figures(simulate_serve(dataclasses.replace(_setup(), times=times)))
+                  for times in (spinning, stalled))
+    for name in ("shared_pool", "prefill_decode.decode"):
+        assert late[name].value("ttft_p50") > calm[name].value("ttft_p50") + 0.4, name
+    for name in ("baseline", "kvstrata", "restart"):
+        assert late[name].value("ttft_p50") == pytest.approx(calm[name].value("ttft_p50"), rel=0.05), name

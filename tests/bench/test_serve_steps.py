@@ -10,6 +10,7 @@ pytest.importorskip("vllm")
 
 TOGETHER = ((1, 64), (8, 256))  # (batch, context): the smallest and the largest of a calibration's
 CONNECTOR_PROMPTS = (128, 448)
+STALL_REQUESTS = 12
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as patch:  # fewer points than a calibration: each section still runs
         patch.setattr(serve_steps, "TOGETHER", TOGETHER)
         patch.setattr(serve_steps, "CONNECTOR_PROMPTS", CONNECTOR_PROMPTS)
+        patch.setattr(serve_steps, "STALL_REQUESTS", STALL_REQUESTS)
         return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
                                                      repeats=2, cpus=cpu_halves(sorted(os.sched_getaffinity(0)))))
 
@@ -151,6 +153,15 @@ def test_a_prompt_sent_again_is_served_by_kvstrata_faster_than_it_was_computed(s
     assert len(longest) == 2  # the repeats, the warm-up left out
     assert sorted(hit for _, hit in longest)[0] < sorted(miss for miss, _ in longest)[-1]
     assert steps["connector"]["request_s"] >= 0 and steps["connector"]["load_s"] >= 0
+
+
+def test_the_stalls_are_fitted_from_a_stream_to_one_server_and_one_taking_turns_between_two(steps):
+    from kvstrata.plan.steps import Stalls, fit_stalls
+
+    alone, beside = steps["stall_alone"], steps["stall_beside"]
+    assert len(alone) == STALL_REQUESTS and [len(t) for t in beside] == [STALL_REQUESTS // 2] * 2
+    assert all(0 < t < 5 for t in [*alone, *beside[0], *beside[1]])
+    assert Stalls(**steps["stalls"]) == Stalls(*fit_stalls([alone]), *fit_stalls(beside))
 
 
 def _follows(fit, points) -> None:

@@ -16,13 +16,22 @@ Both are measured as a server's decode step beside the other server, over the sa
 (``DecodeFit.together``, ``DecodeFit.beside_spin``): while the other decodes, and just after it
 answered a request. On this 2-core host, four calibrations in one hour measured a step 1.5-2.2x
 slower beside a neighbour stepping, 1.2-1.8x beside one spinning (a day earlier, 1.0-1.75x).
+
+Means leave the tail out: now and then a request's first token comes 100 ms or more late, on
+a plain server as on one with the connector, more often beside another server
+(:class:`~kvstrata.plan.steps.Stalls`, measured by calibrate). A request sent to a server
+stalls on its way in with the measured share, by one of the measured stalls, drawn with a
+seeded generator: a replay gives the same figures every time.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+from kvstrata.plan.steps import Stalls
 
 
 @dataclass
@@ -33,13 +42,18 @@ class HostCpus:
         together: how much slower a server's work runs while another's worker steps on other CPUs.
         spin_s: how long a worker holds its CPUs after its last step.
         beside_spin: how much slower while another's worker only spins on other CPUs.
+        stalls: how often a request's way in stalls, and by how much.
+        seed: the stalls' draws.
     """
 
     together: float = 1.0
     spin_s: float = 0.0
     beside_spin: float = 1.0
+    stalls: Stalls = Stalls()
+    seed: int = 0
     _bound: dict[int, Hashable] = field(default_factory=dict)
     _held_until: dict[int, float] = field(default_factory=dict)  # inf while stepping
+    _draws: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.together >= 1:
@@ -48,6 +62,7 @@ class HostCpus:
             raise ValueError(f"beside_spin must be >= 1, got {self.beside_spin!r}")
         if not self.spin_s >= 0:
             raise ValueError(f"spin_s must be >= 0, got {self.spin_s!r}")
+        self._draws = random.Random(self.seed)
 
     def bind(self, server: int, cpus: Hashable) -> None:
         """``server``'s worker runs on ``cpus`` (any label: servers with equal labels share CPUs;
@@ -56,12 +71,25 @@ class HostCpus:
 
     def stretch(self, server: int, now: float) -> float:
         """How much slower ``server``'s work started at ``now`` runs (1: not at all)."""
-        mine = self._bound.get(server, server)
         stretch = 1.0
-        for other, until in self._held_until.items():
-            if other != server and until > now and self._bound.get(other, other) != mine:
-                stretch = max(stretch, self.together if until == math.inf else self.beside_spin)
+        for until in self._others_held(server, now):
+            stretch = max(stretch, self.together if until == math.inf else self.beside_spin)
         return stretch
+
+    def stall_s(self, server: int, now: float) -> float:
+        """How long a request sent to ``server`` at ``now`` stalls on its way in (mostly 0): a
+        draw, beside another server's worker holding CPUs or alone (see the module text)."""
+        beside = any(True for _ in self._others_held(server, now))
+        share, sizes = (self.stalls.beside, self.stalls.beside_s) if beside else (self.stalls.alone, self.stalls.alone_s)
+        if not share or self._draws.random() >= share:
+            return 0.0
+        return self._draws.choice(sizes)
+
+    def _others_held(self, server: int, now: float):
+        """When each worker bound to other CPUs than ``server``'s and holding them at ``now`` lets go."""
+        mine = self._bound.get(server, server)
+        return (until for other, until in self._held_until.items()
+                if other != server and until > now and self._bound.get(other, other) != mine)
 
     def leave(self, server: int) -> None:
         """``server``'s process has stopped: its worker holds nothing."""

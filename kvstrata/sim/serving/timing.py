@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kvstrata.media import Medium
 from kvstrata.plan.host import MEMCPY_ONE, POOL_PUT, DISK_WRITE, HostCalibration, PrefillFit
-from kvstrata.plan.steps import ConnectorFit, DecodeFit
+from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 from kvstrata.sim.serving.store import StoreHit
 
 LOAD_TIER = {Medium.DEVICE: "host", Medium.HOST: "host", Medium.DISK: "disk", Medium.REMOTE: "remote"}
@@ -58,6 +58,9 @@ class ServingTimes:
         calibration: the host's paths (loads and stores); None: loads and stores take no time.
         block_bytes: one block's KV.
         workers: the cache's transfer threads.
+        connector: what the connector adds to a request and a load.
+        stalls: how often a request's way in stalls on this host, and by how much (drawn by
+            :class:`~kvstrata.sim.serving.cpus.HostCpus`).
     """
 
     prefill: PrefillFit
@@ -66,6 +69,7 @@ class ServingTimes:
     block_bytes: int
     workers: int = 2
     connector: ConnectorFit = ConnectorFit(0.0)
+    stalls: Stalls = Stalls()
 
     @classmethod
     def of(cls, calibration: HostCalibration, model: str, block_bytes: int, workers: int = 2,
@@ -87,7 +91,7 @@ class ServingTimes:
                 pool = " (calibrate with --pool)" if tier is Medium.REMOTE else ""
                 raise ValueError(f"the profile cannot time a load from {tier.label}{pool}: {exc.args[0]}") from None
         return cls(calibration.prefill[model], calibration.decode[model], calibration, block_bytes, workers,
-                   calibration.connector.get(model, ConnectorFit(0.0)))
+                   calibration.connector.get(model, ConnectorFit(0.0)), calibration.stalls.get(model, Stalls()))
 
     @property
     def request_in_s(self) -> float:

@@ -21,7 +21,7 @@ from kvstrata.plan.host import (
     PathFit,
     PrefillFit,
 )
-from kvstrata.plan.steps import ConnectorFit, DecodeFit
+from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 from kvstrata.bench.serve_sim import counters_of
 from kvstrata.sim.serving.cpus import HostCpus
 from kvstrata.sim.serving.engine import Clock, EngineLimits, ServerSim, SimRequest
@@ -457,6 +457,29 @@ def test_a_request_after_the_other_server_stepped_runs_slower_while_its_worker_s
     spun, quiet = second_after(0.05), second_after(0.6)
     assert spun.tpot_s > 1.5 * quiet.tpot_s
     assert spun.ttft_s > quiet.ttft_s
+
+
+def test_a_request_stalls_by_the_beside_share_while_another_worker_holds_cpus_and_the_alone_share_else():
+    cpus = HostCpus(2.0, spin_s=1.0, stalls=Stalls(0.0, (), 1.0, (0.25,)))
+    assert cpus.stall_s(1, 0.0) == 0.0  # alone: never measured late
+    cpus.stepping(2, True, 0.0)
+    assert cpus.stall_s(1, 0.1) == 0.25
+    assert cpus.stall_s(2, 0.1) == 0.0  # its own worker is no other server's
+    cpus.stepping(2, False, 0.2)
+    assert cpus.stall_s(1, 1.1) == 0.25  # spinning still holds the CPUs
+    assert cpus.stall_s(1, 1.3) == 0.0
+
+
+def test_stalls_come_at_their_measured_share_drawn_from_the_measured_sizes_the_same_for_a_seed():
+    def draws(seed: int) -> list[float]:
+        cpus = HostCpus(stalls=Stalls(0.2, (0.1, 0.3), 0.0, ()), seed=seed)
+        return [cpus.stall_s(1, float(t)) for t in range(4000)]
+
+    first = draws(0)
+    late = [d for d in first if d]
+    assert 0.17 < len(late) / len(first) < 0.23
+    assert set(late) == {0.1, 0.3}
+    assert draws(0) == first and draws(1) != first
 
 
 def _two_servers_at_once(cpus: HostCpus | None) -> list[SimRequest]:
