@@ -8,6 +8,7 @@ tables) plus a ``[calibration]`` table (``HostCalibration.to_toml``) and, on a G
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -69,5 +70,5 @@ def profile_text(calibration: HostCalibration, base_text: str) -> str:
     measured = {k: v for k, v in calibration.efficiency.items() if k not in base_efficiency}
     lines = "".join(f'"{k}" = {v!r}  # measured by kvstrata calibrate\n' for k, v in measured.items())
     merged = _EFFICIENCY_HEADER.sub(lambda m: m.group(0) + "\n" + lines.rstrip("\n"), base_text, count=1) if lines else base_text
-    own = HostCalibration(calibration.host, calibration.device, calibration.threads, calibration.paths, calibration.prefill, {})
+    own = dataclasses.replace(calibration, efficiency={})  # every fit kept; the efficiencies joined the base's table
     return merged.rstrip("\n") + "\n\n" + own.to_toml()

@@ -26,6 +26,20 @@ def test_profile_with_calibration_loads_as_hardware_profile(tmp_path):
     assert load_calibration(path) == cal
 
 
+def test_a_base_with_an_efficiency_table_keeps_every_serving_fit(tmp_path):
+    from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
+
+    cal = h.HostCalibration("box", "cuda:0", 2, {h.MEMCPY_1T: h.PathFit(0.0, 10.0)},
+                            {"tiny": h.PrefillFit(0.01, 2e4)}, {"pcie": 0.8}, {"tiny": DecodeFit(0.003, 1e-4)},
+                            {"tiny": ConnectorFit(0.01)}, {"tiny": Stalls(0.1, (0.2,))})
+    base = builtin_text("workstation").rstrip("\n") + '\n\n[efficiency]\n"dram" = 0.7\n'
+    path = tmp_path / "p.toml"
+    path.write_text(profile_text(cal, base))
+    back = load_calibration(path)
+    assert (back.decode, back.connector, back.stalls, back.prefill) == (cal.decode, cal.connector, cal.stalls, cal.prefill)
+    assert load_profile(path).name == "workstation"
+
+
 def test_load_calibration_names_what_is_missing(tmp_path):
     path = tmp_path / "p.toml"
     path.write_text(builtin_text("workstation"))
