@@ -45,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "and decode steps as a client of vllm serve sees them, bound to the CPUs bench serve gives a "
                           "server: the serving simulator's profile; default transformers)")
     cal.add_argument("--dtype", default="float32", help="the model's dtype under --engine vllm (default float32)")
+    cal.add_argument("--combine", metavar="PROFILE.toml", nargs="+",
+                     help="instead of measuring: combine these profiles written by kvstrata calibrate on this host "
+                          "into one (each figure the median of theirs; the stalls pooled), written to --out on "
+                          "--base: calibrations taken between the runs a profile is to predict stand for their sitting")
     cli.add_json_arg(cal, "the measurements")
     cal.set_defaults(func=run_calibrate)
 
@@ -129,6 +133,8 @@ def _with_prefill(calibration, model_dirs: list[str]):
 
 def run_calibrate(args: argparse.Namespace) -> int:
     base = base_profile_text(args.base)  # a bad --base fails before minutes of measuring
+    if args.combine:
+        return _combine(args, base)
     pool, pool_source = _pool(args.pool)
     for model_dir in args.model_dir:
         cli.model_dir(model_dir)  # a bad one fails before minutes of measuring
@@ -176,25 +182,52 @@ def run_calibrate(args: argparse.Namespace) -> int:
     console.print(fits)
     for name, why in run.skipped.items():
         console.print(f"skipped {name}: {why}", highlight=False)
-    for model, f in run.calibration.prefill.items():
-        console.print(f"prefill {model}: {f.latency_s * 1e3:.2f} ms + tokens / {f.tokens_per_s:,.0f} per s "
-                      f"+ {f.attn_s:.3g} s x tokens x context", highlight=False)
-    for model, d in run.calibration.decode.items():
-        console.print(f"decode step {model}: {d.latency_s * 1e3:.2f} ms + {d.per_request_s * 1e6:.0f} us x requests "
-                      f"+ {d.per_token_s * 1e9:.0f} ns x tokens held; {d.together:.2f}x beside another server "
-                      f"stepping, {d.beside_spin:.2f}x beside its worker spinning, which it does "
-                      f"{d.spin_s * 1e3:.0f} ms after its last step", highlight=False)
-    for model, k in run.calibration.connector.items():
-        console.print(f"connector {model}: {k.request_s * 1e3:.1f} ms per request, {k.load_s * 1e3:.1f} ms per load "
-                      f"beyond its restore, {k.remote_load_s * 1e3:.1f} ms more from the pool as served", highlight=False)
-    for model, st in run.calibration.stalls.items():
-        console.print(f"stalls {model}: {st.alone:.0%} of requests alone ({_stall_sizes(st.alone_s)}), {st.beside:.0%} "
-                      f"beside another server ({_stall_sizes(st.beside_s)})", highlight=False)
+    _print_fits(console, run.calibration)
     for k, v in run.calibration.efficiency.items():
         console.print(f"efficiency.{k} = {v:.3f} (measured)", highlight=False)
     where = f"wrote {args.out} (base {args.base})" if args.out else "no --out: profile not written"
     console.print(f"{where}; {run.seconds:.1f} s", highlight=False)
     return 0
+
+
+def _combine(args: argparse.Namespace, base: str) -> int:
+    from kvstrata.plan.sittings import combine
+
+    if not args.out:
+        raise cli.CliError("--combine writes a profile: give --out PROFILE.toml")
+    calibrations = [load_calibration(p) for p in args.combine]  # a bad one: its error, one line
+    combined = combine(calibrations)
+    Path(args.out).write_text(profile_text(combined, base))
+    from kvstrata.hardware.profile import load_profile
+
+    load_profile(Path(args.out))  # the planner must load it: fail here, not at `kvstrata plan`
+    if args.json:
+        print(json.dumps({"combined": args.combine, "out": args.out,
+                          **{name: {m: dataclasses.asdict(f) for m, f in getattr(combined, name).items()}
+                             for name in ("prefill", "decode", "connector", "stalls")}}, indent=2))
+        return 0
+    console = cli.console()
+    _print_fits(console, combined)
+    console.print(f"wrote {args.out} (base {args.base}): the median of {len(calibrations)} calibrations", highlight=False)
+    return 0
+
+
+def _print_fits(console, calibration) -> None:
+    """A calibration's model fits, one line each."""
+    for model, f in calibration.prefill.items():
+        console.print(f"prefill {model}: {f.latency_s * 1e3:.2f} ms + tokens / {f.tokens_per_s:,.0f} per s "
+                      f"+ {f.attn_s:.3g} s x tokens x context", highlight=False)
+    for model, d in calibration.decode.items():
+        console.print(f"decode step {model}: {d.latency_s * 1e3:.2f} ms + {d.per_request_s * 1e6:.0f} us x requests "
+                      f"+ {d.per_token_s * 1e9:.0f} ns x tokens held; {d.together:.2f}x beside another server "
+                      f"stepping, {d.beside_spin:.2f}x beside its worker spinning, which it does "
+                      f"{d.spin_s * 1e3:.0f} ms after its last step", highlight=False)
+    for model, k in calibration.connector.items():
+        console.print(f"connector {model}: {k.request_s * 1e3:.1f} ms per request, {k.load_s * 1e3:.1f} ms per load "
+                      f"beyond its restore, {k.remote_load_s * 1e3:.1f} ms more from the pool as served", highlight=False)
+    for model, st in calibration.stalls.items():
+        console.print(f"stalls {model}: {st.alone:.0%} of requests alone ({_stall_sizes(st.alone_s)}), {st.beside:.0%} "
+                      f"beside another server ({_stall_sizes(st.beside_s)})", highlight=False)
 
 
 def _stall_sizes(sizes: tuple[float, ...]) -> str:

@@ -145,3 +145,23 @@ def test_calibrate_and_validate_the_pool(pool, tmp_path):
     remote = [r for r in result.rows if r.path == "remote -> device"]
     assert remote and remote[0].predicted_s > 0 and remote[0].measured_s > 0 and remote[0].profile_s > 0
     assert {h.POOL_GET, h.RESTORE_FIXED["remote"]} <= set(result.calibration.paths)
+
+
+def test_calibrate_combine_writes_the_median_profile_and_refuses_other_hosts_in_one_line(tmp_path, capsys):
+    from kvstrata.plan.sittings import combine
+    from kvstrata.plan.steps import DecodeFit, Stalls
+
+    files = []
+    for i, (host, together) in enumerate((("box", 1.5), ("box", 2.1), ("box", 1.7), ("elsewhere", 1.0))):
+        cal = h.HostCalibration(host, "cpu", 2, {h.MEMCPY_1T: h.PathFit(0.0, 10.0 + i)},
+                                decode={"tiny": DecodeFit(0.004, 1e-4, 0.0, together)}, stalls={"tiny": Stalls(0.1, (0.2 + i,))})
+        files.append(tmp_path / f"p{i}.toml")
+        files[-1].write_text(profile_text(cal, builtin_text("workstation")))
+    out = tmp_path / "combined.toml"
+    assert main(["calibrate", "--combine", *map(str, files[:3]), "--out", str(out)]) == 0
+    assert "the median of 3 calibrations" in " ".join(capsys.readouterr().out.split())
+    assert load_calibration(out) == combine([load_calibration(f) for f in files[:3]])
+    assert load_calibration(out).decode["tiny"].together == 1.7
+    assert main(["calibrate", "--combine", *map(str, files), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "different hosts" in err and "elsewhere" in err and len(err.splitlines()) == 1
