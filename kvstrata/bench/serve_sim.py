@@ -17,7 +17,7 @@ are token ids of their own, one set per request, since what the model says chang
 Each phase begins once the workers have stopped spinning, as the bench waits for a quiet host.
 The client is the bench's: a turn goes at its slot or when its previous answer is back,
 whichever is later; a request reaches its server's engine ``request_in_s`` after it is sent (and
-now and then a stall later: :mod:`~kvstrata.sim.serving.cpus`, drawn with the workload's seed),
+now and then a stall later, the measured share of them: :mod:`~kvstrata.sim.serving.cpus`),
 and each token the client ``response_out_s`` after it is sampled
 (:mod:`~kvstrata.sim.serving.timing`). Each configuration's figures are computed by the bench's
 own :func:`~kvstrata.bench.serve_report.measure`, on simulated records and counters.
@@ -108,7 +108,7 @@ class _Bench:
         self.disks: dict[Instance, TierLRU] = {}
         self._answer_ids = itertools.count(1)
         decode = setup.times.decode
-        self.cpus = HostCpus(decode.together, decode.spin_s, decode.beside_spin, setup.times.stalls, setup.workload.seed)
+        self.cpus = HostCpus(decode.together, decode.spin_s, decode.beside_spin, setup.times.stalls)
 
     def run(self) -> SimulatedServe:
         s, w = self.setup, self.w

@@ -20,14 +20,17 @@ slower beside a neighbour stepping, 1.2-1.8x beside one spinning (a day earlier,
 Means leave the tail out: now and then a request's first token comes 100 ms or more late, on
 a plain server as on one with the connector, more often beside another server
 (:class:`~kvstrata.plan.steps.Stalls`, measured by calibrate). A request sent to a server
-stalls on its way in with the measured share, by one of the measured stalls, drawn with a
-seeded generator: a replay gives the same figures every time.
+stalls on its way in with the measured share, by one of the measured stalls, taken in turn
+rather than drawn: of every run of requests alone (or beside) the measured share stalls, within
+one request, and the stalls' sizes come spread over those measured (the median first, then the
+quartiles, ...). A phase of a few dozen requests has few stalls, and a seeded draw made every
+phase of every replay the same lucky or unlucky one: with 13% measured, a generator seeded 0
+gave none in a 24-request phase's 23 draws.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -43,17 +46,16 @@ class HostCpus:
         spin_s: how long a worker holds its CPUs after its last step.
         beside_spin: how much slower while another's worker only spins on other CPUs.
         stalls: how often a request's way in stalls, and by how much.
-        seed: the stalls' draws.
     """
 
     together: float = 1.0
     spin_s: float = 0.0
     beside_spin: float = 1.0
     stalls: Stalls = Stalls()
-    seed: int = 0
     _bound: dict[int, Hashable] = field(default_factory=dict)
     _held_until: dict[int, float] = field(default_factory=dict)  # inf while stepping
-    _draws: random.Random = field(init=False, repr=False)
+    _owed: dict[bool, float] = field(default_factory=lambda: {False: 0.5, True: 0.5})  # by beside: stalls due
+    _stalled: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
 
     def __post_init__(self) -> None:
         if not self.together >= 1:
@@ -62,7 +64,6 @@ class HostCpus:
             raise ValueError(f"beside_spin must be >= 1, got {self.beside_spin!r}")
         if not self.spin_s >= 0:
             raise ValueError(f"spin_s must be >= 0, got {self.spin_s!r}")
-        self._draws = random.Random(self.seed)
 
     def bind(self, server: int, cpus: Hashable) -> None:
         """``server``'s worker runs on ``cpus`` (any label: servers with equal labels share CPUs;
@@ -77,13 +78,16 @@ class HostCpus:
         return stretch
 
     def stall_s(self, server: int, now: float) -> float:
-        """How long a request sent to ``server`` at ``now`` stalls on its way in (mostly 0): a
-        draw, beside another server's worker holding CPUs or alone (see the module text)."""
+        """How long a request sent to ``server`` at ``now`` stalls on its way in (mostly 0): the
+        next in turn, beside another server's worker holding CPUs or alone (see the module text)."""
         beside = any(True for _ in self._others_held(server, now))
         share, sizes = (self.stalls.beside, self.stalls.beside_s) if beside else (self.stalls.alone, self.stalls.alone_s)
-        if not share or self._draws.random() >= share:
+        self._owed[beside] += share
+        if self._owed[beside] < 1:
             return 0.0
-        return self._draws.choice(sizes)
+        self._owed[beside] -= 1
+        self._stalled[beside] += 1
+        return sizes[int(_spread(self._stalled[beside]) * len(sizes))]
 
     def _others_held(self, server: int, now: float):
         """When each worker bound to other CPUs than ``server``'s and holding them at ``now`` lets go."""
@@ -98,3 +102,14 @@ class HostCpus:
     def stepping(self, server: int, busy: bool, now: float) -> None:
         """``server`` starts stepping (``busy``) or has stopped at ``now``."""
         self._held_until[server] = math.inf if busy else now + self.spin_s
+
+
+def _spread(n: int) -> float:
+    """The ``n``-th point (from 1) of the base-2 van der Corput sequence: 0.5, 0.25, 0.75,
+    0.125, ...: each prefix spread evenly over [0, 1)."""
+    point, scale = 0.0, 0.5
+    while n:
+        n, bit = divmod(n, 2)
+        point += bit * scale
+        scale /= 2
+    return point

@@ -59,7 +59,7 @@ class ServingTimes:
         block_bytes: one block's KV.
         workers: the cache's transfer threads.
         connector: what the connector adds to a request and a load.
-        stalls: how often a request's way in stalls on this host, and by how much (drawn by
+        stalls: how often a request's way in stalls on this host, and by how much (taken in turn by
             :class:`~kvstrata.sim.serving.cpus.HostCpus`).
     """
 

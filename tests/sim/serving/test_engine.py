@@ -470,16 +470,18 @@ def test_a_request_stalls_by_the_beside_share_while_another_worker_holds_cpus_an
     assert cpus.stall_s(1, 1.3) == 0.0
 
 
-def test_stalls_come_at_their_measured_share_drawn_from_the_measured_sizes_the_same_for_a_seed():
-    def draws(seed: int) -> list[float]:
-        cpus = HostCpus(stalls=Stalls(0.2, (0.1, 0.3), 0.0, ()), seed=seed)
-        return [cpus.stall_s(1, float(t)) for t in range(4000)]
-
-    first = draws(0)
-    late = [d for d in first if d]
-    assert 0.17 < len(late) / len(first) < 0.23
-    assert set(late) == {0.1, 0.3}
-    assert draws(0) == first and draws(1) != first
+@pytest.mark.parametrize("share", [0.04, 0.135, 0.2, 0.5])
+def test_every_run_of_requests_stalls_at_the_measured_share_with_sizes_spread_over_those_measured(share):
+    sizes = (0.05, 0.06, 0.07, 0.12, 0.24, 0.38)
+    cpus = HostCpus(stalls=Stalls(share, sizes, 0.0, ()))
+    stalls = [cpus.stall_s(1, float(t)) for t in range(400)]
+    for n in (24, 48, 400):
+        assert abs(sum(1 for x in stalls[:n] if x) - n * share) <= 1, n  # every phase: its share, within one
+    late = [x for x in stalls if x]
+    assert late[:4] == [0.12, 0.06, 0.24, 0.05]  # the median first, then the quartiles, ...
+    assert abs(sum(late) / len(late) - sum(sizes) / len(sizes)) < 0.03  # over many, their mean
+    again = HostCpus(stalls=Stalls(share, sizes, 0.0, ()))
+    assert [again.stall_s(1, float(t)) for t in range(400)] == stalls
 
 
 def _two_servers_at_once(cpus: HostCpus | None) -> list[SimRequest]:
