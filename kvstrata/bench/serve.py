@@ -66,7 +66,7 @@ from kvstrata.bench.serve_report import (
     build_report,
 )
 from kvstrata.cache import CacheConfig
-from kvstrata.integrations.vllm.server import ServerFailed, ServerSpec, VllmServer
+from kvstrata.integrations.vllm.server import ServerFailed, ServerSpec, VllmServer, start_together
 from kvstrata.progress import NoProgress, Progress
 
 if TYPE_CHECKING:
@@ -257,14 +257,16 @@ class _Fleet:
         self.stop(*self.servers)
 
     def start(self, *instances: Instance) -> None:
-        self.progress.start(len(instances))
-        for instance in instances:
-            self.progress.step(f"starting {instance.value} (vllm serve, ~20-60 s)")
-            server = VllmServer(self.specs[instance], self.work / f"{instance.name.lower()}.log",
-                                start_timeout_s=self._timeout_s)
-            self.servers[instance] = server
-            server.start()
+        """Start ``instances`` together (each one's start beside the others'), then warm each up."""
+        self.progress.start(len(instances) + 1)
+        self.progress.step(f"starting {', '.join(i.value for i in instances)} (vllm serve, ~20-60 s)")
+        servers = [VllmServer(self.specs[i], self.work / f"{i.name.lower()}.log", start_timeout_s=self._timeout_s)
+                   for i in instances]
+        self.servers.update(zip(instances, servers))
+        start_together(servers)
+        for instance, server in zip(instances, servers):
             self.start_s.setdefault(instance, server.started_s or 0.0)
+            self.progress.step(f"warming {instance.value} up")
             self._warm_up(instance)
 
     def restart(self, instance: Instance) -> tuple[float, str]:

@@ -183,15 +183,18 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
     from kvstrata.bench.serve import model_facts
     from kvstrata.bench.serve_client import Endpoint
     from kvstrata.bench.serve_config import Instance
-    from kvstrata.integrations.vllm.server import VllmServer
+    from kvstrata.integrations.vllm.server import VllmServer, start_together
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     facts = model_facts(Path(model_dir), dtype)
     specs = server_specs(model_dir, log_dir, facts.bytes_per_token * block_size, dtype, block_size, cpus, pool_file)
     with ExitStack() as stack:
-        plain, ours, other = (stack.enter_context(VllmServer(spec, log_dir / f"vllm-serve-{name}.log"))
-                              for name, spec in zip(("plain", "connector", "other-half"), specs, strict=True))
+        plain, ours, other = servers = [VllmServer(spec, log_dir / f"vllm-serve-{name}.log")
+                                        for name, spec in zip(("plain", "connector", "other-half"), specs, strict=True)]
+        for server in servers:
+            stack.callback(server.stop)
+        start_together(servers)
         endpoints = (Endpoint(Instance.BASELINE, plain.base_url, plain.spec.model),
                      Endpoint(Instance.OURS, ours.base_url, ours.spec.model),
                      Endpoint(Instance.SECOND, other.base_url, other.spec.model))

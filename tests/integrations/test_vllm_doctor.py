@@ -8,7 +8,7 @@ four workloads, the doctor naming the cause of each from the server's own ``/met
 4. kvstrata helps: the same, served from the host tier.
 
 Cases 1 and 2 share a server: the second is diagnosed on the window after the first's dump
-(``--since``). The hardware profile is this host's, calibrated at small sizes by the module.
+(``--since``). The three servers start together. The hardware profile is this host's, calibrated at small sizes by the module.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 
 from kvstrata.cli import main  # noqa: E402
 from kvstrata.doctor.sources import Samples  # noqa: E402
-from kvstrata.integrations.vllm.server import ServerSpec, VllmServer  # noqa: E402
+from kvstrata.integrations.vllm.server import ServerSpec, VllmServer, start_together  # noqa: E402
 
 PROMPT_TOKENS = 300  # 9 full blocks of 32
 BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 2  # the tiny model: 4 layers x K,V x 32 tokens x 2 KV heads x 64 dims x bf16
@@ -90,28 +90,43 @@ def profile(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def big_vllm(tiny_model_dir, tmp_path_factory, profile) -> tuple[Path, Path, dict]:
+def servers(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[VllmServer, Path, Path]]:
+    """Each case's server (its stats file, its work directory), the three started together (a
+    start is mostly three processes importing, one CPU each), stopped at the module's end."""
+    started = {}
+    for name, kv_blocks in (("big", 400), ("slow-disk", 40), ("host", 40)):
+        work = tmp_path_factory.mktemp(f"doctor-{name}")
+        tiers = {"slow-disk": dict(host_bytes=0, disk_dir=str(work / "disk"), disk_bytes=TIER_BYTES,
+                                   disk_read_gbps=SLOW_DISK_GBPS)}.get(name, dict(host_bytes=TIER_BYTES))
+        server_spec, stats = spec(tiny_model_dir, work, kv_blocks, **tiers)
+        started[name] = (VllmServer(server_spec, work / "server.log"), stats, work)
+    start_together([server for server, _, _ in started.values()])
+    try:
+        yield started
+    finally:
+        for server, _, _ in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def big_vllm(servers, profile) -> tuple[Path, Path, dict]:
     """Cases 1 and 2 on one server with 400 KV blocks and a host tier: dumps after the distinct
     prompts and after the short repeated ones, and the doctor's answer from the live URL after
     the first."""
-    work = tmp_path_factory.mktemp("doctor-big")
-    server_spec, stats = spec(tiny_model_dir, work, 400, host_bytes=TIER_BYTES)
-    with VllmServer(server_spec, work / "server.log") as server:
-        ask(server, [prompt(100 + i) for i in range(12)])
-        distinct = dump(server, stats, work / "distinct.txt")
-        live = doctor(server.url, profile)
-        short = [prompt(200 + i, 100) for i in range(3)]
-        ask(server, short * 5)
-        repeated = dump(server, stats, work / "repeated.txt")
+    server, stats, work = servers["big"]
+    ask(server, [prompt(100 + i) for i in range(12)])
+    distinct = dump(server, stats, work / "distinct.txt")
+    live = doctor(server.url, profile)
+    short = [prompt(200 + i, 100) for i in range(3)]
+    ask(server, short * 5)
+    repeated = dump(server, stats, work / "repeated.txt")
     return distinct, repeated, live
 
 
-def served_twice(model_dir: Path, work: Path, **tiers) -> Path:
+def served_twice(server: VllmServer, stats: Path, work: Path) -> Path:
     """Six prompts asked twice through 40 KV blocks: the repeats are gone from vLLM's cache."""
-    server_spec, stats = spec(model_dir, work, 40, **tiers)
-    with VllmServer(server_spec, work / "server.log") as server:
-        ask(server, [prompt(i) for i in range(6)] * 2)
-        return dump(server, stats, work / "metrics.txt")
+    ask(server, [prompt(i) for i in range(6)] * 2)
+    return dump(server, stats, work / "metrics.txt")
 
 
 def causes(doc: dict) -> dict[str, dict]:
@@ -140,11 +155,8 @@ def test_a_workload_that_fits_vllms_cache_is_served_by_vllm(big_vllm, profile):
     assert found["vllm_cache_serves"]["evidence"]["connector_hit_tokens"]["value"] == 0
 
 
-def test_a_slow_disk_is_slower_than_computing_and_below_its_prediction(tiny_model_dir, tmp_path, profile):
-    work = tmp_path / "slow-disk"
-    work.mkdir()
-    metrics = served_twice(tiny_model_dir, work, host_bytes=0, disk_dir=str(work / "disk"), disk_bytes=TIER_BYTES,
-                           disk_read_gbps=SLOW_DISK_GBPS)
+def test_a_slow_disk_is_slower_than_computing_and_below_its_prediction(servers, profile):
+    metrics = served_twice(*servers["slow-disk"])
     doc = doctor(metrics, profile)
     found = causes(doc)
     assert doc["verdict"] == "hurts" and "helps" not in found
@@ -157,10 +169,8 @@ def test_a_slow_disk_is_slower_than_computing_and_below_its_prediction(tiny_mode
     assert disk["achieved_gbps"] < 2 * SLOW_DISK_GBPS < disk["predicted_gbps"]
 
 
-def test_host_restores_help_and_the_hit_rate_per_tier_is_reported(tiny_model_dir, tmp_path, profile):
-    work = tmp_path / "host"
-    work.mkdir()
-    metrics = served_twice(tiny_model_dir, work, host_bytes=TIER_BYTES)
+def test_host_restores_help_and_the_hit_rate_per_tier_is_reported(servers, profile):
+    metrics = served_twice(*servers["host"])
     doc = doctor(metrics, profile)
     found = causes(doc)
     assert doc["verdict"] == "helps"

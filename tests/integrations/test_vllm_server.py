@@ -9,7 +9,7 @@ import pytest
 
 from tests.process_support import children_running
 
-from kvstrata.integrations.vllm.server import ServerFailed, ServerSpec, VllmServer
+from kvstrata.integrations.vllm.server import ServerFailed, ServerSpec, VllmServer, start_together
 
 
 def test_the_command_line_is_vllms_server_with_the_connector():
@@ -41,12 +41,15 @@ def test_a_configuration_vllm_would_refuse_is_one_line(kwargs, named):
     assert "\n" not in str(info.value)
 
 
-def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_nothing(tmp_path):
+def test_a_server_that_cannot_start_fails_with_its_log_and_stops_the_one_started_with_it(tmp_path, tiny_model_dir):
+    """Started together: the bad one exits while the good one is still importing; the good one
+    is stopped too, and nothing is left running."""
     pytest.importorskip("vllm")
-    server = VllmServer(ServerSpec(str(tmp_path / "no-such-model")), tmp_path / "server.log", start_timeout_s=120)
+    good = VllmServer(ServerSpec(str(tiny_model_dir)), tmp_path / "good.log", start_timeout_s=120)
+    bad = VllmServer(ServerSpec(str(tmp_path / "no-such-model")), tmp_path / "bad.log", start_timeout_s=120)
     with pytest.raises(ServerFailed, match="vllm serve exited with code") as info:
-        server.start()
+        start_together([good, bad])
     assert "no-such-model" in str(info.value)  # the log's tail says what vLLM refused
-    assert not server.running
+    assert not good.running and not bad.running
     assert not children_running("api_server")
 

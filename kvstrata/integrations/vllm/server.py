@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ class VllmServer:
         self.port = free_port() if port is None else port
         self.start_timeout_s = start_timeout_s
         self._process: subprocess.Popen | None = None
+        self._begin = 0.0  # when the last start launched it (time.monotonic)
         self.started_s: float | None = None  # seconds the last start took, to /health answering
 
     @property
@@ -157,25 +159,34 @@ class VllmServer:
         Raises:
             ServerFailed: it exited, or did not answer within ``start_timeout_s`` (it is stopped).
         """
-        if self.running:
-            raise RuntimeError(f"server on port {self.port} is running already")
+        start_together([self])
+
+    def _launch(self) -> None:
         env = {**os.environ, **self.spec.env}
-        begin = time.monotonic()
+        self._begin = time.monotonic()
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(self.spec.argv(self.port), stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
-        deadline = begin + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                code = self._process.returncode
-                self._process = None
-                raise ServerFailed(f"vllm serve exited with code {code} while starting:\n{self.log_tail()}")
-            if self._healthy():
-                self.started_s = time.monotonic() - begin
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise ServerFailed(f"vllm serve did not answer /health within {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _came_up(self) -> bool:
+        """Whether it answers ``/health`` now (its start's seconds kept).
+
+        Raises:
+            ServerFailed: it exited, or ``start_timeout_s`` has passed (it is stopped).
+        """
+        if self._process is None:
+            return True
+        if self._process.poll() is not None:
+            code = self._process.returncode
+            self._process = None
+            raise ServerFailed(f"vllm serve exited with code {code} while starting:\n{self.log_tail()}")
+        if self._healthy():
+            self.started_s = time.monotonic() - self._begin
+            return True
+        if time.monotonic() - self._begin > self.start_timeout_s:
+            self.stop()
+            raise ServerFailed(f"vllm serve did not answer /health within {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+        return False
 
     def _healthy(self) -> bool:
         try:
@@ -236,6 +247,34 @@ class VllmServer:
         except OSError:
             return "(no log)"
         return "\n".join(text[-lines:])
+
+
+def start_together(servers: Sequence[VllmServer]) -> None:
+    """Start ``servers`` at once and wait until each answers ``/health``. A server's start is
+    mostly its three processes (API server, engine core, worker) importing torch and vLLM one
+    after another, one CPU each: on a host with CPUs to spare, servers started together are up
+    sooner than one after another (``started_s``: each one's start beside the others').
+
+    Raises:
+        RuntimeError: one is running already (none is started).
+        ServerFailed: one exited or did not answer within its ``start_timeout_s``: every one
+            started here is stopped.
+    """
+    for server in servers:
+        if server.running:
+            raise RuntimeError(f"server on port {server.port} is running already")
+    try:
+        for server in servers:
+            server._launch()
+        waiting = list(servers)
+        while waiting:
+            waiting = [server for server in waiting if not server._came_up()]
+            if waiting:
+                time.sleep(0.5)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
 
 
 def _reap_group(pgid: int) -> None:
