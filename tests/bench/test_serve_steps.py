@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 TOGETHER = ((1, 64), (8, 256))  # (batch, context): the smallest and the largest of a calibration's
 CONNECTOR_PROMPTS = (128, 448)
 STALL_REQUESTS = 12
+QUIET_WAIT_S = 3.0  # a test waits this long at most for a quiet host (a calibration 20 s): it times nothing
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
     import dataclasses
     import os
 
-    from kvstrata.bench import serve_steps
+    from kvstrata.bench import serve, serve_steps
     from kvstrata.bench.serve_config import cpu_halves
     from kvstrata.bench.serve_steps import measure_vllm_steps
 
@@ -30,6 +31,7 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
         patch.setattr(serve_steps, "TOGETHER", TOGETHER)
         patch.setattr(serve_steps, "CONNECTOR_PROMPTS", CONNECTOR_PROMPTS)
         patch.setattr(serve_steps, "STALL_REQUESTS", STALL_REQUESTS)
+        patch.setattr(serve, "QUIET_WAIT_S", QUIET_WAIT_S)
         return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
                                                      repeats=2, cpus=cpu_halves(sorted(os.sched_getaffinity(0)))))
 
