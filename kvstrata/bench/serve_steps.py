@@ -44,7 +44,9 @@ prompt new unless a point needs it otherwise:
   pool where the path, measured on a quiet host, put 1.6 ms; this measured 6-8 ms beyond it;
 - stalls: ``STALL_REQUESTS`` new prompts at ``bench serve``'s pace, each sent at its slot, to
   the plain server alone, then taking turns between the connector's server and the other half's
-  (as ``bench serve``'s two servers on one pool take turns): which of their times to first token
+  (as ``bench serve``'s two servers on one pool take turns), and with a pool, handed over: each
+  prompt computed by the other half's server, then answered by the connector's from the pool (as
+  its P/D pair does): which of their times to first token
   came well past their server's median, and by how much (:class:`~kvstrata.plan.steps.Stalls`).
   The host's tail: on this 2-core host a few requests in every ``bench serve`` phase wait
   100-450 ms, plain servers as often as servers with the connector, and a mean says nothing of it;
@@ -130,7 +132,8 @@ class EngineSteps:
         spin_points: seconds the plain server's processes kept half a CPU or more busy after a request.
         stall_alone: times to first token of a steady stream of requests to the plain server alone.
         stall_beside: the same of a stream taking turns between the connector's server and the
-            other half's, one sequence per server.
+            other half's, one sequence per server, and with a pool, of the connector's server's
+            answers to prompts the other computed first.
     """
 
     prefill: PrefillFit
@@ -350,19 +353,23 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
             last, last_t = now, now_t
         return busy
 
-    async def stream(targets) -> list[list[float]]:
+    async def stream(targets, handoff: bool = False) -> list[list[float]]:
         """``STALL_REQUESTS`` new prompts at ``STALL_RATE_PER_S``, taking turns among ``targets``
-        (each sent at its slot, whether the last is back or not): each target's times to first token."""
+        (each sent at its slot, whether the last is back or not): each target's times to first
+        token. ``handoff``: each prompt computed on ``targets[0]`` first (one token, stored in the
+        pool), then answered by ``targets[1]``, as ``bench serve``'s P/D pair does: the answers'."""
         batch = [prompts.new(STALL_PROMPT) for _ in range(STALL_REQUESTS)]
         start = time.perf_counter()
 
         async def one(i: int) -> float:
             await asyncio.sleep(max(0.0, start + i / STALL_RATE_PER_S - time.perf_counter()))
-            endpoint = targets[i % len(targets)]
+            if handoff:
+                await complete(clients(targets[0]), targets[0], batch[i], 1, i, 0, 0.0)
+            endpoint = targets[1] if handoff else targets[i % len(targets)]
             return (await complete(clients(endpoint), endpoint, batch[i], STALL_TOKENS, i, 0, 0.0)).ttft_s
 
         done = await asyncio.gather(*(one(i) for i in range(STALL_REQUESTS)))
-        return [done[k::len(targets)] for k in range(len(targets))]
+        return [done] if handoff else [done[k::len(targets)] for k in range(len(targets))]
 
     async def paired(n: int) -> tuple[float, float, float]:
         """A new prompt's TTFT on the plain server, then on the connector's (on the same CPUs,
@@ -422,6 +429,9 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         alone = (await stream([plain]))[0]
         await quiet()
         beside = await stream([ours, other])  # as bench serve's two servers on one pool take turns
+        if loads is not None:  # and as its P/D pair hands prompts over through the pool
+            await quiet()
+            beside += await stream([other, ours], handoff=True)
         await quiet()
         spins = [s for s in [await spin() for _ in range(repeats)] if s is not None]
     finally:

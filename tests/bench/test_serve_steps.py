@@ -161,7 +161,7 @@ def test_the_stalls_are_fitted_from_a_stream_to_one_server_and_one_taking_turns_
     from kvstrata.plan.steps import Stalls, fit_stalls
 
     alone, beside = steps["stall_alone"], steps["stall_beside"]
-    assert len(alone) == STALL_REQUESTS and [len(t) for t in beside] == [STALL_REQUESTS // 2] * 2
+    assert len(alone) == STALL_REQUESTS and [len(t) for t in beside] == [STALL_REQUESTS // 2] * 2  # no pool: no handoffs
     assert all(0 < t < 5 for t in [*alone, *beside[0], *beside[1]])
     assert Stalls(**steps["stalls"]) == Stalls(*fit_stalls([alone]), *fit_stalls(beside))
 
