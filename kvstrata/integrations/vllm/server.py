@@ -219,12 +219,13 @@ class VllmServer:
                 ticks += int(fields[11]) + int(fields[12])  # utime, stime
         return ticks / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``STOP_TIMEOUT_S``; idempotent."""
+    def stop(self, grace_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace_s`` (0: at once); idempotent."""
         process, self._process = self._process, None
         if process is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, 10.0)):
+        signals = ((signal.SIGTERM, grace_s),) if grace_s > 0 else ()
+        for sig, wait_s in (*signals, (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:
@@ -273,7 +274,7 @@ def start_together(servers: Sequence[VllmServer]) -> None:
                 time.sleep(0.5)
     except BaseException:
         for server in servers:
-            server.stop()
+            server.stop(grace_s=0)  # none has served anything yet: nothing to drain
         raise
 
 
