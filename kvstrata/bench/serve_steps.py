@@ -394,6 +394,7 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         return (remote, after[0] - before[0]) if count == 1 and remote == (n - 1) // block_size else None
 
     try:
+        await quiet()  # the servers start together: the others' start-up work done before the first point
         prefill = [(n, 0, await _median(lambda n=n: ttft(plain, prompts.new(n)), repeats)) for n in PREFILL_NEW]
         for c, n in PREFILL_CACHED:
             prefill.append((n, c, await _median(lambda c=c, n=n: after(prompts.new(c), prompts.new(n)), repeats)))
