@@ -80,8 +80,8 @@ class Stalls:
     far past its server's usual time to first token (here 100-450 ms against ~60 ms), on a
     plain server as on one with the connector, most of all while another server's worker holds
     the other CPUs (``kvstrata calibrate --engine vllm`` sends a steady stream of requests to one
-    server alone, then to two taking turns, and counts what came ``STALL_MIN_S`` or more past
-    its server's median).
+    server alone, then to two taking turns, and with a pool, prompts handed from one to the
+    other through it, and counts what came ``STALL_MIN_S`` or more past its stream's median).
 
     Attributes:
         alone: the share of requests that stall while no other server's worker holds CPUs.
