@@ -174,8 +174,6 @@ class VllmServer:
         Raises:
             ServerFailed: it exited, or ``start_timeout_s`` has passed (it is stopped).
         """
-        if self._process is None:
-            return True
         if self._process.poll() is not None:
             code = self._process.returncode
             self._process = None
