@@ -146,11 +146,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     elif args.model_dir:
         run.calibration = _with_prefill(run.calibration, args.model_dir)
     if args.out:
-        out = Path(args.out)
-        out.write_text(profile_text(run.calibration, base))
-        from kvstrata.hardware.profile import load_profile
-
-        load_profile(out)  # the planner must load it: fail here, not at `kvstrata plan`
+        _write(Path(args.out), run.calibration, base)
     if args.json:
         print(json.dumps({
             "host": run.calibration.host, "device": run.calibration.device, "threads": run.calibration.threads,
@@ -161,10 +157,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None, "spread": p.spread}
                      for k, p in run.calibration.paths.items()},
             "efficiency": run.calibration.efficiency, "out": args.out,
-            "prefill": {m: dataclasses.asdict(f) for m, f in run.calibration.prefill.items()},
-            "decode": {m: dataclasses.asdict(d) for m, d in run.calibration.decode.items()},
-            "connector": {m: dataclasses.asdict(k) for m, k in run.calibration.connector.items()},
-            "stalls": {m: dataclasses.asdict(st) for m, st in run.calibration.stalls.items()},
+            **_model_fits(run.calibration),
         }, indent=2))
         return 0
     console = cli.console()
@@ -197,19 +190,29 @@ def _combine(args: argparse.Namespace, base: str) -> int:
         raise cli.CliError("--combine writes a profile: give --out PROFILE.toml")
     calibrations = [load_calibration(p) for p in args.combine]  # a bad one: its error, one line
     combined = combine(calibrations)
-    Path(args.out).write_text(profile_text(combined, base))
-    from kvstrata.hardware.profile import load_profile
-
-    load_profile(Path(args.out))  # the planner must load it: fail here, not at `kvstrata plan`
+    _write(Path(args.out), combined, base)
     if args.json:
-        print(json.dumps({"combined": args.combine, "out": args.out,
-                          **{name: {m: dataclasses.asdict(f) for m, f in getattr(combined, name).items()}
-                             for name in ("prefill", "decode", "connector", "stalls")}}, indent=2))
+        print(json.dumps({"combined": args.combine, "out": args.out, **_model_fits(combined)}, indent=2))
         return 0
     console = cli.console()
     _print_fits(console, combined)
     console.print(f"wrote {args.out} (base {args.base}): the median of {len(calibrations)} calibrations", highlight=False)
     return 0
+
+
+def _write(out: Path, calibration, base: str) -> None:
+    """The calibrated profile to ``out``, loaded back: the planner must load it, so fail here,
+    not at ``kvstrata plan``."""
+    from kvstrata.hardware.profile import load_profile
+
+    out.write_text(profile_text(calibration, base))
+    load_profile(out)
+
+
+def _model_fits(calibration) -> dict:
+    """A calibration's per-model fits, for ``--json``."""
+    return {name: {m: dataclasses.asdict(f) for m, f in getattr(calibration, name).items()}
+            for name in ("prefill", "decode", "connector", "stalls")}
 
 
 def _print_fits(console, calibration) -> None:
