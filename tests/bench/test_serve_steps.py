@@ -135,7 +135,12 @@ def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
 def test_a_step_beside_the_other_server_decoding_is_timed_against_one_alone(steps):
     assert [(b, s // b - 16) for b, s, _, _, _ in steps["together_points"]] == list(TOGETHER)
     assert all(alone > 0 and stepping > 0 and spinning > 0 for _, _, alone, stepping, spinning in steps["together_points"])
-    assert steps["decode"]["together"] >= 1 and steps["decode"]["beside_spin"] >= 1
+    from kvstrata.bench.serve_steps import _stretch
+    from kvstrata.plan.steps import DecodeFit
+
+    fit = DecodeFit(**steps["decode"])  # each factor from its own column of points, against the fit
+    assert fit.together == _stretch(fit, [(b, held, t) for b, held, _, t, _ in steps["together_points"]])
+    assert fit.beside_spin == _stretch(fit, [(b, held, t) for b, held, _, _, t in steps["together_points"]])
 
 
 def test_a_vllm_worker_is_seen_spinning_after_its_last_step(steps):
