@@ -27,14 +27,19 @@ prompt new unless a point needs it otherwise:
   this 2-core host reads a burst of tokens at once, 0.1 ms apart, and there the engine's stamps
   say what the step was (with the client's gaps alone, 2 of 4 test runs here had their
   decode points 80% from their fit);
-- the connector (its server): a new prompt (a lookup that misses, the prompt computed, its
-  blocks stored down every tier, which the connector waits for), then the same prompt again
-  (every full block short of the last token loaded, the rest computed), each miss paired with a
-  new prompt of its length sent to the plain server just before it (both on a quiet host). What
-  a miss took beyond its pair, less the store the cache's own paths account for, is the
-  connector's cost per request (the median over pairs: one calibration's prefill fit against
-  another moment's misses put it anywhere from 6 to 24 ms here); what a repeat took beyond the
-  prefill fit of what was left, that cost and its restore, its cost per load
+- the connector (its server): ``STALL_REQUESTS`` new prompts at ``bench serve``'s pace, each
+  sent at its slot, to the plain server alone and then to the connector's server alone (a lookup
+  that misses, the prompt computed, its blocks stored down every tier, which the connector waits
+  for). What the connector's stream took beyond the plain one's (medians), less the store the
+  cache's own paths account for, is the connector's cost per request. Measured at the pace
+  ``bench serve`` sends, not one request to a quiet server: one request at a time, each after a
+  quiet pause, put it at 21-36 ms here where ``bench serve``'s phases showed about 14 ms (every
+  replay's kvstrata phases 19-36% slow at TTFT p50, misses and hits alike). Then pairs: a new
+  prompt to the connector's server and the same prompt again (every full block short of the last
+  token loaded, the rest computed), each after a new prompt of its length sent to the plain
+  server (on a quiet host). What the repeat took beyond the prefill fit of what was left and its
+  restore, less what the miss took beyond its prefill and store, is its cost per load: the two
+  on one server a moment apart, so that what a lone request costs cancels
   (:class:`~kvstrata.plan.steps.ConnectorFit`);
 - a load from the pool (with a pool): a new prompt sent to the other half's server (computed,
   stored down to the pool), then to the connector's server, which loads its blocks from the
@@ -42,8 +47,8 @@ prompt new unless a point needs it otherwise:
   one pool do. What the cache's own load took (the connector's ``/metrics``) beyond the pool's
   restore path is ``ConnectorFit.remote_load_s``: the bench measured 11-17 ms per load from the
   pool where the path, measured on a quiet host, put 1.6 ms; this measured 6-8 ms beyond it;
-- stalls: ``STALL_REQUESTS`` new prompts at ``bench serve``'s pace, each sent at its slot, to
-  the plain server alone, then taking turns between the connector's server and the other half's
+- stalls: the two streams above (each server alone), then ``STALL_REQUESTS`` new prompts
+  at the same pace taking turns between the connector's server and the other half's
   (as ``bench serve``'s two servers on one pool take turns), and with a pool, handed over: each
   prompt computed by the other half's server, then answered by the connector's from the pool (as
   its P/D pair does): which of their times to first token
@@ -131,6 +136,7 @@ class EngineSteps:
             cache's own time counts it, just after the other server stored those blocks.
         spin_points: seconds the plain server's processes kept half a CPU or more busy after a request.
         stall_alone: times to first token of a steady stream of requests to the plain server alone.
+        connector_alone: the same of a stream to the connector's server alone.
         stall_beside: the same of a stream taking turns between the connector's server and the
             other half's, one sequence per server, and with a pool, of the connector's server's
             answers to prompts the other computed first.
@@ -148,6 +154,7 @@ class EngineSteps:
     stalls: Stalls = Stalls()
     stall_alone: tuple[float, ...] = ()
     stall_beside: tuple[tuple[float, ...], ...] = ()
+    connector_alone: tuple[float, ...] = ()
 
     @property
     def misfit(self) -> dict[str, float]:
@@ -206,6 +213,7 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
                                    (lambda: cache_loads(ours.metrics_text())) if pool_file is not None else None,
                                    block_size))
     prefill_points, decode_points, connector_points, together_points, spin_points, pool_points, streams = raw
+    alone, paced, beside = streams
     prefill = fit_prefill(prefill_points)
     try:
         decode = fit_decode(decode_points)
@@ -216,14 +224,13 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
     decode = dataclasses.replace(decode, together=_stretch(decode, [(b, held, t) for b, held, _, t, _ in together_points]),
                                  beside_spin=_stretch(decode, [(b, held, t) for b, held, _, _, t in together_points]),
                                  spin_s=statistics.median(spin_points) if spin_points else 0.0)
-    connector = connector_fit(connector_points, prefill, restore_s, store_s, block_size)
+    connector = connector_fit(alone, paced, connector_points, prefill, restore_s, store_s, block_size)
     if pool_points and remote_restore_s is not None:
         connector = dataclasses.replace(connector, remote_load_s=remote_load_fit(pool_points, remote_restore_s))
-    alone, beside = streams
-    stalls = Stalls(*fit_stalls([alone]), *fit_stalls(beside))
+    stalls = Stalls(*fit_stalls([alone, paced]), *fit_stalls(beside))
     return EngineSteps(prefill, decode, connector, tuple(prefill_points), tuple(decode_points),
                        tuple(connector_points), tuple(together_points), tuple(spin_points), tuple(pool_points),
-                       stalls, tuple(alone), tuple(tuple(t) for t in beside))
+                       stalls, tuple(alone), tuple(tuple(t) for t in beside), tuple(paced))
 
 
 def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: str, block_size: int,
@@ -249,16 +256,26 @@ def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: 
     return spec(0, False), spec(0, True), spec(1, True)
 
 
-def connector_fit(points: Sequence[tuple[int, float, float, float]], prefill: PrefillFit,
-                   restore_s: Callable[[int], float], store_s: Callable[[int], float], block_size: int) -> ConnectorFit:
-    """``request_s``: the median of what new prompts took beyond their pair on the plain server
-    and their store; ``load_s``: what the repeats took beyond the prefill of what was left,
-    ``request_s`` and the restore of their hit. Both at least 0."""
-    request = max(0.0, statistics.median(miss - plain - store_s(n // block_size) for n, plain, miss, _ in points))
+def connector_fit(plain: Sequence[float], ours: Sequence[float], points: Sequence[tuple[int, float, float, float]],
+                  prefill: PrefillFit, restore_s: Callable[[int], float], store_s: Callable[[int], float],
+                  block_size: int, prompt: int = STALL_PROMPT) -> ConnectorFit:
+    """``request_s``: the median time to first token of ``ours`` (a stream of new ``prompt``-token
+    prompts to the connector's server) beyond that of ``plain`` (the same pace to the plain
+    server) and their store; ``load_s``: over ``(tokens, plain, miss, hit)`` pairs, the median of
+    what each repeat took beyond the prefill of what was left and the restore of its hit, less
+    what its miss took beyond its prefill and store. Both at least 0.
+
+    Raises:
+        ValueError: either stream or the pairs empty.
+    """
+    if not (plain and ours and points):
+        raise ValueError("the connector's cost needs a stream to each server and at least one pair")
+    request = max(0.0, statistics.median(ours) - statistics.median(plain) - store_s(prompt // block_size))
     loads = []
-    for n, _, _, hit in points:
+    for n, _, miss, hit in points:
         cached = (n - 1) // block_size * block_size
-        loads.append(hit - prefill.seconds(n - cached, cached) - request - restore_s(cached // block_size))
+        lone = miss - prefill.seconds(n, 0) - store_s(n // block_size)
+        loads.append(hit - prefill.seconds(n - cached, cached) - restore_s(cached // block_size) - lone)
     return ConnectorFit(request, max(0.0, statistics.median(loads)))
 
 
@@ -429,6 +446,8 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         await quiet()
         alone = (await stream([plain]))[0]
         await quiet()
+        paced = (await stream([ours]))[0]  # at bench serve's pace: the connector's cost per request
+        await quiet()
         beside = await stream([ours, other])  # as bench serve's two servers on one pool take turns
         if loads is not None:  # and as its P/D pair hands prompts over through the pool
             await quiet()
@@ -437,7 +456,7 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         spins = [s for s in [await spin() for _ in range(repeats)] if s is not None]
     finally:
         await clients.close()
-    return prefill, decode, connector, together, spins, pool, (alone, beside)
+    return prefill, decode, connector, together, spins, pool, (alone, paced, beside)
 
 
 def _stretch(decode: DecodeFit, points: Sequence[tuple[int, int, float]]) -> float:
