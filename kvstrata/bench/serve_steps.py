@@ -33,8 +33,10 @@ prompt new unless a point needs it otherwise:
   for). What the connector's stream took beyond the plain one's (medians), less the store the
   cache's own paths account for, is the connector's cost per request. Measured at the pace
   ``bench serve`` sends, not one request to a quiet server: one request at a time, each after a
-  quiet pause, put it at 21-36 ms here where ``bench serve``'s phases showed about 14 ms (every
-  replay's kvstrata phases 19-36% slow at TTFT p50, misses and hits alike). Then pairs: a new
+  quiet pause, put it at 20-36 ms here, and replays of ``bench serve`` on it were slow at the
+  kvstrata phases' TTFT p50 by 12-53%, misses and hits alike; the stream, in the same three
+  calibrations, 11-21 ms, and the kvstrata phase's TTFT p50 met its goal in 5 of 6 runs (1 of 6
+  before). Then pairs: a new
   prompt to the connector's server and the same prompt again (every full block short of the last
   token loaded, the rest computed), each after a new prompt of its length sent to the plain
   server (on a quiet host). What the repeat took beyond the prefill fit of what was left and its
