@@ -36,12 +36,11 @@ prompt new unless a point needs it otherwise:
   quiet pause, put it at 20-36 ms here, and replays of ``bench serve`` on it were slow at the
   kvstrata phases' TTFT p50 by 12-53%, misses and hits alike; the stream, in the same three
   calibrations, 11-21 ms, and the kvstrata phase's TTFT p50 met its goal in 5 of 6 runs (1 of 6
-  before). Then pairs: a new
-  prompt to the connector's server and the same prompt again (every full block short of the last
-  token loaded, the rest computed), each after a new prompt of its length sent to the plain
-  server (on a quiet host). What the repeat took beyond the prefill fit of what was left and its
-  restore, less what the miss took beyond its prefill and store, is its cost per load: the two
-  on one server a moment apart, so that what a lone request costs cancels
+  before). Then pairs, on a quiet host: a new prompt to the connector's server and the same
+  prompt again (every full block short of the last token loaded, the rest computed). What the
+  repeat took beyond the prefill fit of what was left and its restore, less what the miss took
+  beyond its prefill and store, is its cost per load: the two on one server a moment apart, so
+  that what a lone request costs cancels
   (:class:`~kvstrata.plan.steps.ConnectorFit`);
 - a load from the pool (with a pool): a new prompt sent to the other half's server (computed,
   stored down to the pool), then to the connector's server, which loads its blocks from the
@@ -130,8 +129,8 @@ class EngineSteps:
     Attributes:
         prefill_points: ``(new, cached, seconds)``.
         decode_points: ``(batch, held tokens, seconds per step)``.
-        connector_points: ``(prompt tokens, TTFT of a new prompt on the plain server, TTFT new
-            and TTFT sent again on the connector's server)``.
+        connector_points: ``(prompt tokens, TTFT of a new prompt and TTFT of it sent again, on the
+            connector's server)``.
         together_points: ``(batch, held tokens, seconds per step alone, beside the other server
             decoding, just after it answered (its worker spinning))``.
         pool_points: ``(blocks, seconds)``: a load from the pool on the connector's server, as the
@@ -149,7 +148,7 @@ class EngineSteps:
     connector: ConnectorFit
     prefill_points: tuple[tuple[int, int, float], ...]
     decode_points: tuple[tuple[int, int, float], ...]
-    connector_points: tuple[tuple[int, float, float, float], ...]
+    connector_points: tuple[tuple[int, float, float], ...]
     together_points: tuple[tuple[int, int, float, float, float], ...]
     spin_points: tuple[float, ...]
     pool_points: tuple[tuple[int, float], ...] = ()
@@ -258,12 +257,12 @@ def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: 
     return spec(0, False), spec(0, True), spec(1, True)
 
 
-def connector_fit(plain: Sequence[float], ours: Sequence[float], points: Sequence[tuple[int, float, float, float]],
+def connector_fit(plain: Sequence[float], ours: Sequence[float], points: Sequence[tuple[int, float, float]],
                   prefill: PrefillFit, restore_s: Callable[[int], float], store_s: Callable[[int], float],
                   block_size: int, prompt: int = STALL_PROMPT) -> ConnectorFit:
     """``request_s``: the median time to first token of ``ours`` (a stream of new ``prompt``-token
     prompts to the connector's server) beyond that of ``plain`` (the same pace to the plain
-    server) and their store; ``load_s``: over ``(tokens, plain, miss, hit)`` pairs, the median of
+    server) and their store; ``load_s``: over ``(tokens, miss, hit)`` pairs, the median of
     what each repeat took beyond the prefill of what was left and the restore of its hit, less
     what its miss took beyond its prefill and store. Both at least 0.
 
@@ -274,7 +273,7 @@ def connector_fit(plain: Sequence[float], ours: Sequence[float], points: Sequenc
         raise ValueError("the connector's cost needs a stream to each server and at least one pair")
     request = max(0.0, statistics.median(ours) - statistics.median(plain) - store_s(prompt // block_size))
     loads = []
-    for n, _, miss, hit in points:
+    for n, miss, hit in points:
         cached = (n - 1) // block_size * block_size
         lone = miss - prefill.seconds(n, 0) - store_s(n // block_size)
         loads.append(hit - prefill.seconds(n - cached, cached) - restore_s(cached // block_size) - lone)
@@ -390,14 +389,12 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         done = await asyncio.gather(*(one(i) for i in range(STALL_REQUESTS)))
         return [done] if handoff else [done[k::len(targets)] for k in range(len(targets))]
 
-    async def paired(n: int) -> tuple[float, float, float]:
-        """A new prompt's TTFT on the plain server, then on the connector's (on the same CPUs,
-        each on a quiet host: not beside the other's spinning worker), and that prompt's again."""
-        await quiet()
-        alone = await ttft(plain, prompts.new(n))
+    async def paired(n: int) -> tuple[float, float]:
+        """A new prompt's TTFT on the connector's server (on a quiet host: not beside the plain
+        server's spinning worker), and that prompt's again."""
         await quiet()
         prompt = prompts.new(n)
-        return alone, await ttft(ours, prompt), await ttft(ours, prompt)
+        return await ttft(ours, prompt), await ttft(ours, prompt)
 
     async def from_pool(n: int) -> tuple[int, float] | None:
         """A new prompt computed and stored by the other half's server, then sent to the
@@ -426,9 +423,9 @@ async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Call
         connector = []
         for i in range(repeats + 1):
             for n in CONNECTOR_PROMPTS:
-                alone, miss, hit = await paired(n)
+                miss, hit = await paired(n)
                 if i:  # the first round warms the connector's paths up
-                    connector.append((n, alone, miss, hit))
+                    connector.append((n, miss, hit))
         await quiet()  # now the connector's server's
         together = []
         for b, ctx in TOGETHER:

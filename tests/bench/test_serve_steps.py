@@ -113,7 +113,7 @@ def test_the_connector_s_cost_per_request_is_its_stream_beyond_the_plain_server_
     for n, lone, load in ((64, 0.03, 0.004), (128, 0.06, 0.002), (256, 0.04, 0.003), (448, 0.05, 0.009)):
         cached = (n - 1) // 32 * 32
         miss = prefill.seconds(n, 0) + store(n // 32) + lone
-        points.append((n, 0.05, miss, prefill.seconds(n - cached, cached) + restore(cached // 32) + lone + load))
+        points.append((n, miss, prefill.seconds(n - cached, cached) + restore(cached // 32) + lone + load))
     fit = connector_fit([0.05, 0.06, 0.09], [0.07, 0.08, 0.2], points, prefill, restore, store, 32)
     assert abs(fit.request_s - 0.018) < 1e-9
     assert abs(fit.load_s - 0.0035) < 1e-9  # the median of the repeats' 2-9 ms beyond their own misses
@@ -124,7 +124,7 @@ def test_the_connector_s_cost_is_never_below_zero_and_needs_its_streams():
     from kvstrata.plan.host import PrefillFit
 
     prefill = PrefillFit(0.02, 10_000.0)
-    points = [(64, 0.05, 0.05, 0.01)]  # a repeat faster than its prefill could be
+    points = [(64, 0.05, 0.01)]  # a repeat faster than its prefill could be
     fit = connector_fit([0.08], [0.05], points, prefill, lambda b: 0.0, lambda b: 0.0, 32)
     assert fit.request_s == 0.0 and fit.load_s == 0.0
     with pytest.raises(ValueError, match="stream to each server"):
@@ -174,7 +174,7 @@ def test_a_prompt_sent_again_is_served_by_kvstrata_faster_than_it_was_computed(s
     """vLLM's own prefix cache is off on the connector's server: the repeat's blocks come from
     kvstrata's tiers. A 448-token prompt loads 13 blocks and computes 32 tokens."""
     points = steps["connector_points"]
-    longest = [(miss, hit) for n, _, miss, hit in points if n == max(n for n, *_ in points)]
+    longest = [(miss, hit) for n, miss, hit in points if n == max(n for n, *_ in points)]
     assert len(longest) == 2  # the repeats, the warm-up left out
     assert sorted(hit for _, hit in longest)[0] < sorted(miss for miss, _ in longest)[-1]
     assert steps["connector"]["request_s"] >= 0 and steps["connector"]["load_s"] >= 0
