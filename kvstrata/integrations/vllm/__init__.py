@@ -26,7 +26,8 @@ By role:
   loads and saves, and load failures (what is cached, byte by byte, is told there).
 * :mod:`~kvstrata.integrations.vllm.groups`: vLLM's KV cache groups as kvstrata's, and the
   usable hit over them.
-* :mod:`~kvstrata.integrations.vllm.rpc`: the scheduler's lookup, in-process or over the socket.
+* :mod:`~kvstrata.integrations.vllm.channel`: the scheduler's lookup, in-process or over a socket
+  private to this user (no pickle, bounded in time).
 * :mod:`~kvstrata.integrations.vllm.settings`: ``kv_connector_extra_config``, parsed.
 * :mod:`~kvstrata.integrations.vllm.stats`: the worker's counters, written as JSON.
 * :mod:`~kvstrata.integrations.vllm.prom`: the same counters, the lookups' and the tiers' fill

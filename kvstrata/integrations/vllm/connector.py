@@ -1,7 +1,7 @@
 """The connector vLLM loads: one class for both roles, delegating each hook to its role's half.
 
 vLLM builds one connector per role: a scheduler-side one in the engine core, a worker-side one
-in each worker (see :mod:`kvstrata.integrations.vllm.rpc` for where they run). Like vLLM's own
+in each worker (see :mod:`kvstrata.integrations.vllm.channel` for where they run). Like vLLM's own
 connectors (``OffloadingConnector``, ``NixlConnector``), :class:`KVStrataConnector` builds
 either a :class:`KVStrataConnectorScheduler` or a :class:`KVStrataConnectorWorker` and hands
 each hook to it; the settings are parsed in both, so a bad extra config fails the start early.

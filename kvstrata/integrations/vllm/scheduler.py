@@ -2,7 +2,7 @@
 
 It holds no KV and moves no bytes. vLLM asks it how many tokens beyond its own prefix-cache hit
 kvstrata can supply (``get_num_new_matched_tokens``: a lookup in the worker's caches, one per
-KV cache group, through :class:`~kvstrata.integrations.vllm.rpc.WorkerLookup`; the usable hit
+KV cache group, through :class:`~kvstrata.integrations.vllm.channel.WorkerLookup`; the usable hit
 is the longest prefix every group serves); once vLLM has allocated blocks for the grant
 (``update_state_after_alloc``), ``build_connector_meta`` turns the grants and each request's
 newly computed full prompt blocks into the step's :class:`LoadSpec` s and :class:`SaveSpec` s.
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
-from kvstrata.integrations.vllm.rpc import WorkerLookup
+from kvstrata.integrations.vllm.channel import WorkerLookup
 from kvstrata.media import Medium
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class KVStrataConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
-        lookup = _Lookup(self._lookup.hit_tiers(prompt[:usable]), num_computed_tokens, usable)
+        lookup = _Lookup(self._lookup.hit_tiers(prompt[:usable], self._block_size), num_computed_tokens, usable)
         self._lookups[request.request_id] = lookup
         return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), False
 

@@ -43,7 +43,7 @@ from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
 from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
-from kvstrata.integrations.vllm.rpc import LookupServer
+from kvstrata.integrations.vllm.channel import LookupServer
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.kv.heads import KVSharing
 from kvstrata.integrations.vllm.stats import GroupStats, WorkerStats
