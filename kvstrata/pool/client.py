@@ -80,6 +80,7 @@ from kvstrata.pool.config import (
 from kvstrata.pool import libs, native_log
 from kvstrata.pool.embedded import accepts, answers
 from kvstrata.pool.workers import Workers
+from kvstrata.transfer.placement import io_thread_started
 
 log = logging.getLogger("kvstrata.pool")
 
@@ -680,6 +681,7 @@ def _probe_until_up(ref: weakref.ref, wake: threading.Event) -> None:
     """The probing thread of a DOWN client: probe, back off, until it is UP, closed or gone.
     It holds the client only while probing: a daemon thread that drops the last reference to
     the client's registered memory as the interpreter finalizes aborts the process."""
+    io_thread_started()
     failures = 0
     while True:
         client = ref()

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+from kvstrata.transfer.placement import io_thread_started
 
 
 class Workers:
@@ -46,6 +47,7 @@ class Workers:
         return future
 
     def _run(self) -> None:
+        io_thread_started()
         while True:
             job = self._jobs.get()
             if job is None:

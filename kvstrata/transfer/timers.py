@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from kvstrata.transfer.placement import io_thread_started
 
 _log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Timers:
             return len(self._heap)
 
     def _loop(self) -> None:
+        io_thread_started()
         while True:
             with self._cond:
                 while not self._closed and (not self._heap or self._heap[0].when_s > time.monotonic()):

@@ -38,6 +38,7 @@ from kvstrata.media import Medium
 from kvstrata.tiers.base import Pieces, Tier
 from kvstrata.transfer.handlers import HANDLERS, Handler
 from kvstrata.transfer.timers import Timers
+from kvstrata.transfer.placement import io_thread_started
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -122,10 +123,14 @@ class TransferWorker:
             raise ValueError("transfer worker: tiers of different layouts")
         self.workers = workers
         self.handlers = {**HANDLERS, **(handlers or {})}
-        self._movers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstrata-transfer")
-        self._orchestrators = ThreadPoolExecutor(max_workers=orchestrators, thread_name_prefix="kvstrata-plan")
-        self._writers = ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="kvstrata-write")
-        self._readers = {medium: ThreadPoolExecutor(max_workers=tier.readers, thread_name_prefix=f"kvstrata-{medium.label}-read")
+        self._movers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstrata-transfer",
+                                          initializer=io_thread_started)
+        self._orchestrators = ThreadPoolExecutor(max_workers=orchestrators, thread_name_prefix="kvstrata-plan",
+                                                 initializer=io_thread_started)
+        self._writers = ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="kvstrata-write",
+                                           initializer=io_thread_started)
+        self._readers = {medium: ThreadPoolExecutor(max_workers=tier.readers, thread_name_prefix=f"kvstrata-{medium.label}-read",
+                                                      initializer=io_thread_started)
                          for medium, tier in self.tiers.items() if tier.readers > 0}
         self._timers = Timers()
         self._streams = threading.local()  # per thread: {device: torch.cuda.Stream}

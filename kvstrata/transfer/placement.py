@@ -1,0 +1,95 @@
+"""Where kvstrata's own threads run in a process that computes, and what CPU time they used.
+
+An engine on CPUs binds its compute to a set of cores (vLLM: ``VLLM_CPU_OMP_THREADS_BIND``, one
+list per TP rank); every thread its worker process starts afterwards inherits that binding. Left
+there, kvstrata's transfer threads (stores, write-downs to disk and the pool, checksums) would
+take their time from the forward pass on the very cores it runs on. So, as vLLM's NIXL
+connector reserves a core per NUMA node for KV transfer, a process may name I/O CPUs
+(:func:`place_io_threads`), and every kvstrata thread moves itself there when it starts
+(:func:`io_thread_started`, the initializer of the transfer worker's pools and the first call of
+every other thread kvstrata starts). Without a placement nothing moves.
+
+The same hook records each thread's native id, so the CPU time kvstrata's threads used can be
+read back from ``/proc`` (:func:`io_threads_cpu_s`): what the connector cost, apart from the
+compute it sits beside.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_lock = threading.Lock()
+_io_cpus: frozenset[int] | None = None
+_threads: set[int] = set()  # native ids of kvstrata threads started in this process
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0-3,8,10-11"`` as a set of CPU ids.
+
+    Raises:
+        ValueError: the text is not such a list.
+    """
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r}")
+        a, b = int(first), int(last or first)
+        if b < a:
+            raise ValueError(f"not a CPU list: {text!r}")
+        cpus.update(range(a, b + 1))
+    return frozenset(cpus)
+
+
+def io_cpus_beside(compute: frozenset[int], available: frozenset[int]) -> frozenset[int] | None:
+    """The CPUs left for I/O beside ``compute``: ``available`` less them; None where none are left."""
+    left = available - compute
+    return left or None
+
+
+def place_io_threads(cpus: frozenset[int] | None) -> None:
+    """From now on kvstrata's threads in this process run on ``cpus`` (None: where they start)."""
+    global _io_cpus
+    with _lock:
+        _io_cpus = cpus
+
+
+def io_cpus() -> frozenset[int] | None:
+    return _io_cpus
+
+
+def io_thread_started() -> None:
+    """First call of every kvstrata thread: move to the I/O CPUs (if placed), be counted."""
+    with _lock:
+        _threads.add(threading.get_native_id())
+        cpus = _io_cpus
+    if cpus is not None and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cpus)  # 0: this thread (Linux)
+        except OSError:
+            pass  # a CPU outside this process's cgroup: stay where it started
+
+
+def io_threads_cpu_s() -> float:
+    """CPU seconds (user + system) the kvstrata threads of this process have used (those alive
+    now; Linux ``/proc``, else 0)."""
+    total = 0
+    with _lock:
+        tids = list(_threads)
+    gone = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            gone.append(tid)
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    if gone:
+        with _lock:
+            _threads.difference_update(gone)
+    return total * _TICK_S
