@@ -1,0 +1,202 @@
+"""Load or recompute, per request, from what this server measures: never slower than recomputing (pure).
+
+A hit kvstrata holds is worth loading only where bringing its blocks back takes less time than
+computing their tokens would. Both sides are measured online by the engine it runs in:
+
+* the prefill: each step's compute time against the tokens it scheduled, a straight line
+  (``seconds = fixed + per_token * tokens``) fitted over recent steps (:class:`DecayingFit`);
+* each tier's loads: a load's time against its blocks, per tier it waited for (the slowest of
+  its blocks' tiers), a straight line of the same kind.
+
+For a request whose usable hit is blocks ``0 .. n-1``, each from a tier, loading the first ``k``
+costs ``load(k)`` (per tier, its fit at its blocks; tiers summed, a conservative bound) and saves
+``k * block_tokens * per_token`` of prefill. :meth:`LoadOrRecompute.grant` takes the ``k`` that
+saves the most, if that is more than ``margin`` of what it costs; else 0: vLLM recomputes.
+
+Until a side has been measured it cannot be judged: an unmeasured tier is granted (its first
+loads are its measurements), and without a prefill fit every hit is. A tier that stops paying
+(a capped disk, a pool that times out) is not used again until, ``probe_every_s`` later, one
+request may load one block from it: a bounded cost that tells whether it recovered.
+
+No clocks are read here: callers pass ``now_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvstrata.media import Medium
+
+PREFILL_MIN_STEPS = 4  # steps before the prefill fit is trusted
+PREFILL_MIN_SPREAD = 16  # ... and the spread of their token counts (a slope from one size is no slope)
+PROBE_EVERY_S = 5.0
+MARGIN = 1.25  # a grant must save this many times what it costs (estimates are noisy)
+
+
+@dataclass
+class DecayingFit:
+    """``y = a + b * x`` by least squares over samples weighted ``decay ** age``: recent ones count most.
+
+    Attributes:
+        decay: each new sample multiplies older weights by this (0.9: about the last 10 count).
+    """
+
+    decay: float = 0.9
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    samples: int = 0
+    lo: float = math.inf
+    hi: float = -math.inf
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = self.n * d + 1, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+        self.samples += 1
+        self.lo, self.hi = min(self.lo, x), max(self.hi, x)
+
+    @property
+    def slope(self) -> float | None:
+        """``b`` (never below 0), or None while every sample has one ``x``."""
+        var = self.sxx * self.n - self.sx * self.sx
+        if self.n <= 0 or var <= 1e-12 * max(1.0, self.sxx * self.n):
+            return None
+        return max(0.0, (self.sxy * self.n - self.sx * self.sy) / var)
+
+    def predict(self, x: float) -> float | None:
+        """``a + b * x``; with one ``x`` seen so far, ``y`` in proportion to it; None before any sample."""
+        if self.n <= 0:
+            return None
+        b = self.slope
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        if b is None:
+            return mean_y * (x / mean_x) if mean_x > 0 else mean_y
+        return max(0.0, mean_y + b * (x - mean_x))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What :meth:`LoadOrRecompute.grant` decided for one request.
+
+    Attributes:
+        blocks: blocks of the hit to load, from the first (0: recompute them all).
+        declined: per tier, blocks of the hit not granted.
+        load_s: predicted time to load the granted blocks (None: not measured yet).
+        saved_s: predicted prefill time those blocks save (None: not measured yet).
+        probe: the grant is one block from a tier that stopped paying, to measure it again.
+    """
+
+    blocks: int
+    declined: dict[Medium, int] = field(default_factory=dict)
+    load_s: float | None = None
+    saved_s: float | None = None
+    probe: Medium | None = None
+
+
+@dataclass
+class LoadOrRecompute:
+    """The per-request decision and the measurements it rests on (one per server's scheduler).
+
+    Attributes:
+        block_tokens: tokens per block.
+        margin: a grant must save ``margin`` times what it costs.
+        probe_every_s: how often a tier that stopped paying is tried with one block.
+    """
+
+    block_tokens: int
+    margin: float = MARGIN
+    probe_every_s: float = PROBE_EVERY_S
+    prefill: DecayingFit = field(default_factory=lambda: DecayingFit(0.95))
+    loads: dict[Medium, DecayingFit] = field(default_factory=dict)
+    _declined_since: dict[Medium, float] = field(default_factory=dict)
+    _probed_at: dict[Medium, float] = field(default_factory=dict)
+
+    # --- measurements ----------------------------------------------------------------------------
+
+    def step_computed(self, tokens: int, seconds: float) -> None:
+        """A forward step computed ``tokens`` tokens in ``seconds`` (loads excluded)."""
+        if tokens > 0 and seconds > 0:
+            self.prefill.add(tokens, seconds)
+
+    def loaded(self, medium: Medium, blocks: int, seconds: float) -> None:
+        """A load of ``blocks`` blocks that waited for ``medium`` (its slowest tier) took ``seconds``."""
+        if blocks <= 0 or seconds < 0:
+            return
+        fit = self.loads.get(medium)
+        expected = fit.predict(blocks) if fit is not None else None
+        if fit is None or (expected is not None and seconds < expected / 4):
+            fit = self.loads[medium] = DecayingFit(0.7)  # new, or recovered: the old samples no longer hold
+        fit.add(blocks, seconds)
+
+    def failed(self, medium: Medium, blocks: int, seconds: float) -> None:
+        """A load from ``medium`` failed after ``seconds``: it cost that and saved nothing, so it
+        counts as a load as slow as the prefill of its blocks twice over (or as measured, if slower)."""
+        per_token = self.per_token_s
+        worst = 2 * blocks * self.block_tokens * per_token if per_token is not None else 0.0
+        self.loaded(medium, blocks, max(seconds, worst))
+
+    @property
+    def per_token_s(self) -> float | None:
+        """The prefill's measured seconds per token, once trusted."""
+        fit = self.prefill
+        if fit.samples < PREFILL_MIN_STEPS or fit.hi - fit.lo < PREFILL_MIN_SPREAD:
+            return None
+        return fit.slope
+
+    def load_s(self, blocks_by_tier: dict[Medium, int]) -> float | None:
+        """Predicted time to load these blocks (None if a tier among them is unmeasured)."""
+        total = 0.0
+        for medium, blocks in blocks_by_tier.items():
+            fit = self.loads.get(medium)
+            predicted = fit.predict(blocks) if fit is not None else None
+            if predicted is None:
+                return None
+            total += predicted
+        return total
+
+    # --- the decision ------------------------------------------------------------------------------
+
+    def grant(self, tiers: tuple[Medium, ...], now_s: float) -> Grant:
+        """How many of a hit's blocks (``tiers[i]``: block i's tier) to load."""
+        if not tiers:
+            return Grant(0)
+        per_token = self.per_token_s
+        if per_token is None or self.load_s(_count(tiers)) is None:
+            return Grant(len(tiers))  # not measured yet: loading it is how it gets measured
+        best, best_gain, best_load = 0, 0.0, 0.0
+        by_tier: dict[Medium, int] = {}
+        for k, medium in enumerate(tiers, 1):
+            by_tier[medium] = by_tier.get(medium, 0) + 1
+            load = self.load_s(by_tier) or 0.0
+            gain = k * self.block_tokens * per_token - self.margin * load
+            if gain > best_gain:
+                best, best_gain, best_load = k, gain, load
+        declined = _count(tiers[best:])
+        granted = _count(tiers[:best])
+        for medium in declined.keys() - granted.keys():
+            self._declined_since.setdefault(medium, now_s)
+        for medium in granted:
+            self._declined_since.pop(medium, None)
+        if best == 0 and self._probe(tiers[0], now_s):
+            return Grant(1, _count(tiers[1:]), probe=tiers[0])
+        return Grant(best, declined, best_load, best * self.block_tokens * per_token)
+
+    def _probe(self, medium: Medium, now_s: float) -> bool:
+        """Whether a tier declined for ``probe_every_s`` may be tried with one block now."""
+        since = self._declined_since.get(medium)
+        last = self._probed_at.get(medium, since)
+        if since is None or last is None or now_s - last < self.probe_every_s:
+            return False
+        self._probed_at[medium] = now_s
+        return True
+
+
+def _count(tiers: tuple[Medium, ...]) -> dict[Medium, int]:
+    out: dict[Medium, int] = {}
+    for medium in tiers:
+        out[medium] = out.get(medium, 0) + 1
+    return out

@@ -1,0 +1,94 @@
+"""Load or recompute: grants follow what was measured, a tier that stops paying is probed and returns."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstrata.media import Medium
+from kvstrata.policies.payoff import PROBE_EVERY_S, DecayingFit, LoadOrRecompute
+
+H, D, R = Medium.HOST, Medium.DISK, Medium.REMOTE
+BT = 32
+
+
+def _measured(per_token_s: float = 50e-6, **per_block_s: float) -> LoadOrRecompute:
+    """A decision whose prefill costs ``per_token_s`` a token and each tier ``per_block_s`` a block."""
+    d = LoadOrRecompute(BT)
+    for tokens in (32, 96, 200, 320, 64, 256):
+        d.step_computed(tokens, 0.002 + tokens * per_token_s)
+    for name, s in per_block_s.items():
+        for blocks in (2, 5, 9):
+            d.loaded(Medium[name.upper()], blocks, 1e-4 + blocks * s)
+    return d
+
+
+def test_the_fit_finds_the_line() -> None:
+    fit = DecayingFit()
+    for x in (10, 20, 40, 80):
+        fit.add(x, 3 + 0.5 * x)
+    assert fit.slope == pytest.approx(0.5)
+    assert fit.predict(100) == pytest.approx(53)
+
+
+def test_one_size_is_predicted_in_proportion() -> None:
+    fit = DecayingFit()
+    fit.add(4, 2.0)
+    fit.add(4, 2.0)
+    assert fit.slope is None
+    assert fit.predict(8) == pytest.approx(4.0)
+
+
+def test_unmeasured_sides_are_granted_whole() -> None:
+    d = LoadOrRecompute(BT)
+    assert d.grant((H, H, D), 0.0).blocks == 3  # no prefill fit yet
+    d = _measured(host=1e-5)
+    assert d.grant((H, D), 0.0).blocks == 2  # the disk never measured: its first load measures it
+
+
+def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed() -> None:
+    d = _measured(host=20e-6, disk=0.5)  # a block: 1.6 ms to compute, 20 us from host, 0.5 s from disk
+    assert d.grant((H, H, H), 0.0).blocks == 3
+    grant = d.grant((H, H, D, D), 0.0)
+    assert grant.blocks == 2
+    assert grant.declined == {D: 2}
+    assert grant.load_s is not None and grant.saved_s is not None and grant.saved_s > grant.load_s
+    assert d.grant((D, D), 0.0).blocks == 0
+
+
+def test_a_load_that_costs_about_what_it_saves_is_declined() -> None:
+    per_token = 50e-6
+    d = _measured(per_token, host=BT * per_token)  # a block loads as slowly as it computes
+    assert d.grant((H,) * 4, 0.0).blocks == 0
+
+
+def test_a_tier_that_stopped_paying_is_probed_with_one_block_and_returns() -> None:
+    d = _measured(host=1e-5, disk=0.5)
+    assert d.grant((D, D, D), 0.0).blocks == 0
+    assert d.grant((D, D, D), PROBE_EVERY_S / 2).blocks == 0
+    probe = d.grant((D, D, D), PROBE_EVERY_S + 0.1)
+    assert (probe.blocks, probe.probe) == (1, D)
+    assert d.grant((D, D, D), PROBE_EVERY_S + 0.2).blocks == 0  # one probe per period
+    d.loaded(D, 1, 2e-5)  # the probe was fast: the cap was lifted
+    assert d.grant((D, D, D), PROBE_EVERY_S + 0.3).blocks == 3
+
+
+def test_failures_count_as_loads_that_saved_nothing() -> None:
+    d = _measured(host=1e-5, remote=1e-5)
+    assert d.grant((R, R), 0.0).blocks == 2
+    for _ in range(2):
+        d.failed(R, 2, 0.25)  # a pool that times out at its budget
+    assert d.grant((R, R), 1.0).blocks == 0
+    assert d.grant((H, R), 1.0).blocks == 1
+
+
+@given(st.lists(st.sampled_from([H, D, R]), min_size=1, max_size=40),
+       st.floats(1e-7, 1e-3), st.floats(1e-7, 1.0), st.floats(1e-7, 1.0), st.floats(1e-7, 1.0))
+def test_a_grant_never_costs_more_than_it_saves(tiers, per_token, host, disk, remote) -> None:
+    d = _measured(per_token, host=host, disk=disk, remote=remote)
+    grant = d.grant(tuple(tiers), 0.0)
+    assert 0 <= grant.blocks <= len(tiers)
+    if grant.blocks and grant.probe is None:
+        assert grant.saved_s >= d.margin * grant.load_s
+    assert sum(grant.declined.values()) == len(tiers) - grant.blocks
