@@ -3,6 +3,7 @@ value refused in one line that names it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,18 @@ def test_json_values_become_typed_settings():
     assert ConnectorSettings.from_extra({"kv_sharing": "tp-matched"}).kv_sharing is KVSharing.MATCHED
 
 
+def test_saves_never_wait_by_default_and_io_threads_leave_the_compute_cpus(monkeypatch):
+    s = ConnectorSettings()
+    assert s.sync_save is False and s.save_backlog_bytes > 0
+    assert ConnectorSettings.from_extra({"io_cpus": "none"}).io_cpus_beside_compute(0) is None
+    assert ConnectorSettings.from_extra({"io_cpus": "4-5,7"}).io_cpus_beside_compute(0) == frozenset({4, 5, 7})
+    mine = frozenset(os.sched_getaffinity(0)) | frozenset(os.sched_getaffinity(os.getppid()))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{min(mine)}")
+    assert s.io_cpus_beside_compute(0) == ((mine - {min(mine)}) or None)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(mine)))  # every CPU computes
+    assert s.io_cpus_beside_compute(0) is None
+
+
 def test_empty_strings_mean_not_given():
     s = ConnectorSettings.from_extra({"disk_dir": "", "stats_path": "", "model_id": ""})
     assert (s.disk_dir, s.stats_path, s.model_id) == (None, None, None)
@@ -56,6 +69,9 @@ def test_empty_strings_mean_not_given():
         ({"pool_backoff_s": 5, "pool_backoff_max_s": 1}, "pool_backoff_max_s must be >= pool_backoff_s, got 1 < 5"),
         ({"disk_read_gbps": 0}, "disk_read_gbps must be a positive number of GB/s, got 0"),
         ({"disk_read_gbps": "fast"}, "disk_read_gbps must be a positive number of GB/s, got 'fast'"),
+        ({"io_cpus": "3-1"}, "io_cpus must be \"auto\", \"none\" or a CPU list such as \"6-7\", got '3-1'"),
+        ({"io_cpus": 2}, "io_cpus must be"),
+        ({"save_backlog_bytes": -5}, "save_backlog_bytes must be a number of bytes >= 0"),
     ],
 )
 def test_a_bad_key_or_value_is_one_line_naming_it(extra, named):

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstrata.media import Medium
+from kvstrata.transfer.placement import io_thread_started
 from kvstrata.trust import Untrusted, check_private_dir, owner_name, private_dir
 
 Answer = Callable[[list[int]], tuple[Medium, ...]]  # tokens -> the tier of each block of their usable cached prefix
@@ -152,6 +153,7 @@ class LookupServer:
         threading.Thread(target=self._accept, name="kvstrata-lookup", daemon=True).start()
 
     def _accept(self) -> None:
+        io_thread_started()
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
@@ -163,6 +165,7 @@ class LookupServer:
             threading.Thread(target=self._serve, args=(conn,), name="kvstrata-lookup-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        io_thread_started()
         with conn:
             while not self._closed.is_set():
                 try:

@@ -18,6 +18,7 @@ Its counters go to vLLM's own ``/metrics`` through vLLM's connector-stats hooks
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,10 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
 from kvstrata.integrations.vllm.groups import group_spans
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata
 from kvstrata.integrations.vllm.prom import KVStrataPromMetrics, KVStrataStats, stats_of
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # kvstrata's tiers as vLLM's cache-hit sources (vLLM's "device" is local HBM: kvstrata's device
@@ -99,33 +103,74 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    # A step with nothing to load or save costs the per-layer hooks one check each: no timing.
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None and isinstance(connector_metadata, KVStrataMetadata):
+            self.connector_worker.clock.begin(connector_metadata.scheduled_tokens)  # the forward starts
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._metadata())
+        meta = self._metadata()
+        if meta.loads:
+            with self._worker.hook():
+                self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_for_layer_load(layer_name)
+        if self._metadata().loads:
+            with self._worker.hook():
+                self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        self._worker.save_kv_layer(layer_name, kv_layer, self._metadata())
+        meta = self._metadata()
+        if meta.saves:
+            with self._worker.hook():
+                self._worker.save_kv_layer(layer_name, kv_layer, meta)
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._metadata())
+        worker, meta = self._worker, self._metadata()
+        worker.clock.end()  # the forward is over
+        if meta.loads or meta.saves:
+            with worker.hook():
+                worker.wait_for_save(meta)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.build_connector_worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
     # --- scheduler side ---------------------------------------------------------------------------
 
+    # Each hook's CPU (its thread's clock: a lookup waiting on the worker costs none) is counted.
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        cpu = time.thread_time()
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        finally:
+            self._scheduler.used_cpu(time.thread_time() - cpu)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        cpu = time.thread_time()
         self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        self._scheduler.used_cpu(time.thread_time() - cpu)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output, self._kv_cache_manager)
+        cpu = time.thread_time()
+        try:
+            return self._scheduler.build_connector_meta(scheduler_output, self._kv_cache_manager)
+        finally:
+            self._scheduler.used_cpu(time.thread_time() - cpu)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVStrataWorkerMeta):
+            cpu = time.thread_time()
+            self._scheduler.measured(meta)
+            self._scheduler.used_cpu(time.thread_time() - cpu)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)

@@ -60,3 +60,4 @@ class KVStrataMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    scheduled_tokens: int = 0  # tokens the step computes, every request's (the prefill's measure)

@@ -88,6 +88,12 @@ LOAD_FAILED_BLOCKS = _counter("load_failed_blocks", (), "vLLM blocks whose load 
 RECOMPUTED_BLOCKS = _counter("recomputed_blocks", (), "Failed blocks vLLM recomputed "
                              "(kv_load_failure_policy recompute)")
 EVICTED_BLOCKS = _counter("evicted_blocks", ("tier",), "Blocks evicted from a tier to make room")
+CPU_SECONDS = _counter("cpu_seconds", ("side",), "CPU seconds the connector used: its hooks on the engine's "
+                       "threads and its own threads, in the scheduler (side=scheduler) and the workers (side=worker)")
+DECLINED_BLOCKS = _counter("declined_blocks", ("tier",), "Blocks of hits not loaded because loading them was "
+                           "predicted slower than recomputing them (the tier's measured loads against the prefill's)")
+SAVE_DROPPED_BLOCKS = _counter("save_dropped_blocks", (), "Blocks of saves dropped, not waited for: the stores "
+                               "still in flight held save_backlog_bytes already (a tier that cannot keep up)")
 TIER_USED_BYTES = Metric("kvstrata_connector_tier_used_bytes", Kind.GAUGE, ("tier",),
                          "Bytes of a tier's slots in use, as this instance's caches track them")
 TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUGE, ("tier",),
@@ -95,7 +101,7 @@ TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUG
 
 METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOADED_BLOCKS, LOADED_BYTES, MOVED_BYTES, TRANSFER_SECONDS, LOADS,
            LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
-           TIER_USED_BYTES, TIER_CAPACITY_BYTES)
+           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
 
@@ -239,9 +245,11 @@ class WorkerReporter:
         self._reported: dict[tuple[Metric, tuple[str, ...]], float] = {}
         self._gauges: dict[tuple[Metric, tuple[str, ...]], float] = {}
 
-    def report(self, stats: WorkerStats, caches: Iterable[TieredCache]) -> KVStrataStats | None:
+    def report(self, stats: WorkerStats, caches: Iterable[TieredCache], cpu_s: float = 0.0) -> KVStrataStats | None:
+        """The changes since the last report; ``cpu_s``: the connector's CPU seconds in this worker so far."""
         out = KVStrataStats()
         counters, gauges = self._totals(stats, tuple(caches))
+        counters[(CPU_SECONDS, ("worker",))] = cpu_s
         for key, total in counters.items():
             delta = total - self._reported.get(key, 0)
             if delta > 0:
@@ -273,6 +281,8 @@ class WorkerReporter:
             add(counters, LOADED_BYTES, n, medium.label)
         add(counters, LOAD_FAILED_BLOCKS, totals.failed_blocks)
         add(counters, RECOMPUTED_BLOCKS, totals.recomputed_blocks)
+        if self._rank == "0":
+            add(counters, SAVE_DROPPED_BLOCKS, totals.dropped_blocks)
         for cache in caches:
             for (src, dst), path in cache.metrics.paths().items():
                 add(counters, MOVED_BYTES, path.bytes, src.label, dst.label)
@@ -292,8 +302,9 @@ class LookupCounts:
 
     stats: KVStrataStats | None = None
 
-    def admitted(self, tiers: tuple[Medium, ...], missed: int) -> None:
-        """A request's lookup: the tier of each block kvstrata grants, and the blocks it lacked."""
+    def admitted(self, tiers: tuple[Medium, ...], missed: int, declined: dict[Medium, int] | None = None) -> None:
+        """A request's lookup: the tier of each block kvstrata grants, the blocks it lacked, and
+        those it held but declined to load (slower than recomputing them)."""
         stats = self.stats if self.stats is not None else KVStrataStats()
         for medium in Medium:
             n = tiers.count(medium)
@@ -301,7 +312,16 @@ class LookupCounts:
                 stats.add(LOOKUP_HIT_BLOCKS, n, (medium.label,))
         if missed:
             stats.add(LOOKUP_MISS_BLOCKS, missed)
+        for medium, n in (declined or {}).items():
+            stats.add(DECLINED_BLOCKS, n, (medium.label,))
         self.stats = None if stats.is_empty() else stats
+
+    def used_cpu(self, seconds: float) -> None:
+        """The scheduler side's hooks used ``seconds`` of CPU."""
+        if seconds > 0:
+            stats = self.stats if self.stats is not None else KVStrataStats()
+            stats.add(CPU_SECONDS, seconds, ("scheduler",))
+            self.stats = stats
 
     def report(self) -> KVStrataStats | None:
         stats, self.stats = self.stats, None

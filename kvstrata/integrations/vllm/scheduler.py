@@ -18,6 +18,13 @@ block's key chains from the first block's tokens, not from stored blocks, so a w
 alone), which also lets a prompt prefilled in chunks, whose early sliding blocks vLLM dropped,
 store its windows.
 
+Load or recompute. Of the hit beyond vLLM's own, only what pays is granted: the scheduler
+weighs each tier's measured loads against the prefill's measured rate
+(:class:`~kvstrata.policies.payoff.LoadOrRecompute`, fed by the workers' measurements through
+``update_connector_output``: :mod:`~kvstrata.integrations.vllm.feedback`), so a slow or failing
+tier stops being used without a restart, and is tried again with one block now and then. The
+blocks held but not granted are counted (``declined_blocks``).
+
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
 
@@ -29,14 +36,17 @@ same tiers split the hit's tokens for vLLM's ``prompt_tokens_cached_by_source``.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.integrations.vllm.channel import WorkerLookup
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
-from kvstrata.integrations.vllm.channel import WorkerLookup
 from kvstrata.media import Medium
+from kvstrata.policies.payoff import LoadOrRecompute
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -52,6 +62,7 @@ class _Lookup:
     tiers: tuple[Medium, ...]
     computed: int
     usable: int
+    declined: dict[Medium, int] = field(default_factory=dict)  # blocks held but not worth loading
 
     def tokens_by_tier(self, block_size: int) -> dict[Medium, int]:
         """The hit's tokens beyond vLLM's own, by tier."""
@@ -84,6 +95,8 @@ class KVStrataConnectorScheduler:
         self._lookups: dict[str, _Lookup] = {}  # req_id -> its last lookup, until vLLM admits it
         self._sources: dict[str, dict[Medium, int]] = {}  # req_id -> its admitted hit's tokens by tier
         self._counts = LookupCounts()
+        self.decision = LoadOrRecompute(block_size)
+        self._granted: dict[str, tuple[Medium, int]] = {}  # req_id -> the tier its load waits for, its blocks
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``; never
@@ -95,8 +108,15 @@ class KVStrataConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
-        lookup = _Lookup(self._lookup.hit_tiers(prompt[:usable], self._block_size), num_computed_tokens, usable)
+        self._granted.pop(request.request_id, None)
+        tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
+        own = -(-num_computed_tokens // self._block_size)  # blocks vLLM holds itself
+        grant = self.decision.grant(tiers[own:], time.monotonic())
+        lookup = _Lookup(tiers[: own + grant.blocks], num_computed_tokens, usable, grant.declined)
         self._lookups[request.request_id] = lookup
+        if grant.blocks:
+            granted = tiers[own : own + grant.blocks]
+            self._granted[request.request_id] = (max(granted, key=lambda m: m.value), grant.blocks)
         return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -109,7 +129,8 @@ class KVStrataConnectorScheduler:
             return
         bs = self._block_size
         beyond = lookup.tiers[-(-lookup.computed // bs):]  # blocks past vLLM's own hit
-        self._counts.admitted(beyond, max(0, (lookup.usable - lookup.computed) // bs - len(beyond)))
+        missed = (lookup.usable - lookup.computed) // bs - len(beyond) - sum(lookup.declined.values())
+        self._counts.admitted(beyond, max(0, missed), lookup.declined)
         self._sources[request.request_id] = lookup.tokens_by_tier(bs)
 
     def hit_sources(self, request: Request) -> dict[Medium, int]:
@@ -120,9 +141,25 @@ class KVStrataConnectorScheduler:
         """The lookups counted since the last call."""
         return self._counts.report()
 
+    def used_cpu(self, seconds: float) -> None:
+        self._counts.used_cpu(seconds)
+
+    def measured(self, meta: KVStrataWorkerMeta) -> None:
+        """A step's measurements from the workers: the prefill's rate and each granted load's time."""
+        self.decision.step_computed(meta.computed_tokens, meta.compute_s)
+        for timing in meta.loads:
+            granted = self._granted.pop(timing.req_id, None)
+            if granted is None:
+                continue
+            medium, blocks = granted
+            if timing.ok:
+                self.decision.loaded(medium, blocks, timing.seconds)
+            else:
+                self.decision.failed(medium, blocks, timing.seconds)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
-        meta = KVStrataMetadata()
+        meta = KVStrataMetadata(scheduled_tokens=scheduler_output.total_num_scheduled_tokens)
         null = kv_cache_manager.block_pool.null_block.block_id
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -171,6 +208,7 @@ class KVStrataConnectorScheduler:
         self._to_load.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
+        self._granted.pop(request.request_id, None)
         return False, None
 
     def shutdown(self) -> None:

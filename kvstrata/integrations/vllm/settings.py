@@ -9,6 +9,7 @@ engine's start with one line that names it, in the scheduler and the worker alik
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvstrata.cache import CacheConfig
 from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_budgets, pool_of, whole
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
+from kvstrata.transfer.placement import io_cpus_beside, parse_cpu_list
 from kvstrata.pool.config import (
     BACKOFF_MAX_S,
     BACKOFF_S,
@@ -49,6 +51,12 @@ class ConnectorSettings:
         stats_path: a JSON file the worker rewrites with its load/store counters.
         sync_save: wait in ``wait_for_save`` until a step's blocks are stored (and written
             down the tiers), so a finished request's KV is in kvstrata when its output is out.
+            Off by default: stores run on the cache's threads after the step, never stalling it.
+        save_backlog_bytes: a step's save is dropped (and counted) while the saves still in
+            flight hold this many bytes: tiers that cannot keep up are never waited for.
+        io_cpus: CPUs kvstrata's threads run on in a worker: ``"auto"`` (the CPUs vLLM's compute
+            is not bound to, from ``VLLM_CPU_OMP_THREADS_BIND``, if any are left), ``"none"``
+            (where vLLM's worker puts them: its compute's), or a CPU list such as ``"6-7"``.
         pool_timeout_s, pool_connect_timeout_s, pool_backoff_s, pool_backoff_max_s: how long
             the cache waits on the pool (``CacheConfig``'s budgets of the same names).
         kv_sharing: head-sliced blocks (any TP size reads them) or TP-matched ones
@@ -66,7 +74,9 @@ class ConnectorSettings:
     remote_mode: RemoteMode = RemoteMode.TCP
     model_id: str | None = None
     stats_path: Path | None = None
-    sync_save: bool = True
+    sync_save: bool = False
+    save_backlog_bytes: int = 256 * MiB
+    io_cpus: str = "auto"
     pool_timeout_s: float = OP_TIMEOUT_S
     pool_connect_timeout_s: float = CONNECT_TIMEOUT_S
     pool_backoff_s: float = BACKOFF_S
@@ -89,7 +99,7 @@ class ConnectorSettings:
         return cls(**{name: _PARSERS.get(name, as_is)(name, value) for name, value in extra.items()})
 
     def __post_init__(self) -> None:
-        for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes"):
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes", "save_backlog_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{_PREFIX} {name} must be a number of bytes >= 0, got {value!r}")
@@ -111,6 +121,31 @@ class ConnectorSettings:
                                                 or not self.disk_read_gbps > 0):
             raise ValueError(f"{_PREFIX} disk_read_gbps must be a positive number of GB/s, got {self.disk_read_gbps!r}")
         check_budgets(_PREFIX, **pool_budgets(self))
+        if not isinstance(self.io_cpus, str) or (self.io_cpus not in ("auto", "none") and not _cpu_list(self.io_cpus)):
+            raise ValueError(f"{_PREFIX} io_cpus must be \"auto\", \"none\" or a CPU list such as \"6-7\", "
+                             f"got {self.io_cpus!r}")
+
+    def io_cpus_beside_compute(self, tp_rank: int) -> frozenset[int] | None:
+        """The CPUs this worker's kvstrata threads go to (None: stay with the compute).
+
+        ``auto``: the CPUs this process may use (its parent's, the engine core's, before vLLM
+        bound this worker) less every TP rank's compute (``VLLM_CPU_OMP_THREADS_BIND``: a CPU
+        list per rank, ``|``-separated; ``auto``/``nobind``/unset: this worker's own binding).
+        """
+        if self.io_cpus == "none":
+            return None
+        if self.io_cpus != "auto":
+            return _cpu_list(self.io_cpus)
+        if not hasattr(os, "sched_getaffinity"):
+            return None
+        try:
+            available = frozenset(os.sched_getaffinity(os.getppid())) | frozenset(os.sched_getaffinity(0))
+        except OSError:
+            available = frozenset(os.sched_getaffinity(0))
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+        lists = [_cpu_list(part) for part in bind.split("|")] if bind not in ("", "auto", "nobind") else []
+        compute = frozenset().union(*lists) if lists and all(lists) else frozenset(os.sched_getaffinity(0))
+        return io_cpus_beside(compute, available)
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""
@@ -152,8 +187,16 @@ class ConnectorSettings:
         )
 
 
+def _cpu_list(text: str) -> frozenset[int] | None:
+    try:
+        return parse_cpu_list(text) or None
+    except ValueError:
+        return None
+
+
 _PARSERS: dict[str, Parser] = {
     "device_bytes": whole,
+    "save_backlog_bytes": whole,
     "host_bytes": whole,
     "disk_bytes": whole,
     "remote_bytes": whole,

@@ -68,6 +68,7 @@ class LoadStoreTotals:
     store_seconds: float
     failed_blocks: int
     recomputed_blocks: int
+    dropped_blocks: int
 
 
 @dataclass
@@ -87,6 +88,7 @@ class WorkerStats:
     store_seconds: float = 0.0  # copy out of vLLM + store + write-down, summed
     failed_blocks: int = 0
     recomputed_blocks: int = 0  # failed blocks vLLM was told to recompute (kv_load_failure_policy "recompute")
+    dropped_blocks: int = 0  # blocks of saves dropped: the stores in flight held save_backlog_bytes already
     last_failure: str | None = None
     remote_error: str | None = None
     tp: list[int] = field(default_factory=lambda: [0, 1])  # this worker's TP rank and size
@@ -130,6 +132,10 @@ class WorkerStats:
             self.failed_blocks += blocks
             self.last_failure = why
 
+    def dropped(self, blocks: int) -> None:
+        with self._lock:
+            self.dropped_blocks += blocks
+
     def recomputed(self, blocks: int) -> None:
         with self._lock:
             self.recomputed_blocks += blocks
@@ -138,7 +144,7 @@ class WorkerStats:
         with self._lock:
             return LoadStoreTotals(self.load_requests, self.load_seconds, dict(self._loaded_blocks),
                                    dict(self._loaded_bytes), self.store_requests, self.new_blocks, self.store_seconds,
-                                   self.failed_blocks, self.recomputed_blocks)
+                                   self.failed_blocks, self.recomputed_blocks, self.dropped_blocks)
 
     def to_json(self, caches: tuple[TieredCache, ...]) -> dict[str, Any]:
         with self._lock:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -44,6 +46,7 @@ from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, Save
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
 from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
 from kvstrata.integrations.vllm.channel import LookupServer
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, StepClock
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.kv.heads import KVSharing
 from kvstrata.integrations.vllm.stats import GroupStats, WorkerStats
@@ -52,6 +55,7 @@ from kvstrata.kv.groups import KVGroup
 from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
+from kvstrata.transfer.placement import io_threads_cpu_s, place_io_threads
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -80,16 +84,23 @@ class _PendingSave:
     stats: WorkerStats
     start: float
     remaining: int
+    settled: Any  # called once every group's store has ended (the backlog shrinks)
     results: list[tuple[int, StoreResult]] = field(default_factory=list)
+    failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def done(self, group: int, future: Future) -> None:
+        error = future.exception()  # the store has ended (waits, with sync_save)
         with self.lock:
-            self.results.append((group, future.result()))
+            if error is None:
+                self.results.append((group, future.result()))
+            self.failed |= error is not None
             self.remaining -= 1
             last = self.remaining == 0
         if last:
-            self.stats.stored(self.results, time.perf_counter() - self.start)
+            self.settled()
+            if not self.failed:
+                self.stats.stored(self.results, time.perf_counter() - self.start)
 
 
 class KVStrataConnectorWorker:
@@ -116,10 +127,16 @@ class KVStrataConnectorWorker:
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, layer within the group)
         self._active: list[_ActiveLoad] = []
         self._staged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]] = {}  # (req, group) -> kv, staged
+        self._taken: dict[str, bool] = {}  # req -> whether this step stores its save (the backlog's room)
         self._failed_blocks: set[int] = set()
         self._stats = WorkerStats()
         self._stats_path = settings.stats_path
         self._reporter = WorkerReporter(0)  # its TP rank, once the caches are registered
+        self.clock = StepClock()  # what the scheduler's load-or-recompute decision learns from
+        self._saving_blocks = 0  # blocks of saves not yet stored (the cache's threads finish them)
+        self._saving_lock = threading.Lock()
+        self._hooks_cpu_s = 0.0  # CPU the connector's hooks used on vLLM's step thread
+        self._threads_cpu = (0.0, -1.0)  # the connector's own threads' CPU seconds, and when read
         transfer = vllm_config.kv_transfer_config
         self._recomputes = transfer is not None and transfer.kv_load_failure_policy == "recompute"
 
@@ -133,6 +150,7 @@ class KVStrataConnectorWorker:
 
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         model = self._vllm_config.model_config.model
+        place_io_threads(self.settings.io_cpus_beside_compute(tp_rank))  # before the caches start threads
         paged = []
         for spec in self._group_specs:
             missing = [n for n in spec.layer_names if n not in kv_caches]
@@ -212,6 +230,7 @@ class KVStrataConnectorWorker:
     def start_load_kv(self, meta: KVStrataMetadata) -> None:
         """Start this step's loads (before the forward): per spec, one per group with blocks to fill."""
         for spec in meta.loads:
+            started = time.perf_counter()
             active = _ActiveLoad(spec, [], [0] * len(self._groups))
             self._active.append(active)
             for group, blocks in zip(self._groups, spec.groups):
@@ -226,6 +245,7 @@ class KVStrataConnectorWorker:
                                     "scheduler's lookup")
                     break
                 active.handles.append(load)
+            self.clock.charge(spec.req_id, time.perf_counter() - started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: copy that layer of every load into vLLM's blocks."""
@@ -234,7 +254,9 @@ class KVStrataConnectorWorker:
             return
         for active in self._active:
             if not active.failed:
+                started = time.perf_counter()
                 self._copy_layer(active, *where)
+                self.clock.charge(active.spec.req_id, time.perf_counter() - started)
 
     def _copy_layer(self, active: _ActiveLoad, group: int, layer: int) -> None:
         handle = active.handles[group] if group < len(active.handles) else None
@@ -270,6 +292,7 @@ class KVStrataConnectorWorker:
                 handle.release()
             if not active.failed:
                 self._stats.loaded(active.spec.external_tokens, results)
+            self.clock.load_done(active.spec.req_id, not active.failed)
         self._active.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -282,7 +305,31 @@ class KVStrataConnectorWorker:
 
     def get_kv_connector_stats(self) -> KVStrataStats | None:
         """What the counters and caches say changed since the last call (every step; None: nothing)."""
-        return self._reporter.report(self._stats, self._caches)
+        return self._reporter.report(self._stats, self._caches, self.cpu_s())
+
+    @contextmanager
+    def hook(self) -> Iterator[None]:
+        """Around a hook on vLLM's step thread: its CPU is the connector's, its time not the forward's."""
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self._hooks_cpu_s += time.thread_time() - cpu
+            self.clock.hooked(time.perf_counter() - wall)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the connector used in this worker: its hooks, and its threads (read from
+        ``/proc`` at most twice a second)."""
+        threads, at = self._threads_cpu
+        now = time.monotonic()
+        if now - at >= 0.5:
+            threads = io_threads_cpu_s()
+            self._threads_cpu = (threads, now)
+        return self._hooks_cpu_s + threads
+
+    def build_connector_worker_meta(self) -> KVStrataWorkerMeta | None:
+        """What this step measured, for the scheduler's decisions (:mod:`~kvstrata.integrations.vllm.feedback`)."""
+        return self.clock.take()
 
     def _fail_load(self, active: _ActiveLoad, why: str) -> None:
         """Every block the load writes, in every group, is reported: its KV is not all there."""
@@ -304,16 +351,37 @@ class KVStrataConnectorWorker:
             return
         for spec in meta.saves:
             block_ids = spec.groups[group].block_ids
-            if block_ids:
+            if block_ids and self._taking(spec):
                 kv, staged = self._staging(spec, group)
                 self._groups[group].stage_layer(kv, layer, block_ids)  # kv_layer: the paged KV registered
                 staged[layer] = True
 
+    def _taking(self, spec: SaveSpec) -> bool:
+        """Whether this step stores ``spec``: not when the saves still in flight hold
+        ``save_backlog_bytes`` or more (the tiers below cannot keep up: a slow disk, a pool that
+        stalls). Such a save is dropped and counted, never waited for: its blocks are recomputed
+        if asked for again. Decided once per spec and step."""
+        taking = self._taken.get(spec.req_id)
+        if taking is None:
+            with self._saving_lock:
+                taking = self._saving_blocks * self._stats.block_bytes < self.settings.save_backlog_bytes
+            self._taken[spec.req_id] = taking
+            if not taking:
+                self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
+        return taking
+
+    def _saved(self, blocks: int) -> None:
+        with self._saving_lock:
+            self._saving_blocks -= blocks
+
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
-        """End of the step: finish the loads, store the staged blocks (waiting with ``sync_save``)."""
+        """End of the step: finish the loads, start storing the staged blocks (the cache's
+        threads store them and write them down; ``sync_save``: wait for that here)."""
         self._finish_loads()
         pending = []
         for spec in meta.saves if self._saves_enabled else ():
+            if not self._taking(spec):
+                continue
             futures = []
             start = time.perf_counter()
             for g, group in enumerate(self._groups):
@@ -328,13 +396,18 @@ class KVStrataConnectorWorker:
                 keys = group.keys(spec.tokens)[first : first + len(block_ids)]
                 futures.append((g, group.store_keys(keys, kv)))
             if futures:
-                pending.append((_PendingSave(self._stats, start, len(futures)), futures))
+                blocks = max(len(spec.groups[g].block_ids) for g, _ in futures)
+                with self._saving_lock:
+                    self._saving_blocks += blocks
+                pending.append((_PendingSave(self._stats, start, len(futures), lambda n=blocks: self._saved(n)),
+                                futures))
         self._staged.clear()
+        self._taken.clear()
         for save, futures in pending:
             for g, future in futures:
                 if self.settings.sync_save:
-                    future.result()
                     save.done(g, future)
+                    future.result()  # a failed store fails the step, as it always has with sync_save
                 else:
                     future.add_done_callback(lambda f, s=save, g=g: s.done(g, f))
         if meta.loads or meta.saves:
@@ -346,8 +419,11 @@ class KVStrataConnectorWorker:
             layout = self._groups[group].layout
             tokens = len(spec.groups[group].block_ids) * self._block_size
             # kv: [layers, kv, tokens, this rank's kv_heads, head_dim], the shape the group stores
+            # on vLLM's device: a GPU gathers on its own stream, never a host copy inside the
+            # forward; the cache copies it out on its stream after an event (TieredCache.store_keys)
+            paged = self._groups[group].layers[0]
             kv = torch.empty((layout.num_layers, layout.kv_tensors, tokens, layout.kv_heads, layout.head_dim),
-                             dtype=self._groups[group].layers[0].dtype)
+                             dtype=paged.dtype, device=paged.device)
             staged = self._staged[(spec.req_id, group)] = (kv, [False] * layout.num_layers)
         return staged
 

@@ -1,0 +1,96 @@
+"""What the workers measured, back to the scheduler, through vLLM's own worker -> scheduler channel.
+
+The scheduler decides per request whether a hit is worth loading
+(:class:`~kvstrata.policies.payoff.LoadOrRecompute`), from two measurements only the workers
+can take: how long a step's forward took for the tokens it computed, and how long each load held
+it up. vLLM carries a connector's :class:`KVConnectorWorkerMetadata` from every worker with the
+step's output, merges the TP ranks' with ``aggregate`` and hands it to the scheduler side's
+``update_connector_output``: no channel of kvstrata's own.
+
+A step's compute time is the time from vLLM binding the step's metadata (before the forward) to
+``wait_for_save`` (after it), less what the connector's own hooks took in between (loads
+waited for, layers staged for saves). A load's time is from ``start_load_kv`` to its last layer
+copied into vLLM's blocks (or its failure), counting only the stretches the step spent on
+it (in ``start_load_kv`` and each layer's wait): with layer-wise copies, the forward's own
+layers in between are compute, not load. The ranks of one step wait for each other, so the
+merge keeps the slower rank's figures.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+
+@dataclass(frozen=True)
+class LoadTiming:
+    """One request's load: ``seconds`` it held the step up; ``ok``: every block arrived."""
+
+    req_id: str
+    seconds: float
+    ok: bool
+
+
+@dataclass
+class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
+    """A step's measurements: the forward's compute (tokens, seconds), and each load's time."""
+
+    computed_tokens: int = 0
+    compute_s: float = 0.0
+    loads: list[LoadTiming] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVStrataWorkerMeta):
+            return self
+        loads = {t.req_id: t for t in self.loads}
+        for t in other.loads:
+            mine = loads.get(t.req_id)
+            loads[t.req_id] = t if mine is None else LoadTiming(t.req_id, max(t.seconds, mine.seconds), t.ok and mine.ok)
+        return KVStrataWorkerMeta(max(self.computed_tokens, other.computed_tokens),
+                                  max(self.compute_s, other.compute_s), list(loads.values()))
+
+
+class StepClock:
+    """The worker's side of the measurements, taken on its one step thread.
+
+    ``begin`` when vLLM binds a step's metadata, ``hooked`` for each stretch a connector hook
+    took within the step, ``end`` after the forward; ``charge`` the stretches spent on a
+    request's load, ``load_done`` when it ends. ``take`` hands over what was measured since the last call.
+    """
+
+    def __init__(self) -> None:
+        self._begin: float | None = None
+        self._hooks_s = 0.0
+        self._tokens = 0
+        self._load_s: dict[str, float] = {}
+        self._pending = KVStrataWorkerMeta()
+
+    def begin(self, tokens: int) -> None:
+        self._begin, self._hooks_s, self._tokens = time.perf_counter(), 0.0, tokens
+
+    def hooked(self, seconds: float) -> None:
+        self._hooks_s += seconds
+
+    def end(self) -> None:
+        if self._begin is None:
+            return
+        compute = time.perf_counter() - self._begin - self._hooks_s
+        self._begin = None
+        if self._tokens > 0 and compute > 0:
+            self._pending.computed_tokens += self._tokens
+            self._pending.compute_s += compute
+
+    def charge(self, req_id: str, seconds: float) -> None:
+        self._load_s[req_id] = self._load_s.get(req_id, 0.0) + seconds
+
+    def load_done(self, req_id: str, ok: bool) -> None:
+        self._pending.loads.append(LoadTiming(req_id, self._load_s.pop(req_id, 0.0), ok))
+
+    def take(self) -> KVStrataWorkerMeta | None:
+        meta = self._pending
+        if not meta.loads and not meta.computed_tokens:
+            return None
+        self._pending = KVStrataWorkerMeta()
+        return meta
