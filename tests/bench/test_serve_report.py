@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs
 from kvstrata.bench.serve_counters import Counters, counters_of
-from kvstrata.bench.serve_plan import ServeWorkload, plan_conversations
+from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind, plan_conversations, round_plans
 from kvstrata.bench.serve_report import (
     PhaseRun,
     RequestRecord,
@@ -40,8 +40,9 @@ def test_percentiles_interpolate_between_ranks():
     assert percentile([2.0], 99) == 2.0 and math.isnan(percentile([], 50))
 
 
-def record(conversation: int, sent_s: float, ttft_s: float, ids=(1, 2, 3), prompt=(7,) * 64) -> RequestRecord:
-    return RequestRecord(conversation, 0, Instance.OURS, len(prompt), tuple(ids), ttft_s, 0.01, ttft_s + 0.02,
+def record(conversation: int, sent_s: float, ttft_s: float, ids=(1, 2, 3), prompt=(7,) * 64,
+           tpot_s: float | None = 0.01) -> RequestRecord:
+    return RequestRecord(conversation, 0, Instance.OURS, len(prompt), tuple(ids), ttft_s, tpot_s, ttft_s + 0.02,
                          sent_s, prompt=tuple(prompt))
 
 
@@ -68,12 +69,13 @@ def test_completions_are_checked_against_the_reference_by_prompt():
 
 def test_ratios_are_per_round_then_the_median_with_its_spread():
     def figures(ttft: float) -> object:
-        return measure([record(0, 0.0, ttft), record(1, 1.0, ttft)], Counters(), 32)
+        return measure([record(0, 0.0, ttft, tpot_s=ttft / 10), record(1, 1.0, ttft, tpot_s=ttft / 10)], Counters(), 32)
 
     rounds = [ServeRound(r, (Instance.OURS, Instance.BASELINE), figures(base), figures(ours))
               for r, (base, ours) in enumerate([(0.2, 0.1), (0.4, 0.1), (0.1, 0.1)])]
     v = versus(rounds)
     assert (v.ttft_p50.median, v.ttft_p50.min, v.ttft_p50.max, v.ttft_p50.rounds) == (0.5, 0.25, 1.0, 3)
+    assert (v.tpot_p50.median, v.tpot_p50.min, v.tpot_p50.max) == pytest.approx((0.5, 0.25, 1.0))
 
 
 def test_the_servers_sizes_roles_and_prefix_caching(tmp_path):
@@ -133,3 +135,26 @@ def test_the_report_checks_every_run_and_splits_the_two_servers_turns():
 def test_concurrent_servers_get_halves_of_the_cpus():
     assert cpu_halves([0]) is None
     assert cpu_halves([3, 0, 1, 2]) == ("0,1", "2,3")
+
+
+def test_a_no_reuse_report_has_the_rounds_alone_and_says_why_the_rest_was_skipped():
+    w = ServeWorkload(conversations=2, turns=1, max_model_len=256, kind=WorkloadKind.NO_REUSE)
+    config = ServeBenchConfig(w, Path("/m"), VOCAB, 65536, rounds=1, kv_blocks=9, host_bytes=1 << 24,
+                              disk_bytes=1 << 25, remote_bytes=1 << 24)
+    (sent,) = round_plans([Request(0, 600, 5, (1, 2)), Request(1, 900, 5, (1, 2))], w, VOCAB, rounds=1)
+
+    def run(instance: Instance, plans) -> PhaseRun:
+        records = tuple(RequestRecord(p.index, 0, instance, len(p.opener), (1, 2), 0.1, 0.01, 0.2, float(p.index),
+                                      prompt=p.opener) for p in plans)
+        return PhaseRun(records, {instance: Counters()})
+
+    ran = RunLog((RoundRun((Instance.OURS, Instance.BASELINE), {Instance.BASELINE: run(Instance.BASELINE, sent[0]),
+                                                                 Instance.OURS: run(Instance.OURS, sent[1])}),),
+                 None, None, None)
+    assert len(ran.runs()) == 2
+    reference = {r.prompt: (1, 2) for run in ran.runs() for r in run.records}
+    assert len(reference) == 4  # each server of the round was sent prompts of its own
+    report = build_report(config, "t", sent[0], ran, reference, None, (None, "none", 2), None, {}, {}, 9.0)
+    why = "--workload no-reuse"
+    assert report.shared_pool.skipped == report.restart.skipped == report.prefill_decode.skipped == why
+    assert report.identical and report.kvstrata.identical and report.reference_prompts == 4
