@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 from kvstrata.bench.rounds import Skipped, Spread
 from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_counters import Counters, HitsSource
+from kvstrata.bench.serve_counters import ConnectorCpu, Counters, HitsSource
 from kvstrata.bench.serve_plan import WorkloadKind
 from kvstrata.media import Medium
-from kvstrata.report import OMIT
+from kvstrata.report import OMIT, OMIT_NONE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -114,6 +114,8 @@ class Measured:
         vllm_prefix_hit_rate: vLLM's own prefix cache hits over queries (None: not asked).
         identical: every completion equals the reference's (None: not checked).
         load_seconds_per_load: kvstrata's own time per load (None: no loads).
+        connector_cpu_per_request: the connector's CPU seconds per side over the counters' span,
+            over the requests (None, and not in the JSON: not exported, or no requests).
     """
 
     requests: tuple[RequestRecord, ...]
@@ -134,6 +136,7 @@ class Measured:
     identical: bool | None
     differing: int
     load_seconds_per_load: float | None
+    connector_cpu_per_request: ConnectorCpu | None = field(default=None, metadata=OMIT_NONE)
 
 
 def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: int,
@@ -161,6 +164,7 @@ def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: 
         counters.prefix_hit_rate, all(checked) if checked and len(checked) == len(records) else None,
         sum(1 for c in checked if not c),
         counters.load_seconds / counters.load_requests if counters.load_requests else None,
+        counters.connector_cpu.per_request(len(records)) if counters.connector_cpu is not None and records else None,
     )
 
 

@@ -183,6 +183,16 @@ _HITS_SOURCE = {
 }
 
 
+def _cpu_line(m: Measured) -> list[str]:
+    """The connector's CPU time per request, where its server exports it (else no line)."""
+    cpu = m.connector_cpu_per_request
+    if cpu is None:
+        return []
+    return [f"connector CPU per request: {cpu.total_s * 1e3:.2f} ms (scheduler {cpu.scheduler_s * 1e3:.2f}, worker "
+            f"{cpu.worker_s * 1e3:.2f}): kvstrata_connector_cpu_seconds_total on the kvstrata server's /metrics over "
+            f"the rounds, over its {len(m.requests)} requests."]
+
+
 _NEW = {  # what the workload line adds for each kind
     WorkloadKind.CONVERSATIONS: "",
     WorkloadKind.NO_REUSE: " in length, but every prompt is new (a tag in its first block: no block shared in the "
@@ -240,6 +250,7 @@ def _print_serve(report: ServeBenchReport) -> None:
         f"kvstrata / vLLM, the median over {v.ttft_p50.rounds} round(s) of the ratio within a round (lowest-highest "
         f"round): TTFT p50 {spread_x(v.ttft_p50)}, p90 {spread_x(v.ttft_p90)}, TPOT p50 {spread_x(v.tpot_p50)} "
         f"(< 1x: faster); output tok/s {spread_x(v.output_tokens_per_s)}.",
+        *_cpu_line(report.kvstrata),
         "Rows: vLLM alone and with kvstrata over every round; two kvstrata servers on one pool, turns alternating "
         "(each server's turns); the second restarted, the same turns sent again; prefill (kv_producer, 1 token) and "
         "decode (kv_consumer) servers, the KV handed over in the pool. TPOT and hits: p50 and rates over the prompt "

@@ -3,6 +3,7 @@ the report assembled from the runs, and the servers' specs (pure: no server, no 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from kvstrata.bench.serve_report import (
     versus,
 )
 from kvstrata.media import Medium
+from kvstrata.report import dumps
 from kvstrata.sim.trace import Request
 
 VOCAB = 4096
@@ -55,6 +57,21 @@ def test_figures_of_a_configuration():
     assert m.output_tokens_per_s == pytest.approx(9 / 1.22)
     assert m.hits[Medium.HOST].tokens == 12 * 32 and m.hits[Medium.HOST].rate == pytest.approx(384 / 192)
     assert m.identical is None and m.load_seconds_per_load == pytest.approx(0.05)
+
+
+def test_the_connectors_cpu_per_request_is_the_phases_seconds_over_its_requests():
+    cpu = 'kvstrata_connector_cpu_seconds_total{engine="0",model_name="m",side="scheduler"} %s\n' \
+          'kvstrata_connector_cpu_seconds_total{engine="0",model_name="m",side="worker"} %s\n'
+    phase = counters_of(cpu % (0.104, 1.02), STATS).minus(counters_of(cpu % (0.1, 1.0), STATS))
+    records = [record(i, 0.1 * i, 0.1) for i in range(4)]
+    m = measure(records, phase, 32)
+    assert m.connector_cpu_per_request.scheduler_s == pytest.approx(0.001)
+    assert m.connector_cpu_per_request.worker_s == pytest.approx(0.005)
+    doc = json.loads(dumps(m))
+    assert doc["connector_cpu_per_request"] == pytest.approx({"scheduler_s": 0.001, "worker_s": 0.005})
+    older = measure(records, counters_of(METRICS, STATS), 32)  # a connector without the counter
+    assert older.connector_cpu_per_request is None and "connector_cpu_per_request" not in json.loads(dumps(older))
+    assert measure([], phase, 32).connector_cpu_per_request is None
 
 
 def test_completions_are_checked_against_the_reference_by_prompt():

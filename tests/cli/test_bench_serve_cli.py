@@ -98,13 +98,16 @@ def test_the_table_says_which_parts_were_skipped_and_why(capsys):
     assert "host 38% disk 12%" in out  # 6 and 2 blocks of 32 tokens over 4 x 128 prompt tokens
     assert "NO (4)" in out and "some differ" in out
     assert "P/D handoff" not in out
+    assert "connector CPU" not in out  # its connector exports no CPU counter: no line
 
 
-def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios(capsys):
+def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios_and_the_connectors_cpu(capsys):
     from pathlib import Path
 
     from kvstrata.bench.serve_config import Instance, ServeBenchConfig
-    from kvstrata.bench.serve_counters import Counters
+    from dataclasses import replace
+
+    from kvstrata.bench.serve_counters import ConnectorCpu, Counters
     from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind
     from kvstrata.bench.serve_report import RequestRecord, ServeBenchReport, ServeRound, Skipped, measure, versus
     from kvstrata.cli.bench_serve import _print_serve
@@ -115,6 +118,7 @@ def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios(capsys):
         return measure(records, Counters(), 32)
 
     base, ours = measured(Instance.BASELINE, 0.004), measured(Instance.OURS, 0.005)
+    ours = replace(ours, connector_cpu_per_request=ConnectorCpu(0.00011, 0.00051))
     rounds = (ServeRound(0, (Instance.OURS, Instance.BASELINE), base, ours),)
     why = Skipped("--workload no-reuse")
     report = ServeBenchReport(
@@ -125,3 +129,4 @@ def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios(capsys):
     assert out.count("skipped") == 3 and out.count("--workload no-reuse") == 3
     assert "no reuse: every prompt new" in out and "Restart:" not in out
     assert "TTFT p50 1.00x (1.00-1.00), p90 1.00x (1.00-1.00), TPOT p50 1.25x (1.25-1.25)" in out
+    assert "connector CPU per request: 0.62 ms (scheduler 0.11, worker 0.51)" in out
