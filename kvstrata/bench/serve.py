@@ -24,7 +24,9 @@ What runs, in order (see :mod:`kvstrata.bench.serve_config` for the servers):
 
 Without a pool (none configured and the pool engine not installed, or ``pool=False``) parts 2
 and 4 are skipped, kvstrata has no pool tier, and the kvstrata server restarts and replays the
-last round's turns.
+last round's turns. The no-reuse workload (:attr:`~kvstrata.bench.serve_plan.WorkloadKind.NO_REUSE`)
+runs the rounds alone, each round's two servers sent prompts of their own: parts 2-4 exist to
+reuse KV, and the reference checks the rounds' completions.
 Every server and an embedded pool are stopped however the run ends: an exception, Ctrl-C or
 SIGTERM (SIGINT is ignored while they stop, so a second Ctrl-C cannot leave them running).
 """
@@ -50,10 +52,12 @@ from kvstrata.bench.serve_client import Endpoint, Handoff, Route, ask_each, driv
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
 from kvstrata.bench.serve_counters import Counters, counters_of
 from kvstrata.bench.serve_plan import (
-    ConversationPlan,
+    TurnPlan,
+    WorkloadKind,
     alternate,
     plan_conversations,
     replay_plans,
+    round_plans,
     warm_prompts,
 )
 from kvstrata.bench.serve_report import (
@@ -76,6 +80,7 @@ if TYPE_CHECKING:
     from kvstrata.sim.trace import Request
 
 POOL_SEGMENT_BYTES = 512 << 20  # an embedded pool's: every connector server's remote_bytes fit
+ROUND_SERVERS = (Instance.BASELINE, Instance.OURS)  # in this order in round_plans' [round][server]
 SETTLE_S = 0.3  # after a phase's last answer, before its counters are read (the stats file is rewritten after a step)
 
 
@@ -135,7 +140,9 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
     began = time.perf_counter()
     trace, trace_text = load_trace(config)
     w = config.workload
-    plans = [plan_conversations(trace, w, config.vocab, variant) for variant in range(config.rounds + 2)]  # checks the trace first
+    rounds_plans = round_plans(trace, w, config.vocab, config.rounds, len(ROUND_SERVERS))  # checks the trace first
+    reuse = w.kind is WorkloadKind.CONVERSATIONS  # no-reuse: the rounds alone (see the module text)
+    later = [plan_conversations(trace, w, config.vocab, config.rounds + i) for i in range(2)] if reuse else []
     with ExitStack() as stack:
         stack.enter_context(_signals_end_the_run())
         work = _work_dir(config, stack)
@@ -147,13 +154,17 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
             config, work, progress))
         stack.callback(_ignore_sigint)  # unwinds first: nothing interrupts the stops below
         run = _Run(config, fleet, progress)
-        rounds = run.rounds(plans[: config.rounds])
-        shared = run.shared(plans[config.rounds]) if source is not None else None
-        if shared is not None:
-            restart = run.restart(Instance.SECOND, shared.records)
-        else:
-            restart = run.restart(Instance.OURS, rounds[-1].runs[Instance.OURS].records)
-        pd = run.prefill_decode(plans[config.rounds + 1]) if source is not None else None
+        rounds = run.rounds(rounds_plans)
+        shared: PhaseRun | None = None
+        restart: RestartRun | None = None
+        pd: PhaseRun | None = None
+        if reuse:
+            shared = run.shared(later[0]) if source is not None else None
+            if shared is not None:
+                restart = run.restart(Instance.SECOND, shared.records)
+            else:
+                restart = run.restart(Instance.OURS, rounds[-1].runs[Instance.OURS].records)
+            pd = run.prefill_decode(later[1]) if source is not None else None
         ran = RunLog(tuple(rounds), shared, restart, pd)
         if pd is not None and calibration is None:
             progress.start(1)
@@ -162,7 +173,8 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
         else:
             basis = "the calibrated profile given" if calibration is not None else "none"
         reference = run.reference(ran.runs())
-    return build_report(config, trace_text, plans[0], ran, reference, source, (calibration, basis, CacheConfig.workers),
+    return build_report(config, trace_text, rounds_plans[0][0], ran, reference, source,
+                        (calibration, basis, CacheConfig.workers),
                         why_no_pool, dict(fleet.start_s), dict(fleet.metrics_text), time.perf_counter() - began)
 
 
@@ -173,7 +185,7 @@ class _Run:
         self.config, self.fleet, self.progress = config, fleet, progress
         self.w = config.workload
 
-    def phase(self, plans: Sequence[ConversationPlan], route: Route, servers: Sequence[Instance], label: str) -> PhaseRun:
+    def phase(self, plans: Sequence[TurnPlan], route: Route, servers: Sequence[Instance], label: str) -> PhaseRun:
         """One phase, on a quiet host: a vLLM worker busy-polls its queue for a while after its
         last step (about 1 s), and a phase begun while the last one's server still spun on the
         CPUs this one's is bound to had its first requests take 0.2-0.7 s to a first token."""
@@ -184,21 +196,22 @@ class _Run:
         after = self.fleet.counters(servers)
         return PhaseRun(driven.records, {s: after[s].minus(before[s]) for s in servers}, driven.prefills)
 
-    def rounds(self, plans: Sequence[Sequence[ConversationPlan]]) -> list[RoundRun]:
-        self.fleet.start(Instance.BASELINE, Instance.OURS)
+    def rounds(self, plans: Sequence[Sequence[Sequence[TurnPlan]]]) -> list[RoundRun]:
+        """Each round's ``[server]`` plans (``ROUND_SERVERS``' order), the servers in turn."""
+        self.fleet.start(*ROUND_SERVERS)
         out = []
-        for r, round_plans in enumerate(plans):
+        for r, by_server in enumerate(plans):
             order = tuple(rotated([Instance.OURS, Instance.BASELINE], r))
             by = {}
             for instance in order:
-                endpoint = self.fleet.endpoint(instance)
-                by[instance] = self.phase(round_plans, lambda c, t, e=endpoint: e, [instance],
+                endpoint, sent = self.fleet.endpoint(instance), by_server[ROUND_SERVERS.index(instance)]
+                by[instance] = self.phase(sent, lambda c, t, e=endpoint: e, [instance],
                                           f"round {r + 1}/{len(plans)}, {instance.value}")
             out.append(RoundRun(order, by))
         self.fleet.stop(Instance.BASELINE)
         return out
 
-    def shared(self, plans: Sequence[ConversationPlan]) -> PhaseRun:
+    def shared(self, plans: Sequence[TurnPlan]) -> PhaseRun:
         self.fleet.start(Instance.SECOND)
         pair = (self.fleet.endpoint(Instance.OURS), self.fleet.endpoint(Instance.SECOND))
         run = self.phase(plans, lambda c, t: pair[alternate(c, t)], [Instance.OURS, Instance.SECOND],
@@ -216,7 +229,7 @@ class _Run:
         self.fleet.stop(instance)
         return RestartRun(instance, run, seconds, before)
 
-    def prefill_decode(self, plans: Sequence[ConversationPlan]) -> PhaseRun:
+    def prefill_decode(self, plans: Sequence[TurnPlan]) -> PhaseRun:
         self.fleet.start(Instance.PREFILL, Instance.DECODE)
         handoff = Handoff(self.fleet.endpoint(Instance.PREFILL), self.fleet.endpoint(Instance.DECODE))
         run = self.phase(plans, lambda c, t: handoff, [Instance.PREFILL, Instance.DECODE], "P/D via the pool")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_plan import ConversationPlan, arrival_s
+from kvstrata.bench.serve_plan import TurnPlan, arrival_s
 from kvstrata.bench.serve_report import RequestRecord
 from kvstrata.progress import NoProgress, Progress
 
@@ -66,7 +66,7 @@ class Driven:
     prefills: tuple[RequestRecord, ...]
 
 
-def drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: int, rate_per_s: float,
+def drive(plans: Sequence[TurnPlan], route: Route, max_tokens: int, rate_per_s: float,
           progress: Progress | None = None, label: str = "") -> Driven:
     """Run every conversation of ``plans`` against the servers ``route`` names."""
     return asyncio.run(_drive(plans, route, max_tokens, rate_per_s, progress or NoProgress(), label))
@@ -102,7 +102,7 @@ class Clients:
             await client.close()
 
 
-async def _drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: int, rate_per_s: float,
+async def _drive(plans: Sequence[TurnPlan], route: Route, max_tokens: int, rate_per_s: float,
                  progress: Progress, label: str) -> Driven:
     clients = Clients()
     records: list[RequestRecord] = []
@@ -115,7 +115,7 @@ async def _drive(plans: Sequence[ConversationPlan], route: Route, max_tokens: in
     def done(record: RequestRecord) -> None:
         progress.step(f"{label}: {len(records) + len(prefills)}/{steps} requests")
 
-    async def conversation(position: int, plan: ConversationPlan) -> None:
+    async def conversation(position: int, plan: TurnPlan) -> None:
         answers: list[tuple[int, ...]] = []
         for turn in range(plan.turns):
             wait = start + arrival_s(position, turn, len(plans), rate_per_s) - time.perf_counter()

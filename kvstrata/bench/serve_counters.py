@@ -6,7 +6,10 @@ and ``vllm:prefix_cache_hits`` (tokens). The connector's stats file (``stats_pat
 extra config, :mod:`kvstrata.integrations.vllm.stats`): the blocks it loaded into vLLM per
 route, by the tier each came from, its loads and their seconds. When the server's ``/metrics``
 exports the connector's ``kvstrata_connector_lookup_hit_blocks_total`` per tier, the hits per
-tier are taken from there instead, and :attr:`Counters.hits_source` says which was read.
+tier are taken from there instead, and :attr:`Counters.hits_source` says which was read. The
+connector's own CPU time comes from ``/metrics`` alone: ``kvstrata_connector_cpu_seconds_total``
+by ``side`` (``scheduler``: its hooks in vLLM's engine-core process; ``worker``: its hooks and
+threads in the worker process(es)); a server whose connector does not export it has none.
 
 Every counter is cumulative over the process's life: a phase's figures are the difference of a
 snapshot after it and one before (:meth:`Counters.minus`).
@@ -25,6 +28,7 @@ from kvstrata.media import Medium, parse_route
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CONNECTOR_HITS = "kvstrata_connector_lookup_hit_blocks_total"
+CONNECTOR_CPU = "kvstrata_connector_cpu_seconds_total"
 TIER_LABELS = ("tier", "medium", "source")  # the label of CONNECTOR_HITS that names the tier
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
@@ -35,6 +39,36 @@ class HitsSource(enum.Enum):
     METRICS = "metrics"  # kvstrata_connector_lookup_hit_blocks_total on /metrics
     STATS_FILE = "stats file"  # the connector's stats_path JSON (blocks loaded, by source tier)
     NONE = "none"  # no connector
+
+
+class ConnectorSide(enum.Enum):
+    """Where the connector's CPU time was spent (its value: ``CONNECTOR_CPU``'s ``side`` label)."""
+
+    SCHEDULER = "scheduler"  # vLLM's engine-core process: the scheduler-side hooks
+    WORKER = "worker"  # the worker process(es): the worker-side hooks and the connector's threads
+
+
+@dataclass(frozen=True)
+class ConnectorCpu:
+    """The connector's CPU seconds per side: cumulative in a snapshot, over a phase after
+    :meth:`minus`, a request's share after :meth:`per_request`."""
+
+    scheduler_s: float = 0.0
+    worker_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.scheduler_s + self.worker_s
+
+    def minus(self, earlier: ConnectorCpu) -> ConnectorCpu:
+        return ConnectorCpu(self.scheduler_s - earlier.scheduler_s, self.worker_s - earlier.worker_s)
+
+    def plus(self, other: ConnectorCpu) -> ConnectorCpu:
+        return ConnectorCpu(self.scheduler_s + other.scheduler_s, self.worker_s + other.worker_s)
+
+    def per_request(self, requests: int) -> ConnectorCpu:
+        """Each side's seconds over ``requests`` (>= 1)."""
+        return ConnectorCpu(self.scheduler_s / requests, self.worker_s / requests)
 
 
 @dataclass(frozen=True)
@@ -52,6 +86,8 @@ class Counters:
         restored_bytes: bytes kvstrata brought to its device tier.
         prefix_queries_tokens: prompt tokens vLLM's own prefix cache was asked for.
         prefix_hits_tokens: of those, tokens it held.
+        connector_cpu: the connector's CPU seconds per side from ``/metrics``; None where the
+            server does not export them (no connector, or one from before the counter).
     """
 
     loaded_blocks: Mapping[Medium, int] = field(default_factory=dict)
@@ -62,6 +98,7 @@ class Counters:
     restored_bytes: int = 0
     prefix_queries_tokens: float = 0.0
     prefix_hits_tokens: float = 0.0
+    connector_cpu: ConnectorCpu | None = None
 
     @property
     def hit_blocks(self) -> dict[Medium, int]:
@@ -93,10 +130,14 @@ class Counters:
             self.restored_bytes - earlier.restored_bytes,
             self.prefix_queries_tokens - earlier.prefix_queries_tokens,
             self.prefix_hits_tokens - earlier.prefix_hits_tokens,
+            None if self.connector_cpu is None else self.connector_cpu.minus(earlier.connector_cpu or ConnectorCpu()),
         )
 
     def plus(self, other: Counters) -> Counters:
         """Two phases' (or servers') counters together."""
+        cpu = None
+        if self.connector_cpu is not None or other.connector_cpu is not None:
+            cpu = (self.connector_cpu or ConnectorCpu()).plus(other.connector_cpu or ConnectorCpu())
         exported = None
         if self.exported_blocks is not None or other.exported_blocks is not None:
             exported = _sum(self.exported_blocks or {}, other.exported_blocks or {})
@@ -107,6 +148,7 @@ class Counters:
             self.restored_bytes + other.restored_bytes,
             self.prefix_queries_tokens + other.prefix_queries_tokens,
             self.prefix_hits_tokens + other.prefix_hits_tokens,
+            cpu,
         )
 
 
@@ -146,10 +188,25 @@ def counters_of(metrics_text: str, stats: Mapping[str, Any] | None) -> Counters:
         source = parse_route(route)[0]  # the tier the block was found in
         loaded[source] = loaded.get(source, 0) + int(blocks)
     return Counters(
-        loaded, _exported_hits(metrics), bool(stats) or CONNECTOR_HITS in metrics,
+        loaded, _exported_hits(metrics), bool(stats) or CONNECTOR_HITS in metrics or CONNECTOR_CPU in metrics,
         int(stats.get("load_requests", 0)), float(stats.get("load_seconds", 0.0)), int(stats.get("restored_bytes", 0)),
         sum(v for _, v in metrics.get(PREFIX_QUERIES, [])), sum(v for _, v in metrics.get(PREFIX_HITS, [])),
+        _connector_cpu(metrics),
     )
+
+
+def _connector_cpu(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> ConnectorCpu | None:
+    """``CONNECTOR_CPU`` summed per side (over engines and workers); None where it is not
+    exported. A side this bench does not know is left out."""
+    samples = metrics.get(CONNECTOR_CPU)
+    if not samples:
+        return None
+    by_side = dict.fromkeys(ConnectorSide, 0.0)
+    for labels, value in samples:
+        side = next((s for s in ConnectorSide if s.value == labels.get("side")), None)
+        if side is not None:
+            by_side[side] += value
+    return ConnectorCpu(by_side[ConnectorSide.SCHEDULER], by_side[ConnectorSide.WORKER])
 
 
 def _exported_hits(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> dict[Medium, int] | None:

@@ -22,19 +22,42 @@ never sent before its conversation's previous answer is back (a closed loop per 
 
 ``variant`` draws other token ids for the same shapes: rounds and phases of one run use the same
 conversations with fresh content, so none finds another's KV cached.
+
+No reuse (:attr:`WorkloadKind.NO_REUSE`). The same conversations' shapes and pace, but every
+turn's prompt is new: turn ``t`` of a conversation is ``opener + t x (max_tokens + user_tokens)``
+token ids long, the length its conversations twin has (every answer is ``max_tokens`` long), all
+of them drawn afresh, so there is nothing for any cache to serve and the connector can only
+store: what it costs a server that never hits. No request shares a prefix block with another of
+the run, across rounds and servers too (:func:`round_plans` gives each round's servers streams of
+their own): every prompt opens with a tag, its number in the run (stream, conversation, turn)
+written in base ``vocab - FIRST_TOKEN_ID`` over as many tokens as the run's count needs, all
+within the first block. Two prompts' first blocks therefore differ, and since a block's key
+chains every block before it (vLLM's and kvstrata's, :mod:`kvstrata.index.keys`), so do all
+their blocks. A prompt shorter than a block has no full block, which no cache keeps. The rest
+of each prompt is seeded draws. Only the interleaved rounds run this workload: the later phases
+(two servers on one pool, restart, P/D) exist to reuse KV.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvstrata.sim.trace import BLOCK_TOKENS as TRACE_BLOCK_TOKENS
 from kvstrata.sim.trace import Request, sort_by_time
 
 FIRST_TOKEN_ID = 16  # ids below are left out: tokenizers put their special tokens first
+
+
+class WorkloadKind(enum.Enum):
+    """What the prompts are (its value: the ``--workload`` flag's and the JSON's)."""
+
+    CONVERSATIONS = "conversations"  # each turn extends the last: reuse beyond vLLM's own KV
+    NO_REUSE = "no-reuse"  # every prompt new: nothing to hit, the connector's cost alone
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,7 @@ class ServeWorkload:
         max_model_len: the server's longest prompt plus answer.
         rate_per_s: requests a second the schedule allows (see the module text).
         seed: the token ids' seed.
+        kind: conversations, or the same shapes with every prompt new (see the module text).
     """
 
     conversations: int = 8
@@ -61,8 +85,11 @@ class ServeWorkload:
     max_model_len: int = 512
     rate_per_s: float = 4.0
     seed: int = 0
+    kind: WorkloadKind = WorkloadKind.CONVERSATIONS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, WorkloadKind):
+            raise ValueError(f"bench serve: the workload must be a WorkloadKind, got {self.kind!r}")
         for name in ("conversations", "turns", "max_tokens", "user_tokens", "block_tokens", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -123,6 +150,64 @@ class ConversationPlan:
         return tuple(prompt)
 
 
+@dataclass(frozen=True)
+class FreshPlan:
+    """One conversation of the no-reuse workload: a prompt of its own each turn.
+
+    Attributes:
+        index: its number (arrival order of its trace request).
+        prompts: turn ``t``'s prompt at ``prompts[t]``, token ids (answers are not part of it).
+    """
+
+    index: int
+    prompts: tuple[tuple[int, ...], ...]
+
+    @property
+    def turns(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def opener(self) -> tuple[int, ...]:
+        return self.prompts[0]
+
+    def prompt(self, turn: int, answers: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """Turn ``turn``'s prompt (the answers are not in it; the client still waits for them)."""
+        return self.prompts[turn]
+
+
+class TurnPlan(Protocol):
+    """What the client sends a conversation from: a :class:`ConversationPlan` or a :class:`FreshPlan`."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def turns(self) -> int: ...
+
+    @property
+    def opener(self) -> tuple[int, ...]: ...
+
+    def prompt(self, turn: int, answers: Sequence[Sequence[int]]) -> tuple[int, ...]: ...
+
+
+def workload_of(doc: Mapping[str, Any]) -> ServeWorkload:
+    """A workload from its JSON (a ``bench serve --json`` report's ``config.workload``; a report
+    from before ``kind`` existed ran conversations).
+
+    Raises:
+        ValueError: an unknown kind, or a field the workload refuses.
+        TypeError: a field it does not have.
+    """
+    fields = dict(doc)
+    kind = fields.pop("kind", WorkloadKind.CONVERSATIONS.value)
+    try:
+        parsed = WorkloadKind(kind)
+    except ValueError:
+        known = ", ".join(k.value for k in WorkloadKind)
+        raise ValueError(f"bench serve: workload kind must be one of {known}, got {kind!r}") from None
+    return ServeWorkload(**fields, kind=parsed)
+
+
 def generated_trace(workload: ServeWorkload) -> list[Request]:
     """The trace ``bench serve`` generates when given none: ``kvstrata trace generate``'s, seeded
     with the workload's seed, one request per conversation at its rate."""
@@ -145,12 +230,7 @@ def plan_conversations(trace: Sequence[Request], workload: ServeWorkload, vocab:
     Raises:
         ValueError: the trace has fewer requests than conversations, or the vocabulary is too small.
     """
-    if vocab <= FIRST_TOKEN_ID:
-        raise ValueError(f"bench serve: the model's vocabulary ({vocab}) is too small to draw prompts from")
-    if len(trace) < workload.conversations:
-        raise ValueError(f"bench serve: the trace has {len(trace)} requests; {workload.conversations} conversations "
-                         "need one each")
-    ordered = sort_by_time(trace)[: workload.conversations]
+    ordered = _openers(trace, workload, vocab)
     seen: set[int] = set()
     plans = []
     for index, request in enumerate(ordered):
@@ -172,6 +252,58 @@ def plan_conversations(trace: Sequence[Request], workload: ServeWorkload, vocab:
                      for t in range(1, workload.turns))
         plans.append(ConversationPlan(index, tuple(opener), user, request.input_length, shared))
     return tuple(plans)
+
+
+def plan_no_reuse(trace: Sequence[Request], workload: ServeWorkload, vocab: int,
+                  streams: int) -> tuple[tuple[FreshPlan, ...], ...]:
+    """``streams`` sets of the no-reuse workload's conversations (see the module text), each
+    shaped as :func:`plan_conversations`' conversations are; no prompt of any set shares a
+    block with another prompt of any set.
+
+    Raises:
+        ValueError: as :func:`plan_conversations`, or the vocabulary cannot tell the run's prompts
+            apart within one block.
+    """
+    ordered = _openers(trace, workload, vocab)
+    base = vocab - FIRST_TOKEN_ID
+    count = streams * workload.conversations * workload.turns
+    width = 1
+    while base > 1 and base ** width < count:
+        width += 1
+    if base < 2 or width > workload.block_tokens:
+        raise ValueError(f"bench serve: {count} new prompts cannot be told apart within a "
+                         f"{workload.block_tokens}-token block with a vocabulary of {vocab}: fewer rounds, "
+                         "conversations or turns")
+    grow = workload.max_tokens + workload.user_tokens  # what each later turn adds: an answer and user tokens
+    out = []
+    for stream in range(streams):
+        plans = []
+        for index, request in enumerate(ordered):
+            prompts = []
+            for turn in range(workload.turns):
+                length = opener_tokens(request, workload) + turn * grow
+                number = (stream * workload.conversations + index) * workload.turns + turn
+                tag = _digits(number, base, width)
+                rest = _draw(workload.seed, vocab, stream, f"fresh/{index}/{turn}", max(0, length - width))
+                prompts.append(tuple([*tag, *rest][:length]))
+            plans.append(FreshPlan(index, tuple(prompts)))
+        out.append(tuple(plans))
+    return tuple(out)
+
+
+def round_plans(trace: Sequence[Request], workload: ServeWorkload, vocab: int, rounds: int,
+                servers: int = 2) -> tuple[tuple[tuple[TurnPlan, ...], ...], ...]:
+    """What each of ``servers`` is sent in each of ``rounds`` interleaved rounds, ``[round][server]``:
+    conversations, the same for every server of a round (variant = the round), or no-reuse
+    conversations, a stream of their own for every server of every round.
+
+    Raises:
+        ValueError: as :func:`plan_conversations` or :func:`plan_no_reuse`.
+    """
+    if workload.kind is WorkloadKind.CONVERSATIONS:
+        return tuple((plan_conversations(trace, workload, vocab, r),) * servers for r in range(rounds))
+    streams = plan_no_reuse(trace, workload, vocab, rounds * servers)
+    return tuple(streams[r * servers: (r + 1) * servers] for r in range(rounds))
 
 
 def replay_plans(prompts: Sequence[Sequence[int]]) -> tuple[ConversationPlan, ...]:
@@ -200,6 +332,25 @@ def hit_blocks(prompt_tokens: int, block_tokens: int) -> int:
     """Full blocks before a prompt's last token: the most a cache can serve (the engine computes
     at least the last token itself, for the next token's logits)."""
     return max(0, prompt_tokens - 1) // block_tokens
+
+
+def _openers(trace: Sequence[Request], workload: ServeWorkload, vocab: int) -> list[Request]:
+    """The trace requests the conversations open with (arrival order), after the checks."""
+    if vocab <= FIRST_TOKEN_ID:
+        raise ValueError(f"bench serve: the model's vocabulary ({vocab}) is too small to draw prompts from")
+    if len(trace) < workload.conversations:
+        raise ValueError(f"bench serve: the trace has {len(trace)} requests; {workload.conversations} conversations "
+                         "need one each")
+    return sort_by_time(trace)[: workload.conversations]
+
+
+def _digits(number: int, base: int, width: int) -> list[int]:
+    """``number`` in ``base`` over ``width`` token ids (most significant first), each >= FIRST_TOKEN_ID."""
+    out = []
+    for _ in range(width):
+        number, digit = divmod(number, base)
+        out.append(FIRST_TOKEN_ID + digit)
+    return out[::-1]
 
 
 def _draw(seed: int, vocab: int, variant: int, what: str, count: int) -> list[int]:

@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING
 
 from kvstrata.bench.rounds import Skipped, Spread
 from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_counters import Counters, HitsSource
+from kvstrata.bench.serve_counters import ConnectorCpu, Counters, HitsSource
+from kvstrata.bench.serve_plan import WorkloadKind
 from kvstrata.media import Medium
-from kvstrata.report import OMIT
+from kvstrata.report import OMIT, OMIT_NONE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from kvstrata.bench.serve_config import ServeBenchConfig
-    from kvstrata.bench.serve_plan import ConversationPlan
+    from kvstrata.bench.serve_plan import TurnPlan
     from kvstrata.plan.host import HostCalibration
     from kvstrata.pool.scoped import PoolSource
 
@@ -113,6 +114,8 @@ class Measured:
         vllm_prefix_hit_rate: vLLM's own prefix cache hits over queries (None: not asked).
         identical: every completion equals the reference's (None: not checked).
         load_seconds_per_load: kvstrata's own time per load (None: no loads).
+        connector_cpu_per_request: the connector's CPU seconds per side over the counters' span,
+            over the requests (None, and not in the JSON: not exported, or no requests).
     """
 
     requests: tuple[RequestRecord, ...]
@@ -133,6 +136,7 @@ class Measured:
     identical: bool | None
     differing: int
     load_seconds_per_load: float | None
+    connector_cpu_per_request: ConnectorCpu | None = field(default=None, metadata=OMIT_NONE)
 
 
 def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: int,
@@ -160,6 +164,7 @@ def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: 
         counters.prefix_hit_rate, all(checked) if checked and len(checked) == len(records) else None,
         sum(1 for c in checked if not c),
         counters.load_seconds / counters.load_requests if counters.load_requests else None,
+        counters.connector_cpu.per_request(len(records)) if counters.connector_cpu is not None and records else None,
     )
 
 
@@ -189,6 +194,7 @@ class Versus:
 
     ttft_p50: Spread
     ttft_p90: Spread
+    tpot_p50: Spread
     output_tokens_per_s: Spread
 
 
@@ -196,11 +202,12 @@ def versus(rounds: Sequence[ServeRound]) -> Versus:
     def ratio(of: str) -> Spread:
         return Spread.of([_ratio(getattr(r.kvstrata, of), getattr(r.baseline, of)) for r in rounds])
 
-    return Versus(ratio("ttft_p50_s"), ratio("ttft_p90_s"), ratio("output_tokens_per_s"))
+    return Versus(ratio("ttft_p50_s"), ratio("ttft_p90_s"), ratio("tpot_p50_s"), ratio("output_tokens_per_s"))
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else math.nan
+def _ratio(a: float | None, b: float | None) -> float:
+    """``a / b``; NaN where either is missing (a TPOT of one-token answers) or ``b`` is not > 0."""
+    return a / b if a is not None and b is not None and b > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -280,7 +287,8 @@ class ServeBenchReport:
         baseline, kvstrata: each configuration over every round.
         rounds: each round's figures.
         versus: kvstrata over the baseline, paired per round.
-        shared_pool, restart, prefill_decode: the pool's parts (or why they did not run).
+        shared_pool, restart, prefill_decode: the later parts (or why they did not run: no pool,
+            or the no-reuse workload, which runs the rounds alone).
         pool: where the pool came from (None: no pool).
         reference_prompts: prompts the reference server computed.
         identical: every completion checked equals the reference's.
@@ -297,7 +305,7 @@ class ServeBenchReport:
     rounds: tuple[ServeRound, ...]
     versus: Versus
     shared_pool: SharedPool | Skipped
-    restart: Restart
+    restart: Restart | Skipped
     prefill_decode: PrefillDecode | Skipped
     pool: PoolSource | None
     reference_prompts: int
@@ -331,21 +339,25 @@ class RunLog:
 
     rounds: tuple[RoundRun, ...]
     shared: PhaseRun | None
-    restart: RestartRun
+    restart: RestartRun | None
     prefill_decode: PhaseRun | None
 
     def runs(self) -> list[PhaseRun]:
-        optional = (self.shared, self.restart.run, self.prefill_decode)
+        optional = (self.shared, self.restart.run if self.restart is not None else None, self.prefill_decode)
         return [run for r in self.rounds for run in r.runs.values()] + [run for run in optional if run is not None]
 
 
-def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[ConversationPlan], ran: RunLog,
+def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[TurnPlan], ran: RunLog,
                  reference: Mapping[tuple[int, ...], tuple[int, ...]], pool: PoolSource | None,
                  prediction: tuple[HostCalibration | None, str, int], why_no_pool: str | None,
                  start_s: dict[Instance, float], metrics_text: dict[Instance, str], wall_s: float) -> ServeBenchReport:
     """The report of ``ran``, every completion checked against ``reference`` (its answer per
     prompt); ``prediction``: the calibration for the P/D restore, what it is, the cache's workers."""
     bt = config.workload.block_tokens
+    if config.workload.kind is WorkloadKind.NO_REUSE:
+        why_not = "--workload no-reuse"  # the rounds alone: the later parts exist to reuse KV
+    else:
+        why_not = why_no_pool or "no pool"
 
     def final(run: PhaseRun) -> PhaseRun:
         return replace(run, records=checked(run.records, reference), prefills=checked(run.prefills, reference))
@@ -361,20 +373,25 @@ def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[Con
         return measure([rec for run in runs for rec in run.records], total(run.counters[instance] for run in runs),
                        bt, wall_s=sum(walls))
 
-    shared: SharedPool | Skipped = Skipped(why_no_pool or "no pool")
+    shared: SharedPool | Skipped = Skipped(why_not)
     if ran.shared is not None:
         s = final(ran.shared)
         shared = SharedPool({i: measure([r for r in s.records if r.server is i], s.counters[i], bt)
                              for i in (Instance.OURS, Instance.SECOND)}, measure(s.records, total(s.counters.values()), bt))
-    replay = final(ran.restart.run)
-    restart = Restart(ran.restart.server, ran.restart.restart_s,
-                      measure(replay.records, replay.counters[ran.restart.server], bt), ran.restart.metrics_text_before)
-    pd: PrefillDecode | Skipped = Skipped(why_no_pool or "no pool")
+    restart: Restart | Skipped = Skipped(why_not)
+    if ran.restart is not None:
+        replay = final(ran.restart.run)
+        restart = Restart(ran.restart.server, ran.restart.restart_s,
+                          measure(replay.records, replay.counters[ran.restart.server], bt),
+                          ran.restart.metrics_text_before)
+    pd: PrefillDecode | Skipped = Skipped(why_not)
     if ran.prefill_decode is not None:
         calibration, basis, workers = prediction
         pd = prefill_decode(final(ran.prefill_decode), bt, config.block_bytes, workers, calibration, basis)
     baseline, ours = over_rounds(Instance.BASELINE), over_rounds(Instance.OURS)
-    every = [baseline, ours, restart.replay]
+    every = [baseline, ours]
+    if isinstance(restart, Restart):
+        every.append(restart.replay)
     if isinstance(shared, SharedPool):
         every.append(shared.together)
     if isinstance(pd, PrefillDecode):

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.bench.serve_plan import ServeWorkload
+from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind, workload_of
 from kvstrata.bench.serve_report import Measured, percentile
 from kvstrata.media import Medium
 from kvstrata.plan.host import HostCalibration
@@ -167,7 +167,10 @@ def setup_of(doc: Mapping[str, Any], trace: Sequence[Request], calibration: Host
     """
     try:
         c = doc["config"]
-        workload = ServeWorkload(**c["workload"])
+        workload = report_workload(c["workload"])
+        if workload.kind is not WorkloadKind.CONVERSATIONS:
+            raise BadReport(f"bench serve report: a --workload {workload.kind.value} run; the simulation replays "
+                            "the conversations workload only")
         limits = EngineLimits(c["kv_blocks"], workload.block_tokens, c["max_num_seqs"])
         block_bytes = c["block_bytes"]
         pool = _at(doc, ("shared_pool", "together")) is not None
@@ -177,6 +180,14 @@ def setup_of(doc: Mapping[str, Any], trace: Sequence[Request], calibration: Host
                           ServingTimes.of(calibration, model, block_bytes, workers, tiers))
     except (KeyError, TypeError) as exc:
         raise BadReport(f"bench serve report: config lacks {exc}") from None
+
+
+def report_workload(doc: Mapping[str, Any]) -> ServeWorkload:
+    """A report's ``config.workload``; a kind or field the workload refuses is a bad report (one line)."""
+    try:
+        return workload_of(doc)
+    except ValueError as exc:
+        raise BadReport(f"bench serve report: {exc}") from None
 
 
 def compare(measured: Mapping[str, Figures], simulated: Mapping[str, Figures]) -> ServeValidation:

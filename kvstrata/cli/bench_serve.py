@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kvstrata import cli
 from kvstrata.bench.serve_counters import HitsSource
+from kvstrata.bench.serve_plan import WorkloadKind
 from kvstrata.cli.bench import BenchParser, _run_and_report, spread_x
 
 if TYPE_CHECKING:
@@ -33,9 +34,14 @@ def register(bench: BenchParser) -> None:
         "configuration TTFT p50/p90/p99, TPOT, throughput, vLLM's prefix hit rate and kvstrata's per tier. Then "
         "two servers on one pool (turns alternating), a restart (hits from the disk tier), and prefill/decode "
         "servers handing the KV over in the pool, beside the prediction for this host. Every completion is "
-        "compared with a cold server's (prefix caching off). Makes the tiny model if --model-dir is not given.",
+        "compared with a cold server's (prefix caching off). Makes the tiny model if --model-dir is not given. "
+        "--workload no-reuse: the same shapes and pace with every prompt new (no block shared in the run), the "
+        "rounds alone: what the connector costs a server it never serves a hit to.",
     )
     p.add_argument("--model-dir", help="a Hugging Face model directory (default: the tiny model, made if absent)")
+    p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default=WorkloadKind.CONVERSATIONS.value,
+                   help="conversations (each turn extends the last) or no-reuse (the same shapes and pace, every "
+                        "prompt new; the rounds alone) (default: conversations)")
     p.add_argument("--trace", metavar="FILE", help="Mooncake-format JSON-lines trace (default: one generated "
                                                    "with --seed, as kvstrata trace generate makes it)")
     p.add_argument("--conversations", type=int, default=8, help="conversations at once (default: 8)")
@@ -72,7 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # what needs no model and no vLLM first: a bad flag is one line at once
     workload = ServeWorkload(args.conversations, args.turns, args.max_tokens, args.user_tokens, args.block_size,
-                             args.max_model_len, args.rate, args.seed)
+                             args.max_model_len, args.rate, args.seed, WorkloadKind(args.workload))
     if args.trace is not None and not os.path.isfile(args.trace):
         raise cli.CliError(f"--trace {args.trace}: no such file")
     for flag in ("host_mib", "disk_mib", "remote_mib"):
@@ -102,9 +108,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.trace is not None:  # a bad line, or fewer requests than conversations: one line, before any server
         from kvstrata.bench.serve import load_trace
-        from kvstrata.bench.serve_plan import plan_conversations
+        from kvstrata.bench.serve_plan import round_plans
 
-        plan_conversations(load_trace(config)[0], workload, facts.vocab)
+        round_plans(load_trace(config)[0], workload, facts.vocab, config.rounds)
     reports: list[ServeBenchReport] = []
 
     def run(bar: cli.StepBar) -> ServeBenchReport:
@@ -177,6 +183,23 @@ _HITS_SOURCE = {
 }
 
 
+def _cpu_line(m: Measured) -> list[str]:
+    """The connector's CPU time per request, where its server exports it (else no line)."""
+    cpu = m.connector_cpu_per_request
+    if cpu is None:
+        return []
+    return [f"connector CPU per request: {cpu.total_s * 1e3:.2f} ms (scheduler {cpu.scheduler_s * 1e3:.2f}, worker "
+            f"{cpu.worker_s * 1e3:.2f}): kvstrata_connector_cpu_seconds_total on the kvstrata server's /metrics over "
+            f"the rounds, over its {len(m.requests)} requests."]
+
+
+_NEW = {  # what the workload line adds for each kind
+    WorkloadKind.CONVERSATIONS: "",
+    WorkloadKind.NO_REUSE: " in length, but every prompt is new (a tag in its first block: no block shared in the "
+                           "run, so kvstrata can only store)",
+}
+
+
 def _print_serve(report: ServeBenchReport) -> None:
     from kvstrata.bench.rounds import Skipped
 
@@ -184,8 +207,9 @@ def _print_serve(report: ServeBenchReport) -> None:
     tiers = f"device {c.device_bytes / MiB:g} MiB, host {c.host_bytes / MiB:g} MiB, disk {c.disk_bytes / MiB:g} MiB"
     if report.pool is not None:
         tiers += f", pool {c.remote_bytes / MiB:g} MiB"
+    fresh = " (no reuse: every prompt new)" if w.kind is WorkloadKind.NO_REUSE else ""
     title = (f"kvstrata bench serve: {c.model_dir.name} ({c.dtype}), {w.conversations} conversations x {w.turns} "
-             f"turns at {w.rate_per_s:g} req/s, {c.rounds} interleaved round(s); vLLM KV {c.kv_blocks} blocks x "
+             f"turns{fresh} at {w.rate_per_s:g} req/s, {c.rounds} interleaved round(s); vLLM KV {c.kv_blocks} blocks x "
              f"{w.block_tokens} tokens ({c.vllm_kv_tokens:,} tokens); kvstrata {tiers}. Times in ms")
     table = Table(title=title, title_justify="left")
     for name, justify in (("configuration", "left"), ("n", "right"), ("TTFT p50", "right"), ("p90", "right"),
@@ -209,7 +233,10 @@ def _print_serve(report: ServeBenchReport) -> None:
     else:
         for instance, m in report.shared_pool.servers.items():
             row(f"2 servers: {instance.value}", m)
-    row(f"{report.restart.server.value}, restarted", report.restart.replay)
+    if isinstance(report.restart, Skipped):
+        skipped("restart", report.restart.skipped)
+    else:
+        row(f"{report.restart.server.value}, restarted", report.restart.replay)
     pd = report.prefill_decode
     if isinstance(pd, Skipped):
         skipped("P/D", pd.skipped)
@@ -221,8 +248,9 @@ def _print_serve(report: ServeBenchReport) -> None:
     v = report.versus
     lines = [
         f"kvstrata / vLLM, the median over {v.ttft_p50.rounds} round(s) of the ratio within a round (lowest-highest "
-        f"round): TTFT p50 {spread_x(v.ttft_p50)}, p90 {spread_x(v.ttft_p90)} (< 1x: faster); output tok/s "
-        f"{spread_x(v.output_tokens_per_s)}.",
+        f"round): TTFT p50 {spread_x(v.ttft_p50)}, p90 {spread_x(v.ttft_p90)}, TPOT p50 {spread_x(v.tpot_p50)} "
+        f"(< 1x: faster); output tok/s {spread_x(v.output_tokens_per_s)}.",
+        *_cpu_line(report.kvstrata),
         "Rows: vLLM alone and with kvstrata over every round; two kvstrata servers on one pool, turns alternating "
         "(each server's turns); the second restarted, the same turns sent again; prefill (kv_producer, 1 token) and "
         "decode (kv_consumer) servers, the KV handed over in the pool. TPOT and hits: p50 and rates over the prompt "
@@ -230,11 +258,13 @@ def _print_serve(report: ServeBenchReport) -> None:
         f"Workload: trace {report.trace}; its 512-token blocks become {w.block_tokens} tokens (lengths x "
         f"{w.block_tokens}/512), openers cut at {w.opener_max_tokens} tokens (this run's: "
         f"{min(report.opener_tokens)}-{max(report.opener_tokens)}); each later turn adds the {w.max_tokens}-token "
-        f"answer and {w.user_tokens} user tokens. Completions API, stream=True, prompts as token ids, greedy, "
-        f"max_tokens {w.max_tokens}, ignore_eos.",
-        f"Restart: {report.restart.server.value} stopped and started again in {report.restart.restart_s:.0f} s, its "
-        f"disk tier kept; {len(report.restart.replay.requests)} turns it had served sent again.",
+        f"answer and {w.user_tokens} user tokens{_NEW[w.kind]}. Completions API, stream=True, prompts as token ids, "
+        f"greedy, max_tokens {w.max_tokens}, ignore_eos.",
     ]
+    if not isinstance(report.restart, Skipped):
+        lines.append(f"Restart: {report.restart.server.value} stopped and started again in "
+                     f"{report.restart.restart_s:.0f} s, its disk tier kept; {len(report.restart.replay.requests)} "
+                     "turns it had served sent again.")
     if not isinstance(pd, Skipped):
         predicted = "-" if pd.restore_predicted_s is None else f"{pd.restore_predicted_s * 1e3:.1f} ms"
         lines.append(
@@ -243,8 +273,8 @@ def _print_serve(report: ServeBenchReport) -> None:
             f"sees it (prefill latency + decode TTFT): p50 {_ms(pd.client_ttft_p50_s)} ms. kvstrata's restore on the "
             f"decode server: {_ms(pd.restore_measured_s)} ms a load ({pd.restore_bytes / 1e3:.0f} KB on average); "
             f"predicted for this host ({pd.prediction}): {predicted}.")
-    lines.append("kvstrata hits: " + "; ".join(sorted({_HITS_SOURCE[m.hits_source] for m in (report.kvstrata,
-                                                                                              report.restart.replay)})))
+    connected = [report.kvstrata] + ([] if isinstance(report.restart, Skipped) else [report.restart.replay])
+    lines.append("kvstrata hits: " + "; ".join(sorted({_HITS_SOURCE[m.hits_source] for m in connected})))
     if report.identical:
         lines.append(f"Completions: every one equals the reference's (vllm serve, prefix caching off, no connector; "
                      f"{report.reference_prompts} distinct prompts).")

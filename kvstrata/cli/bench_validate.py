@@ -102,12 +102,13 @@ def _read(path: str) -> dict:
 
 
 def _trace(doc: dict) -> list:
-    from kvstrata.bench.serve_plan import ServeWorkload, generated_trace
+    from kvstrata.bench.serve_plan import generated_trace
+    from kvstrata.bench.serve_validate import report_workload
     from kvstrata.sim.traceio import read_trace
 
     trace = doc["config"].get("trace")
     if trace is None:
-        return generated_trace(ServeWorkload(**doc["config"]["workload"]))
+        return generated_trace(report_workload(doc["config"]["workload"]))
     if not Path(trace).is_file():
         raise cli.CliError(f"the report's trace {trace} is not here: the simulation needs the same trace")
     return read_trace(trace)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.bench.serve_counters import Counters, HitsSource, counters_of, parse_metrics
+from kvstrata.bench.serve_counters import ConnectorCpu, Counters, HitsSource, counters_of, parse_metrics
 from kvstrata.media import Medium
 
 METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries.
@@ -41,3 +41,34 @@ def test_a_phase_is_the_difference_of_two_snapshots():
     appeared = after.minus(counters_of("", None))  # a per-tier series that appeared in between counts from zero
     assert appeared.hit_blocks == {Medium.HOST: 12, Medium.REMOTE: 3}
     assert Counters().plus(phase).hit_blocks == phase.hit_blocks
+
+
+# as vLLM's /metrics carries the connector's counter (prometheus_client adds a _created series)
+CPU = """# HELP kvstrata_connector_cpu_seconds_total CPU seconds the KVStrata connector used.
+# TYPE kvstrata_connector_cpu_seconds_total counter
+kvstrata_connector_cpu_seconds_total{engine="0",model_name="m",side="scheduler"} 0.125
+kvstrata_connector_cpu_seconds_total{engine="0",model_name="m",side="worker"} 0.25
+kvstrata_connector_cpu_seconds_created{engine="0",model_name="m",side="worker"} 1.7e+09
+"""
+
+
+def test_the_connectors_cpu_seconds_by_side_and_over_a_phase():
+    cpu = counters_of(METRICS + CPU, None).connector_cpu
+    assert cpu == ConnectorCpu(0.125, 0.25) and cpu.total_s == 0.375
+    two_engines = CPU + 'kvstrata_connector_cpu_seconds_total{engine="1",model_name="m",side="worker"} 0.5\n' \
+                        'kvstrata_connector_cpu_seconds_total{engine="1",model_name="m",side="gpu"} 9.0\n'
+    assert counters_of(two_engines, None).connector_cpu == ConnectorCpu(0.125, 0.75)  # summed; an unknown side left out
+    assert counters_of(CPU, None).connector  # the counter alone says the server has the connector
+    later = counters_of(CPU.replace(" 0.125", " 0.5").replace(" 0.25", " 1.0"), None)
+    phase = later.minus(counters_of(CPU, None))
+    assert phase.connector_cpu == ConnectorCpu(0.375, 0.75)
+    assert phase.connector_cpu.per_request(3) == pytest.approx(ConnectorCpu(0.125, 0.25))
+    assert later.minus(counters_of("", None)).connector_cpu == ConnectorCpu(0.5, 1.0)  # appeared: counts from zero
+    assert phase.plus(phase).connector_cpu == ConnectorCpu(0.75, 1.5)
+    assert phase.plus(Counters()).connector_cpu == phase.connector_cpu
+
+
+def test_a_connector_without_the_cpu_counter_has_none():
+    older = counters_of(METRICS, STATS)
+    assert older.connector and older.connector_cpu is None
+    assert older.minus(older).connector_cpu is None and older.plus(Counters()).connector_cpu is None

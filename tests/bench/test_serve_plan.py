@@ -10,11 +10,15 @@ import pytest
 from kvstrata.bench.serve_plan import (
     FIRST_TOKEN_ID,
     ServeWorkload,
+    WorkloadKind,
     alternate,
     arrival_s,
     hit_blocks,
     plan_conversations,
+    plan_no_reuse,
     replay_plans,
+    round_plans,
+    workload_of,
 )
 from kvstrata.sim.trace import Request
 
@@ -78,3 +82,59 @@ def test_a_bad_workload_is_one_line_naming_it(kwargs, named):
 def test_a_trace_shorter_than_the_conversations_is_refused():
     with pytest.raises(ValueError, match="the trace has 3 requests; 4 conversations need one each"):
         plan_conversations(trace(), ServeWorkload(conversations=4), VOCAB)
+
+
+def full_block_prefixes(prompt: tuple[int, ...], block_tokens: int) -> set[tuple[int, ...]]:
+    """Every prefix of ``prompt`` that ends on a block boundary: what a chained block key names."""
+    return {prompt[: b * block_tokens] for b in range(1, len(prompt) // block_tokens + 1)}
+
+
+def test_no_reuse_prompts_share_no_block_across_turns_conversations_rounds_and_servers():
+    # a two-letter vocabulary and 8-token blocks: random draws alone would likely collide (256
+    # possible first blocks for 2 rounds x 2 servers x 3 conversations x 3 turns = 36 prompts), so
+    # the tag (6 binary digits) is what keeps the prompts apart
+    w = ServeWorkload(conversations=3, turns=3, max_tokens=2, user_tokens=3, block_tokens=8, max_model_len=64,
+                      kind=WorkloadKind.NO_REUSE)
+    rounds = round_plans(trace(), w, FIRST_TOKEN_ID + 2, rounds=2)
+    assert [len(servers) for servers in rounds] == [2, 2]
+    prompts = [plan.prompt(t, []) for servers in rounds for plans in servers for plan in plans
+               for t in range(plan.turns)]
+    assert len(prompts) == 36 and all(len(p) >= w.block_tokens for p in prompts)
+    seen: set[tuple[int, ...]] = set()
+    for prompt in prompts:
+        blocks = full_block_prefixes(prompt, w.block_tokens)
+        assert not blocks & seen, "two requests of the run share a prefix block"
+        seen |= blocks
+    assert all(FIRST_TOKEN_ID <= t < FIRST_TOKEN_ID + 2 for p in prompts for t in p)
+
+
+def test_no_reuse_has_the_conversations_shapes_and_is_seeded():
+    shaped = ServeWorkload(conversations=3, turns=3, max_tokens=8, user_tokens=16, max_model_len=512)
+    fresh = ServeWorkload(conversations=3, turns=3, max_tokens=8, user_tokens=16, max_model_len=512,
+                          kind=WorkloadKind.NO_REUSE)
+    twins = plan_conversations(trace(), shaped, VOCAB)
+    (plans,) = plan_no_reuse(trace(), fresh, VOCAB, streams=1)
+    answers = [(1,) * 8, (2,) * 8]
+    for twin, plan in zip(twins, plans, strict=True):
+        assert plan.index == twin.index and plan.turns == twin.turns == 3
+        assert [len(plan.prompt(t, answers)) for t in range(3)] == [len(twin.prompt(t, answers)) for t in range(3)]
+        assert plan.prompt(1, answers)[: len(plan.opener)] != plan.opener  # a later turn does not extend the last
+    assert plan_no_reuse(trace(), fresh, VOCAB, streams=1) == (plans,)
+    same = round_plans(trace(), shaped, VOCAB, rounds=2)  # conversations: both servers of a round, the same
+    assert same[0][0] == same[0][1] == twins and same[1][0] != twins
+
+
+def test_no_reuse_that_a_block_cannot_tell_apart_is_one_line():
+    w = ServeWorkload(conversations=3, turns=3, max_tokens=2, user_tokens=3, block_tokens=2, max_model_len=64,
+                      kind=WorkloadKind.NO_REUSE)
+    with pytest.raises(ValueError, match="36 new prompts cannot be told apart within a 2-token block") as info:
+        round_plans(trace(), w, FIRST_TOKEN_ID + 2, rounds=2)  # 36 numbers need 6 binary digits
+    assert "\n" not in str(info.value)
+
+
+def test_the_workload_from_a_reports_json():
+    assert workload_of({"conversations": 2, "kind": "no-reuse"}) == ServeWorkload(conversations=2,
+                                                                                kind=WorkloadKind.NO_REUSE)
+    assert workload_of({"turns": 2}).kind is WorkloadKind.CONVERSATIONS  # a report from before kinds
+    with pytest.raises(ValueError, match="workload kind must be one of conversations, no-reuse, got 'x'"):
+        workload_of({"kind": "x"})

@@ -3,6 +3,7 @@ the report assembled from the runs, and the servers' specs (pure: no server, no 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs
 from kvstrata.bench.serve_counters import Counters, counters_of
-from kvstrata.bench.serve_plan import ServeWorkload, plan_conversations
+from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind, plan_conversations, round_plans
 from kvstrata.bench.serve_report import (
     PhaseRun,
     RequestRecord,
@@ -25,6 +26,7 @@ from kvstrata.bench.serve_report import (
     versus,
 )
 from kvstrata.media import Medium
+from kvstrata.report import dumps
 from kvstrata.sim.trace import Request
 
 VOCAB = 4096
@@ -40,8 +42,9 @@ def test_percentiles_interpolate_between_ranks():
     assert percentile([2.0], 99) == 2.0 and math.isnan(percentile([], 50))
 
 
-def record(conversation: int, sent_s: float, ttft_s: float, ids=(1, 2, 3), prompt=(7,) * 64) -> RequestRecord:
-    return RequestRecord(conversation, 0, Instance.OURS, len(prompt), tuple(ids), ttft_s, 0.01, ttft_s + 0.02,
+def record(conversation: int, sent_s: float, ttft_s: float, ids=(1, 2, 3), prompt=(7,) * 64,
+           tpot_s: float | None = 0.01) -> RequestRecord:
+    return RequestRecord(conversation, 0, Instance.OURS, len(prompt), tuple(ids), ttft_s, tpot_s, ttft_s + 0.02,
                          sent_s, prompt=tuple(prompt))
 
 
@@ -56,6 +59,21 @@ def test_figures_of_a_configuration():
     assert m.identical is None and m.load_seconds_per_load == pytest.approx(0.05)
 
 
+def test_the_connectors_cpu_per_request_is_the_phases_seconds_over_its_requests():
+    cpu = 'kvstrata_connector_cpu_seconds_total{engine="0",model_name="m",side="scheduler"} %s\n' \
+          'kvstrata_connector_cpu_seconds_total{engine="0",model_name="m",side="worker"} %s\n'
+    phase = counters_of(cpu % (0.104, 1.02), STATS).minus(counters_of(cpu % (0.1, 1.0), STATS))
+    records = [record(i, 0.1 * i, 0.1) for i in range(4)]
+    m = measure(records, phase, 32)
+    assert m.connector_cpu_per_request.scheduler_s == pytest.approx(0.001)
+    assert m.connector_cpu_per_request.worker_s == pytest.approx(0.005)
+    doc = json.loads(dumps(m))
+    assert doc["connector_cpu_per_request"] == pytest.approx({"scheduler_s": 0.001, "worker_s": 0.005})
+    older = measure(records, counters_of(METRICS, STATS), 32)  # a connector without the counter
+    assert older.connector_cpu_per_request is None and "connector_cpu_per_request" not in json.loads(dumps(older))
+    assert measure([], phase, 32).connector_cpu_per_request is None
+
+
 def test_completions_are_checked_against_the_reference_by_prompt():
     good, bad = record(0, 0.0, 0.1, ids=(1, 2, 3), prompt=(5,) * 40), record(1, 0.1, 0.1, ids=(1, 2, 9), prompt=(6,) * 40)
     prefill = record(1, 0.2, 0.1, ids=(1,), prompt=(6,) * 40)  # one token: the reference's first
@@ -68,12 +86,13 @@ def test_completions_are_checked_against_the_reference_by_prompt():
 
 def test_ratios_are_per_round_then_the_median_with_its_spread():
     def figures(ttft: float) -> object:
-        return measure([record(0, 0.0, ttft), record(1, 1.0, ttft)], Counters(), 32)
+        return measure([record(0, 0.0, ttft, tpot_s=ttft / 10), record(1, 1.0, ttft, tpot_s=ttft / 10)], Counters(), 32)
 
     rounds = [ServeRound(r, (Instance.OURS, Instance.BASELINE), figures(base), figures(ours))
               for r, (base, ours) in enumerate([(0.2, 0.1), (0.4, 0.1), (0.1, 0.1)])]
     v = versus(rounds)
     assert (v.ttft_p50.median, v.ttft_p50.min, v.ttft_p50.max, v.ttft_p50.rounds) == (0.5, 0.25, 1.0, 3)
+    assert (v.tpot_p50.median, v.tpot_p50.min, v.tpot_p50.max) == pytest.approx((0.5, 0.25, 1.0))
 
 
 def test_the_servers_sizes_roles_and_prefix_caching(tmp_path):
@@ -133,3 +152,26 @@ def test_the_report_checks_every_run_and_splits_the_two_servers_turns():
 def test_concurrent_servers_get_halves_of_the_cpus():
     assert cpu_halves([0]) is None
     assert cpu_halves([3, 0, 1, 2]) == ("0,1", "2,3")
+
+
+def test_a_no_reuse_report_has_the_rounds_alone_and_says_why_the_rest_was_skipped():
+    w = ServeWorkload(conversations=2, turns=1, max_model_len=256, kind=WorkloadKind.NO_REUSE)
+    config = ServeBenchConfig(w, Path("/m"), VOCAB, 65536, rounds=1, kv_blocks=9, host_bytes=1 << 24,
+                              disk_bytes=1 << 25, remote_bytes=1 << 24)
+    (sent,) = round_plans([Request(0, 600, 5, (1, 2)), Request(1, 900, 5, (1, 2))], w, VOCAB, rounds=1)
+
+    def run(instance: Instance, plans) -> PhaseRun:
+        records = tuple(RequestRecord(p.index, 0, instance, len(p.opener), (1, 2), 0.1, 0.01, 0.2, float(p.index),
+                                      prompt=p.opener) for p in plans)
+        return PhaseRun(records, {instance: Counters()})
+
+    ran = RunLog((RoundRun((Instance.OURS, Instance.BASELINE), {Instance.BASELINE: run(Instance.BASELINE, sent[0]),
+                                                                 Instance.OURS: run(Instance.OURS, sent[1])}),),
+                 None, None, None)
+    assert len(ran.runs()) == 2
+    reference = {r.prompt: (1, 2) for run in ran.runs() for r in run.records}
+    assert len(reference) == 4  # each server of the round was sent prompts of its own
+    report = build_report(config, "t", sent[0], ran, reference, None, (None, "none", 2), None, {}, {}, 9.0)
+    why = "--workload no-reuse"
+    assert report.shared_pool.skipped == report.restart.skipped == report.prefill_decode.skipped == why
+    assert report.identical and report.kvstrata.identical and report.reference_prompts == 4

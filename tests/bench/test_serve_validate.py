@@ -21,6 +21,7 @@ from kvstrata.bench.serve_validate import (
 )
 from kvstrata.cli import main
 from kvstrata.media import Medium
+from kvstrata.report import to_json
 from kvstrata.plan.host import (
     DISK_BLOCKS_WARM,
     DISK_WRITE,
@@ -60,7 +61,7 @@ def _report(pool: bool = False) -> dict:
     """A small report: the rounds and the restart (and the pool's phases with ``pool``)."""
     n = WORKLOAD.requests
     doc = {
-        "config": {"workload": dataclasses.asdict(WORKLOAD), "model_dir": f"/models/{MODEL}", "vocab": 4096,
+        "config": {"workload": to_json(WORKLOAD), "model_dir": f"/models/{MODEL}", "vocab": 4096,
                    "block_bytes": 65536, "trace": None, "rounds": 2, "kv_blocks": 32, "max_num_seqs": 8,
                    "host_bytes": 64 * 2**20, "disk_bytes": 128 * 2**20, "remote_bytes": 64 * 2**20},
         "baseline": _configuration([0.040 + 0.001 * i for i in range(2 * n)]),
@@ -152,6 +153,16 @@ def test_setup_of_names_a_config_field_the_report_lacks():
     doc = _report()
     del doc["config"]["vocab"]
     with pytest.raises(BadReport, match="config lacks 'vocab'"):
+        setup_of(doc, [], _calibration(), MODEL, 2)
+
+
+def test_setup_of_refuses_a_no_reuse_run_and_an_unknown_kind():
+    doc = _report()
+    doc["config"]["workload"]["kind"] = "no-reuse"
+    with pytest.raises(BadReport, match="a --workload no-reuse run; the simulation replays the conversations"):
+        setup_of(doc, [], _calibration(), MODEL, 2)
+    doc["config"]["workload"]["kind"] = "chat"
+    with pytest.raises(BadReport, match="workload kind must be one of conversations, no-reuse, got 'chat'"):
         setup_of(doc, [], _calibration(), MODEL, 2)
 
 

@@ -42,6 +42,14 @@ def test_bad_flags_are_one_line_before_anything_starts(capsys, argv, named):
     assert named in refused(capsys, argv)
 
 
+def test_an_unknown_workload_is_one_line_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--workload", "chat"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --workload: invalid choice: 'chat'" in err and "'conversations', 'no-reuse'" in err
+
+
 def test_a_model_and_sizes_that_do_not_fit_are_one_line(capsys, model_dir, tmp_path):
     assert "--model-dir" in refused(capsys, ["--model-dir", str(tmp_path / "nothing")])
     err = refused(capsys, ["--model-dir", str(model_dir), "--kv-blocks", "4", "--no-pool"])
@@ -90,3 +98,35 @@ def test_the_table_says_which_parts_were_skipped_and_why(capsys):
     assert "host 38% disk 12%" in out  # 6 and 2 blocks of 32 tokens over 4 x 128 prompt tokens
     assert "NO (4)" in out and "some differ" in out
     assert "P/D handoff" not in out
+    assert "connector CPU" not in out  # its connector exports no CPU counter: no line
+
+
+def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios_and_the_connectors_cpu(capsys):
+    from pathlib import Path
+
+    from kvstrata.bench.serve_config import Instance, ServeBenchConfig
+    from dataclasses import replace
+
+    from kvstrata.bench.serve_counters import ConnectorCpu, Counters
+    from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind
+    from kvstrata.bench.serve_report import RequestRecord, ServeBenchReport, ServeRound, Skipped, measure, versus
+    from kvstrata.cli.bench_serve import _print_serve
+
+    def measured(instance: Instance, tpot_s: float):
+        records = [RequestRecord(i, 0, instance, 128, (1, 2), 0.02, tpot_s, 0.03, 0.25 * i, identical=True)
+                   for i in range(4)]
+        return measure(records, Counters(), 32)
+
+    base, ours = measured(Instance.BASELINE, 0.004), measured(Instance.OURS, 0.005)
+    ours = replace(ours, connector_cpu_per_request=ConnectorCpu(0.00011, 0.00051))
+    rounds = (ServeRound(0, (Instance.OURS, Instance.BASELINE), base, ours),)
+    why = Skipped("--workload no-reuse")
+    report = ServeBenchReport(
+        ServeBenchConfig(ServeWorkload(kind=WorkloadKind.NO_REUSE), Path("/models/tiny"), 4096, 131072), "t.jsonl",
+        (352, 96), base, ours, rounds, versus(rounds), why, why, why, None, 8, True, {}, {}, 60.0)
+    _print_serve(report)
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("skipped") == 3 and out.count("--workload no-reuse") == 3
+    assert "no reuse: every prompt new" in out and "Restart:" not in out
+    assert "TTFT p50 1.00x (1.00-1.00), p90 1.00x (1.00-1.00), TPOT p50 1.25x (1.25-1.25)" in out
+    assert "connector CPU per request: 0.62 ms (scheduler 0.11, worker 0.51)" in out
