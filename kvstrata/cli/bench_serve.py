@@ -61,6 +61,9 @@ def register(bench: BenchParser) -> None:
                         "as cold' tests the KV kvstrata restored, not rounding)")
     p.add_argument("--host-mib", type=int, default=64, help="kvstrata's host DRAM tier, MiB (default: 64)")
     p.add_argument("--disk-mib", type=int, default=256, help="kvstrata's disk tier, MiB (default: 256)")
+    p.add_argument("--disk-read-gbps", type=float, metavar="GBPS",
+                   help="cap the disk tiers' reads at this many GB/s (a slow drive the connector is not told of: "
+                        "it measures its loads and recomputes what a slow tier cannot bring back faster)")
     p.add_argument("--remote-mib", type=int, default=128, help="the pool each server tracks, MiB (default: 128)")
     p.add_argument("--seed", type=int, default=0, help="the prompts' (and a generated trace's) seed (default: 0)")
     cli.add_pool_arg(p, "an embedded pool for the run")
@@ -81,6 +84,8 @@ def run_serve(args: argparse.Namespace) -> int:
                              args.max_model_len, args.rate, args.seed, WorkloadKind(args.workload))
     if args.trace is not None and not os.path.isfile(args.trace):
         raise cli.CliError(f"--trace {args.trace}: no such file")
+    if args.disk_read_gbps is not None and not args.disk_read_gbps > 0:
+        raise cli.CliError(f"--disk-read-gbps must be > 0, got {args.disk_read_gbps}")
     for flag in ("host_mib", "disk_mib", "remote_mib"):
         if getattr(args, flag) < 1:
             raise cli.CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -104,7 +109,8 @@ def run_serve(args: argparse.Namespace) -> int:
         workload, model_dir, facts.vocab, facts.bytes_per_token * args.block_size,
         trace=Path(args.trace) if args.trace else None, rounds=args.rounds, kv_blocks=args.kv_blocks,
         max_num_seqs=args.max_num_seqs, dtype=args.dtype, host_bytes=args.host_mib * MiB, disk_bytes=args.disk_mib * MiB,
-        remote_bytes=args.remote_mib * MiB, pool=use_pool, directory=Path(args.dir) if args.dir else None,
+        remote_bytes=args.remote_mib * MiB, pool=use_pool, disk_read_gbps=args.disk_read_gbps,
+        directory=Path(args.dir) if args.dir else None,
     )
     if args.trace is not None:  # a bad line, or fewer requests than conversations: one line, before any server
         from kvstrata.bench.serve import load_trace

@@ -75,6 +75,9 @@ POOL_CALL_S = 5.0
 def spec(model: Path, tmp: Path, name: str, *, role: str = "kv_both", max_tokens: int = MAX_TOKENS,
          passes: list | None = None, multiprocessing: bool = False, **extra) -> dict:
     extra.setdefault("stats_path", str(tmp / f"{name}.stats.json"))
+    # These tests compare what each pass stored, read as the pass returns: its saves are waited
+    # for. (The default stores after the step; bench serve and the metrics tests run that way.)
+    extra.setdefault("sync_save", True)
     return {"model": str(model), "kv_role": role, "extra": extra, "passes": passes or [PROMPTS],
             "max_tokens": max_tokens, "multiprocessing": multiprocessing}
 

@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.media import Medium, route_text
+from kvstrata.transfer.placement import io_thread_started
 
 if TYPE_CHECKING:
     from kvstrata.cache import LoadResult, StoreResult, TieredCache
@@ -165,3 +168,47 @@ class WorkerStats:
         with open(tmp, "w") as f:
             json.dump(self.to_json(caches), f, indent=1)
         os.replace(tmp, path)
+
+
+class StatsFile:
+    """The stats file, rewritten by a thread of its own when poked (coalesced: at most every
+    ``every_s``), so the engine's step never spends its time on JSON; ``write_now`` on the
+    caller's thread (with ``sync_save``, at the end of each step, as readers of a pass expect)."""
+
+    def __init__(self, path: Path, stats: WorkerStats, caches: Callable[[], tuple[TieredCache, ...]],
+                 every_s: float = 0.1) -> None:
+        self._path, self._stats, self._caches, self._every_s = path, stats, caches, every_s
+        self._lock = threading.Lock()
+        self._poked = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def poke(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstrata-stats", daemon=True)
+            self._thread.start()
+        self._poked.set()
+
+    def write_now(self) -> None:
+        with self._lock:
+            self._stats.write(self._path, self._caches())
+
+    def _run(self) -> None:
+        io_thread_started()
+        while True:
+            self._poked.wait()
+            if self._closed:
+                return
+            self._poked.clear()
+            try:
+                self.write_now()
+            except OSError:
+                pass  # a stats file that cannot be written is no reason to stop serving
+            time.sleep(self._every_s)
+
+    def close(self) -> None:
+        """Stop the thread; the last write is the caller's."""
+        self._closed = True
+        self._poked.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -49,7 +49,7 @@ from kvstrata.integrations.vllm.channel import LookupServer
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, StepClock
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.kv.heads import KVSharing
-from kvstrata.integrations.vllm.stats import GroupStats, WorkerStats
+from kvstrata.integrations.vllm.stats import GroupStats, StatsFile, WorkerStats
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.groups import KVGroup
 from kvstrata.kv.heads import HeadSlicing
@@ -131,6 +131,7 @@ class KVStrataConnectorWorker:
         self._failed_blocks: set[int] = set()
         self._stats = WorkerStats()
         self._stats_path = settings.stats_path
+        self._stats_file: StatsFile | None = None
         self._reporter = WorkerReporter(0)  # its TP rank, once the caches are registered
         self.clock = StepClock()  # what the scheduler's load-or-recompute decision learns from
         self._saving_blocks = 0  # blocks of saves not yet stored (the cache's threads finish them)
@@ -201,7 +202,9 @@ class KVStrataConnectorWorker:
         # blocks as load errors (start_load_kv), and vLLM recomputes them.
         if tp_rank == 0:
             self._server = LookupServer(self._engine_id, self.hit_tiers)
-        self._write_stats()
+        if self._stats_path is not None:
+            self._stats_file = StatsFile(self._stats_path, self._stats, lambda: self._caches)
+            self._stats_file.write_now()
 
     def hit_tiers(self, tokens: list[int]) -> tuple[Medium, ...]:
         """The tier of each block of ``tokens`` every group's cache serves: the scheduler's
@@ -373,6 +376,7 @@ class KVStrataConnectorWorker:
     def _saved(self, blocks: int) -> None:
         with self._saving_lock:
             self._saving_blocks -= blocks
+        self._write_stats()  # the store's counts, off the step
 
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
         """End of the step: finish the loads, start storing the staged blocks (the cache's
@@ -411,7 +415,7 @@ class KVStrataConnectorWorker:
                 else:
                     future.add_done_callback(lambda f, s=save, g=g: s.done(g, f))
         if meta.loads or meta.saves:
-            self._write_stats()
+            self._write_stats(now=self.settings.sync_save)  # a pass's reader expects its saves there
 
     def _staging(self, spec: SaveSpec, group: int) -> tuple[torch.Tensor, list[bool]]:
         staged = self._staged.get((spec.req_id, group))
@@ -436,7 +440,9 @@ class KVStrataConnectorWorker:
             self._server = None
         if self._groups:
             self._close_caches()
-            self._write_stats()
+            if self._stats_file is not None:
+                self._stats_file.close()
+            self._write_stats(now=True)
             self._groups = []
 
     def _close_caches(self) -> None:
@@ -444,9 +450,10 @@ class KVStrataConnectorWorker:
             for cache in group.caches:
                 cache.close()  # waits for stores in flight
 
-    def _write_stats(self) -> None:
-        if self._stats_path:
-            self._stats.write(self._stats_path, self._caches)
+    def _write_stats(self, now: bool = False) -> None:
+        """Rewrite the stats file: ``now`` on this thread, else soon on the file's own."""
+        if self._stats_file is not None:
+            self._stats_file.write_now() if now else self._stats_file.poke()
 
 
 def hit_tiers(match: GroupedMatch) -> tuple[Medium, ...]:
