@@ -11,6 +11,7 @@ Pure standard library; no state.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import stat
@@ -93,8 +94,21 @@ def check_private_file(path: Path, what: str = "file") -> os.stat_result:
 
 def open_private(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE) -> int:
     """``os.open`` that never follows a symlink at ``path`` and refuses a file of another user's;
-    a file it creates is ``mode`` (0600)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    a file it creates is ``mode`` (0600), and one of this user's that is wider is tightened to it.
+
+    Raises:
+        Untrusted: ``path`` is a symlink, or another user's file.
+        OSError: as ``os.open`` (e.g. FileNotFoundError without ``O_CREAT``).
+    """
+    # O_TRUNC only once the file is known to be this user's: the open itself would truncate
+    # another user's file (root may open anyone's) before its owner could be checked.
+    truncate = flags & os.O_TRUNC
+    try:
+        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as error:
+        if error.errno != errno.ELOOP:  # O_NOFOLLOW's answer for a symlink (dangling or not)
+            raise
+        raise Untrusted(f"file {path} is a symlink: refusing to follow it") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
@@ -102,6 +116,8 @@ def open_private(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE
                             "refusing to trust it")
         if stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, mode)
+        if truncate:
+            os.ftruncate(fd, 0)
     except BaseException:
         os.close(fd)
         raise
