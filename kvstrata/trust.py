@@ -122,3 +122,28 @@ def open_private(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE
         os.close(fd)
         raise
     return fd
+
+
+def open_own(path: str | os.PathLike[str], what: str = "file") -> int:
+    """``path`` opened for reading if it is a regular file of this user's, never followed
+    through a symlink (its mode is the caller's to check: ``fstat`` the descriptor).
+
+    Raises:
+        Untrusted: a symlink, another user's file, or no regular file (a FIFO, a directory).
+        OSError: as ``os.open`` (FileNotFoundError: there is none).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise Untrusted(f"{what} {path} is a symlink: refusing to follow it") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by {owner_name(st.st_uid)}, not {owner_name(os.geteuid())}: refusing to trust it"
+    else:
+        return fd
+    os.close(fd)
+    raise Untrusted(f"{what} {path} {problem}")

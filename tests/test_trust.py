@@ -117,3 +117,22 @@ def test_open_private_creates_0600_and_tightens_and_truncates_this_users_own(tmp
     path.chmod(0o644)
     os.close(trust.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
     assert path.read_text() == "" and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_open_own_reads_this_users_regular_files_only(tmp_path):
+    own = tmp_path / "pool.json"
+    own.write_text("{}")
+    with os.fdopen(trust.open_own(own)) as file:
+        assert file.read() == "{}"
+    link = tmp_path / "link"
+    link.symlink_to(own)
+    with pytest.raises(Untrusted, match=f"state {link} is a symlink"):
+        trust.open_own(link, "state")
+    os.mkfifo(tmp_path / "fifo")  # opened without blocking, then refused
+    with pytest.raises(Untrusted, match="is not a regular file"):
+        trust.open_own(tmp_path / "fifo")
+    give_to_nobody(own)
+    with pytest.raises(Untrusted, match="owned by nobody"):
+        trust.open_own(own)
+    with pytest.raises(FileNotFoundError):
+        trust.open_own(tmp_path / "none")
