@@ -7,7 +7,10 @@ lost the pool read it again); ``stop`` ends them; ``status`` checks them (alive 
 survive any inference process exiting.
 
 Security: both listen on 127.0.0.1 here, but Mooncake clients also open transfer ports on all
-interfaces at random ports; run pools only on trusted networks.
+interfaces at random ports; run pools only on trusted networks. The run directory, which holds
+the deployment secret (``pool.key``) and names the processes ``stop`` signals, is trusted only
+if it is this user's (``kvstrata.trust``): one another user made, or a symlink, is refused in one
+line, and its state, key and logs are never followed through a symlink.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvstrata import trust
 from kvstrata.pool import libs, native_log
 from kvstrata.pool.config import PoolConfig, json_error, make_secret
 
 STATE = "pool.json"
 SECRET = "pool.key"
+RUN_DIR = "pool run directory"  # how messages name it
 START_TIMEOUT_S = 30.0
 # A pool daemon's start is tried again (on a new port) once: on a busy host (CI, beside SGLang's
 # and vLLM's own Mooncake clients) one was seen stuck in Mooncake's own retries of its client's
@@ -136,11 +141,24 @@ def process_alive(pid: int) -> bool:
 
 
 def read_state(run_dir: Path | None = None) -> PoolState | None:
-    path = Path(run_dir or default_run_dir()).absolute() / STATE
-    if not path.is_file():
+    """The pool recorded in ``run_dir`` (default: ``default_run_dir()``); None if none is.
+
+    Raises:
+        Untrusted: the run directory or its ``pool.json`` is not this user's, or a symlink.
+        ValueError: ``pool.json`` is not a pool's state.
+    """
+    run_dir = Path(run_dir or default_run_dir()).absolute()
+    path = run_dir / STATE
+    if not os.path.lexists(run_dir):
+        return None
+    trust.check_private_dir(run_dir, RUN_DIR)
+    try:
+        with os.fdopen(trust.open_own(path, "pool state file"), "r") as file:
+            text = file.read()
+    except FileNotFoundError:
         return None
     try:
-        state = PoolState.from_json(json.loads(path.read_text()))
+        state = PoolState.from_json(json.loads(text))
     except (ValueError, KeyError, TypeError) as exc:  # edited by hand, or not a pool's state
         raise ValueError(f"{path}: not a pool state file: {json_error(exc)}") from None
     return replace(state, config=replace(state.config, config_file=path))
@@ -171,8 +189,16 @@ CLIENT_TTL_S = 60
 
 def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> PoolState:
     """Start a master and a pool daemon on loopback (or return the running one). The state's
-    config names ``pool.json`` as its file, so clients built on it follow a restarted pool."""
-    run_dir = Path(run_dir or default_run_dir()).absolute()
+    config names ``pool.json`` as its file, so clients built on it follow a restarted pool.
+
+    Raises:
+        Untrusted: ``run_dir`` (made 0700 if missing) is another user's or a symlink, or a
+            file in it that ``start`` reads or writes is.
+        PoolError: a process did not start.
+    """
+    # Its logs, state and secret: the owner's only; and who else could plant a pool.json
+    # naming processes to kill, or a pool.key they know?
+    run_dir = trust.private_dir(Path(run_dir or default_run_dir()).absolute(), RUN_DIR)
     current = status(run_dir)
     if current["running"]:
         return read_state(run_dir)
@@ -180,8 +206,6 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     missing = libs.missing_libraries()
     if missing:  # the programs would exit 127 naming only the first
         raise PoolError(libs.describe(missing))
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(run_dir, 0o700)  # its logs and state: the owner's only
     master_port, metrics_port = free_port(), free_port()
     master = f"127.0.0.1:{master_port}"
     master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log")
@@ -247,10 +271,9 @@ def _launch(program: str, flags: list[str], log: Path, prefix: Sequence[str]) ->
 
 
 def _private(path: Path, mode: str):
-    """``open(path, mode)`` for writing, the file readable by its owner only (0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)  # a file that was there keeps its old mode otherwise
-    return os.fdopen(fd, mode)
+    """``open(path, mode)`` for writing, the file readable by its owner only (0600), never
+    through a symlink nor into another user's file (``trust.open_private``)."""
+    return os.fdopen(trust.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), mode)
 
 
 def wait_for(address: str, proc: subprocess.Popen, log: Path,
@@ -304,8 +327,12 @@ def _terminate(pid: int, grace_s: float = 5.0) -> None:
 
 
 def stop(run_dir: Path | None = None) -> bool:
-    """Stop the embedded pool; False if none was recorded."""
-    run_dir = Path(run_dir or default_run_dir())
+    """Stop the embedded pool; False if none was recorded.
+
+    Raises:
+        Untrusted, ValueError: as ``read_state``.
+    """
+    run_dir = Path(run_dir or default_run_dir()).absolute()
     state = read_state(run_dir)
     if state is None:
         return False
