@@ -1,6 +1,7 @@
-"""The embedded pool trusts only its user's run directory: one another user made (with a
-planted ``pool.key``, a ``pool.json`` naming processes to kill, a ``master.log`` symlink) is
-refused in one line, and nothing in it is acted on.
+"""The embedded pool trusts only its user's run directory, and signals only the processes it
+started: a run directory another user made (with a planted ``pool.key``, a ``pool.json`` naming
+processes to kill, a ``master.log`` symlink) is refused in one line, and a stale ``pool.json``
+whose pids now belong to unrelated processes leaves them running.
 
 Another user is emulated as root does it: the test chowns what it made to ``nobody``. None of
 this needs the pool engine: each refusal comes before a process would start."""
@@ -13,13 +14,15 @@ import pwd
 import signal
 import stat
 import subprocess
+from dataclasses import replace
 
 import pytest
 
 from kvstrata.cli import main
 from kvstrata.pool import embedded
 from kvstrata.pool.config import PoolConfig
-from kvstrata.pool.embedded import PoolState
+from kvstrata.pool.embedded import PoolError, PoolState
+from kvstrata.pool.started import ProcessStamp
 from kvstrata.trust import Untrusted
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="handing a file to another user needs root")
@@ -44,12 +47,18 @@ def bystanders():
         proc.wait()
 
 
-def recorded(master: subprocess.Popen, daemon: subprocess.Popen, run_dir) -> dict:
-    """A ``pool.json`` naming ``master`` and ``daemon``."""
+def recorded(master: subprocess.Popen, daemon: subprocess.Popen, run_dir, stamped: bool = False) -> dict:
+    """A ``pool.json`` naming ``master`` and ``daemon``; ``stamped``: with their own stamps
+    (as ``start`` records them), else as a kvstrata before stamps wrote it."""
     port = embedded.free_port()  # nothing answers there
     config = PoolConfig(master=f"127.0.0.1:{port}", daemon=f"127.0.0.1:{port}", secret_file=str(run_dir / "pool.key"))
     state = PoolState(config, master.pid, daemon.pid, embedded.free_port(), 64 * 1024**2, str(run_dir))
-    return state.to_json()
+    if stamped:
+        state = replace(state, master_stamp=ProcessStamp.of(master.pid), daemon_stamp=ProcessStamp.of(daemon.pid))
+    doc = state.to_json()
+    if not stamped:
+        doc.pop("master_stamp", None), doc.pop("daemon_stamp", None)
+    return doc
 
 
 def leave_no_pool(run_dir) -> None:
@@ -156,3 +165,63 @@ def test_a_state_file_another_user_put_in_this_users_run_directory_is_refused(tm
     with pytest.raises(Untrusted, match=f"pool state file {run_dir / embedded.STATE} is owned by nobody"):
         embedded.stop(run_dir)
     assert master.poll() is None and daemon.poll() is None
+
+
+def test_a_stale_state_file_from_before_stamps_signals_nobody_and_says_so(tmp_path, bystanders, capsys):
+    run_dir = tmp_path / "pool"
+    run_dir.mkdir(mode=0o700)
+    master, daemon = bystanders(), bystanders()  # hold the pids an old pool.json names
+    (run_dir / embedded.STATE).write_text(json.dumps(recorded(master, daemon, run_dir)))
+    assert not embedded.status(run_dir)["running"]
+    assert main(["pool", "stop", "--dir", str(run_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "pool stopped"
+    assert len(err.strip().splitlines()) == 1
+    assert f"not signalled: pid(s) {daemon.pid}, {master.pid}, recorded by an older kvstrata" in err
+    assert master.poll() is None and daemon.poll() is None
+    assert not (run_dir / embedded.STATE).exists()  # forgotten: the next start starts afresh
+
+
+def test_a_stamped_pid_now_held_by_another_process_is_not_signalled(tmp_path, bystanders):
+    run_dir = tmp_path / "pool"
+    run_dir.mkdir(mode=0o700)
+    master, daemon = bystanders(), bystanders()
+    doc = recorded(master, daemon, run_dir, stamped=True)
+    doc["master_stamp"]["start_ticks"] -= 1  # the pool's master started earlier: this is another process
+    doc["daemon_stamp"]["exe"] = "/usr/bin/mooncake_client"  # the pool's daemon ran another program
+    (run_dir / embedded.STATE).write_text(json.dumps(doc))
+    stopped = embedded.stop(run_dir)
+    assert stopped == embedded.Stopped(True)  # the recorded processes are gone: nothing to say
+    assert master.poll() is None and daemon.poll() is None
+
+
+def test_start_over_a_stale_state_file_leaves_the_processes_holding_its_pids_alone(tmp_path, bystanders):
+    run_dir = tmp_path / "pool"
+    run_dir.mkdir(mode=0o700)
+    master, daemon = bystanders(), bystanders()
+    (run_dir / embedded.STATE).write_text(json.dumps(recorded(master, daemon, run_dir)))
+    try:
+        embedded.start(64 * 1024**2, run_dir)
+    except PoolError:
+        pass  # the pool engine is not installed here: the stale state was dealt with before that
+    finally:
+        embedded.stop(run_dir)  # the pool it started, if it did: stamped, so stopped
+    assert master.poll() is None and daemon.poll() is None
+
+
+def test_the_processes_stop_records_are_signalled_while_they_are_the_ones_started(tmp_path, bystanders):
+    run_dir = tmp_path / "pool"
+    run_dir.mkdir(mode=0o700)
+    master, daemon = bystanders(), bystanders()
+    (run_dir / embedded.STATE).write_text(json.dumps(recorded(master, daemon, run_dir, stamped=True)))
+    assert embedded.stop(run_dir) == embedded.Stopped(True)
+    assert (master.wait(5), daemon.wait(5)) == (-signal.SIGTERM, -signal.SIGTERM)
+
+
+def test_a_state_file_round_trips_its_stamps(tmp_path, bystanders):
+    run_dir = tmp_path / "pool"
+    run_dir.mkdir(mode=0o700)
+    doc = recorded(bystanders(), bystanders(), run_dir, stamped=True)
+    (run_dir / embedded.STATE).write_text(json.dumps(doc))
+    state = embedded.read_state(run_dir)
+    assert state.to_json() == doc and state.master_stamp == ProcessStamp.of(state.master_pid)
