@@ -11,6 +11,7 @@ Pure standard library; no state.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import stat
@@ -93,8 +94,21 @@ def check_private_file(path: Path, what: str = "file") -> os.stat_result:
 
 def open_private(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE) -> int:
     """``os.open`` that never follows a symlink at ``path`` and refuses a file of another user's;
-    a file it creates is ``mode`` (0600)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    a file it creates is ``mode`` (0600), and one of this user's that is wider is tightened to it.
+
+    Raises:
+        Untrusted: ``path`` is a symlink, or another user's file.
+        OSError: as ``os.open`` (e.g. FileNotFoundError without ``O_CREAT``).
+    """
+    # O_TRUNC only once the file is known to be this user's: the open itself would truncate
+    # another user's file (root may open anyone's) before its owner could be checked.
+    truncate = flags & os.O_TRUNC
+    try:
+        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as error:
+        if error.errno != errno.ELOOP:  # O_NOFOLLOW's answer for a symlink (dangling or not)
+            raise
+        raise Untrusted(f"file {path} is a symlink: refusing to follow it") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
@@ -102,7 +116,34 @@ def open_private(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE
                             "refusing to trust it")
         if stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, mode)
+        if truncate:
+            os.ftruncate(fd, 0)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_own(path: str | os.PathLike[str], what: str = "file") -> int:
+    """``path`` opened for reading if it is a regular file of this user's, never followed
+    through a symlink (its mode is the caller's to check: ``fstat`` the descriptor).
+
+    Raises:
+        Untrusted: a symlink, another user's file, or no regular file (a FIFO, a directory).
+        OSError: as ``os.open`` (FileNotFoundError: there is none).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise Untrusted(f"{what} {path} is a symlink: refusing to follow it") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by {owner_name(st.st_uid)}, not {owner_name(os.geteuid())}: refusing to trust it"
+    else:
+        return fd
+    os.close(fd)
+    raise Untrusted(f"{what} {path} {problem}")

@@ -94,7 +94,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "stop":
         stopped = embedded.stop(args.dir)
-        print(json.dumps({"stopped": stopped}) if args.json else ("pool stopped" if stopped else "no pool was running"))
+        if args.json:
+            print(json.dumps({"stopped": stopped.recorded, "not_signalled": list(stopped.unknown_pids)}))
+        else:
+            print("pool stopped" if stopped.recorded else "no pool was running")
+            if stopped.unknown_pids:
+                print(stopped.describe(), file=sys.stderr)
         return 0
     if args.config:
         config = load_pool_config(args.config)

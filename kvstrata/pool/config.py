@@ -22,7 +22,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from kvstrata import trust
 from kvstrata.report import OMIT
+from kvstrata.trust import Untrusted
 
 ENV = "KVSTRATA_POOL"
 
@@ -177,15 +179,19 @@ def make_secret(path: Path) -> None:
 
     A pool restarted in the same place keeps its secret: the clients that read it still seal
     and name values as every new client will.
+
+    Raises:
+        Untrusted: ``path`` is a symlink or another user's file: neither kept (a secret someone
+            else knows) nor written through.
     """
     try:
         secret_at(path)
         return
+    except Untrusted:
+        raise
     except ValueError:
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        os.fchmod(out.fileno(), 0o600)
+        pass  # none, or a weak one of this user's own: replaced
+    with os.fdopen(trust.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as out:
         out.write(os.urandom(SECRET_BYTES).hex() + "\n")
 
 
@@ -195,14 +201,18 @@ def read_secret(config: PoolConfig) -> bytes | None:
 
 
 def secret_at(path: Path) -> bytes:
-    """The deployment secret in ``path``.
+    """The deployment secret in ``path``: a regular file of this user's (not a symlink),
+    readable by them only.
 
     Raises:
+        Untrusted: a symlink, another user's file, or not a regular file (a secret another
+            user could have planted or can read is no secret).
         ValueError: the file is missing, readable by others, or not 64 hex digits.
     """
     try:
-        mode = path.stat().st_mode
-        text = path.read_text().strip()
+        with os.fdopen(trust.open_own(path, "pool secret_file"), "r") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            text = file.read().strip()
     except OSError as error:
         raise ValueError(f"pool secret_file {path}: {error.strerror or error}") from None
     if mode & 0o077:

@@ -7,12 +7,17 @@ lost the pool read it again); ``stop`` ends them; ``status`` checks them (alive 
 survive any inference process exiting.
 
 Security: both listen on 127.0.0.1 here, but Mooncake clients also open transfer ports on all
-interfaces at random ports; run pools only on trusted networks.
+interfaces at random ports; run pools only on trusted networks. The run directory, which holds
+the deployment secret (``pool.key``) and names the processes ``stop`` signals, is trusted only
+if it is this user's (``kvstrata.trust``): one another user made, or a symlink, is refused in one
+line, and its state, key and logs are never followed through a symlink. A recorded pid is
+signalled only while it is still the process that was started (``kvstrata.pool.started``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,11 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvstrata import trust
 from kvstrata.pool import libs, native_log
 from kvstrata.pool.config import PoolConfig, json_error, make_secret
+from kvstrata.pool.started import ProcessStamp
+
+_log = logging.getLogger("kvstrata.pool")
 
 STATE = "pool.json"
 SECRET = "pool.key"
+RUN_DIR = "pool run directory"  # how messages name it
 START_TIMEOUT_S = 30.0
 # A pool daemon's start is tried again (on a new port) once: on a busy host (CI, beside SGLang's
 # and vLLM's own Mooncake clients) one was seen stuck in Mooncake's own retries of its client's
@@ -99,14 +109,29 @@ def _binary(name: str) -> str:
 
 @dataclass(frozen=True)
 class PoolState:
+    """An embedded pool as ``pool.json`` records it.
+
+    Attributes:
+        master_stamp, daemon_stamp: which processes ``master_pid`` and ``daemon_pid`` were when
+            started (None: recorded by a kvstrata that kept no stamp; such a pid is never
+            signalled, as nothing tells the pool's process from another that holds it now).
+    """
+
     config: PoolConfig
     master_pid: int
     daemon_pid: int
     metrics_port: int
     segment_bytes: int
     run_dir: str
+    master_stamp: ProcessStamp | None = None
+    daemon_stamp: ProcessStamp | None = None
+
+    def processes(self) -> tuple[tuple[str, int, ProcessStamp | None], ...]:
+        """``(name, pid, stamp)`` of each process, in the order ``stop`` ends them."""
+        return ("daemon", self.daemon_pid, self.daemon_stamp), ("master", self.master_pid, self.master_stamp)
 
     def to_json(self) -> dict:
+        stamps = {f"{name}_stamp": stamp.to_json() if stamp else None for name, _, stamp in self.processes()}
         return {
             "config": self.config.to_json(),
             "master_pid": self.master_pid,
@@ -114,11 +139,14 @@ class PoolState:
             "metrics_port": self.metrics_port,
             "segment_bytes": self.segment_bytes,
             "run_dir": self.run_dir,
-        }
+        } | stamps
 
     @classmethod
     def from_json(cls, doc: dict) -> "PoolState":
-        return cls(PoolConfig(**doc["config"]), **{k: doc[k] for k in doc if k != "config"})
+        # No stamps (a pool.json older than them): None, a pid never signalled.
+        stamps = {k: ProcessStamp.from_json(doc[k]) for k in ("master_stamp", "daemon_stamp") if doc.get(k) is not None}
+        rest = {k: doc[k] for k in doc if k != "config" and k not in stamps}
+        return cls(PoolConfig(**doc["config"]), **rest, **stamps)
 
 
 def process_alive(pid: int) -> bool:
@@ -136,23 +164,42 @@ def process_alive(pid: int) -> bool:
 
 
 def read_state(run_dir: Path | None = None) -> PoolState | None:
-    path = Path(run_dir or default_run_dir()).absolute() / STATE
-    if not path.is_file():
+    """The pool recorded in ``run_dir`` (default: ``default_run_dir()``); None if none is.
+
+    Raises:
+        Untrusted: the run directory or its ``pool.json`` is not this user's, or a symlink.
+        ValueError: ``pool.json`` is not a pool's state.
+    """
+    run_dir = Path(run_dir or default_run_dir()).absolute()
+    path = run_dir / STATE
+    if not os.path.lexists(run_dir):
+        return None
+    trust.check_private_dir(run_dir, RUN_DIR)
+    try:
+        with os.fdopen(trust.open_own(path, "pool state file"), "r") as file:
+            text = file.read()
+    except FileNotFoundError:
         return None
     try:
-        state = PoolState.from_json(json.loads(path.read_text()))
+        state = PoolState.from_json(json.loads(text))
     except (ValueError, KeyError, TypeError) as exc:  # edited by hand, or not a pool's state
         raise ValueError(f"{path}: not a pool state file: {json_error(exc)}") from None
     return replace(state, config=replace(state.config, config_file=path))
 
 
+def _ours(pid: int, stamp: ProcessStamp | None) -> bool:
+    """Whether ``pid`` is still the process started under ``stamp`` (never, without one)."""
+    return stamp is not None and stamp.holds(pid)
+
+
 def status(run_dir: Path | None = None) -> dict:
-    """What runs: pids alive, ports answering (a stopped process is not up)."""
+    """What runs: the recorded processes still the ones started, their ports answering (a
+    stopped process is not up)."""
     state = read_state(run_dir)
     if state is None:
         return {"running": False, "reason": "no embedded pool started in " + str(run_dir or default_run_dir())}
-    master_up = process_alive(state.master_pid) and answers(state.config.master)
-    daemon_up = process_alive(state.daemon_pid) and answers(state.config.daemon)
+    master_up = _ours(state.master_pid, state.master_stamp) and answers(state.config.master)
+    daemon_up = _ours(state.daemon_pid, state.daemon_stamp) and answers(state.config.daemon)
     return {
         "running": master_up and daemon_up,
         "master": {"address": state.config.master, "pid": state.master_pid, "up": master_up},
@@ -171,28 +218,38 @@ CLIENT_TTL_S = 60
 
 def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> PoolState:
     """Start a master and a pool daemon on loopback (or return the running one). The state's
-    config names ``pool.json`` as its file, so clients built on it follow a restarted pool."""
-    run_dir = Path(run_dir or default_run_dir()).absolute()
+    config names ``pool.json`` as its file, so clients built on it follow a restarted pool.
+
+    Raises:
+        Untrusted: ``run_dir`` (made 0700 if missing) is another user's or a symlink, or a
+            file in it that ``start`` reads or writes is.
+        PoolError: a process did not start.
+    """
+    # Its logs, state and secret: the owner's only; and who else could plant a pool.json
+    # naming processes to kill, or a pool.key they know?
+    run_dir = trust.private_dir(Path(run_dir or default_run_dir()).absolute(), RUN_DIR)
     current = status(run_dir)
     if current["running"]:
         return read_state(run_dir)
-    stop(run_dir)  # clear a half-dead previous pool
+    stopped = stop(run_dir)  # clear a half-dead previous pool
+    if stopped.unknown_pids:
+        _log.warning("%s", stopped.describe())
     missing = libs.missing_libraries()
     if missing:  # the programs would exit 127 naming only the first
         raise PoolError(libs.describe(missing))
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(run_dir, 0o700)  # its logs and state: the owner's only
     master_port, metrics_port = free_port(), free_port()
     master = f"127.0.0.1:{master_port}"
     master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log")
     try:
         wait_for(master, master_proc, run_dir / "master.log")
+        master_stamp = _stamp(master_proc, run_dir / "master.log")
         for attempt in range(DAEMON_ATTEMPTS):
             daemon_port = free_port()
             daemon = f"127.0.0.1:{daemon_port}"
             daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log")
             try:
                 wait_for(daemon, daemon_proc, run_dir / "daemon.log")
+                daemon_stamp = _stamp(daemon_proc, run_dir / "daemon.log")
                 break
             except PoolError:
                 if attempt + 1 == DAEMON_ATTEMPTS:
@@ -203,7 +260,8 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     secret = run_dir / SECRET
     make_secret(secret)  # kept across restarts: values sealed with it, names keyed (tiers/poolvalue.py)
     config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret), config_file=run_dir / STATE)
-    state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir))
+    state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir),
+                      master_stamp, daemon_stamp)
     partial = run_dir / f".{STATE}.{os.getpid()}"
     with _private(partial, "w") as out:
         out.write(json.dumps(state.to_json(), indent=2))
@@ -247,10 +305,21 @@ def _launch(program: str, flags: list[str], log: Path, prefix: Sequence[str]) ->
 
 
 def _private(path: Path, mode: str):
-    """``open(path, mode)`` for writing, the file readable by its owner only (0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)  # a file that was there keeps its old mode otherwise
-    return os.fdopen(fd, mode)
+    """``open(path, mode)`` for writing, the file readable by its owner only (0600), never
+    through a symlink nor into another user's file (``trust.open_private``)."""
+    return os.fdopen(trust.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), mode)
+
+
+def _stamp(proc: subprocess.Popen, log: Path) -> ProcessStamp:
+    """The stamp of ``proc``, taken once it serves (a wrapper has exec'd its program by then).
+
+    Raises:
+        PoolError: it exited meanwhile.
+    """
+    try:
+        return ProcessStamp.of(proc.pid)
+    except ProcessLookupError:
+        raise PoolError(f"{Path(proc.args[0]).name} exited as it started: {_last_line(log)}", log) from None
 
 
 def wait_for(address: str, proc: subprocess.Popen, log: Path,
@@ -303,13 +372,44 @@ def _terminate(pid: int, grace_s: float = 5.0) -> None:
             pass
 
 
-def stop(run_dir: Path | None = None) -> bool:
-    """Stop the embedded pool; False if none was recorded."""
-    run_dir = Path(run_dir or default_run_dir())
+@dataclass(frozen=True)
+class Stopped:
+    """What ``stop`` did.
+
+    Attributes:
+        recorded: a pool was recorded in the run directory (its ``pool.json`` is gone now).
+        unknown_pids: recorded pids left alone although a process holds them: recorded without
+            a stamp (by an older kvstrata), so nothing tells the pool's process from another.
+    """
+
+    recorded: bool
+    unknown_pids: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        """One line on the pids left alone (empty when none was)."""
+        if not self.unknown_pids:
+            return ""
+        pids = ", ".join(map(str, self.unknown_pids))
+        return (f"not signalled: pid(s) {pids}, recorded by an older kvstrata without their start time, so "
+                "they may be unrelated processes that now hold those pids; stop them yourself if they are the pool's")
+
+
+def stop(run_dir: Path | None = None) -> Stopped:
+    """Stop the embedded pool: signal each recorded process group whose leader is still the
+    process started (``PoolState.processes``), and forget the pool.
+
+    Raises:
+        Untrusted, ValueError: as ``read_state``.
+    """
+    run_dir = Path(run_dir or default_run_dir()).absolute()
     state = read_state(run_dir)
     if state is None:
-        return False
-    _terminate(state.daemon_pid)
-    _terminate(state.master_pid)
+        return Stopped(False)
+    unknown = []
+    for _, pid, stamp in state.processes():
+        if _ours(pid, stamp):
+            _terminate(pid)
+        elif stamp is None and process_alive(pid):
+            unknown.append(pid)
     (run_dir / STATE).unlink(missing_ok=True)
-    return True
+    return Stopped(True, tuple(unknown))

@@ -6,7 +6,9 @@ blocks (their keys could not collide anyway: keys are chained from the namespace
 ``key`` is the file ``<key hex>.kvb`` in the format of ``kvstrata.tiers.blockfile``; the block
 manager's slot is bookkeeping only. A ``.lock`` file, ``flock``-ed while the tier is open, keeps a second
 tier (in this process or another) out of the directory, since each would delete the other's
-temp files and overrun the capacity.
+temp files and overrun the capacity. Both directories must be this user's, 0700, and no symlink
+(``kvstrata.trust``): the owner of one could plant blocks that verify (the checksums are no
+secret), delete the tier's, or point a namespace at another place for the writes.
 
 Why a file per block rather than slab files (measured in ``benchmarks/disk_layout.py``, whose
 docstring has the numbers): at >= 1 MiB per block, cold reads in the order a restore asks for
@@ -82,6 +84,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstrata import trust
 from kvstrata.errors import CorruptBlock, TierUnavailable
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
@@ -91,8 +94,7 @@ from kvstrata.tiers.base import Pieces, Tier, outcome
 
 _log = logging.getLogger("kvstrata.tiers")
 SUFFIX = ".kvb"
-DIR_MODE = 0o700  # the tier's directory and its files: the owner's only (KV is users' prompts)
-FILE_MODE = 0o600
+FILE_MODE = 0o600  # the tier's files, as its directory (0700): the owner's only (KV is users' prompts)
 LOCK_NAME = ".lock"
 _BLOCK_NAME = re.compile(r"([0-9a-f]{32})\.kvb")
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{32}\.\d+\.tmp")
@@ -116,8 +118,11 @@ class DiskTier(Tier):
     Args:
         layout: what every block holds; blocks written under another layout are never served.
         capacity_bytes: payload bytes to hold (each file adds a header of 4 KiB or more).
-        directory: created if missing.
-        namespace_tag: a sub-directory for this namespace (e.g. ``Namespace.tag``).
+        directory: created (0700) if missing; one of this user's is tightened to 0700, and one
+            of another user's, or a symlink, is refused (``kvstrata.trust.Untrusted``, a
+            ValueError): its owner could plant blocks, delete them or redirect the writes.
+        namespace_tag: a sub-directory for this namespace (e.g. ``Namespace.tag``), trusted as
+            ``directory`` is.
         fsync: make each write durable against power loss (fsync file and directory).
         read_gbps: cap reads at this many decimal GB/s in aggregate (emulates slower storage);
             None: no cap.
@@ -149,11 +154,13 @@ class DiskTier(Tier):
         # Each block's file as the tier last saw it whole (written, or checked at start), in write
         # order: the manifest written on close, which lets the next start skip reading its header.
         self._stamps: dict[BlockKey, diskmanifest.Stamp] | None = None  # None until recovery is done
-        _private_directory(self.directory)
+        trust.private_dir(directory, "disk tier directory")
+        if namespace_tag:
+            trust.private_dir(self.directory, "disk tier directory")
         self._lock_fd = _lock_directory(self.directory)
         self._dir_fd: int | None = None
         try:
-            self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             self._recovered = self._recover_from_disk()
         except BaseException:
             self.close()
@@ -463,16 +470,8 @@ class _ReadPacer:
             time.sleep(left)
 
 
-def _private_directory(directory: Path) -> None:
-    """Create ``directory`` (and missing parents) for this user only; tighten it if it is wider:
-    block files hold users' prompts as KV."""
-    directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    if stat.S_IMODE(directory.stat().st_mode) & ~DIR_MODE:
-        os.chmod(directory, DIR_MODE)
-
-
 def _lock_directory(directory: Path) -> int:
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    fd = trust.open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -4,10 +4,13 @@ budgets for waiting on a pool are refused in one line when they cannot work."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
-from kvstrata.pool.config import PoolConfig, check_budgets, load_pool_config
+from kvstrata.pool.config import PoolConfig, check_budgets, load_pool_config, make_secret, read_secret
+from kvstrata.trust import Untrusted
 
 
 def test_a_config_read_from_a_file_remembers_the_file_but_not_in_its_identity_or_json(tmp_path):
@@ -66,3 +69,43 @@ def test_segments_round_trip_through_toml_json_and_the_state_file(tmp_path):
 def test_segments_that_are_not_host_port_are_refused_in_one_line(segments, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         PoolConfig("10.0.0.1:50051", segments=segments)
+
+
+KEY = "ab" * 32  # a deployment secret someone else knows
+
+
+def planted_key(tmp_path, how: str):
+    """A ``pool.key`` holding a valid secret that ``nobody`` planted: their own file, or a
+    symlink to it."""
+    import pwd
+
+    theirs = tmp_path / "their.key"
+    theirs.write_text(KEY + "\n")
+    theirs.chmod(0o600)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
+    if how == "owned":
+        return theirs, theirs
+    link = tmp_path / "pool.key"
+    link.symlink_to(theirs)
+    return link, theirs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a file to another user needs root")
+@pytest.mark.parametrize(("how", "message"), [("owned", "is owned by nobody, not root"), ("symlink", "is a symlink")])
+def test_a_secret_another_user_planted_is_neither_used_nor_written_through(tmp_path, how, message):
+    path, theirs = planted_key(tmp_path, how)
+    with pytest.raises(Untrusted, match=f"pool secret_file {path} {message}"):
+        read_secret(PoolConfig(master="127.0.0.1:1", secret_file=str(path)))
+    with pytest.raises(Untrusted, match=message):
+        make_secret(path)  # the embedded pool's start: neither kept nor overwritten
+    assert theirs.read_text() == KEY + "\n"
+
+
+def test_a_secret_is_made_0600_and_kept_across_restarts(tmp_path):
+    path = tmp_path / "pool.key"
+    make_secret(path)
+    made = path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(bytes.fromhex(made.strip())) == 32
+    make_secret(path)
+    assert path.read_text() == made

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,17 @@ def test_a_daemon_that_cannot_take_its_port_is_started_again_on_another(tmp_path
             embedded.stop(run_dir)
     finally:
         taken.close()
+
+
+def test_stop_ends_the_processes_start_recorded_by_their_stamps(tmp_path):
+    run_dir = tmp_path / "pool"
+    state = embedded.start(64 * 1024**2, run_dir)
+    try:
+        recorded = embedded.read_state(run_dir)
+        assert (recorded.master_stamp, recorded.daemon_stamp) == (state.master_stamp, state.daemon_stamp)
+        assert Path(state.master_stamp.exe).name == "mooncake_master" and state.master_stamp.holds(state.master_pid)
+        assert Path(state.daemon_stamp.exe).name == "mooncake_client" and state.daemon_stamp.holds(state.daemon_pid)
+    finally:
+        stopped = embedded.stop(run_dir)
+    assert stopped == embedded.Stopped(True)
+    assert not state.master_stamp.holds(state.master_pid) and not state.daemon_stamp.holds(state.daemon_pid)

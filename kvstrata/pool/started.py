@@ -1,0 +1,64 @@
+"""Which process a recorded pid is: its start time and executable, as ``pool.json`` keeps them.
+
+A pid alone names whatever holds it now. Once the pool's processes are gone (killed, a reboot)
+the kernel hands their pids to others, and signalling the recorded process groups would end
+unrelated work. So ``pool start`` records, with each pid, the process's start time
+(``/proc/<pid>/stat`` field 22, clock ticks after boot: two processes that hold one pid in turn
+differ in it) and its executable (``/proc/<pid>/exe``), and ``pool stop`` signals a pid only
+while both still match. A pid recorded without them (a ``pool.json`` older than this) names an
+unknown process: it is never signalled.
+
+Linux only (``/proc``), as the pool's engine is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcessStamp:
+    """What tells a started process from a later one that holds its pid.
+
+    Attributes:
+        start_ticks: when it started, in clock ticks after boot (``/proc/<pid>/stat`` field 22).
+        exe: the path of its executable (``/proc/<pid>/exe``).
+    """
+
+    start_ticks: int
+    exe: str
+
+    @classmethod
+    def of(cls, pid: int) -> "ProcessStamp":
+        """The stamp of the process that holds ``pid`` now.
+
+        Raises:
+            ProcessLookupError: no such process, or it has exited (a zombie has no executable).
+        """
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as file:
+                stat = file.read()
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:  # gone; or a zombie, whose exe link reads ENOENT
+            raise ProcessLookupError(f"no process {pid}") from None
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; fields after the
+        # last ")" start at field 3, so field 22 is the 20th of them.
+        return cls(int(stat[stat.rindex(b")") + 1:].split()[19]), exe)
+
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` is still the process this stamp was taken of."""
+        try:
+            return ProcessStamp.of(pid) == self
+        except ProcessLookupError:
+            return False
+
+    def to_json(self) -> dict:
+        return {"start_ticks": self.start_ticks, "exe": self.exe}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "ProcessStamp":
+        """Raises TypeError for a document that is not a stamp."""
+        if not (isinstance(doc, dict) and isinstance(doc.get("start_ticks"), int) and isinstance(doc.get("exe"), str)):
+            raise TypeError(f"not a process stamp: {doc!r}")
+        return cls(doc["start_ticks"], doc["exe"])
