@@ -72,6 +72,8 @@ class ServeBenchConfig:
         kv_blocks: vLLM's KV memory, blocks (``--num-gpu-blocks-override``).
         max_num_seqs: requests vLLM batches at once.
         dtype: the servers' dtype (``--dtype``): the KV's too.
+        connector_extra: more of the connector's ``kv_connector_extra_config`` for every connector
+            server (``--connector-extra``), over the bench's own.
         disk_read_gbps: cap the disk tiers' reads at this many GB/s (a slow drive, unknown to the
             connector's decisions, which measure it); None: no cap.
         host_bytes, disk_bytes, remote_bytes: kvstrata's host DRAM and disk tiers, and how much of
@@ -94,6 +96,7 @@ class ServeBenchConfig:
     disk_bytes: int = 256 * MiB
     remote_bytes: int = 128 * MiB
     disk_read_gbps: float | None = None
+    connector_extra: tuple[tuple[str, object], ...] = ()
     pool: bool = True
     directory: Path | None = None
     start_timeout_s: float = 300.0
@@ -176,6 +179,7 @@ def _connector(config: ServeBenchConfig, instance: Instance, work_dir: Path, poo
         extra |= {"disk_dir": str(work_dir / f"disk-{instance.name.lower()}"), "disk_bytes": config.disk_bytes}
         if config.disk_read_gbps is not None:
             extra["disk_read_gbps"] = config.disk_read_gbps
+    extra |= dict(config.connector_extra)
     if pool_file is not None:
         extra |= {"pool": str(pool_file), "remote_bytes": config.remote_bytes}
     return extra

@@ -64,6 +64,8 @@ def register(bench: BenchParser) -> None:
     p.add_argument("--disk-read-gbps", type=float, metavar="GBPS",
                    help="cap the disk tiers' reads at this many GB/s (a slow drive the connector is not told of: "
                         "it measures its loads and recomputes what a slow tier cannot bring back faster)")
+    p.add_argument("--connector-extra", metavar="JSON", help="more kv_connector_extra_config for the kvstrata servers, "
+                                                             "e.g. '{\"sync_save\": true}'")
     p.add_argument("--remote-mib", type=int, default=128, help="the pool each server tracks, MiB (default: 128)")
     p.add_argument("--seed", type=int, default=0, help="the prompts' (and a generated trace's) seed (default: 0)")
     cli.add_pool_arg(p, "an embedded pool for the run")
@@ -74,6 +76,27 @@ def register(bench: BenchParser) -> None:
                                                 "temporary directory, removed)")
     p.add_argument("--plot", metavar="PATH", help="also write TTFT CDFs with and without kvstrata (PNG) to PATH")
     cli.add_json_arg(p)
+
+
+def _connector_extra(text: str | None) -> dict[str, object]:
+    """``--connector-extra``'s JSON object, checked as the connector checks its extra config."""
+    if text is None:
+        return {}
+    import json
+
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise cli.CliError(f"--connector-extra is not JSON: {error}") from None
+    if not isinstance(extra, dict):
+        raise cli.CliError(f"--connector-extra must be a JSON object, got {text!r}")
+    from kvstrata.integrations.vllm.settings import ConnectorSettings
+
+    try:
+        ConnectorSettings.from_extra(extra)
+    except ValueError as error:
+        raise cli.CliError(f"--connector-extra: {error}") from None
+    return extra
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -110,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
         trace=Path(args.trace) if args.trace else None, rounds=args.rounds, kv_blocks=args.kv_blocks,
         max_num_seqs=args.max_num_seqs, dtype=args.dtype, host_bytes=args.host_mib * MiB, disk_bytes=args.disk_mib * MiB,
         remote_bytes=args.remote_mib * MiB, pool=use_pool, disk_read_gbps=args.disk_read_gbps,
+        connector_extra=tuple(_connector_extra(args.connector_extra).items()),
         directory=Path(args.dir) if args.dir else None,
     )
     if args.trace is not None:  # a bad line, or fewer requests than conversations: one line, before any server

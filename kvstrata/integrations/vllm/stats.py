@@ -172,11 +172,12 @@ class WorkerStats:
 
 class StatsFile:
     """The stats file, rewritten by a thread of its own when poked (coalesced: at most every
-    ``every_s``), so the engine's step never spends its time on JSON; ``write_now`` on the
+    ``every_s``: a write costs about a millisecond of CPU, which a busy host's engine feels),
+    so the engine's step never spends its time on JSON; ``write_now`` on the
     caller's thread (with ``sync_save``, at the end of each step, as readers of a pass expect)."""
 
     def __init__(self, path: Path, stats: WorkerStats, caches: Callable[[], tuple[TieredCache, ...]],
-                 every_s: float = 0.1) -> None:
+                 every_s: float = 1.0) -> None:
         self._path, self._stats, self._caches, self._every_s = path, stats, caches, every_s
         self._lock = threading.Lock()
         self._poked = threading.Event()
