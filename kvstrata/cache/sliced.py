@@ -220,7 +220,7 @@ class SlicedRank:
             g = self.slicing.granularity
             futures += [self.cache.store_keys(slice_keys(keys, range(j, j + 1)), kv[:, :, :, i * g:(i + 1) * g])
                         for i, j in enumerate(self.slices)]
-        return _combined(futures, len(keys))
+        return combined_stores(futures, len(keys))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for the packs of loaded slices stored so far."""
@@ -255,7 +255,7 @@ def _done(result: StoreResult) -> Future:
     return future
 
 
-def _combined(futures: list[Future], blocks: int) -> Future:
+def combined_stores(futures: list[Future], blocks: int) -> Future:
     """One Future of the parts' StoreResults: blocks new only where every part was; refused
     where any was."""
     out: Future = Future()

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
 from kvstrata.cache.sliced import SlicedRank, pack_layout  # noqa: E402
 from kvstrata.integrations.vllm.groups import VLLMGroup  # noqa: E402
-from kvstrata.integrations.vllm.paged import SlicedGroup  # noqa: E402
+from kvstrata.integrations.vllm.paged import SlicedGroup, staging  # noqa: E402
 from kvstrata.kv.geometry import DType  # noqa: E402
 from kvstrata.kv.groups import GroupKind, KVGroup  # noqa: E402
 from kvstrata.kv.heads import HeadSlicing  # noqa: E402
@@ -80,8 +80,7 @@ def test_blocks_staged_at_one_tp_load_into_another_tps_blocks(kind, writer_tp, r
         src_ids = [4, 1]  # vLLM's blocks of the prefix in the writer...
         for w in writers:
             keys = w.keys(tokens)
-            kv = torch.empty((LAYERS, w.layout.kv_tensors, 2 * BLOCK, w.layout.kv_heads, w.layout.head_dim),
-                             dtype=torch.bfloat16)
+            kv = staging(w.layout, len(src_ids), w.layers[0])  # block-major, as the worker stages saves
             for layer in range(LAYERS):
                 w.stage_layer(kv, layer, src_ids)
             w.store_keys(keys, kv).result()

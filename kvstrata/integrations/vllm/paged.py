@@ -18,7 +18,13 @@ index op per layer (saves) or one ``torch._foreach_copy_`` per layer (loads).
 
 Both answer the same calls: ``keys``, ``match`` (in blocks), ``load`` (None when not every block
 is there), ``copy_layer``, ``stage_layer``, ``store_keys``; ``layout`` is this rank's KV of a
-block, ``[layers, kv, block_tokens, its heads, head_dim]``, the staging tensor's shape.
+block, ``[layers, kv, block_tokens, its heads, head_dim]``.
+
+Saves are staged block by block (``[blocks, layers, kv, block_tokens, its heads, head_dim]``:
+each block one contiguous run, as the tiers keep it) and stored with the cache's caller-memory
+put (:mod:`kvstrata.cache.direct`): straight from the staging into the host tier and down (a
+disk file, the pool), with no copy into kvstrata's device tier and back out. Staging on a GPU
+stays on the GPU and goes through the cache's device tier (its stream, after an event).
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from typing import Any
 import torch
 
 from kvstrata.cache import TieredCache
-from kvstrata.cache.sliced import SlicedLoad, SlicedRank
-from kvstrata.index.keys import BlockKey
+from kvstrata.cache.results import StoreResult
+from kvstrata.cache.sliced import SlicedLoad, SlicedRank, combined_stores
+from kvstrata.index.keys import BlockKey, slice_keys
 from kvstrata.index.prefix import Match
 from kvstrata.integrations.vllm.groups import VLLMGroup
 from kvstrata.kv.groups import GroupKind, KVGroup
@@ -74,16 +81,14 @@ class OpaqueGroup:
         dst = [paged[b] for b in block_ids]
         torch._foreach_copy_(dst, [handle.block(j)[layer].view(d.shape) for j, d in enumerate(dst)])
 
-    def stage_layer(self, kv: torch.Tensor, layer: int, block_ids: list[int]) -> None:
-        _, kvt, _, heads, dim = kv.shape
-        n, bs = len(block_ids), self.layout.block_tokens
+    def stage_layer(self, staged: torch.Tensor, layer: int, block_ids: list[int]) -> None:
         paged = self.layers[layer]
-        blocks = paged[torch.tensor(block_ids, device=paged.device)]  # [n, *vLLM block], a copy
-        # vLLM's block j of this layer, as flat elements, becomes kv[layer, :, j*bs:(j+1)*bs]
-        kv[layer].view(kvt, n, bs, heads, dim).copy_(blocks.reshape(n, kvt, bs, heads, dim).transpose(0, 1))
+        # vLLM's block b of this layer, as flat elements, becomes staged[j, layer]: one copy each, one dispatch
+        torch._foreach_copy_([staged[j, layer].view(-1) for j in range(len(block_ids))],
+                             [paged[b].view(-1) for b in block_ids])
 
-    def store_keys(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
-        return self.cache.store_keys(keys, kv)
+    def store_keys(self, keys: list[BlockKey], staged: torch.Tensor) -> Future:
+        return store_staged(self.cache, keys, staged)
 
 
 class SlicedGroup:
@@ -127,16 +132,58 @@ class SlicedGroup:
         torch._foreach_copy_([heads[block_ids[b], h : h + piece.shape[3]] for b, h, piece in pieces],
                              [piece[layer].permute(2, 0, 1, 3) for _, _, piece in pieces])
 
-    def stage_layer(self, kv: torch.Tensor, layer: int, block_ids: list[int]) -> None:
-        _, kvt, _, heads, dim = kv.shape
-        n, bs = len(block_ids), self.layout.block_tokens
-        view = self._heads[layer]
-        blocks = view[torch.tensor(block_ids, device=view.device)]  # [n, heads, kv, bs, dim], a copy
-        kv[layer].view(kvt, n, bs, heads, dim).copy_(blocks.permute(2, 0, 3, 1, 4))
+    def stage_layer(self, staged: torch.Tensor, layer: int, block_ids: list[int]) -> None:
+        view = self._heads[layer]  # vLLM's block b: [heads, kv, bs, dim] -> staged[j, layer]: [kv, bs, heads, dim]
+        torch._foreach_copy_([staged[j, layer] for j in range(len(block_ids))],
+                             [view[b].permute(1, 2, 0, 3) for b in block_ids])
 
-    def store_keys(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
-        return self.rank.store_keys(keys, kv)
+    def store_keys(self, keys: list[BlockKey], staged: torch.Tensor) -> Future:
+        """The rank's packs put straight from the staging; the slices (the pool's) as before."""
+        rank = self.rank
+        if not rank.writes or not keys:
+            return rank.store_keys(keys, layer_major(staged))
+        futures = [store_staged(rank.packs, rank.pack_keys(keys), staged)] if rank.packs is not None else []
+        if rank.cache is not None:
+            g, kv = rank.slicing.granularity, layer_major(staged)
+            futures += [rank.cache.store_keys(slice_keys(keys, range(j, j + 1)), kv[:, :, :, i * g:(i + 1) * g])
+                        for i, j in enumerate(rank.slices)]
+        return combined_stores(futures, len(keys))
 
+
+
+def staging(layout: KVLayout, blocks: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty staging for ``blocks`` blocks of ``layout``, block-major, on ``like``'s device and dtype."""
+    return torch.empty((blocks, layout.num_layers, layout.kv_tensors, layout.block_tokens, layout.kv_heads,
+                        layout.head_dim), dtype=like.dtype, device=like.device)
+
+
+def layer_major(staged: torch.Tensor) -> torch.Tensor:
+    """A block-major staging as the cache's ``store_keys`` takes KV: ``[layers, kv, tokens, heads, dim]`` (a copy)."""
+    n, layers, kvt, bs, heads, dim = staged.shape
+    return staged.permute(1, 2, 0, 3, 4, 5).reshape(layers, kvt, n * bs, heads, dim)
+
+
+def store_staged(cache: TieredCache, keys: list[BlockKey], staged: torch.Tensor) -> Future:
+    """Store the staged blocks under ``keys``: from CPU memory, put straight into the tiers below
+    the device (one copy into the host tier, a write to disk); from a GPU, through the device tier.
+    A Future of a StoreResult either way."""
+    if staged.is_cuda or len(cache.media) < 2:
+        return cache.store_keys(keys, layer_major(staged))
+    flat = staged.view(staged.shape[0], -1).view(torch.uint8)
+    put = cache.submit_put(keys, [[flat[j]] for j in range(len(keys))])
+    out: Future = Future()
+    out.set_running_or_notify_cancel()
+
+    def done(f: Future) -> None:
+        error = f.exception()
+        if error is not None:
+            out.set_exception(error)
+            return
+        result = f.result()
+        out.set_result(StoreResult(len(keys), result.written, result.seconds, sum(not s for s in result.stored)))
+
+    put.add_done_callback(done)
+    return out
 
 
 def _head_view(spec: VLLMGroup, paged: torch.Tensor, layout: KVLayout) -> torch.Tensor:

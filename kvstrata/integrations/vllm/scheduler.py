@@ -168,9 +168,12 @@ class KVStrataConnectorScheduler:
             request = self._requests.get(req_id)
             if request is None:
                 continue
+            external = self._to_load.pop(req_id, 0)
+            end = computed[req_id] + scheduled
+            if not external and not (self._saves_enabled and self._saves_more(req_id, request, end)):
+                continue  # a decode step, or a prompt chunk short of a new full block: nothing to plan
             block_ids = kv_cache_manager.get_block_ids(req_id)  # one list per KV cache group
             prompt = list(request.prompt_token_ids or [])
-            external = self._to_load.pop(req_id, 0)
             if external:
                 meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external, null))
             if self._saves_enabled:
@@ -179,6 +182,11 @@ class KVStrataConnectorScheduler:
                     meta.saves.append(save)
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
         return meta
+
+    def _saves_more(self, req_id: str, request: Request, end: int) -> bool:
+        """Whether ``end`` completes a full prompt block not yet sent to save."""
+        full = min(end, request.num_prompt_tokens) // self._block_size
+        return full > self._saved_blocks.get(req_id, 0)
 
     def _load_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
                    external: int, null: int) -> LoadSpec:

@@ -43,7 +43,7 @@ from kvstrata.cache.grouped import GroupedMatch, longest_hit
 from kvstrata.cache.sliced import SlicedRank
 from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
-from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
+from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup, staging
 from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
 from kvstrata.integrations.vllm.channel import LookupServer
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, StepClock
@@ -421,13 +421,9 @@ class KVStrataConnectorWorker:
         staged = self._staged.get((spec.req_id, group))
         if staged is None:
             layout = self._groups[group].layout
-            tokens = len(spec.groups[group].block_ids) * self._block_size
-            # kv: [layers, kv, tokens, this rank's kv_heads, head_dim], the shape the group stores
-            # on vLLM's device: a GPU gathers on its own stream, never a host copy inside the
-            # forward; the cache copies it out on its stream after an event (TieredCache.store_keys)
-            paged = self._groups[group].layers[0]
-            kv = torch.empty((layout.num_layers, layout.kv_tensors, tokens, layout.kv_heads, layout.head_dim),
-                             dtype=paged.dtype, device=paged.device)
+            # [blocks, layers, kv, block_tokens, this rank's kv_heads, head_dim] on vLLM's device:
+            # a GPU gathers on its own stream, never a host copy inside the forward
+            kv = staging(layout, len(spec.groups[group].block_ids), self._groups[group].layers[0])
             staged = self._staged[(spec.req_id, group)] = (kv, [False] * layout.num_layers)
         return staged
 
