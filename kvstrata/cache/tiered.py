@@ -250,12 +250,6 @@ class TieredCache:
         self._check_open()
         return self._direct.put(keys, blocks)
 
-    def submit_put(self, keys: list[BlockKey], blocks: Sequence[Pieces]) -> Future:
-        """``put`` on one of the cache's threads: a Future of its PutResult. The caller keeps
-        ``blocks``' memory unchanged until it is done."""
-        self._check_open()
-        return self._worker.submit(self.put, keys, blocks)
-
     def get_into(self, keys: list[BlockKey], blocks: Sequence[Pieces]) -> int:
         """Read the leading run of ``keys`` (others' pool blocks too: ``match``) straight into the caller's
         memory (block i into ``blocks[i]``, its pieces): how many blocks, from the first, landed verified."""

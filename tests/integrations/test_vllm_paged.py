@@ -6,6 +6,7 @@ through one real cache; and a paged tensor of another layout refused in one line
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -83,7 +84,8 @@ def test_blocks_staged_at_one_tp_load_into_another_tps_blocks(kind, writer_tp, r
             kv = staging(w.layout, len(src_ids), w.layers[0])  # block-major, as the worker stages saves
             for layer in range(LAYERS):
                 w.stage_layer(kv, layer, src_ids)
-            w.store_keys(keys, kv).result()
+            with ThreadPoolExecutor(1) as saver:
+                w.store_keys(keys, kv, saver).result()
         readers = rank_groups(cache, kind, reader_tp, None, packs)
         dst_ids = [0, 5]  # ... and the reader's
         for rd in readers:

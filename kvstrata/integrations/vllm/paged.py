@@ -29,7 +29,7 @@ stays on the GPU and goes through the cache's device tier (its stream, after an 
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import replace
 from typing import Any
 
@@ -87,8 +87,8 @@ class OpaqueGroup:
         torch._foreach_copy_([staged[j, layer].view(-1) for j in range(len(block_ids))],
                              [paged[b].view(-1) for b in block_ids])
 
-    def store_keys(self, keys: list[BlockKey], staged: torch.Tensor) -> Future:
-        return store_staged(self.cache, keys, staged)
+    def store_keys(self, keys: list[BlockKey], staged: torch.Tensor, saver: Executor) -> Future:
+        return store_staged(self.cache, keys, staged, saver)
 
 
 class SlicedGroup:
@@ -137,12 +137,12 @@ class SlicedGroup:
         torch._foreach_copy_([staged[j, layer] for j in range(len(block_ids))],
                              [view[b].permute(1, 2, 0, 3) for b in block_ids])
 
-    def store_keys(self, keys: list[BlockKey], staged: torch.Tensor) -> Future:
+    def store_keys(self, keys: list[BlockKey], staged: torch.Tensor, saver: Executor) -> Future:
         """The rank's packs put straight from the staging; the slices (the pool's) as before."""
         rank = self.rank
         if not rank.writes or not keys:
             return rank.store_keys(keys, layer_major(staged))
-        futures = [store_staged(rank.packs, rank.pack_keys(keys), staged)] if rank.packs is not None else []
+        futures = [store_staged(rank.packs, rank.pack_keys(keys), staged, saver)] if rank.packs is not None else []
         if rank.cache is not None:
             g, kv = rank.slicing.granularity, layer_major(staged)
             futures += [rank.cache.store_keys(slice_keys(keys, range(j, j + 1)), kv[:, :, :, i * g:(i + 1) * g])
@@ -163,14 +163,14 @@ def layer_major(staged: torch.Tensor) -> torch.Tensor:
     return staged.permute(1, 2, 0, 3, 4, 5).reshape(layers, kvt, n * bs, heads, dim)
 
 
-def store_staged(cache: TieredCache, keys: list[BlockKey], staged: torch.Tensor) -> Future:
+def store_staged(cache: TieredCache, keys: list[BlockKey], staged: torch.Tensor, saver: Executor) -> Future:
     """Store the staged blocks under ``keys``: from CPU memory, put straight into the tiers below
-    the device (one copy into the host tier, a write to disk); from a GPU, through the device tier.
-    A Future of a StoreResult either way."""
+    the device on ``saver``'s thread (one copy into the host tier, a write to disk); from a GPU,
+    through the device tier. A Future of a StoreResult either way."""
     if staged.is_cuda or len(cache.media) < 2:
         return cache.store_keys(keys, layer_major(staged))
     flat = staged.view(staged.shape[0], -1).view(torch.uint8)
-    put = cache.submit_put(keys, [[flat[j]] for j in range(len(keys))])
+    put = saver.submit(cache.put, keys, [[flat[j]] for j in range(len(keys))])
     out: Future = Future()
     out.set_running_or_notify_cancel()
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -55,7 +56,7 @@ from kvstrata.kv.groups import KVGroup
 from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.transfer.placement import io_threads_cpu_s, place_io_threads
+from kvstrata.transfer.placement import io_thread_started, io_threads_cpu_s, place_io_threads
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -137,6 +138,8 @@ class KVStrataConnectorWorker:
         self._saving_blocks = 0  # blocks of saves not yet stored (the cache's threads finish them)
         self._saving_lock = threading.Lock()
         self._hooks_cpu_s = 0.0  # CPU the connector's hooks used on vLLM's step thread
+        # the saves' puts into the tiers, one at a time, in step order, on the I/O CPUs
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-save", initializer=io_thread_started)
         self._threads_cpu = (0.0, -1.0)  # the connector's own threads' CPU seconds, and when read
         transfer = vllm_config.kv_transfer_config
         self._recomputes = transfer is not None and transfer.kv_load_failure_policy == "recompute"
@@ -398,7 +401,7 @@ class KVStrataConnectorWorker:
                         group.stage_layer(kv, layer, block_ids)
                 first = spec.groups[g].first_block
                 keys = group.keys(spec.tokens)[first : first + len(block_ids)]
-                futures.append((g, group.store_keys(keys, kv)))
+                futures.append((g, group.store_keys(keys, kv, self._saver)))
             if futures:
                 blocks = max(len(spec.groups[g].block_ids) for g, _ in futures)
                 with self._saving_lock:
@@ -442,6 +445,7 @@ class KVStrataConnectorWorker:
             self._groups = []
 
     def _close_caches(self) -> None:
+        self._saver.shutdown(wait=True)  # the puts in flight end first: they write into the caches
         for group in self._groups:
             for cache in group.caches:
                 cache.close()  # waits for stores in flight
