@@ -59,7 +59,7 @@ class Direct:
         if not self._to:
             raise ValueError("this cache has no tier below the device to put blocks into")
         start = time.perf_counter()
-        stored, written = [False] * len(keys), [False] * len(keys)
+        stored, written, held = [False] * len(keys), [False] * len(keys), set()
         pending = list(range(len(keys)))
         while pending:
             plan = self._manager.prepare_put([keys[i] for i in pending], self._to)
@@ -74,9 +74,11 @@ class Direct:
                 written[pending[placement.position]] |= failure is None
             for n in plan.present:
                 stored[pending[n]] = True
+                held.add(pending[n])
             pending = [pending[n] for n in sorted(plan.full - placed - plan.present)] if placed else []
         stored = [s or w for s, w in zip(stored, written)]
-        return PutResult(tuple(stored), sum(written), time.perf_counter() - start)
+        new = sum(1 for i, w in enumerate(written) if w and i not in held)
+        return PutResult(tuple(stored), sum(written), time.perf_counter() - start, new)
 
     def get(self, keys: Sequence[BlockKey], blocks: Sequence[Pieces]) -> int:
         """Read the leading run of ``keys`` held READY into ``blocks`` (block i into

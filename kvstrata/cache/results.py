@@ -65,6 +65,7 @@ class PutResult:
     stored: tuple[bool, ...]
     written: int
     seconds: float
+    new: int = 0  # blocks no tier held before, written now
 
 
 class LoadHandle:

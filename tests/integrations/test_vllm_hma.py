@@ -83,7 +83,7 @@ def test_hybrid_model_has_a_sliding_and_a_full_group(hma_runs):
     assert first["stats"]["stored_bytes"] == (full_blocks + window) * GROUP_BLOCK_BYTES
 
 
-def test_device_tier_serves_each_group_its_blocks(hma_runs):
+def test_host_tier_serves_each_group_its_blocks(hma_runs):
     first, again = hma_runs["a"]["passes"]
     assert again["cached"] == HITS
     assert again["tokens"] == first["tokens"]
@@ -92,9 +92,10 @@ def test_device_tier_serves_each_group_its_blocks(hma_runs):
     groups = groups_by_kind(stats)
     assert groups["full"]["loaded_blocks"] == sum(HITS) // BLOCK
     assert groups["sliding"]["loaded_blocks"] == sum(window_blocks(h) for h in HITS) < sum(HITS) // BLOCK
-    assert groups["sliding"]["load_paths"] == {"device": sum(window_blocks(h) for h in HITS)}
-    # a load's own blocks were re-offered on save and are already held: nothing new in either
-    # group since the first pass (the counters are the engine's)
+    # saves go straight to the host tier (no copy through kvstrata's device tier)
+    assert groups["sliding"]["load_paths"] == {"host -> device": sum(window_blocks(h) for h in HITS)}
+    # a hit's own blocks are never offered again on save: nothing new in either group since the
+    # first pass (the counters are the engine's)
     before = groups_by_kind(first["stats"])
     assert [groups[k]["new_blocks"] for k in ("full", "sliding")] == [before[k]["new_blocks"] for k in ("full", "sliding")]
 

@@ -180,7 +180,7 @@ def store_staged(cache: TieredCache, keys: list[BlockKey], staged: torch.Tensor,
             out.set_exception(error)
             return
         result = f.result()
-        out.set_result(StoreResult(len(keys), result.written, result.seconds, sum(not s for s in result.stored)))
+        out.set_result(StoreResult(len(keys), result.new, result.seconds, sum(not s for s in result.stored)))
 
     put.add_done_callback(done)
     return out

@@ -252,9 +252,9 @@ class WorkerReporter:
         counters[(CPU_SECONDS, ("worker",))] = cpu_s
         for key, total in counters.items():
             delta = total - self._reported.get(key, 0)
-            if delta > 0:
-                out.add(key[0], delta, key[1])
-                self._reported[key] = total
+            if delta > 0 or key not in self._reported:  # a series seen first is exported, at 0 if so
+                out.add(key[0], max(0, delta), key[1])
+                self._reported[key] = max(total, self._reported.get(key, 0))
         for key, value in gauges.items():
             if self._gauges.get(key) != value:
                 out.set(key[0], value, key[1], self._rank)

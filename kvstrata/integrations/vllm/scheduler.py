@@ -162,6 +162,8 @@ class KVStrataConnectorScheduler:
         meta = KVStrataMetadata(scheduled_tokens=scheduler_output.total_num_scheduled_tokens)
         null = kv_cache_manager.block_pool.null_block.block_id
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        for req_id, hit in computed.items():  # the hit's blocks (vLLM's, kvstrata's) are stored already
+            self._saved_blocks.setdefault(req_id, hit // self._block_size)
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
