@@ -13,10 +13,12 @@ costs ``load(k)`` (per tier, its fit at its blocks; tiers summed, a conservative
 ``k * block_tokens * per_token`` of prefill. :meth:`LoadOrRecompute.grant` takes the ``k`` that
 saves the most, if that is more than ``margin`` of what it costs; else 0: vLLM recomputes.
 
-Until a side has been measured it cannot be judged: an unmeasured tier is granted (its first
-loads are its measurements), and without a prefill fit every hit is. A tier that stops paying
+Until a side has been measured it cannot be judged. Without a prefill fit every hit is granted
+(the engine's first steps measure it); a tier never loaded from is granted one block, up to and
+including its first (that load measures it, at the cost of one block). A tier that stops paying
 (a capped disk, a pool that times out) is not used again until, ``probe_every_s`` later, one
-request may load one block from it: a bounded cost that tells whether it recovered.
+request may load one block from it: a bounded cost that tells whether it recovered. Each probe
+that finds it still slow doubles the wait, up to ``PROBE_MAX_S``.
 
 No clocks are read here: callers pass ``now_s``.
 """
@@ -31,6 +33,7 @@ from kvstrata.media import Medium
 PREFILL_MIN_STEPS = 4  # steps before the prefill fit is trusted
 PREFILL_MIN_SPREAD = 16  # ... and the spread of their token counts (a slope from one size is no slope)
 PROBE_EVERY_S = 5.0
+PROBE_MAX_S = 60.0
 MARGIN = 1.25  # a grant must save this many times what it costs (estimates are noisy)
 
 
@@ -114,6 +117,7 @@ class LoadOrRecompute:
     loads: dict[Medium, DecayingFit] = field(default_factory=dict)
     _declined_since: dict[Medium, float] = field(default_factory=dict)
     _probed_at: dict[Medium, float] = field(default_factory=dict)
+    _probe_wait_s: dict[Medium, float] = field(default_factory=dict)  # per declined tier, until its next probe
 
     # --- measurements ----------------------------------------------------------------------------
 
@@ -165,8 +169,11 @@ class LoadOrRecompute:
         if not tiers:
             return Grant(0)
         per_token = self.per_token_s
-        if per_token is None or self.load_s(_count(tiers)) is None:
-            return Grant(len(tiers))  # not measured yet: loading it is how it gets measured
+        if per_token is None:
+            return Grant(len(tiers))  # the engine's first steps: nothing to judge by yet
+        first_unmeasured = next((i for i, m in enumerate(tiers) if m not in self.loads), None)
+        if first_unmeasured is not None:  # its first load measures it, one block of it
+            return Grant(first_unmeasured + 1, _count(tiers[first_unmeasured + 1 :]))
         best, best_gain, best_load = 0, 0.0, 0.0
         by_tier: dict[Medium, int] = {}
         for k, medium in enumerate(tiers, 1):
@@ -181,17 +188,22 @@ class LoadOrRecompute:
             self._declined_since.setdefault(medium, now_s)
         for medium in granted:
             self._declined_since.pop(medium, None)
+            self._probe_wait_s.pop(medium, None)
+            self._probed_at.pop(medium, None)
         if best == 0 and self._probe(tiers[0], now_s):
             return Grant(1, _count(tiers[1:]), probe=tiers[0])
         return Grant(best, declined, best_load, best * self.block_tokens * per_token)
 
     def _probe(self, medium: Medium, now_s: float) -> bool:
-        """Whether a tier declined for ``probe_every_s`` may be tried with one block now."""
+        """Whether a tier declined since its last probe (or for ``probe_every_s``) may be tried
+        with one block now; each probe doubles the wait for the next, up to ``PROBE_MAX_S``."""
         since = self._declined_since.get(medium)
         last = self._probed_at.get(medium, since)
-        if since is None or last is None or now_s - last < self.probe_every_s:
+        wait = self._probe_wait_s.get(medium, self.probe_every_s)
+        if since is None or last is None or now_s - last < wait:
             return False
         self._probed_at[medium] = now_s
+        self._probe_wait_s[medium] = min(2 * wait, PROBE_MAX_S)
         return True
 
 

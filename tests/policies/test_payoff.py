@@ -44,7 +44,8 @@ def test_unmeasured_sides_are_granted_whole() -> None:
     d = LoadOrRecompute(BT)
     assert d.grant((H, H, D), 0.0).blocks == 3  # no prefill fit yet
     d = _measured(host=1e-5)
-    assert d.grant((H, D), 0.0).blocks == 2  # the disk never measured: its first load measures it
+    assert d.grant((H, D, D, D), 0.0).blocks == 2  # the disk never measured: one block of it measures it
+    assert d.grant((D, D, D), 0.0).blocks == 1
 
 
 def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed() -> None:
@@ -70,8 +71,11 @@ def test_a_tier_that_stopped_paying_is_probed_with_one_block_and_returns() -> No
     probe = d.grant((D, D, D), PROBE_EVERY_S + 0.1)
     assert (probe.blocks, probe.probe) == (1, D)
     assert d.grant((D, D, D), PROBE_EVERY_S + 0.2).blocks == 0  # one probe per period
+    d.loaded(D, 1, 0.5)  # still slow: the next probe waits twice as long
+    assert d.grant((D, D, D), 2 * PROBE_EVERY_S + 0.2).blocks == 0
+    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.2).blocks == 1
     d.loaded(D, 1, 2e-5)  # the probe was fast: the cap was lifted
-    assert d.grant((D, D, D), PROBE_EVERY_S + 0.3).blocks == 3
+    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.3).blocks == 3
 
 
 def test_failures_count_as_loads_that_saved_nothing() -> None:

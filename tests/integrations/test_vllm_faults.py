@@ -1,0 +1,92 @@
+"""``vllm serve`` with the connector on a pool of its own, the pool hung (SIGSTOP) and then killed
+mid-run: every completion is a cold server's, token for token, and no request waits past the
+pool's time budget and a step; the server keeps serving and storing on its own tiers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from kvstrata.integrations.vllm.server import ServerSpec, VllmServer, start_together  # noqa: E402
+from kvstrata.pool import embedded  # noqa: E402
+from tests.process_support import kill_and_reap  # noqa: E402
+
+POOL_TIMEOUT_S = 1.0
+BOUND_S = POOL_TIMEOUT_S + 4.0  # one bounded pool call, a prefill on a busy 2-core host, and slack
+BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 4  # the tiny model in float32: 4 layers x K,V x 32 tokens x 2 heads x 64
+ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def prompt(seed: int, tokens: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(tokens)]
+
+
+def complete(server: VllmServer, p: list[int]) -> tuple[list[int], float]:
+    """Greedy tokens (8) and the seconds to the first streamed one."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    model = client.models.list().data[0].id
+    start, first, out = time.perf_counter(), None, []
+    for chunk in client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0,
+                                           stream=True):
+        first = first if first is not None else time.perf_counter() - start
+        out.append(chunk.choices[0].text)
+    return out, first
+
+
+@pytest.fixture(scope="module")
+def pool_and_servers(tiny_model_dir, tmp_path_factory):
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("the pool engine is not installed")
+    work = tmp_path_factory.mktemp("vllm-faults")
+    state = embedded.start(256 * 1024**2, work / "pool")
+    connector = {"host_bytes": 4 * BLOCK_BYTES, "pool": str(work / "pool" / "pool.json"),
+                 "remote_bytes": 64 * 1024**2, "pool_timeout_s": POOL_TIMEOUT_S, "model_id": f"faults-{os.getpid()}"}
+    common = dict(kv_blocks=24, max_model_len=512, dtype="float32", env=ENV)
+    ours = VllmServer(ServerSpec(str(tiny_model_dir), connector=connector, **common), work / "ours.log")
+    cold = VllmServer(ServerSpec(str(tiny_model_dir), prefix_caching=False, **common), work / "cold.log")
+    start_together([ours, cold])
+    try:
+        yield state, ours, cold
+    finally:
+        for server in (ours, cold):
+            server.stop()
+        embedded.stop(work / "pool")
+        for pid in (state.daemon_pid, state.master_pid):
+            kill_and_reap(pid)
+
+
+def test_a_hung_then_killed_pool_costs_recomputation_never_a_wrong_token(pool_and_servers):
+    state, ours, cold = pool_and_servers
+    prompts = [prompt(seed) for seed in range(6)]
+    for p in prompts:  # stored: the last blocks in the small host tier, every block in the pool
+        complete(ours, p)
+    for seed in range(100, 104):  # out of vLLM's 24 blocks
+        complete(ours, prompt(seed))
+    time.sleep(1.0)  # the saves have gone down to the pool
+    reference = {i: complete(cold, p)[0] for i, p in enumerate(prompts)}
+
+    os.kill(state.daemon_pid, signal.SIGSTOP)  # it holds the bytes: every read and write hangs
+    try:
+        for i in (0, 1, 2):
+            tokens, ttft = complete(ours, prompts[i])
+            assert tokens == reference[i], f"prompt {i} with the pool hung"
+            assert ttft < BOUND_S, f"prompt {i} waited {ttft:.1f} s with the pool hung"
+    finally:
+        os.kill(state.daemon_pid, signal.SIGCONT)
+    kill_and_reap(state.daemon_pid)  # and now gone
+    for i in (3, 4, 5):
+        tokens, ttft = complete(ours, prompts[i])
+        assert tokens == reference[i], f"prompt {i} with the pool killed"
+        assert ttft < BOUND_S, f"prompt {i} waited {ttft:.1f} s with the pool killed"
+    fresh = prompt(200)
+    assert complete(ours, fresh)[0] == complete(cold, fresh)[0]  # it serves on, on its own tiers
+    assert ours.running
