@@ -71,13 +71,16 @@ class DecayingFit:
         return max(0.0, (self.sxy * self.n - self.sx * self.sy) / var)
 
     def predict(self, x: float) -> float | None:
-        """``a + b * x``; with one ``x`` seen so far, ``y`` in proportion to it; None before any sample."""
+        """``a + b * x``; None before any sample. With one ``x`` seen so far the line's slope is
+        unknown: above that ``x``, ``y`` as seen (all of it taken as fixed cost); below it, in
+        proportion. A first load is often one block on cold code paths: scaled up in proportion,
+        it would refuse the larger load that measures the slope."""
         if self.n <= 0:
             return None
         b = self.slope
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
         if b is None:
-            return mean_y * (x / mean_x) if mean_x > 0 else mean_y
+            return mean_y * min(1.0, x / mean_x) if mean_x > 0 else mean_y
         return max(0.0, mean_y + b * (x - mean_x))
 
 
@@ -178,6 +181,9 @@ class LoadOrRecompute:
         by_tier: dict[Medium, int] = {}
         for k, medium in enumerate(tiers, 1):
             by_tier[medium] = by_tier.get(medium, 0) + 1
+            fit = self.loads[medium]
+            if fit.slope is None and by_tier[medium] > 2 * fit.hi:
+                break  # its slope unknown: no more than twice the largest load seen (that measures it)
             load = self.load_s(by_tier) or 0.0
             gain = k * self.block_tokens * per_token - self.margin * load
             if gain > best_gain:

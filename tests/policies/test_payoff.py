@@ -32,12 +32,13 @@ def test_the_fit_finds_the_line() -> None:
     assert fit.predict(100) == pytest.approx(53)
 
 
-def test_one_size_is_predicted_in_proportion() -> None:
+def test_one_size_is_predicted_flat_above_and_in_proportion_below() -> None:
     fit = DecayingFit()
     fit.add(4, 2.0)
     fit.add(4, 2.0)
     assert fit.slope is None
-    assert fit.predict(8) == pytest.approx(4.0)
+    assert fit.predict(8) == pytest.approx(2.0)  # the slope unknown: all of it taken as fixed cost
+    assert fit.predict(2) == pytest.approx(1.0)
 
 
 def test_unmeasured_sides_are_granted_whole() -> None:
@@ -58,6 +59,14 @@ def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed() -> None:
     assert d.grant((D, D), 0.0).blocks == 0
 
 
+def test_a_tier_measured_at_one_size_is_granted_at_most_twice_that() -> None:
+    d = _measured(host=1e-5)
+    d.loaded(D, 1, 1e-4)  # one block, fast: the slope is not known yet
+    assert d.grant((D,) * 10, 0.0).blocks == 2
+    d.loaded(D, 2, 2e-4)
+    assert d.grant((D,) * 10, 0.0).blocks == 10  # two sizes: a line
+
+
 def test_a_load_that_costs_about_what_it_saves_is_declined() -> None:
     per_token = 50e-6
     d = _measured(per_token, host=BT * per_token)  # a block loads as slowly as it computes
@@ -75,7 +84,9 @@ def test_a_tier_that_stopped_paying_is_probed_with_one_block_and_returns() -> No
     assert d.grant((D, D, D), 2 * PROBE_EVERY_S + 0.2).blocks == 0
     assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.2).blocks == 1
     d.loaded(D, 1, 2e-5)  # the probe was fast: the cap was lifted
-    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.3).blocks == 3
+    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.3).blocks == 2  # in use again, growing as it is measured
+    d.loaded(D, 2, 4e-5)
+    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.4).blocks == 3
 
 
 def test_failures_count_as_loads_that_saved_nothing() -> None:
