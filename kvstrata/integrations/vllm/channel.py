@@ -29,6 +29,7 @@ Only TP rank 0 answers: every rank caches the same token blocks.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -50,6 +51,7 @@ MAGIC = b"KVL1"
 MAX_TOKENS = 1 << 24  # a request longer than any model's context is refused, not allocated
 LOOKUP_BUDGET_S = 0.25  # how long the scheduler waits for one answer (a miss after that)
 
+_log = logging.getLogger("kvstrata.integrations.vllm")
 _COUNT = struct.Struct("<I")
 _MEDIA = {m.value: m for m in Medium}
 
@@ -262,6 +264,8 @@ class WorkerLookup:
         return sock
 
     def _drop(self, why: str) -> None:
+        if why != self.last_error and why != "closed":  # each new reason once, not every lookup
+            _log.warning("kvstrata lookup: %s (counted as a miss)", why)
         self.last_error = why
         if self._sock is not None:
             self._sock.close()
