@@ -192,6 +192,26 @@ def test_slices_in_the_shared_pool_serve_fresh_ranks_of_other_tp_sizes(pool):
                 cache.close()
 
 
+def test_a_rank_whose_device_tier_is_smaller_than_a_store_stores_every_slice_in_the_pool(pool):
+    """A rank's slices are stored one slice after another: at once, each slice's store pinned the
+    small device tier with its write-downs and the others were refused (nothing reached the pool)."""
+    import uuid
+
+    group, blocks = GQA2, 9
+    toks, kv = seq(12, blocks), model_kv(group, blocks, 12)
+    layout = KVLayout.head_slice(group, BLOCK)
+    cfg = CacheConfig(layout, f"sliced-{uuid.uuid4().hex[:12]}", device_bytes=4 * layout.block_bytes,
+                      host_bytes=4 * layout.block_bytes, device="cpu", pool=pool, remote_bytes=256 * layout.block_bytes)
+    with TieredCache(cfg) as cache:
+        rank = SlicedRank(cache, HeadSlicing.for_group(group), 1, 0)
+        result = rank.store(toks, kv).result()
+        assert (result.new_blocks, result.refused_blocks) == (blocks, 0)
+        for medium in (Medium.DEVICE, Medium.HOST):
+            cache.evict(medium, 64)
+        match = rank.match(rank.keys(toks))
+        assert match.blocks == blocks and set(match.media) == {Medium.REMOTE}
+
+
 def test_a_load_of_nothing_is_empty_kv_of_the_layouts_dtype():
     with TieredCache(config(GQA8)) as cache:
         rank = ranks(cache, GQA8, 2)[1]

@@ -217,10 +217,19 @@ class SlicedRank:
             return _done(StoreResult(len(keys), 0, 0.0))
         futures = [self.packs.store_keys(self.pack_keys(keys), kv)] if self.packs is not None else []
         if self.cache is not None:
-            g = self.slicing.granularity
-            futures += [self.cache.store_keys(slice_keys(keys, range(j, j + 1)), kv[:, :, :, i * g:(i + 1) * g])
-                        for i, j in enumerate(self.slices)]
+            futures.append(self.store_slices(keys, kv))
         return combined_stores(futures, len(keys))
+
+    def store_slices(self, keys: list[BlockKey], kv: torch.Tensor) -> Future:
+        """Store this rank's slices of ``kv``'s blocks in the shared cache, one slice's store after
+        another: each may use the whole device tier (stores at once into a device tier smaller
+        than their blocks refused each other, every block pinned by the other's write-downs)."""
+        g = self.slicing.granularity
+        cache = self.cache
+        assert cache is not None
+        starts = [lambda i=i, j=j: cache.store_keys(slice_keys(keys, range(j, j + 1)), kv[:, :, :, i * g:(i + 1) * g])
+                  for i, j in enumerate(self.slices)]
+        return _in_turn(starts, len(keys))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for the packs of loaded slices stored so far."""
@@ -253,6 +262,30 @@ def _done(result: StoreResult) -> Future:
     future: Future = Future()
     future.set_result(result)
     return future
+
+
+def _in_turn(starts: list[Any], blocks: int) -> Future:
+    """One Future of the StoreResults of stores started one after another (``starts``: each
+    starts one and returns its Future), as :func:`combined_stores` combines them."""
+    out: Future = Future()
+    out.set_running_or_notify_cancel()
+    results: list[StoreResult] = []
+
+    def step(done: Future | None = None) -> None:
+        try:
+            if done is not None:
+                results.append(done.result())
+            if len(results) < len(starts):
+                starts[len(results)]().add_done_callback(step)
+                return
+        except BaseException as exc:  # noqa: BLE001 - the caller's Future carries it
+            out.set_exception(exc)
+            return
+        out.set_result(StoreResult(blocks, min((r.new_blocks for r in results), default=0),
+                                   sum(r.seconds for r in results), max((r.refused_blocks for r in results), default=0)))
+
+    step()
+    return out
 
 
 def combined_stores(futures: list[Future], blocks: int) -> Future:

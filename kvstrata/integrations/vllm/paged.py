@@ -38,7 +38,7 @@ import torch
 from kvstrata.cache import TieredCache
 from kvstrata.cache.results import StoreResult
 from kvstrata.cache.sliced import SlicedLoad, SlicedRank, combined_stores
-from kvstrata.index.keys import BlockKey, slice_keys
+from kvstrata.index.keys import BlockKey
 from kvstrata.index.prefix import Match
 from kvstrata.integrations.vllm.groups import VLLMGroup
 from kvstrata.kv.groups import GroupKind, KVGroup
@@ -144,9 +144,7 @@ class SlicedGroup:
             return rank.store_keys(keys, layer_major(staged))
         futures = [store_staged(rank.packs, rank.pack_keys(keys), staged, saver)] if rank.packs is not None else []
         if rank.cache is not None:
-            g, kv = rank.slicing.granularity, layer_major(staged)
-            futures += [rank.cache.store_keys(slice_keys(keys, range(j, j + 1)), kv[:, :, :, i * g:(i + 1) * g])
-                        for i, j in enumerate(rank.slices)]
+            futures.append(rank.store_slices(keys, layer_major(staged)))
         return combined_stores(futures, len(keys))
 
 
