@@ -35,19 +35,25 @@ def owner_name(uid: int) -> str:
 def check_private_dir(path: Path, what: str = "directory") -> None:
     """Raise :class:`Untrusted` unless ``path`` is a real directory owned by this user with no
     group or other permission bits."""
+    _check_own(path, what, stat.S_ISDIR, "a directory", "chmod 700 it")
+
+
+def _check_own(path: Path, what: str, kind, kind_text: str, fix: str) -> os.stat_result:
+    """``path``'s ``lstat`` if it is of ``kind``, no symlink, this user's, and private; else :class:`Untrusted`."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         raise Untrusted(f"{what} {path} does not exist") from None
     if stat.S_ISLNK(st.st_mode):
         raise Untrusted(f"{what} {path} is a symlink (owner {owner_name(st.st_uid)}): refusing to follow it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise Untrusted(f"{what} {path} is not a directory")
+    if not kind(st.st_mode):
+        raise Untrusted(f"{what} {path} is not {kind_text}")
     if st.st_uid != os.geteuid():
         raise Untrusted(f"{what} {path} is owned by {owner_name(st.st_uid)}, not {owner_name(os.geteuid())}: "
                         "refusing to trust it (remove it, or choose another path)")
     if stat.S_IMODE(st.st_mode) & 0o077:
-        raise Untrusted(f"{what} {path} is open to others (mode {stat.S_IMODE(st.st_mode):o}): chmod 700 it")
+        raise Untrusted(f"{what} {path} is open to others (mode {stat.S_IMODE(st.st_mode):o}): {fix}")
+    return st
 
 
 def private_dir(path: str | os.PathLike[str], what: str = "directory") -> Path:
@@ -76,20 +82,7 @@ def private_dir(path: str | os.PathLike[str], what: str = "directory") -> Path:
 def check_private_file(path: Path, what: str = "file") -> os.stat_result:
     """Raise :class:`Untrusted` unless ``path`` is a regular file (no symlink) owned by this
     user with no group or other bits; returns its ``lstat``."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise Untrusted(f"{what} {path} does not exist") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise Untrusted(f"{what} {path} is a symlink (owner {owner_name(st.st_uid)}): refusing to follow it")
-    if not stat.S_ISREG(st.st_mode):
-        raise Untrusted(f"{what} {path} is not a regular file")
-    if st.st_uid != os.geteuid():
-        raise Untrusted(f"{what} {path} is owned by {owner_name(st.st_uid)}, not {owner_name(os.geteuid())}: "
-                        "refusing to trust it")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise Untrusted(f"{what} {path} is open to others (mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it")
-    return st
+    return _check_own(path, what, stat.S_ISREG, "a regular file", "chmod 600 it")
 
 
 def open_private(path: str | os.PathLike[str], flags: int, mode: int = FILE_MODE) -> int:
