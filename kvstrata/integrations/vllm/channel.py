@@ -49,7 +49,7 @@ Answer = Callable[[list[int]], tuple[Medium, ...]]  # tokens -> the tier of each
 
 MAGIC = b"KVL1"
 MAX_TOKENS = 1 << 24  # a request longer than any model's context is refused, not allocated
-LOOKUP_BUDGET_S = 0.25  # how long the scheduler waits for one answer (a miss after that)
+LOOKUP_BUDGET_S = 0.5  # how long the scheduler waits for one answer (a miss after that): a busy 2-core host stays well inside it
 
 _log = logging.getLogger("kvstrata.integrations.vllm")
 _COUNT = struct.Struct("<I")
