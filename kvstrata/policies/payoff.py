@@ -13,9 +13,9 @@ costs ``load(k)`` (per tier, its fit at its blocks; tiers summed, a conservative
 ``k * block_tokens * per_token`` of prefill. :meth:`LoadOrRecompute.grant` takes the ``k`` that
 saves the most, if that is more than ``margin`` of what it costs; else 0: vLLM recomputes.
 
-Until a side has been measured it cannot be judged. Without a prefill fit every hit is granted
-(the engine's first steps measure it); a tier never loaded from is granted one block, up to and
-including its first (that load measures it, at the cost of one block). A tier that stops paying
+Until a side has been measured it cannot be judged: without a prefill fit, or with a tier never
+loaded from in the hit, the whole hit is granted (that load measures it). A tier measured at one
+size only is predicted flat above it (a cold first load is no slope). A tier that stops paying
 (a capped disk, a pool that times out) is not used again until, ``probe_every_s`` later, one
 request may load one block from it: a bounded cost that tells whether it recovered. Each probe
 that finds it still slow doubles the wait, up to ``PROBE_MAX_S``.
@@ -167,23 +167,20 @@ class LoadOrRecompute:
 
     # --- the decision ------------------------------------------------------------------------------
 
-    def grant(self, tiers: tuple[Medium, ...], now_s: float) -> Grant:
-        """How many of a hit's blocks (``tiers[i]``: block i's tier) to load."""
+    def grant(self, tiers: tuple[Medium, ...], now_s: float, whole: bool = False) -> Grant:
+        """How many of a hit's blocks (``tiers[i]``: block i's tier) to load. ``whole``: all or
+        none (a model with sliding-window groups stores their windows only where a hit may end)."""
         if not tiers:
             return Grant(0)
         per_token = self.per_token_s
-        if per_token is None:
-            return Grant(len(tiers))  # the engine's first steps: nothing to judge by yet
-        first_unmeasured = next((i for i, m in enumerate(tiers) if m not in self.loads), None)
-        if first_unmeasured is not None:  # its first load measures it, one block of it
-            return Grant(first_unmeasured + 1, _count(tiers[first_unmeasured + 1 :]))
+        if per_token is None or any(m not in self.loads for m in tiers):
+            return Grant(len(tiers))  # not measured yet: loading it is how it gets measured
         best, best_gain, best_load = 0, 0.0, 0.0
         by_tier: dict[Medium, int] = {}
         for k, medium in enumerate(tiers, 1):
             by_tier[medium] = by_tier.get(medium, 0) + 1
-            fit = self.loads[medium]
-            if fit.slope is None and by_tier[medium] > 2 * fit.hi:
-                break  # its slope unknown: no more than twice the largest load seen (that measures it)
+            if whole and k < len(tiers):
+                continue
             load = self.load_s(by_tier) or 0.0
             gain = k * self.block_tokens * per_token - self.margin * load
             if gain > best_gain:
@@ -197,7 +194,8 @@ class LoadOrRecompute:
             self._probe_wait_s.pop(medium, None)
             self._probed_at.pop(medium, None)
         if best == 0 and self._probe(tiers[0], now_s):
-            return Grant(1, _count(tiers[1:]), probe=tiers[0])
+            probe = len(tiers) if whole else 1
+            return Grant(probe, _count(tiers[probe:]), probe=tiers[0])
         return Grant(best, declined, best_load, best * self.block_tokens * per_token)
 
     def _probe(self, medium: Medium, now_s: float) -> bool:

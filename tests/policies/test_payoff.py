@@ -45,8 +45,7 @@ def test_unmeasured_sides_are_granted_whole() -> None:
     d = LoadOrRecompute(BT)
     assert d.grant((H, H, D), 0.0).blocks == 3  # no prefill fit yet
     d = _measured(host=1e-5)
-    assert d.grant((H, D, D, D), 0.0).blocks == 2  # the disk never measured: one block of it measures it
-    assert d.grant((D, D, D), 0.0).blocks == 1
+    assert d.grant((H, D), 0.0).blocks == 2  # the disk never measured: its first load measures it
 
 
 def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed() -> None:
@@ -59,12 +58,13 @@ def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed() -> None:
     assert d.grant((D, D), 0.0).blocks == 0
 
 
-def test_a_tier_measured_at_one_size_is_granted_at_most_twice_that() -> None:
-    d = _measured(host=1e-5)
-    d.loaded(D, 1, 1e-4)  # one block, fast: the slope is not known yet
-    assert d.grant((D,) * 10, 0.0).blocks == 2
-    d.loaded(D, 2, 2e-4)
-    assert d.grant((D,) * 10, 0.0).blocks == 10  # two sizes: a line
+def test_a_model_with_windows_is_granted_its_whole_hit_or_none() -> None:
+    d = _measured(host=20e-6, disk=0.5)
+    assert d.grant((H, H, D, D), 0.0).blocks == 2
+    assert d.grant((H, H, D, D), 0.0, whole=True).blocks == 0  # no window stored ends at block 2
+    assert d.grant((H, H, H), 0.0, whole=True).blocks == 3
+    assert d.grant((D, D), 0.0, whole=True).blocks == 0
+    assert d.grant((D, D), PROBE_EVERY_S + 0.1, whole=True).blocks == 2  # a probe is the whole hit
 
 
 def test_a_load_that_costs_about_what_it_saves_is_declined() -> None:
@@ -84,9 +84,7 @@ def test_a_tier_that_stopped_paying_is_probed_with_one_block_and_returns() -> No
     assert d.grant((D, D, D), 2 * PROBE_EVERY_S + 0.2).blocks == 0
     assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.2).blocks == 1
     d.loaded(D, 1, 2e-5)  # the probe was fast: the cap was lifted
-    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.3).blocks == 2  # in use again, growing as it is measured
-    d.loaded(D, 2, 4e-5)
-    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.4).blocks == 3
+    assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.3).blocks == 3
 
 
 def test_failures_count_as_loads_that_saved_nothing() -> None:

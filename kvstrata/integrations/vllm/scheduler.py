@@ -86,6 +86,7 @@ class KVStrataConnectorScheduler:
                  spans: tuple[int | None, ...] = (None,)) -> None:
         self._block_size = block_size
         self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
+        self._windowed = any(span is not None for span in spans)
         self._lookup = WorkerLookup(engine_id)
         self._loads_enabled = loads_enabled
         self._saves_enabled = saves_enabled
@@ -111,7 +112,8 @@ class KVStrataConnectorScheduler:
         self._granted.pop(request.request_id, None)
         tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
         own = -(-num_computed_tokens // self._block_size)  # blocks vLLM holds itself
-        grant = self.decision.grant(tiers[own:], time.monotonic())
+        # a sliding or chunked group keeps its windows only where a hit may end: all or none of it
+        grant = self.decision.grant(tiers[own:], time.monotonic(), whole=self._windowed)
         lookup = _Lookup(tiers[: own + grant.blocks], num_computed_tokens, usable, grant.declined)
         self._lookups[request.request_id] = lookup
         if grant.blocks:
