@@ -41,7 +41,7 @@ from kvstrata.integrations.vllm.prom import (  # noqa: E402
 )
 from kvstrata.integrations.vllm.scheduler import _Lookup  # noqa: E402
 from kvstrata.integrations.vllm.stats import GroupStats, WorkerStats  # noqa: E402
-from kvstrata.integrations.vllm.worker import hit_tiers  # noqa: E402
+from kvstrata.integrations.vllm.groups import hit_tiers  # noqa: E402
 from kvstrata.media import Medium  # noqa: E402
 from tests.cache_support import LAYOUT, kv_for, tokens  # noqa: E402
 

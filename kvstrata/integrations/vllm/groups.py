@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 
 from kvstrata.kv.dtypes import DType
 from kvstrata.kv.groups import GroupKind, KVGroup
+from kvstrata.media import Medium
 
 if TYPE_CHECKING:
+    from kvstrata.cache.grouped import GroupedMatch
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 _PREFIX = "KVStrataConnector:"
@@ -128,3 +130,19 @@ def group_spans(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]:
         spans.append(spec.sliding_window if kind is GroupKind.SLIDING else
                      spec.attention_chunk_size if kind is GroupKind.CHUNKED else None)
     return tuple(spans)
+
+
+def hit_tiers(match: GroupedMatch) -> tuple[Medium, ...]:
+    """Per block of a usable hit, the tier its load waits for: the slowest of the groups' copies
+    of it; a block no group needs (before every window) takes the next needed block's."""
+    tiers: list[Medium | None] = [None] * match.blocks
+    for part in match.groups.values():
+        for i, medium in enumerate(part.match.media[: match.blocks - part.first_block], part.first_block):
+            held = tiers[i]
+            tiers[i] = medium if held is None or medium.value > held.value else held
+    out: list[Medium] = []
+    later = Medium.DEVICE  # never taken: every group needs a hit's last block
+    for held in reversed(tiers):
+        later = held if held is not None else later
+        out.append(later)
+    return tuple(reversed(out))

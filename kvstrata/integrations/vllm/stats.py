@@ -29,6 +29,8 @@ from kvstrata.media import Medium, route_text
 from kvstrata.transfer.placement import io_thread_started
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from kvstrata.cache import LoadResult, StoreResult, TieredCache
 
 
@@ -213,3 +215,29 @@ class StatsFile:
         self._poked.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+@dataclass
+class PendingSave:
+    """One SaveSpec's stores, one per group, recorded together when the last is done."""
+
+    stats: WorkerStats
+    start: float
+    remaining: int
+    settled: Any  # called once every group's store has ended (the backlog shrinks)
+    results: list[tuple[int, StoreResult]] = field(default_factory=list)
+    failed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def done(self, group: int, future: Future) -> None:
+        error = future.exception()  # the store has ended (waits, with sync_save)
+        with self.lock:
+            if error is None:
+                self.results.append((group, future.result()))
+            self.failed |= error is not None
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.settled()
+            if not self.failed:
+                self.stats.stored(self.results, time.perf_counter() - self.start)

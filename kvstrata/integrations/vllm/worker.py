@@ -33,16 +33,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstrata.cache import TieredCache
-from kvstrata.cache.grouped import GroupedMatch, longest_hit
+from kvstrata.cache.grouped import longest_hit
 from kvstrata.cache.sliced import SlicedRank
-from kvstrata.integrations.vllm.groups import VLLMGroup, vllm_groups
+from kvstrata.integrations.vllm.groups import VLLMGroup, hit_tiers, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup, staging
 from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
@@ -50,7 +50,7 @@ from kvstrata.integrations.vllm.channel import LookupServer
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, StepClock
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.kv.heads import KVSharing
-from kvstrata.integrations.vllm.stats import GroupStats, StatsFile, WorkerStats
+from kvstrata.integrations.vllm.stats import GroupStats, PendingSave, StatsFile, WorkerStats
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.groups import KVGroup
 from kvstrata.kv.heads import HeadSlicing
@@ -59,12 +59,10 @@ from kvstrata.media import Medium
 from kvstrata.transfer.placement import io_thread_started, io_threads_cpu_s, place_io_threads
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
 
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvstrata.cache import StoreResult
 
 # vLLM's KV dtype is the cache's (FP8 KV caches: not yet).
 _VLLM_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
@@ -76,32 +74,6 @@ class _ActiveLoad:
     handles: list[Any]  # per group, a LoadHandle or SlicedLoad; None: the group fills no blocks
     layers_done: list[int]  # per group, layers copied
     failed: bool = False
-
-
-@dataclass
-class _PendingSave:
-    """One SaveSpec's stores, one per group, recorded together when the last is done."""
-
-    stats: WorkerStats
-    start: float
-    remaining: int
-    settled: Any  # called once every group's store has ended (the backlog shrinks)
-    results: list[tuple[int, StoreResult]] = field(default_factory=list)
-    failed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def done(self, group: int, future: Future) -> None:
-        error = future.exception()  # the store has ended (waits, with sync_save)
-        with self.lock:
-            if error is None:
-                self.results.append((group, future.result()))
-            self.failed |= error is not None
-            self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.settled()
-            if not self.failed:
-                self.stats.stored(self.results, time.perf_counter() - self.start)
 
 
 class KVStrataConnectorWorker:
@@ -406,7 +378,7 @@ class KVStrataConnectorWorker:
                 blocks = max(len(spec.groups[g].block_ids) for g, _ in futures)
                 with self._saving_lock:
                     self._saving_blocks += blocks
-                pending.append((_PendingSave(self._stats, start, len(futures), lambda n=blocks: self._saved(n)),
+                pending.append((PendingSave(self._stats, start, len(futures), lambda n=blocks: self._saved(n)),
                                 futures))
         self._staged.clear()
         self._taken.clear()
@@ -454,19 +426,3 @@ class KVStrataConnectorWorker:
         """Rewrite the stats file: ``now`` on this thread, else soon on the file's own."""
         if self._stats_file is not None:
             self._stats_file.write_now() if now else self._stats_file.poke()
-
-
-def hit_tiers(match: GroupedMatch) -> tuple[Medium, ...]:
-    """Per block of a usable hit, the tier its load waits for: the slowest of the groups' copies
-    of it; a block no group needs (before every window) takes the next needed block's."""
-    tiers: list[Medium | None] = [None] * match.blocks
-    for part in match.groups.values():
-        for i, medium in enumerate(part.match.media[: match.blocks - part.first_block], part.first_block):
-            held = tiers[i]
-            tiers[i] = medium if held is None or medium.value > held.value else held
-    out: list[Medium] = []
-    later = Medium.DEVICE  # never taken: every group needs a hit's last block
-    for held in reversed(tiers):
-        later = held if held is not None else later
-        out.append(later)
-    return tuple(reversed(out))
