@@ -48,8 +48,9 @@ def pool_and_servers(tiny_model_dir, tmp_path_factory):
         pytest.skip("the pool engine is not installed")
     work = tmp_path_factory.mktemp("vllm-faults")
     state = embedded.start(256 * 1024**2, work / "pool")
-    # small device and host tiers (the pool's slices stage through them too): the hits below are the pool's
-    connector = {"device_bytes": 4 * BLOCK_BYTES, "host_bytes": 4 * BLOCK_BYTES, "pool": str(work / "pool" / "pool.json"),
+    # device and host tiers of 16 blocks: a 9-block load stages through them (the pool's slices too),
+    # and the 36 blocks asked after a prompt push it out of them: the hits below are the pool's
+    connector = {"device_bytes": 16 * BLOCK_BYTES, "host_bytes": 16 * BLOCK_BYTES, "pool": str(work / "pool" / "pool.json"),
                  "remote_bytes": 64 * 1024**2, "pool_timeout_s": POOL_TIMEOUT_S, "model_id": f"faults-{os.getpid()}"}
     common = dict(kv_blocks=24, max_model_len=512, dtype="float32", env=ENV)
     ours = VllmServer(ServerSpec(str(tiny_model_dir), connector=connector, **common), work / "ours.log")
