@@ -45,21 +45,11 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def io_cpus_beside(compute: frozenset[int], available: frozenset[int]) -> frozenset[int] | None:
-    """The CPUs left for I/O beside ``compute``: ``available`` less them; None where none are left."""
-    left = available - compute
-    return left or None
-
-
 def place_io_threads(cpus: frozenset[int] | None) -> None:
     """From now on kvstrata's threads in this process run on ``cpus`` (None: where they start)."""
     global _io_cpus
     with _lock:
         _io_cpus = cpus
-
-
-def io_cpus() -> frozenset[int] | None:
-    return _io_cpus
 
 
 def io_thread_started() -> None:

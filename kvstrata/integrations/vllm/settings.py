@@ -19,7 +19,7 @@ from kvstrata.cache import CacheConfig
 from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_budgets, pool_of, whole
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
-from kvstrata.transfer.placement import io_cpus_beside, parse_cpu_list
+from kvstrata.transfer.placement import parse_cpu_list
 from kvstrata.pool.config import (
     BACKOFF_MAX_S,
     BACKOFF_S,
@@ -128,7 +128,7 @@ class ConnectorSettings:
             raise ValueError(f"{_PREFIX} io_cpus must be \"auto\", \"none\" or a CPU list such as \"6-7\", "
                              f"got {self.io_cpus!r}")
 
-    def io_cpus_beside_compute(self, tp_rank: int) -> frozenset[int] | None:
+    def io_cpus_beside_compute(self) -> frozenset[int] | None:
         """The CPUs this worker's kvstrata threads go to (None: stay with the compute).
 
         ``auto``: the CPUs this process may use (its parent's, the engine core's, before vLLM
@@ -148,7 +148,7 @@ class ConnectorSettings:
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
         lists = [_cpu_list(part) for part in bind.split("|")] if bind not in ("", "auto", "nobind") else []
         compute = frozenset().union(*lists) if lists and all(lists) else frozenset(os.sched_getaffinity(0))
-        return io_cpus_beside(compute, available)
+        return (available - compute) or None  # none left: stay with the compute
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""

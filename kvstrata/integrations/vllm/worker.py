@@ -126,7 +126,7 @@ class KVStrataConnectorWorker:
 
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         model = self._vllm_config.model_config.model
-        place_io_threads(self.settings.io_cpus_beside_compute(tp_rank))  # before the caches start threads
+        place_io_threads(self.settings.io_cpus_beside_compute())  # before the caches start threads
         paged = []
         for spec in self._group_specs:
             missing = [n for n in spec.layer_names if n not in kv_caches]
@@ -425,4 +425,7 @@ class KVStrataConnectorWorker:
     def _write_stats(self, now: bool = False) -> None:
         """Rewrite the stats file: ``now`` on this thread, else soon on the file's own."""
         if self._stats_file is not None:
-            self._stats_file.write_now() if now else self._stats_file.poke()
+            if now:
+                self._stats_file.write_now()
+            else:
+                self._stats_file.poke()
