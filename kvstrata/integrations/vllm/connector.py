@@ -18,7 +18,6 @@ Its counters go to vLLM's own ``/metrics`` through vLLM's connector-stats hooks
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,33 +143,25 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --- scheduler side ---------------------------------------------------------------------------
 
-    # Each hook's CPU (its thread's clock: a lookup waiting on the worker costs none) is counted.
+    # Each hook's CPU is counted (``counting_cpu``).
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        cpu = time.thread_time()
-        try:
+        with self._scheduler.counting_cpu():
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        finally:
-            self._scheduler.used_cpu(time.thread_time() - cpu)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        cpu = time.thread_time()
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
-        self._scheduler.used_cpu(time.thread_time() - cpu)
+        with self._scheduler.counting_cpu():
+            self._scheduler.update_state_after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        cpu = time.thread_time()
-        try:
+        with self._scheduler.counting_cpu():
             return self._scheduler.build_connector_meta(scheduler_output, self._kv_cache_manager)
-        finally:
-            self._scheduler.used_cpu(time.thread_time() - cpu)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVStrataWorkerMeta):
-            cpu = time.thread_time()
-            self._scheduler.measured(meta)
-            self._scheduler.used_cpu(time.thread_time() - cpu)
+            with self._scheduler.counting_cpu():
+                self._scheduler.measured(meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,8 +145,14 @@ class KVStrataConnectorScheduler:
         """The lookups counted since the last call."""
         return self._counts.report()
 
-    def used_cpu(self, seconds: float) -> None:
-        self._counts.used_cpu(seconds)
+    @contextmanager
+    def counting_cpu(self) -> Iterator[None]:
+        """Around a hook: its thread's CPU is the connector's (a lookup waiting on the worker costs none)."""
+        cpu = time.thread_time()
+        try:
+            yield
+        finally:
+            self._counts.used_cpu(time.thread_time() - cpu)
 
     def measured(self, meta: KVStrataWorkerMeta) -> None:
         """A step's measurements from the workers: the prefill's rate and each granted load's time."""
@@ -180,10 +188,8 @@ class KVStrataConnectorScheduler:
             prompt = list(request.prompt_token_ids or [])
             if external:
                 meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external, null))
-            if self._saves_enabled:
-                save = self._save_spec(req_id, prompt, block_ids, computed[req_id] + scheduled, null)
-                if save is not None:
-                    meta.saves.append(save)
+            if self._saves_enabled and self._saves_more(req_id, request, end):
+                meta.saves.append(self._save_spec(req_id, prompt, block_ids, end, null))
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
         return meta
 
@@ -201,12 +207,10 @@ class KVStrataConnectorScheduler:
                         [_window(ids[first : end // bs], first, null) for ids in block_ids])
 
     def _save_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
-                   null: int) -> SaveSpec | None:
-        """The request's full prompt blocks up to ``end`` tokens, if more than already sent to save."""
+                   null: int) -> SaveSpec:
+        """The request's full prompt blocks up to ``end`` tokens (more than already sent to save: ``_saves_more``)."""
         bs = self._block_size
         full = min(end, len(prompt)) // bs
-        if full <= self._saved_blocks.get(req_id, 0):
-            return None
         self._saved_blocks[req_id] = full
         return SaveSpec(req_id, prompt[: full * bs], [_saved(ids[:full], span, bs, null)
                                                       for ids, span in zip(block_ids, self._spans)])

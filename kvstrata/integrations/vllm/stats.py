@@ -224,7 +224,7 @@ class PendingSave:
     stats: WorkerStats
     start: float
     remaining: int
-    settled: Any  # called once every group's store has ended (the backlog shrinks)
+    settled: Callable[[], None]  # called once every group's store has ended (the backlog shrinks)
     results: list[tuple[int, StoreResult]] = field(default_factory=list)
     failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)

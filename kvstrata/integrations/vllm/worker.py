@@ -397,7 +397,7 @@ class KVStrataConnectorWorker:
         if staged is None:
             layout = self._groups[group].layout
             # [blocks, layers, kv, block_tokens, this rank's kv_heads, head_dim] on vLLM's device:
-            # a GPU gathers on its own stream, never a host copy inside the forward
+            # a GPU gathers device to device in the forward's stream, never a host copy inside it
             kv = staging(layout, len(spec.groups[group].block_ids), self._groups[group].layers[0])
             staged = self._staged[(spec.req_id, group)] = (kv, [False] * layout.num_layers)
         return staged
