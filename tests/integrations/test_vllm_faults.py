@@ -16,12 +16,13 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from kvstrata.integrations.vllm.server import ServerSpec, VllmServer, start_together  # noqa: E402
+from kvstrata.kv.presets import load_geometry  # noqa: E402
 from kvstrata.pool import embedded  # noqa: E402
 from tests.process_support import kill_and_reap  # noqa: E402
 
 POOL_TIMEOUT_S = 1.0
 BOUND_S = POOL_TIMEOUT_S + 4.0  # one bounded pool call, a prefill on a busy 2-core host, and slack
-BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 4  # the tiny model in float32: 4 layers x K,V x 32 tokens x 2 heads x 64
+BLOCK = 32  # tokens per vLLM block (the servers are given it)
 ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -50,9 +51,10 @@ def pool_and_servers(tiny_model_dir, tmp_path_factory):
     state = embedded.start(256 * 1024**2, work / "pool")
     # device and host tiers of 16 blocks: a 9-block load stages through them (the pool's slices too),
     # and the 36 blocks asked after a prompt push it out of them: the hits below are the pool's
-    connector = {"device_bytes": 16 * BLOCK_BYTES, "host_bytes": 16 * BLOCK_BYTES, "pool": str(work / "pool" / "pool.json"),
+    block_bytes = load_geometry(str(tiny_model_dir), "float32").bytes_per_token * BLOCK
+    connector = {"device_bytes": 16 * block_bytes, "host_bytes": 16 * block_bytes, "pool": str(work / "pool" / "pool.json"),
                  "remote_bytes": 64 * 1024**2, "pool_timeout_s": POOL_TIMEOUT_S, "model_id": f"faults-{os.getpid()}"}
-    common = dict(kv_blocks=24, max_model_len=512, dtype="float32", env=ENV)
+    common = dict(kv_blocks=24, block_size=BLOCK, max_model_len=512, dtype="float32", env=ENV)
     ours = VllmServer(ServerSpec(str(tiny_model_dir), connector=connector, **common), work / "ours.log")
     cold = VllmServer(ServerSpec(str(tiny_model_dir), prefix_caching=False, **common), work / "cold.log")
     start_together([ours, cold])
