@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -264,7 +264,13 @@ def _done(result: StoreResult) -> Future:
     return future
 
 
-def _in_turn(starts: list[Any], blocks: int) -> Future:
+def _combined(results: Sequence[StoreResult], blocks: int, seconds: float) -> StoreResult:
+    """Parts' StoreResults as one: blocks new only where every part was; refused where any was."""
+    return StoreResult(blocks, min((r.new_blocks for r in results), default=0), seconds,
+                       max((r.refused_blocks for r in results), default=0))
+
+
+def _in_turn(starts: Sequence[Callable[[], Future]], blocks: int) -> Future:
     """One Future of the StoreResults of stores started one after another (``starts``: each
     starts one and returns its Future), as :func:`combined_stores` combines them."""
     out: Future = Future()
@@ -281,8 +287,7 @@ def _in_turn(starts: list[Any], blocks: int) -> Future:
         except BaseException as exc:  # noqa: BLE001 - the caller's Future carries it
             out.set_exception(exc)
             return
-        out.set_result(StoreResult(blocks, min((r.new_blocks for r in results), default=0),
-                                   sum(r.seconds for r in results), max((r.refused_blocks for r in results), default=0)))
+        out.set_result(_combined(results, blocks, sum(r.seconds for r in results)))
 
     step()
     return out
@@ -305,8 +310,7 @@ def combined_stores(futures: list[Future], blocks: int) -> Future:
         except BaseException as exc:  # noqa: BLE001 - the caller's Future carries it
             out.set_exception(exc)
             return
-        out.set_result(StoreResult(blocks, min(r.new_blocks for r in results), max(r.seconds for r in results),
-                                   max(r.refused_blocks for r in results)))
+        out.set_result(_combined(results, blocks, max(r.seconds for r in results)))
 
     for future in futures:
         future.add_done_callback(one_done)
