@@ -45,6 +45,30 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def io_cpus_for(setting: str) -> frozenset[int] | None:
+    """The CPUs kvstrata's threads in a vLLM worker go to, by the ``io_cpus`` setting: ``"none"``:
+    None (where the worker puts them); a CPU list: those; ``"auto"``: the CPUs this process may
+    use (its parent's, the engine core's, before vLLM bound this worker) less every TP rank's
+    compute (``VLLM_CPU_OMP_THREADS_BIND``: a CPU list per rank, ``|``-separated;
+    ``auto``/``nobind``/unset: this worker's own binding), None where none are left."""
+    if setting == "none" or not hasattr(os, "sched_getaffinity"):
+        return None
+    if setting != "auto":
+        return parse_cpu_list(setting)
+    own = frozenset(os.sched_getaffinity(0))
+    try:
+        available = frozenset(os.sched_getaffinity(os.getppid())) | own
+    except OSError:
+        available = own
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    try:
+        lists = [parse_cpu_list(part) for part in bind.split("|")] if bind not in ("", "auto", "nobind") else []
+    except ValueError:
+        lists = []
+    compute = frozenset().union(*lists) if lists and all(lists) else own
+    return (available - compute) or None
+
+
 def place_io_threads(cpus: frozenset[int] | None) -> None:
     """From now on kvstrata's threads in this process run on ``cpus`` (None: where they start)."""
     global _io_cpus

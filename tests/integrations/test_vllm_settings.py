@@ -14,6 +14,7 @@ from kvstrata.integrations.vllm import ConnectorSettings, KVSharing  # noqa: E40
 from kvstrata.kv.geometry import DType  # noqa: E402
 from kvstrata.kv.layout import KVLayout  # noqa: E402
 from kvstrata.pool.config import RemoteMode  # noqa: E402
+from kvstrata.transfer.placement import io_cpus_for  # noqa: E402
 
 MiB = 1024**2
 
@@ -36,15 +37,15 @@ def test_json_values_become_typed_settings():
 
 
 def test_saves_never_wait_by_default_and_io_threads_leave_the_compute_cpus(monkeypatch):
-    assert ConnectorSettings().io_cpus_beside_compute() is None  # by default: where vLLM puts them
+    assert io_cpus_for(ConnectorSettings().io_cpus) is None  # by default: where vLLM puts them
     s = ConnectorSettings.from_extra({"io_cpus": "auto"})
     assert ConnectorSettings().sync_save is False and s.save_backlog_bytes > 0
-    assert ConnectorSettings.from_extra({"io_cpus": "4-5,7"}).io_cpus_beside_compute() == frozenset({4, 5, 7})
+    assert io_cpus_for(ConnectorSettings.from_extra({"io_cpus": "4-5,7"}).io_cpus) == frozenset({4, 5, 7})
     mine = frozenset(os.sched_getaffinity(0)) | frozenset(os.sched_getaffinity(os.getppid()))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{min(mine)}")
-    assert s.io_cpus_beside_compute() == ((mine - {min(mine)}) or None)
+    assert io_cpus_for(s.io_cpus) == ((mine - {min(mine)}) or None)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(mine)))  # every CPU computes
-    assert s.io_cpus_beside_compute() is None
+    assert io_cpus_for(s.io_cpus) is None
 
 
 def test_empty_strings_mean_not_given():

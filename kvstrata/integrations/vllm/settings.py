@@ -9,7 +9,6 @@ engine's start with one line that names it, in the scheduler and the worker alik
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from pathlib import Path
@@ -127,28 +126,6 @@ class ConnectorSettings:
         if not isinstance(self.io_cpus, str) or (self.io_cpus not in ("auto", "none") and not _cpu_list(self.io_cpus)):
             raise ValueError(f"{_PREFIX} io_cpus must be \"auto\", \"none\" or a CPU list such as \"6-7\", "
                              f"got {self.io_cpus!r}")
-
-    def io_cpus_beside_compute(self) -> frozenset[int] | None:
-        """The CPUs this worker's kvstrata threads go to (None: stay with the compute).
-
-        ``auto``: the CPUs this process may use (its parent's, the engine core's, before vLLM
-        bound this worker) less every TP rank's compute (``VLLM_CPU_OMP_THREADS_BIND``: a CPU
-        list per rank, ``|``-separated; ``auto``/``nobind``/unset: this worker's own binding).
-        """
-        if self.io_cpus == "none":
-            return None
-        if self.io_cpus != "auto":
-            return _cpu_list(self.io_cpus)
-        if not hasattr(os, "sched_getaffinity"):
-            return None
-        try:
-            available = frozenset(os.sched_getaffinity(os.getppid())) | frozenset(os.sched_getaffinity(0))
-        except OSError:
-            available = frozenset(os.sched_getaffinity(0))
-        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-        lists = [_cpu_list(part) for part in bind.split("|")] if bind not in ("", "auto", "nobind") else []
-        compute = frozenset().union(*lists) if lists and all(lists) else frozenset(os.sched_getaffinity(0))
-        return (available - compute) or None  # none left: stay with the compute
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""

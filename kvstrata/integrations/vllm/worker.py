@@ -56,7 +56,7 @@ from kvstrata.kv.groups import KVGroup
 from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.transfer.placement import io_thread_started, io_threads_cpu_s, place_io_threads
+from kvstrata.transfer.placement import io_cpus_for, io_thread_started, io_threads_cpu_s, place_io_threads
 
 if TYPE_CHECKING:
 
@@ -126,7 +126,7 @@ class KVStrataConnectorWorker:
 
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         model = self._vllm_config.model_config.model
-        place_io_threads(self.settings.io_cpus_beside_compute())  # before the caches start threads
+        place_io_threads(io_cpus_for(self.settings.io_cpus))  # before the caches start threads
         paged = []
         for spec in self._group_specs:
             missing = [n for n in spec.layer_names if n not in kv_caches]

@@ -1,0 +1,44 @@
+"""What the workers measure for the scheduler: a step's compute less the connector's hooks, each
+load's own stretches, and TP ranks merged as the slower of them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadTiming, StepClock  # noqa: E402
+
+
+def test_a_step_s_compute_leaves_out_what_the_hooks_took():
+    clock = StepClock()
+    assert clock.take() is None  # nothing measured yet
+    clock.begin(tokens=300)
+    time.sleep(0.05)
+    clock.hooked(0.03)  # of those 50 ms, 30 were the connector's
+    clock.charge("r1", 0.01)
+    clock.charge("r1", 0.02)
+    clock.end()
+    clock.load_done("r1", ok=True)
+    meta = clock.take()
+    assert meta.computed_tokens == 300
+    assert 0.015 <= meta.compute_s < 0.045
+    assert meta.loads == [LoadTiming("r1", pytest.approx(0.03), True)]
+    assert clock.take() is None  # handed over once
+
+
+def test_a_step_with_no_tokens_measures_no_compute():
+    clock = StepClock()
+    clock.begin(tokens=0)
+    clock.end()
+    assert clock.take() is None
+
+
+def test_tp_ranks_merge_as_the_slower_and_a_load_failed_on_any_rank_failed():
+    a = KVStrataWorkerMeta(64, 0.010, [LoadTiming("r1", 0.002, True), LoadTiming("r2", 0.004, True)])
+    b = KVStrataWorkerMeta(64, 0.012, [LoadTiming("r1", 0.003, False)])
+    merged = a.aggregate(b)
+    assert (merged.computed_tokens, merged.compute_s) == (64, 0.012)
+    assert sorted(merged.loads, key=lambda t: t.req_id) == [LoadTiming("r1", 0.003, False), LoadTiming("r2", 0.004, True)]
