@@ -3,6 +3,7 @@ load's own stretches, and TP ranks merged as the slower of them."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -42,3 +43,19 @@ def test_tp_ranks_merge_as_the_slower_and_a_load_failed_on_any_rank_failed():
     merged = a.aggregate(b)
     assert (merged.computed_tokens, merged.compute_s) == (64, 0.012)
     assert sorted(merged.loads, key=lambda t: t.req_id) == [LoadTiming("r1", 0.003, False), LoadTiming("r2", 0.004, True)]
+
+
+def test_a_store_s_cpu_from_the_save_thread_comes_with_a_later_step_and_ranks_keep_the_costlier():
+    clock = StepClock()
+    clock.saved(9)  # a step sends 9 blocks to store
+    first = clock.take()
+    assert (first.saved_blocks, first.save_cpu_s) == (9, 0.0)
+    worker = threading.Thread(target=clock.save_cpu, args=(0.004,))  # the save thread, after the step
+    worker.start()
+    worker.join()
+    later = clock.take()
+    assert (later.saved_blocks, later.save_cpu_s) == (0, pytest.approx(0.004))
+    assert clock.take() is None
+    merged = KVStrataWorkerMeta(saved_blocks=9, save_cpu_s=0.004).aggregate(KVStrataWorkerMeta(saved_blocks=9,
+                                                                                              save_cpu_s=0.006))
+    assert (merged.saved_blocks, merged.save_cpu_s) == (9, 0.006)

@@ -75,7 +75,8 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_scheduler = KVStrataConnectorScheduler(
                 vllm_config.cache_config.block_size, transfer.engine_id,
                 loads_enabled=transfer.is_kv_consumer, saves_enabled=transfer.is_kv_producer,
-                spans=group_spans(kv_cache_config),
+                spans=group_spans(kv_cache_config), horizon_blocks=kv_cache_config.num_blocks,
+                judge_saves=self.settings.pool is None,  # a pool's blocks serve other servers too: unseen here
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStrataConnectorWorker(
@@ -125,7 +126,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         meta = self._metadata()
         if meta.saves:
-            with self._worker.hook():
+            with self._worker.hook(saving=True):
                 self._worker.save_kv_layer(layer_name, kv_layer, meta)
 
     def wait_for_save(self) -> None:

@@ -14,10 +14,17 @@ copied into vLLM's blocks (or its failure), counting only the stretches the step
 it (in ``start_load_kv`` and each layer's wait): with layer-wise copies, the forward's own
 layers in between are compute, not load. The ranks of one step wait for each other, so the
 merge keeps the slower rank's figures.
+
+A store's cost is the CPU it took: staging its layers in the step, and the put on the connector's
+save thread (which finishes after the step; its CPU arrives with a later step's metadata). The
+scheduler weighs it against what the stored blocks later save
+(:class:`~kvstrata.policies.saving.SaveOrSkip`). Ranks store in parallel: the merge keeps the
+costlier rank's.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,11 +42,14 @@ class LoadTiming:
 
 @dataclass
 class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
-    """A step's measurements: the forward's compute (tokens, seconds), and each load's time."""
+    """A step's measurements: the forward's compute (tokens, seconds), each load's time, and the
+    stores': blocks sent to store, and the CPU seconds stores took since the last report."""
 
     computed_tokens: int = 0
     compute_s: float = 0.0
     loads: list[LoadTiming] = field(default_factory=list)
+    saved_blocks: int = 0
+    save_cpu_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVStrataWorkerMeta):
@@ -49,7 +59,8 @@ class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
             mine = loads.get(t.req_id)
             loads[t.req_id] = t if mine is None else LoadTiming(t.req_id, max(t.seconds, mine.seconds), t.ok and mine.ok)
         return KVStrataWorkerMeta(max(self.computed_tokens, other.computed_tokens),
-                                  max(self.compute_s, other.compute_s), list(loads.values()))
+                                  max(self.compute_s, other.compute_s), list(loads.values()),
+                                  max(self.saved_blocks, other.saved_blocks), max(self.save_cpu_s, other.save_cpu_s))
 
 
 class StepClock:
@@ -57,7 +68,9 @@ class StepClock:
 
     ``begin`` when vLLM binds a step's metadata, ``hooked`` for each stretch a connector hook
     took within the step, ``end`` after the forward; ``charge`` the stretches spent on a
-    request's load, ``load_done`` when it ends. ``take`` hands over what was measured since the last call.
+    request's load, ``load_done`` when it ends; ``saved`` the blocks a step sends to store, and
+    ``save_cpu`` (from any thread: the save thread's too) the CPU stores took. ``take`` hands over
+    what was measured since the last call.
     """
 
     def __init__(self) -> None:
@@ -66,6 +79,8 @@ class StepClock:
         self._tokens = 0
         self._load_s: dict[str, float] = {}
         self._pending = KVStrataWorkerMeta()
+        self._save_lock = threading.Lock()
+        self._save_cpu_s = 0.0
 
     def begin(self, tokens: int) -> None:
         self._begin, self._hooks_s, self._tokens = time.perf_counter(), 0.0, tokens
@@ -88,9 +103,18 @@ class StepClock:
     def load_done(self, req_id: str, ok: bool) -> None:
         self._pending.loads.append(LoadTiming(req_id, self._load_s.pop(req_id, 0.0), ok))
 
+    def saved(self, blocks: int) -> None:
+        self._pending.saved_blocks += blocks
+
+    def save_cpu(self, seconds: float) -> None:
+        with self._save_lock:
+            self._save_cpu_s += seconds
+
     def take(self) -> KVStrataWorkerMeta | None:
         meta = self._pending
-        if not meta.loads and not meta.computed_tokens:
+        with self._save_lock:
+            meta.save_cpu_s, self._save_cpu_s = meta.save_cpu_s + self._save_cpu_s, 0.0
+        if not meta.loads and not meta.computed_tokens and not meta.saved_blocks and not meta.save_cpu_s:
             return None
         self._pending = KVStrataWorkerMeta()
         return meta

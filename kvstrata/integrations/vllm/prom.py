@@ -94,6 +94,9 @@ DECLINED_BLOCKS = _counter("declined_blocks", ("tier",), "Blocks of hits not loa
                            "predicted slower than recomputing them (the tier's measured loads against the prefill's)")
 SAVE_DROPPED_BLOCKS = _counter("save_dropped_blocks", (), "Blocks of saves dropped, not waited for: the stores "
                                "still in flight held save_backlog_bytes already (a tier that cannot keep up)")
+SAVE_SKIPPED_BLOCKS = _counter("save_skipped_blocks", (), "Prompt blocks not stored because stores did not pay: "
+                               "too few stored blocks came back as hits for what a store costs (one request in "
+                               "16 is stored anyway, to see whether reuse returns)")
 TIER_USED_BYTES = Metric("kvstrata_connector_tier_used_bytes", Kind.GAUGE, ("tier",),
                          "Bytes of a tier's slots in use, as this instance's caches track them")
 TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUGE, ("tier",),
@@ -101,7 +104,7 @@ TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUG
 
 METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOADED_BLOCKS, LOADED_BYTES, MOVED_BYTES, TRANSFER_SECONDS, LOADS,
            LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
-           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
+           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
 
@@ -315,6 +318,13 @@ class LookupCounts:
         for medium, n in (declined or {}).items():
             stats.add(DECLINED_BLOCKS, n, (medium.label,))
         self.stats = None if stats.is_empty() else stats
+
+    def skipped(self, blocks: int) -> None:
+        """A request's ``blocks`` new prompt blocks were not stored: stores did not pay."""
+        if blocks > 0:
+            stats = self.stats if self.stats is not None else KVStrataStats()
+            stats.add(SAVE_SKIPPED_BLOCKS, blocks)
+            self.stats = stats
 
     def used_cpu(self, seconds: float) -> None:
         """The scheduler side's hooks used ``seconds`` of CPU."""

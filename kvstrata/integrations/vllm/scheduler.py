@@ -25,6 +25,14 @@ weighs each tier's measured loads against the prefill's measured rate
 tier stops being used without a restart, and is tried again with one block now and then. The
 blocks held but not granted are counted (``declined_blocks``).
 
+Save or skip. A store costs the workers CPU, on a CPU server taken from the forward; it pays
+only where its blocks come back as kvstrata hits. Where this server can see that (it loads what
+it stores, with no pool other servers read), the scheduler stores a request's prompt blocks only
+while the blocks granted per block stored, times the prefill a granted block saves, outweigh a
+stored block's measured CPU (:class:`~kvstrata.policies.saving.SaveOrSkip`, fed by the same
+worker metadata); otherwise one request in 16, and the rest are counted (``save_skipped_blocks``).
+It decides once per request, at its first full block.
+
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
 
@@ -49,6 +57,7 @@ from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, L
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
 from kvstrata.media import Medium
 from kvstrata.policies.payoff import LoadOrRecompute
+from kvstrata.policies.saving import SaveOrSkip
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -82,10 +91,14 @@ class KVStrataConnectorScheduler:
         engine_id: vLLM's engine id (whose worker's caches to ask).
         loads_enabled: the role loads KV (``kv_both``, ``kv_consumer``).
         saves_enabled: the role stores KV (``kv_both``, ``kv_producer``).
+        horizon_blocks: vLLM's own KV capacity in blocks (how long a stored block waits to be asked for).
+        judge_saves: store only what pays (:class:`SaveOrSkip`); False: store everything (a
+            producer, or a server whose stores other servers read from a pool: their hits are not
+            seen here).
     """
 
     def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool,
-                 spans: tuple[int | None, ...] = (None,)) -> None:
+                 spans: tuple[int | None, ...] = (None,), horizon_blocks: int = 0, judge_saves: bool = False) -> None:
         self._block_size = block_size
         self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
         self._windowed = any(span is not None for span in spans)
@@ -100,6 +113,9 @@ class KVStrataConnectorScheduler:
         self._counts = LookupCounts()
         self.decision = LoadOrRecompute(block_size)
         self._granted: dict[str, tuple[Medium, int]] = {}  # req_id -> the tier its load waits for, its blocks
+        self.saving = SaveOrSkip(block_size, horizon_blocks)
+        self._judge_saves = judge_saves and loads_enabled and saves_enabled
+        self._storing: dict[str, bool] = {}  # req_id -> whether its prompt blocks are stored (decided once)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``; never
@@ -135,6 +151,7 @@ class KVStrataConnectorScheduler:
         beyond = lookup.tiers[-(-lookup.computed // bs):]  # blocks past vLLM's own hit
         missed = (lookup.usable - lookup.computed) // bs - len(beyond) - sum(lookup.declined.values())
         self._counts.admitted(beyond, max(0, missed), lookup.declined)
+        self.saving.granted(len(beyond))
         self._sources[request.request_id] = lookup.tokens_by_tier(bs)
 
     def hit_sources(self, request: Request) -> dict[Medium, int]:
@@ -157,6 +174,7 @@ class KVStrataConnectorScheduler:
     def measured(self, meta: KVStrataWorkerMeta) -> None:
         """A step's measurements from the workers: the prefill's rate and each granted load's time."""
         self.decision.step_computed(meta.computed_tokens, meta.compute_s)
+        self.saving.stored_cost(meta.saved_blocks, meta.save_cpu_s)
         for timing in meta.loads:
             granted = self._granted.pop(timing.req_id, None)
             if granted is None:
@@ -182,13 +200,14 @@ class KVStrataConnectorScheduler:
                 continue
             external = self._to_load.pop(req_id, 0)
             end = computed[req_id] + scheduled
-            if not external and not (self._saves_enabled and self._saves_more(req_id, request, end)):
-                continue  # a decode step, or a prompt chunk short of a new full block: nothing to plan
+            save = self._saves_enabled and self._saves_more(req_id, request, end) and self._stores(req_id, request, end)
+            if not external and not save:
+                continue  # a decode step, a prompt chunk short of a new full block, or a save skipped
             block_ids = kv_cache_manager.get_block_ids(req_id)  # one list per KV cache group
             prompt = list(request.prompt_token_ids or [])
             if external:
                 meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external, null))
-            if self._saves_enabled and self._saves_more(req_id, request, end):
+            if save:
                 meta.saves.append(self._save_spec(req_id, prompt, block_ids, end, null))
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
         return meta
@@ -197,6 +216,20 @@ class KVStrataConnectorScheduler:
         """Whether ``end`` completes a full prompt block not yet sent to save."""
         full = min(end, request.num_prompt_tokens) // self._block_size
         return full > self._saved_blocks.get(req_id, 0)
+
+    def _stores(self, req_id: str, request: Request, end: int) -> bool:
+        """Whether the new full prompt blocks up to ``end`` are stored (the request's decision,
+        made at its first); skipped ones are counted and never offered again."""
+        storing = self._storing.get(req_id)
+        if storing is None:
+            storing = self._storing[req_id] = not self._judge_saves or self.saving.save(self.decision.per_token_s)
+        full = min(end, request.num_prompt_tokens) // self._block_size
+        new = full - self._saved_blocks.get(req_id, 0)
+        self.saving.computed(new, stored=storing)
+        if not storing:
+            self._saved_blocks[req_id] = full
+            self._counts.skipped(new)
+        return storing
 
     def _load_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
                    external: int, null: int) -> LoadSpec:
@@ -225,6 +258,7 @@ class KVStrataConnectorScheduler:
         self._lookups.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
         self._granted.pop(request.request_id, None)
+        self._storing.pop(request.request_id, None)
         return False, None
 
     def shutdown(self) -> None:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -76,6 +76,24 @@ class _ActiveLoad:
     failed: bool = False
 
 
+class _CountingSaver(ThreadPoolExecutor):
+    """The connector's save thread: each task's thread CPU goes to ``on_cpu`` (a store's cost)."""
+
+    def __init__(self, on_cpu: Callable[[float], None]) -> None:
+        super().__init__(1, thread_name_prefix="kvstrata-save", initializer=io_thread_started)
+        self._on_cpu = on_cpu
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        def counted() -> Any:
+            cpu = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._on_cpu(time.thread_time() - cpu)
+
+        return super().submit(counted)
+
+
 class KVStrataConnectorWorker:
     """The worker-side half of :class:`~kvstrata.integrations.vllm.KVStrataConnector`.
 
@@ -110,8 +128,9 @@ class KVStrataConnectorWorker:
         self._saving_blocks = 0  # blocks of saves not yet stored (the cache's threads finish them)
         self._saving_lock = threading.Lock()
         self._hooks_cpu_s = 0.0  # CPU the connector's hooks used on vLLM's step thread
+        self._changed = True  # anything to report since the last report (a load, a save, a store done)
         # the saves' puts into the tiers, one at a time, in step order, on the I/O CPUs
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-save", initializer=io_thread_started)
+        self._saver = _CountingSaver(self.clock.save_cpu)
         self._threads_cpu = (0.0, -1.0)  # the connector's own threads' CPU seconds, and when read
         transfer = vllm_config.kv_transfer_config
         self._recomputes = transfer is not None and transfer.kv_load_failure_policy == "recompute"
@@ -279,20 +298,30 @@ class KVStrataConnectorWorker:
         failed, self._failed_blocks = self._failed_blocks, set()
         if failed and self._recomputes:
             self._stats.recomputed(len(failed))
+            self._changed = True
         return failed
 
     def get_kv_connector_stats(self) -> KVStrataStats | None:
-        """What the counters and caches say changed since the last call (every step; None: nothing)."""
+        """What the counters and caches say changed since the last call (every step; None:
+        nothing). Only a step after a load, a save or a store's end looks at them: the rest (a
+        decode step) change nothing but the CPU counter, which the next report carries."""
+        if not self._changed:
+            return None
+        self._changed = False  # before reading: a store ending meanwhile marks it again
         return self._reporter.report(self._stats, self._caches, self.cpu_s())
 
     @contextmanager
-    def hook(self) -> Iterator[None]:
-        """Around a hook on vLLM's step thread: its CPU is the connector's, its time not the forward's."""
+    def hook(self, saving: bool = False) -> Iterator[None]:
+        """Around a hook on vLLM's step thread: its CPU is the connector's (``saving``: a store's
+        cost too), its time not the forward's."""
         cpu, wall = time.thread_time(), time.perf_counter()
         try:
             yield
         finally:
-            self._hooks_cpu_s += time.thread_time() - cpu
+            used = time.thread_time() - cpu
+            self._hooks_cpu_s += used
+            if saving:
+                self.clock.save_cpu(used)
             self.clock.hooked(time.perf_counter() - wall)
 
     def cpu_s(self) -> float:
@@ -351,6 +380,7 @@ class KVStrataConnectorWorker:
     def _saved(self, blocks: int) -> None:
         with self._saving_lock:
             self._saving_blocks -= blocks
+        self._changed = True
         self._write_stats()  # the store's counts, off the step
 
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
@@ -358,6 +388,7 @@ class KVStrataConnectorWorker:
         threads store them and write them down; ``sync_save``: wait for that here)."""
         self._finish_loads()
         pending = []
+        cpu = time.thread_time()
         for spec in meta.saves if self._saves_enabled else ():
             if not self._taking(spec):
                 continue
@@ -376,12 +407,15 @@ class KVStrataConnectorWorker:
                 futures.append((g, group.store_keys(keys, kv, self._saver)))
             if futures:
                 blocks = max(len(spec.groups[g].block_ids) for g, _ in futures)
+                self.clock.saved(blocks)
                 with self._saving_lock:
                     self._saving_blocks += blocks
                 pending.append((PendingSave(self._stats, start, len(futures), lambda n=blocks: self._saved(n)),
                                 futures))
         self._staged.clear()
         self._taken.clear()
+        if meta.saves:
+            self.clock.save_cpu(time.thread_time() - cpu)
         for save, futures in pending:
             for g, future in futures:
                 if self.settings.sync_save:
@@ -390,6 +424,7 @@ class KVStrataConnectorWorker:
                 else:
                     future.add_done_callback(lambda f, s=save, g=g: s.done(g, f))
         if meta.loads or meta.saves:
+            self._changed = True
             self._write_stats(now=self.settings.sync_save)  # a pass's reader expects its saves there
 
     def _staging(self, spec: SaveSpec, group: int) -> tuple[torch.Tensor, list[bool]]:

@@ -1,0 +1,116 @@
+"""Save or skip: stores go on while their blocks come back, stop (but for samples) when they never do."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstrata.policies.saving import CONFIDENCE_REQUESTS, MATURE_HORIZONS, SAMPLE_EVERY, SaveOrSkip
+
+BT = 32
+PER_TOKEN_S = 100e-6  # a block's prefill: 3.2 ms
+COST_S = 0.5e-3  # a stored block's CPU
+
+
+LAG = 6  # requests between a store and the request its blocks serve
+
+
+def _run(policy: SaveOrSkip, requests: int, blocks: int = 8, hits_per_request: int = 0) -> list[bool]:
+    """``requests`` requests of ``blocks`` new blocks each; each is admitted with
+    ``hits_per_request`` blocks from kvstrata if the request ``LAG`` before it was stored (what
+    is not stored never comes back); the workers report each store's cost. The decisions, in order."""
+    decisions: list[bool] = []
+    for n in range(requests):
+        if n >= LAG and decisions[n - LAG]:
+            policy.granted(hits_per_request)
+        store = policy.save(PER_TOKEN_S)
+        decisions.append(store)
+        policy.computed(blocks, stored=store)
+        if store:
+            policy.stored_cost(blocks, blocks * COST_S)
+    return decisions
+
+
+def test_every_request_is_stored_until_cost_and_prefill_are_measured() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    for _ in range(200):
+        assert policy.save(None)
+        policy.computed(8, stored=True)
+    assert policy.pays(None)
+    fresh = SaveOrSkip(BT, horizon_blocks=16)
+    for _ in range(200):  # the prefill measured, the cost not
+        assert fresh.save(PER_TOKEN_S)
+        fresh.computed(8, stored=True)
+
+
+def test_stores_that_never_come_back_stop_but_for_one_request_in_sample_every() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    decisions = _run(policy, 600)
+    # the rule of three: no hit in about 3 * saving / cost matured requests bounds reuse below cost / saving
+    judged = CONFIDENCE_REQUESTS * PER_TOKEN_S * BT / COST_S
+    matured_after = MATURE_HORIZONS * 16 // 8
+    first_skip = decisions.index(False)
+    assert judged < first_skip <= matured_after + 1.5 * judged  # the evidence decays a little meanwhile
+    tail = decisions[-SAMPLE_EVERY * 20:]
+    assert sum(tail) == 20  # one in SAMPLE_EVERY, still measuring
+    assert policy.skipped_blocks == 8 * decisions.count(False)
+
+
+def test_stores_whose_blocks_come_back_go_on() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    assert all(_run(policy, 600, hits_per_request=2))  # 1 block in 4 comes back: 0.8 ms saved per 0.5 ms spent
+    assert policy.skipped_blocks == 0
+
+
+def test_reuse_too_rare_for_the_cost_stops_stores() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    decisions = _run(policy, 2000, blocks=32, hits_per_request=1)  # 1 in 32: 0.1 ms saved per 0.5 ms
+    assert decisions[-SAMPLE_EVERY * 10:].count(True) == 10
+
+
+def test_nothing_is_judged_before_the_engine_could_have_dropped_a_stored_block() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=100_000)  # vLLM holds 100K blocks: no store has matured
+    assert all(_run(policy, 1000))
+
+
+def test_stores_resume_when_their_blocks_come_back_again() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    assert not all(_run(policy, 400))
+    resumed = _run(policy, 3000, hits_per_request=8)  # now every stored block is asked for again
+    assert all(resumed[-200:])
+    assert not all(resumed[:LAG])  # it took a sample's hits to see it
+
+
+def test_a_costlier_store_is_judged_sooner() -> None:
+    def first_skip(cost_s: float) -> int:
+        policy = SaveOrSkip(BT, horizon_blocks=16)
+        for n in range(2000):
+            store = policy.save(PER_TOKEN_S)
+            if not store:
+                return n
+            policy.computed(8, stored=True)
+            policy.stored_cost(8, 8 * cost_s)
+        return 2000
+
+    assert first_skip(4 * COST_S) < first_skip(COST_S) < first_skip(COST_S / 4)
+
+
+def test_the_cpu_of_a_store_may_come_a_report_after_its_blocks() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    policy.stored_cost(8, 0.0)
+    assert policy.cost_per_block_s is None
+    policy.stored_cost(0, 8 * COST_S)
+    assert policy.cost_per_block_s == pytest.approx(COST_S)
+
+
+def test_bad_arguments_are_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="block_tokens > 0"):
+        SaveOrSkip(0, 16)
+
+
+@given(st.integers(1, 64), st.integers(1, 32), st.integers(0, 512))
+def test_when_every_stored_block_comes_back_and_saves_more_than_it_costs_nothing_is_skipped(
+        blocks: int, extra_hits: int, horizon: int) -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=horizon)
+    assert all(_run(policy, 300, blocks=blocks, hits_per_request=blocks + extra_hits))
