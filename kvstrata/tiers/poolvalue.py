@@ -9,7 +9,11 @@ write, overwrite (``upsert``) or remove any object. So every value kvstrata read
 pool is authenticated before it is served: with a deployment secret (``PoolConfig.secret_file``;
 an embedded pool makes one), a value carries a MAC that only holders of the secret can make, and
 a forged, altered or replayed value (another block's value copied under this block's name) is a
-miss, never served. Object names are keyed too, so a client without the secret cannot derive a
+miss, never served. Without a secret (a pool only trusted processes reach) every value still
+carries an xxh3_64 of its payload, and a reader refuses one without it or whose payload does not
+match: a put that lands late from memory reused meanwhile (another block's bytes under this
+block's valid header) is a miss too. The checksum guards against accidents only; anyone can
+compute it, so only the MAC keeps out a writer who means harm. Object names are keyed too, so a client without the secret cannot derive a
 tenant's object names from the public block-key scheme. Optionally (``encrypt``) the payload is
 encrypted (AES-GCM), so a client without the secret reads nothing of the KV either.
 
@@ -35,12 +39,13 @@ Version 2, little-endian::
     offset  bytes   field
     0       8       magic b"KVSPOOL\\x00"
     8       2       format version (2)
-    10      2       flags: bit 0 xxh3 of the payload set, bit 1 sealed (MAC), bit 2 encrypted
+    10      2       flags: bit 0 xxh3 of the payload set (always, unsealed), bit 1 sealed (MAC),
+                    bit 2 encrypted
     12      4       reserved (0)
     16      16      key
     32      8       xxh3_64 of layout.describe(): blocks of another layout are never served
     40      8       payload_bytes (= layout.block_bytes)
-    48      8       xxh3_64 of the payload as stored (0 unless flag bit 0)
+    48      8       xxh3_64 of the payload as stored (0 when sealed: the MAC covers it)
     56      12      nonce (random per write; 0 unless sealed)
     68      4       reserved (0)
     72      16      tag: the payload's Poly1305 MAC, or AES-GCM's tag (0 unless sealed)
@@ -139,21 +144,19 @@ class ValueSeal:
         layout_text: ``layout.describe()`` of the blocks.
         payload_bytes: bytes of one block.
         namespace_tag: the tier's namespace tag (keys are derived per namespace).
-        secret: the deployment secret; None: values are neither sealed nor required to be
-            (a pool of trusted processes only).
+        secret: the deployment secret; None: values are not sealed (a pool of trusted
+            processes only) but carry, and must carry, an xxh3_64 of their payload.
         encrypt: encrypt payloads (needs ``secret``).
-        checksum: also write (and check) an xxh3_64 of the payload (against accidents).
     """
 
     def __init__(self, layout_text: str, payload_bytes: int, namespace_tag: str, secret: bytes | None,
-                 encrypt: bool = False, checksum: bool = False) -> None:
+                 encrypt: bool = False) -> None:
         if encrypt and secret is None:
             raise ValueError("pool values can be encrypted only with a deployment secret (pool secret_file)")
         self.layout_digest = layout_digest(layout_text)
         self.payload_bytes = payload_bytes
         self.namespace_tag = namespace_tag
         self.encrypt = encrypt
-        self.checksum = checksum
         self.sealed = secret is not None
         if secret is not None:
             self._name_key, self._mac_key, enc_key = (_derive(secret, namespace_tag, use) for use in (b"name", b"mac", b"enc"))
@@ -179,8 +182,7 @@ class ValueSeal:
         """
         nbytes = sum(part.nbytes for part in parts)
         if not self.sealed:
-            checksum = xxh3_of(parts) if self.checksum else None
-            return encode_header(key, self.layout_digest, nbytes, checksum), None
+            return encode_header(key, self.layout_digest, nbytes, xxh3_of(parts)), None
         nonce = os.urandom(12)
         signed = encode_header(key, self.layout_digest, nbytes, None, nonce, bytes(16), self.encrypt)[:_SIGNED]
         ciphertext = None
@@ -203,7 +205,8 @@ class ValueSeal:
 
         Raises:
             CorruptBlock: not this key's, layout's or size's, not sealed by this deployment,
-                forged, altered or replayed: the value must not be served.
+                forged, altered or replayed; unsealed, without a payload checksum or with
+                bytes that do not match it: the value must not be served.
         """
         header = decode_header(head)
         name = key.hex()[:12]
@@ -213,13 +216,14 @@ class ValueSeal:
             raise CorruptBlock(f"remote tier: block {name} was written under another layout")
         if header.payload_bytes != self.payload_bytes or sum(p.nbytes for p in parts) != self.payload_bytes:
             raise CorruptBlock(f"remote tier: block {name} has {header.payload_bytes} payload bytes")
-        if not self.sealed and self.checksum and header.payload_checksum is not None:
-            if xxh3_of(parts) != header.payload_checksum:
-                raise CorruptBlock(f"remote tier: block {name} payload checksum mismatch")
         if self.sealed:
             self._check_seal(key, header, head, parts)
         elif header.nonce is not None:
             raise CorruptBlock(f"remote tier: block {name} is sealed with a secret this tier was not given")
+        elif header.payload_checksum is None:
+            raise CorruptBlock(f"remote tier: block {name} carries no payload checksum: unverifiable")
+        elif xxh3_of(parts) != header.payload_checksum:
+            raise CorruptBlock(f"remote tier: block {name} payload checksum mismatch")
 
     def _check_seal(self, key: BlockKey, header: ValueHeader, head: bytes, parts: Sequence[np.ndarray]) -> None:
         name = key.hex()[:12]

@@ -45,7 +45,8 @@ may name objects the pool no longer has. The contract for the caller's memory:
   never exposed, and the staging buffer is retired instead.
 * A ``write`` that times out raises PoolUnavailable; should the put complete later anyway, the
   object is removed then, since the source memory may have changed meanwhile (an instance that
-  reads it in between is protected only by ``verify_payload``).
+  reads it in between finds that its bytes fail the value's MAC, or without a secret its
+  payload checksum: a miss).
 """
 
 from __future__ import annotations
@@ -150,14 +151,13 @@ class RemoteTier(Tier):
         namespace_tag: the object name's middle part (e.g. ``Namespace.tag``).
         op_timeout_s: the longest one store call is waited for.
         connect_timeout_s: the longest connecting may take.
-        verify_payload: without a secret, write an xxh3_64 of each payload and check it on
-            every read of a value that has one (with a secret the MAC checks every byte).
         backoff_s, backoff_max_s: after a fault, the first wait before a background probe, and
             the longest (it doubles per failed probe).
         required: raise if the pool cannot be reached now; False: start DOWN, keep trying.
         secret: the deployment secret (``kvstrata.pool.config.read_secret``): values are sealed
             and object names keyed with it, and a value without this deployment's seal is a
-            miss; None: neither (a pool only trusted processes reach).
+            miss; None: neither (a pool only trusted processes reach), and each value carries
+            an xxh3_64 of its payload instead, checked on every read.
         encrypt: encrypt payloads too (AES-GCM; needs ``secret``).
 
     Raises:
@@ -179,7 +179,6 @@ class RemoteTier(Tier):
         namespace_tag: str = "",
         op_timeout_s: float = OP_TIMEOUT_S,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
-        verify_payload: bool = False,
         backoff_s: float = BACKOFF_S,
         backoff_max_s: float = BACKOFF_MAX_S,
         required: bool = True,
@@ -190,9 +189,7 @@ class RemoteTier(Tier):
         if not isinstance(namespace_tag, str) or not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"remote tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
         self.namespace_tag = namespace_tag
-        self.verify_payload = verify_payload
-        self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt,
-                                         checksum=verify_payload)
+        self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt)
         # Keyed names cost an HMAC each, on every lookup that asks the pool: remember recent ones.
         self._names = functools.lru_cache(maxsize=NAMES_KEPT)(self._seal.object_name)
         self._lanes = threading.local()
@@ -654,20 +651,17 @@ class RemoteTier(Tier):
 
     def _calls(self, blocks: int, growing: bool, parts: int = 1) -> list[range]:
         """The pool calls a batch of ``blocks`` (each in at most ``parts`` parts) is cut into: at
-        most ``CALL_BYTES``, ``CALL_BUFFERS`` and a half of the headers each; when every value's
-        bytes are checked, calls that grow threefold from 1/16 of the batch (``growing``: puts),
-        or shrink to it (gets)."""
+        most ``CALL_BYTES``, ``CALL_BUFFERS`` and a half of the headers each; every value's bytes
+        are checked (a MAC or a checksum), so calls grow threefold from 1/16 of the batch
+        (``growing``: puts), or shrink to it (gets)."""
         most = max(1, min(HEADERS_PER_CALL, CALL_BYTES // self.layout.block_bytes, CALL_BUFFERS // (1 + parts)))
         sizes = []
-        if self._seal.sealed or self._seal.checksum:
-            size, left = -(-blocks // FIRST_CALL_SHARE), blocks
-            while left:
-                sizes.append(min(left if left <= size * (1 + CALL_GROWTH) else size, most))
-                left -= sizes[-1]
-                size *= CALL_GROWTH
-            sizes = sizes if growing else sizes[::-1]
-        else:
-            sizes = [most] * (blocks // most) + ([blocks % most] if blocks % most else [])
+        size, left = -(-blocks // FIRST_CALL_SHARE), blocks
+        while left:
+            sizes.append(min(left if left <= size * (1 + CALL_GROWTH) else size, most))
+            left -= sizes[-1]
+            size *= CALL_GROWTH
+        sizes = sizes if growing else sizes[::-1]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [range(start, start + size) for start, size in zip(starts, sizes)]
 
