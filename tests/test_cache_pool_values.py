@@ -13,6 +13,7 @@ import uuid
 import pytest
 import torch
 from cache_support import assert_loaded_bytes, assert_quiescent, kv_for, tokens
+from process_support import kill_and_reap
 
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.geometry import DType
@@ -20,6 +21,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.manager.plans import Failure, StopReason
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
+from kvstrata.pool import embedded
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers import poolvalue
@@ -35,10 +37,11 @@ WAIT_S = 10.0
 def caches():
     made: list[TieredCache] = []
 
-    def make(pool: PoolConfig, model: str, remote_blocks: int = 64) -> TieredCache:
+    def make(pool: PoolConfig, model: str, remote_blocks: int = 64, layout: KVLayout = LAYOUT) -> TieredCache:
         # Device and pool only, write-through: every stored block is in the pool at once.
-        config = CacheConfig(LAYOUT, model, device_bytes=8 * B, host_bytes=0, device="cpu",
-                             write=WriteRule(WritePolicy.WRITE_THROUGH), pool=pool, remote_bytes=remote_blocks * B)
+        block = layout.block_bytes
+        config = CacheConfig(layout, model, device_bytes=8 * block, host_bytes=0, device="cpu",
+                             write=WriteRule(WritePolicy.WRITE_THROUGH), pool=pool, remote_bytes=remote_blocks * block)
         made.append(TieredCache(config))
         return made[-1]
 
@@ -96,3 +99,51 @@ def test_without_a_secret_another_blocks_bytes_under_a_valid_header_are_a_counte
     assert (result.blocks, result.stopped, result.stopped_at) == (1, StopReason.CORRUPT, R)
     assert reader.metrics.failed_legs[(D, Failure.CORRUPT)] == 1  # counted
     assert_quiescent(reader)
+
+
+# 4 layers x K,V x 16 tokens x 8 heads x 128 dims x bf16: 256 KiB a block, 256 of them in a 64 MiB segment.
+BIG = KVLayout(num_layers=4, block_tokens=16, kv_heads=8, head_dim=128, dtype=DType.BF16)
+
+
+@pytest.fixture
+def small_pool(tmp_path):
+    """A pool of this test's own with a 64 MiB segment, which evicts once full."""
+    run_dir = tmp_path / "pool"
+    state = embedded.start(64 * 1024**2, run_dir)
+    try:
+        yield state
+    finally:
+        embedded.stop(run_dir)
+        for pid in (state.daemon_pid, state.master_pid):
+            kill_and_reap(pid)
+
+
+def test_blocks_the_pool_evicted_are_missed_by_the_lookup_counted_never_promised_to_a_load(small_pool, caches):
+    # 160 sequences of 4 blocks (160 MiB) into a 64 MiB segment: the pool evicts most of them,
+    # while the cache's view of it (1024 blocks) still lists every block it put. Before lookups
+    # asked the pool about the blocks only it holds, they promised evicted blocks, and loads
+    # then stopped at them (MISSING).
+    cache = caches(small_pool.config, f"pool-evicted-{uuid.uuid4().hex[:12]}", remote_blocks=1024, layout=BIG)
+    sequences = [tokens(100 + i, 4, BIG) for i in range(160)]
+    for toks in sequences:
+        cache.store(toks, kv_for(cache, toks)).result(timeout=WAIT_S)
+    cache.evict(D, cache.manager.table(D).capacity_blocks)  # every block's only copy is the pool's
+    listed = cache.manager.ready_keys(R)
+    held = sum(cache.tier(R).exists(listed))
+    assert len(listed) - held > 100, (len(listed), held)  # the pool did evict, under the view
+    stops = []
+    for toks in sequences:
+        keys = cache.keys(toks)
+        match = cache.lookup(toks)
+        assert all(cache.tier(R).exists(list(match.keys)))  # only blocks the pool holds are promised
+        handle = cache.load(match)
+        result = handle.wait(timeout=WAIT_S)
+        assert_loaded_bytes(cache, handle, keys)
+        handle.release()
+        stops.append(result.stopped)
+        cache.evict(D, cache.manager.table(D).capacity_blocks)
+    assert StopReason.MISSING not in stops
+    assert cache.metrics.failed_legs[(D, Failure.MISSING)] == 0
+    assert cache.metrics.pool_dropped_blocks == len(listed) - held  # each counted once
+    assert b"kvstrata_pool_dropped_blocks_total" in cache.metrics.exposition()
+    assert_quiescent(cache)

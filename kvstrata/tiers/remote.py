@@ -10,8 +10,9 @@ models or tenants apart and greppable. Objects live in the pool daemons, never i
 The block manager's table for this tier is this process's view of the pool: keys it wrote, and
 keys other instances wrote that ``find`` (``exists``) saw. ``discard`` does not remove the
 object, since other instances share it, and the pool evicts by itself when full. A key READY in
-the view may therefore be gone from the pool: reading it raises BlockMissing (a CorruptBlock),
-a miss, never wrong data. ``remove_from_pool`` deletes objects explicitly.
+the view may therefore be gone from the pool: the cache's lookup asks the pool about the blocks
+only it holds (``find``, one bounded call) and forgets those gone, counted; one gone between the
+lookup and the read raises BlockMissing (a CorruptBlock), a miss, never wrong data. ``remove_from_pool`` deletes objects explicitly.
 
 Zero-copy. Memory from ``allocate`` (or passed to ``register``) is registered with the store;
 ``write`` and ``read_into`` on tensors inside it hand the pool the caller's bytes directly. Any
