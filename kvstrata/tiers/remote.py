@@ -55,8 +55,10 @@ from __future__ import annotations
 import functools
 import re
 import threading
+import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -80,7 +82,7 @@ __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "Rem
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
-NAMES_KEPT = 1 << 14  # object names remembered per tier (a few MB at most)
+NAMES_KEPT = 1 << 14  # object names, and when this tier last stored each, remembered per tier (a few MB at most)
 # A lane's registered headers: two halves, one per call in flight or being checked; 128 a half, so
 # a batch of 128 blocks (SGLang's storage batch) can go in one call.
 HEADER_PAGES_BYTES = 2 * 128 * poolvalue.HEADER_BYTES
@@ -193,6 +195,10 @@ class RemoteTier(Tier):
         self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt)
         # Keyed names cost an HMAC each, on every lookup that asks the pool: remember recent ones.
         self._names = functools.lru_cache(maxsize=NAMES_KEPT)(self._seal.object_name)
+        # object name -> the newest written_ns of a value this tier read there, the NAMES_KEPT most
+        # recent: a read of an older value there is a replay (tiers/poolvalue.py), refused.
+        self._seen: OrderedDict[str, int] = OrderedDict()
+        self._clock_ns = 0  # the last written_ns given out: they strictly increase
         self._lanes = threading.local()
         self._lock = threading.Lock()
         self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
@@ -293,7 +299,7 @@ class RemoteTier(Tier):
         else:
             payload = self._staging(client, lane).view(shape)
             payload.copy_(src)
-        header, ciphertext = self._seal.seal(key, [payload.numpy()])
+        header, ciphertext = self._seal.seal(key, [payload.numpy()], self._now_ns())
         if ciphertext is not None:  # encrypted: the ciphertext goes, from staging (registered memory)
             payload = self._staging(client, lane).view(shape)
             payload.numpy()[:] = ciphertext
@@ -398,7 +404,7 @@ class RemoteTier(Tier):
             for k, batch in enumerate(self._calls(len(keys), growing=True, parts=max(map(len, blocks)))):
                 headers = self._headers(lane, k % 2, len(batch))
                 for j, i in enumerate(batch):  # overlaps the puts of the previous call
-                    header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]])
+                    header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]], self._now_ns())
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
                 if not self._settle_puts(client, lane, names, pending, out):
                     return out
@@ -552,7 +558,7 @@ class RemoteTier(Tier):
             self._get_failed(client, lane, direct, name, got)
         if got != sum(sizes):
             raise CorruptBlock(f"remote tier: {name} read {got} bytes, expected {sum(sizes)}: a value of the wrong size")
-        self._seal.open(key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes(), [p.numpy() for p in parts])
+        self._opened(name, key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes(), [p.numpy() for p in parts])
         if not direct:
             dst.copy_(parts[0].view(self.layout.num_layers, layer_bytes)[start:stop])
 
@@ -692,7 +698,7 @@ class RemoteTier(Tier):
                     self._get_failed(client, lane, True, names[i], got[j])
                 if got[j] != poolvalue.HEADER_BYTES + self.layout.block_bytes:
                     raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
-                self._seal.open(keys[i], headers[j].numpy().tobytes(), [part.numpy() for part in blocks[i]])
+                self._opened(names[i], keys[i], headers[j].numpy().tobytes(), [part.numpy() for part in blocks[i]])
             except (CorruptBlock, PoolUnavailable) as error:
                 out[i] = error
 
@@ -761,6 +767,30 @@ class RemoteTier(Tier):
                 self._retire(lane)  # made for another store (a stray call may use it still)
             lane = self._lanes.lane = _Lane(client.allocate(HEADER_PAGES_BYTES), generation)  # pages: what SHM maps anyway
         return lane
+
+    def _now_ns(self) -> int:
+        """A written_ns for a value about to be sealed: the wall clock, strictly increasing."""
+        with self._lock:
+            self._clock_ns = max(time.time_ns(), self._clock_ns + 1)
+            return self._clock_ns
+
+    def _opened(self, name: str, key: BlockKey, head: bytes, parts: list[np.ndarray]) -> None:
+        """Check a value read from object ``name`` (``ValueSeal.open``): none older than the
+        newest this tier has read there is served. Why reads, not puts, set that bar: a put of a
+        name the pool holds already succeeds (code 0) and leaves the old value in place, so a
+        put does not tell which value the pool holds; the first read after it does.
+
+        Raises:
+            CorruptBlock: as ``ValueSeal.open``; a replay among them.
+        """
+        with self._lock:
+            newest = self._seen.get(name, 0)
+        written_ns = self._seal.open(key, head, parts, newest).written_ns
+        with self._lock:
+            self._seen[name] = max(written_ns, self._seen.get(name, 0))
+            self._seen.move_to_end(name)
+            if len(self._seen) > NAMES_KEPT:
+                self._seen.popitem(last=False)
 
     def _staging(self, client: PoolClient, lane: _Lane) -> torch.Tensor:
         if lane.staging is None:
