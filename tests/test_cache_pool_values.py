@@ -8,6 +8,9 @@ object name, as a late put from reused memory or a replay would.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 import uuid
 
 import pytest
@@ -31,6 +34,8 @@ B = LAYOUT.block_bytes
 VALUE = poolvalue.HEADER_BYTES + B
 D, R = Medium.DEVICE, Medium.REMOTE
 WAIT_S = 10.0
+SLACK_S = 3.0  # scheduling slack on a loaded 2-core host, on top of a configured bound
+FAST_S = 0.3  # a call to a pool known to be down: no pool call at all
 
 
 @pytest.fixture
@@ -147,3 +152,25 @@ def test_blocks_the_pool_evicted_are_missed_by_the_lookup_counted_never_promised
     assert cache.metrics.pool_dropped_blocks == len(listed) - held  # each counted once
     assert b"kvstrata_pool_dropped_blocks_total" in cache.metrics.exposition()
     assert_quiescent(cache)
+
+
+def test_a_lookup_while_the_pool_hangs_costs_one_bounded_wait_and_drops_nothing(small_pool, caches):
+    # The lookup asks the pool about blocks only it holds; a pool that does not answer says
+    # nothing about them: they stay in the view (and the load finds the pool down, at once).
+    cache = caches(small_pool.config, f"pool-hung-{uuid.uuid4().hex[:12]}")
+    toks = tokens(7, 4, LAYOUT)
+    store(cache, toks)
+    cache.evict(D, cache.manager.table(D).capacity_blocks)
+    budget_s = cache.config.pool_timeout_s
+    os.kill(small_pool.master_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        match = cache.lookup(toks)
+        assert time.monotonic() - start < budget_s + SLACK_S
+        assert match.media == (R,) * 4 and cache.remote_error is not None
+        assert cache.metrics.pool_dropped_blocks == 0 and len(cache.manager.ready_keys(R)) == 4
+        start = time.monotonic()
+        cache.lookup(toks)  # the pool is down now: no wait at all
+        assert time.monotonic() - start < FAST_S
+    finally:
+        os.kill(small_pool.master_pid, signal.SIGCONT)
