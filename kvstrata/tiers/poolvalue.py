@@ -13,20 +13,22 @@ miss, never served. Without a secret (a pool only trusted processes reach) every
 carries an xxh3_64 of its payload, and a reader refuses one without it or whose payload does not
 match: a put that lands late from memory reused meanwhile (another block's bytes under this
 block's valid header) is a miss too. The checksum guards against accidents only; anyone can
-compute it, so only the MAC keeps out a writer who means harm. Object names are keyed too, so a client without the secret cannot derive a
-tenant's object names from the public block-key scheme. Optionally (``encrypt``) the payload is
+compute it, so only the MAC keeps out a writer who means harm. Object names are keyed too, so a
+client without the secret cannot derive a tenant's object names from the public block-key scheme. Optionally (``encrypt``) the payload is
 encrypted (AES-GCM), so a client without the secret reads nothing of the KV either.
 
 Replays. A value also says when it was written (``written_ns``, strictly increasing per
 writer), under the MAC: a tier refuses a value of a key older than the newest it has read for
 that key (an earlier value of the same block put back, sealed and intact, after a newer one).
 A tier that has not read the newer value cannot tell: it has no record to hold the old one to.
+Write times are the writers' wall clocks: a value from a host whose clock runs ahead raises the
+bar for that key, and a later value from a slower clock is then refused too (a miss, not wrong KV).
 
 Keys (HKDF-SHA256 of the secret, per namespace tag, i.e. per model, layout and tenant namespace):
 ``name`` (object names: HMAC-SHA256 of the block key), ``mac``, ``enc``. The MAC: a one-time
 Poly1305 key, HMAC-SHA256(mac key, header bytes 0..80: the key, layout, sizes, flags, a random
-nonce and the write time), then Poly1305 over the payload. With encryption, AES-GCM's own tag (over the
-ciphertext, with the header bytes as associated data) takes the MAC's place.
+nonce and the write time), then Poly1305 over the payload. With encryption, AES-GCM's own tag
+(over the ciphertext, with the header bytes as associated data) takes the MAC's place.
 
 Why Poly1305. It is the fastest keyed integrity check at hand, per core, on the 2-vCPU AMD EPYC
 (Zen 3: AVX2, VAES, VPCLMULQDQ, SHA-NI) development VM, cryptography 50 (OpenSSL 4.0), 32 MiB

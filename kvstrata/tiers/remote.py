@@ -12,7 +12,8 @@ keys other instances wrote that ``find`` (``exists``) saw. ``discard`` does not 
 object, since other instances share it, and the pool evicts by itself when full. A key READY in
 the view may therefore be gone from the pool: the cache's lookup asks the pool about the blocks
 only it holds (``find``, one bounded call) and forgets those gone, counted; one gone between the
-lookup and the read raises BlockMissing (a CorruptBlock), a miss, never wrong data. ``remove_from_pool`` deletes objects explicitly.
+lookup and the read raises BlockMissing (a CorruptBlock), a miss, never wrong data.
+``remove_from_pool`` deletes objects explicitly.
 
 Zero-copy. Memory from ``allocate`` (or passed to ``register``) is registered with the store;
 ``write`` and ``read_into`` on tensors inside it hand the pool the caller's bytes directly. Any
@@ -82,7 +83,7 @@ __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "Rem
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
-NAMES_KEPT = 1 << 14  # object names, and when this tier last stored each, remembered per tier (a few MB at most)
+NAMES_KEPT = 1 << 14  # object names, and the newest write time read at each, remembered per tier (a few MB at most)
 # A lane's registered headers: two halves, one per call in flight or being checked; 128 a half, so
 # a batch of 128 blocks (SGLang's storage batch) can go in one call.
 HEADER_PAGES_BYTES = 2 * 128 * poolvalue.HEADER_BYTES
