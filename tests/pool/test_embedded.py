@@ -23,7 +23,7 @@ from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool import embedded
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import ENV as POOL_ENV
-from kvstrata.pool.config import pool_from_env, read_secret
+from kvstrata.pool.config import load_pool_config, pool_from_env, read_secret
 from kvstrata.tiers import poolvalue
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="the pool engine is not installed")
@@ -130,5 +130,22 @@ def test_pool_start_makes_a_private_secret_that_clients_of_its_state_file_seal_w
                 assert poolvalue.decode_header(head[: poolvalue.HEADER_BYTES].numpy().tobytes()).nonce is not None
             finally:
                 client.close()
+    finally:
+        embedded.stop(run_dir)
+
+
+def test_pool_start_uses_a_secret_it_is_given_and_refuses_a_weak_one_before_starting(tmp_path, capsys):
+    run_dir, given = tmp_path / "pool", tmp_path / "deploy.key"
+    given.write_text("ab" * 32 + "\n")
+    given.chmod(0o644)
+    assert main(["pool", "start", "--segment-size", "64MiB", "--dir", str(run_dir), "--secret-file", str(given)]) == 2
+    assert "readable by others" in capsys.readouterr().err and not (run_dir / embedded.STATE).exists()
+    given.chmod(0o600)
+    assert main(["pool", "start", "--segment-size", "64MiB", "--dir", str(run_dir), "--secret-file", str(given),
+                 "--json"]) == 0
+    try:
+        config = load_pool_config(json.loads(capsys.readouterr().out)["state_file"])
+        assert config.secret_file == str(given) and read_secret(config) == bytes.fromhex("ab" * 32)
+        assert not (run_dir / embedded.SECRET).exists()  # none made: one was given
     finally:
         embedded.stop(run_dir)
