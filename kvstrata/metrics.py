@@ -40,6 +40,11 @@ class CacheMetrics:
         )
         self._hit_children: dict[Medium, Any] = {}  # labels() of _hits per tier: a lookup skips its lock and parse
         self._misses = Counter("kvstrata_lookup_miss_blocks", "Full blocks lookups did not find", registry=self.registry)
+        self._pool_dropped = Counter(
+            "kvstrata_pool_dropped_blocks",
+            "Blocks this cache's view of the shared pool listed that a lookup found gone from it (evicted, removed)",
+            registry=self.registry,
+        )
         self._bytes = Counter(
             "kvstrata_moved_bytes", "Bytes moved between tiers", ["src", "dst"], registry=self.registry
         )
@@ -55,6 +60,7 @@ class CacheMetrics:
         self._recent: deque[TransferResult] = deque(maxlen=keep_last)
         self.hit_blocks = {m: 0 for m in Medium}
         self.miss_blocks = 0
+        self.pool_dropped_blocks = 0
         self.moved_bytes: dict[tuple[Medium, Medium], int] = {}
         self.transfer_seconds: dict[tuple[Medium, Medium], float] = {}
         self.failed_legs: collections.Counter[tuple[Medium, Failure]] = collections.Counter()
@@ -72,6 +78,14 @@ class CacheMetrics:
             hits.inc(blocks)
         if missed:
             self._misses.inc(missed)
+
+    def pool_dropped(self, blocks: int) -> None:
+        """A lookup found ``blocks`` of this cache's view of the pool gone from it (so they were
+        not promised: the lookup missed them instead of a load)."""
+        if blocks:
+            with self._lock:
+                self.pool_dropped_blocks += blocks
+            self._pool_dropped.inc(blocks)
 
     def transfer(self, record: TransferResult) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ registered memory, no kvstrata code on the path): **set** and **get**. The pool:
 ``$KVSTRATA_POOL``, else an embedded one for the run. Where the pool's deployment has a secret
 (an embedded pool always does), kvstrata runs twice in the same rounds: sealed, as deployed (a
 MAC over every byte each way: a Poly1305 pass, ~50 ms of CPU per 256 MiB, which the raw client
-does not pay), and unsealed (the deployment without its secret: the raw client's guarantees).
+does not pay), and unsealed (the deployment without its secret: an xxh3 of every payload, checked).
 SGLang's own Mooncake backend (``MooncakeStore``, zero-copy interface, no segment of its own)
 runs in the same rounds too (not for MHA layer_first pools, which it refuses), shown beside
 kvstrata for information (the goal is the raw client's); after a round its objects are removed by their prefix (its ``clear`` would remove
@@ -80,7 +80,7 @@ class Phase(enum.Enum):
 
 class Subject(enum.Enum):
     OURS = "kvstrata"
-    OURS_UNSEALED = "kvstrata, unsealed"  # the pool with no deployment secret: no MAC, as the raw client
+    OURS_UNSEALED = "kvstrata, unsealed"  # the pool with no deployment secret: no MAC, a payload checksum
     FILE = "HiCacheFile"
     RAW = "raw Mooncake"
     SGLANG_MOONCAKE = "SGLang Mooncake"  # SGLang's own Mooncake backend (MooncakeStore), zero-copy interface

@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     start = actions.add_parser("start", help="start a master and a pool daemon on loopback")
     start.add_argument("--segment-size", type=size_arg, default=DEFAULT_SEGMENT_BYTES, metavar="SIZE",
                        help="DRAM the daemon serves: 2GB = 2e9 bytes, 512MB, or binary 2GiB (default 2GB)")
+    start.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
+                       help="the deployment secret clients seal pool values with (64 hex digits, 0600, yours); "
+                            "default: the run directory's pool.key, made if absent")
     for q in (start, actions.add_parser("stop", help="stop the embedded pool"),
               actions.add_parser("status", help="is the pool up?")):
         q.add_argument("--dir", type=Path, default=None, help="run directory (default $KVSTRATA_POOL_DIR or ~/.cache)")
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "libs":
         return run_libs()
     if args.action == "start":
-        state = embedded.start(args.segment_size, args.dir)
+        state = embedded.start(args.segment_size, args.dir, args.secret_file)
         doc = state.to_json() | {"state_file": str(Path(state.run_dir) / embedded.STATE)}
         if args.json:
             print(json.dumps(doc, indent=2))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kvstrata import trust
 from kvstrata.pool import libs, native_log
-from kvstrata.pool.config import PoolConfig, json_error, make_secret
+from kvstrata.pool.config import PoolConfig, json_error, make_secret, secret_at
 from kvstrata.pool.started import ProcessStamp
 
 _log = logging.getLogger("kvstrata.pool")
@@ -216,21 +216,34 @@ def status(run_dir: Path | None = None) -> dict:
 CLIENT_TTL_S = 60
 
 
-def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> PoolState:
+def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_file: Path | None = None) -> PoolState:
     """Start a master and a pool daemon on loopback (or return the running one). The state's
     config names ``pool.json`` as its file, so clients built on it follow a restarted pool.
 
+    Args:
+        secret_file: the deployment secret the state names for clients (``pool.config.secret_at``
+            checks it); None: the run directory's ``pool.key``, made (0600) unless it holds one.
+
     Raises:
         Untrusted: ``run_dir`` (made 0700 if missing) is another user's or a symlink, or a
-            file in it that ``start`` reads or writes is.
+            file in it that ``start`` reads or writes is, or ``secret_file`` is.
+        ValueError: ``secret_file`` is no secret (missing, readable by others, too short), or
+            a pool runs in ``run_dir`` with another secret.
         PoolError: a process did not start.
     """
     # Its logs, state and secret: the owner's only; and who else could plant a pool.json
     # naming processes to kill, or a pool.key they know?
     run_dir = trust.private_dir(Path(run_dir or default_run_dir()).absolute(), RUN_DIR)
+    if secret_file is not None:
+        secret_file = Path(secret_file).absolute()
+        secret_at(secret_file)  # before anything starts: one line saying what is wrong with it
     current = status(run_dir)
     if current["running"]:
-        return read_state(run_dir)
+        running = read_state(run_dir)
+        if secret_file is not None and running.config.secret_file != str(secret_file):
+            raise ValueError(f"a pool runs in {run_dir} with secret_file {running.config.secret_file}: "
+                             f"stop it to start one with {secret_file}")
+        return running
     stopped = stop(run_dir)  # clear a half-dead previous pool
     if stopped.unknown_pids:
         _log.warning("%s", stopped.describe())
@@ -257,8 +270,10 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None) -> Pool
     except PoolError:
         _terminate(master_proc.pid)
         raise
-    secret = run_dir / SECRET
-    make_secret(secret)  # kept across restarts: values sealed with it, names keyed (tiers/poolvalue.py)
+    secret = secret_file
+    if secret is None:
+        secret = run_dir / SECRET
+        make_secret(secret)  # kept across restarts: values sealed with it, names keyed (tiers/poolvalue.py)
     config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret), config_file=run_dir / STATE)
     state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir),
                       master_stamp, daemon_stamp)

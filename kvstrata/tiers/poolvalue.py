@@ -9,15 +9,26 @@ write, overwrite (``upsert``) or remove any object. So every value kvstrata read
 pool is authenticated before it is served: with a deployment secret (``PoolConfig.secret_file``;
 an embedded pool makes one), a value carries a MAC that only holders of the secret can make, and
 a forged, altered or replayed value (another block's value copied under this block's name) is a
-miss, never served. Object names are keyed too, so a client without the secret cannot derive a
-tenant's object names from the public block-key scheme. Optionally (``encrypt``) the payload is
+miss, never served. Without a secret (a pool only trusted processes reach) every value still
+carries an xxh3_64 of its payload, and a reader refuses one without it or whose payload does not
+match: a put that lands late from memory reused meanwhile (another block's bytes under this
+block's valid header) is a miss too. The checksum guards against accidents only; anyone can
+compute it, so only the MAC keeps out a writer who means harm. Object names are keyed too, so a
+client without the secret cannot derive a tenant's object names from the public block-key scheme. Optionally (``encrypt``) the payload is
 encrypted (AES-GCM), so a client without the secret reads nothing of the KV either.
+
+Replays. A value also says when it was written (``written_ns``, strictly increasing per
+writer), under the MAC: a tier refuses a value of a key older than the newest it has read for
+that key (an earlier value of the same block put back, sealed and intact, after a newer one).
+A tier that has not read the newer value cannot tell: it has no record to hold the old one to.
+Write times are the writers' wall clocks: a value from a host whose clock runs ahead raises the
+bar for that key, and a later value from a slower clock is then refused too (a miss, not wrong KV).
 
 Keys (HKDF-SHA256 of the secret, per namespace tag, i.e. per model, layout and tenant namespace):
 ``name`` (object names: HMAC-SHA256 of the block key), ``mac``, ``enc``. The MAC: a one-time
-Poly1305 key, HMAC-SHA256(mac key, header bytes 0..72: the key, layout, sizes, flags and a
-random nonce), then Poly1305 over the payload. With encryption, AES-GCM's own tag (over the
-ciphertext, with the header bytes as associated data) takes the MAC's place.
+Poly1305 key, HMAC-SHA256(mac key, header bytes 0..80: the key, layout, sizes, flags, a random
+nonce and the write time), then Poly1305 over the payload. With encryption, AES-GCM's own tag
+(over the ciphertext, with the header bytes as associated data) takes the MAC's place.
 
 Why Poly1305. It is the fastest keyed integrity check at hand, per core, on the 2-vCPU AMD EPYC
 (Zen 3: AVX2, VAES, VPCLMULQDQ, SHA-NI) development VM, cryptography 50 (OpenSSL 4.0), 32 MiB
@@ -30,22 +41,24 @@ of them busy with the pool daemon's copy, speed per core is what counts. Non-cry
 byte may have been changed by another writer), so a sealed transfer costs the pool's copy plus
 one Poly1305 pass (~50 ms of CPU per 256 MiB): close to raw only with a core free for the MAC.
 
-Version 2, little-endian::
+Version 3, little-endian::
 
     offset  bytes   field
     0       8       magic b"KVSPOOL\\x00"
-    8       2       format version (2)
-    10      2       flags: bit 0 xxh3 of the payload set, bit 1 sealed (MAC), bit 2 encrypted
+    8       2       format version (3)
+    10      2       flags: bit 0 xxh3 of the payload set (always, unsealed), bit 1 sealed (MAC),
+                    bit 2 encrypted
     12      4       reserved (0)
     16      16      key
     32      8       xxh3_64 of layout.describe(): blocks of another layout are never served
     40      8       payload_bytes (= layout.block_bytes)
-    48      8       xxh3_64 of the payload as stored (0 unless flag bit 0)
+    48      8       xxh3_64 of the payload as stored (0 when sealed: the MAC covers it)
     56      12      nonce (random per write; 0 unless sealed)
     68      4       reserved (0)
-    72      16      tag: the payload's Poly1305 MAC, or AES-GCM's tag (0 unless sealed)
-    88      8       xxh3_64 of bytes [0, 88): the header checks itself against accidents
-    96      32      zeros
+    72      8       written_ns: when the value was written (ns since the epoch; 0: not said)
+    80      16      tag: the payload's Poly1305 MAC, or AES-GCM's tag (0 unless sealed)
+    96      8       xxh3_64 of bytes [0, 96): the header checks itself against accidents
+    104     24      zeros
     128             payload: uint8 [num_layers, layer_bytes]
 """
 
@@ -73,13 +86,13 @@ from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.tiers.blockfile import xxh3_of
 
 MAGIC = b"KVSPOOL\x00"
-VERSION = 2
+VERSION = 3
 HEADER_BYTES = 128
 _PAYLOAD_CHECKSUM, _SEALED, _ENCRYPTED = 1, 2, 4
-_BODY = struct.Struct("<8sHHI16sQQQ12sI16s")  # offsets 0..87 above
-_SIGNED = 72  # header bytes the MAC's one-time key (or AES-GCM's associated data) covers
+_BODY = struct.Struct("<8sHHI16sQQQ12sIQ16s")  # offsets 0..95 above
+_SIGNED = 80  # header bytes the MAC's one-time key (or AES-GCM's associated data) covers
 _CHECKSUM = struct.Struct("<Q")
-assert _BODY.size == 88
+assert _BODY.size == 96
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class ValueHeader:
     nonce: bytes | None  # None: not sealed
     tag: bytes | None
     encrypted: bool
+    written_ns: int
 
 
 def layout_digest(layout_text: str) -> int:
@@ -99,14 +113,15 @@ def layout_digest(layout_text: str) -> int:
 
 
 def encode_header(key: BlockKey, layout_digest: int, payload_bytes: int, payload_checksum: int | None,
-                  nonce: bytes | None = None, tag: bytes | None = None, encrypted: bool = False) -> bytes:
+                  written_ns: int = 0, nonce: bytes | None = None, tag: bytes | None = None,
+                  encrypted: bool = False) -> bytes:
     """The 128 header bytes of a value (unsealed without ``nonce`` and ``tag``)."""
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"a block key is {KEY_BYTES} bytes, got {key!r}")
     flags = (_PAYLOAD_CHECKSUM if payload_checksum is not None else 0) | (_SEALED if nonce is not None else 0)
     flags |= _ENCRYPTED if encrypted else 0
     body = _BODY.pack(MAGIC, VERSION, flags, 0, key, layout_digest, payload_bytes, payload_checksum or 0,
-                      nonce or bytes(12), 0, tag or bytes(16))
+                      nonce or bytes(12), 0, written_ns, tag or bytes(16))
     return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body)) + bytes(HEADER_BYTES - _BODY.size - _CHECKSUM.size)
 
 
@@ -119,7 +134,7 @@ def decode_header(head: bytes) -> ValueHeader:
     """
     if len(head) < HEADER_BYTES:
         raise CorruptBlock(f"pool value header truncated: {len(head)} bytes")
-    magic, version, flags, _, key, layout, payload_bytes, payload_checksum, nonce, _, tag = _BODY.unpack_from(head)
+    magic, version, flags, _, key, layout, payload_bytes, payload_checksum, nonce, _, written_ns, tag = _BODY.unpack_from(head)
     if magic != MAGIC:
         raise CorruptBlock(f"pool value has bad magic {magic!r}")
     if version != VERSION:
@@ -129,7 +144,7 @@ def decode_header(head: bytes) -> ValueHeader:
         raise CorruptBlock("pool value header checksum mismatch")
     sealed = bool(flags & _SEALED)
     return ValueHeader(key, layout, payload_bytes, payload_checksum if flags & _PAYLOAD_CHECKSUM else None,
-                       nonce if sealed else None, tag if sealed else None, bool(flags & _ENCRYPTED))
+                       nonce if sealed else None, tag if sealed else None, bool(flags & _ENCRYPTED), written_ns)
 
 
 class ValueSeal:
@@ -139,21 +154,19 @@ class ValueSeal:
         layout_text: ``layout.describe()`` of the blocks.
         payload_bytes: bytes of one block.
         namespace_tag: the tier's namespace tag (keys are derived per namespace).
-        secret: the deployment secret; None: values are neither sealed nor required to be
-            (a pool of trusted processes only).
+        secret: the deployment secret; None: values are not sealed (a pool of trusted
+            processes only) but carry, and must carry, an xxh3_64 of their payload.
         encrypt: encrypt payloads (needs ``secret``).
-        checksum: also write (and check) an xxh3_64 of the payload (against accidents).
     """
 
     def __init__(self, layout_text: str, payload_bytes: int, namespace_tag: str, secret: bytes | None,
-                 encrypt: bool = False, checksum: bool = False) -> None:
+                 encrypt: bool = False) -> None:
         if encrypt and secret is None:
             raise ValueError("pool values can be encrypted only with a deployment secret (pool secret_file)")
         self.layout_digest = layout_digest(layout_text)
         self.payload_bytes = payload_bytes
         self.namespace_tag = namespace_tag
         self.encrypt = encrypt
-        self.checksum = checksum
         self.sealed = secret is not None
         if secret is not None:
             self._name_key, self._mac_key, enc_key = (_derive(secret, namespace_tag, use) for use in (b"name", b"mac", b"enc"))
@@ -168,8 +181,9 @@ class ValueSeal:
         keyed = hmac.new(self._name_key, key, hashlib.sha256).hexdigest()[:32]  # not derivable without the secret
         return f"kvstrata/{self.namespace_tag}/{keyed}"
 
-    def seal(self, key: BlockKey, parts: Sequence[np.ndarray]) -> tuple[bytes, np.ndarray | None]:
-        """The header of the payload given as ``parts`` (uint8, C-contiguous, in order), and,
+    def seal(self, key: BlockKey, parts: Sequence[np.ndarray], written_ns: int) -> tuple[bytes, np.ndarray | None]:
+        """The header of the payload given as ``parts`` (uint8, C-contiguous, in order), written
+        at ``written_ns`` (under the seal: see the module docstring's replays), and,
         when encrypting, the ciphertext to store instead (then ``parts`` must be one array: the
         cipher needs the payload whole; the ciphertext has its shape); else None: the parts are
         stored as they are. A sealed value carries no xxh3: its MAC checks every byte already.
@@ -179,10 +193,9 @@ class ValueSeal:
         """
         nbytes = sum(part.nbytes for part in parts)
         if not self.sealed:
-            checksum = xxh3_of(parts) if self.checksum else None
-            return encode_header(key, self.layout_digest, nbytes, checksum), None
+            return encode_header(key, self.layout_digest, nbytes, xxh3_of(parts), written_ns), None
         nonce = os.urandom(12)
-        signed = encode_header(key, self.layout_digest, nbytes, None, nonce, bytes(16), self.encrypt)[:_SIGNED]
+        signed = encode_header(key, self.layout_digest, nbytes, None, written_ns, nonce, bytes(16), self.encrypt)[:_SIGNED]
         ciphertext = None
         if self.encrypt:
             if len(parts) != 1:
@@ -195,15 +208,19 @@ class ValueSeal:
             for part in parts:
                 mac.update(part)
             tag = mac.finalize()
-        return encode_header(key, self.layout_digest, nbytes, None, nonce, tag, self.encrypt), ciphertext
+        return encode_header(key, self.layout_digest, nbytes, None, written_ns, nonce, tag, self.encrypt), ciphertext
 
-    def open(self, key: BlockKey, head: bytes, parts: Sequence[np.ndarray]) -> None:
+    def open(self, key: BlockKey, head: bytes, parts: Sequence[np.ndarray], not_before_ns: int = 0) -> ValueHeader:
         """Check a value read for ``key``: its header and, sealed, its MAC over ``parts`` (the
-        payload's pieces, in order, as read); decrypted in place when encrypted.
+        payload's pieces, in order, as read); decrypted in place when encrypted. A value written
+        before ``not_before_ns`` (the newest value of this key the reader has seen) is refused.
+        Returns the value's header, verified.
 
         Raises:
             CorruptBlock: not this key's, layout's or size's, not sealed by this deployment,
-                forged, altered or replayed: the value must not be served.
+                forged, altered or replayed (another key's value, or this key's older one);
+                unsealed, without a payload checksum or with bytes that do not match it: the
+                value must not be served.
         """
         header = decode_header(head)
         name = key.hex()[:12]
@@ -213,13 +230,18 @@ class ValueSeal:
             raise CorruptBlock(f"remote tier: block {name} was written under another layout")
         if header.payload_bytes != self.payload_bytes or sum(p.nbytes for p in parts) != self.payload_bytes:
             raise CorruptBlock(f"remote tier: block {name} has {header.payload_bytes} payload bytes")
-        if not self.sealed and self.checksum and header.payload_checksum is not None:
-            if xxh3_of(parts) != header.payload_checksum:
-                raise CorruptBlock(f"remote tier: block {name} payload checksum mismatch")
         if self.sealed:
             self._check_seal(key, header, head, parts)
         elif header.nonce is not None:
             raise CorruptBlock(f"remote tier: block {name} is sealed with a secret this tier was not given")
+        elif header.payload_checksum is None:
+            raise CorruptBlock(f"remote tier: block {name} carries no payload checksum: unverifiable")
+        elif xxh3_of(parts) != header.payload_checksum:
+            raise CorruptBlock(f"remote tier: block {name} payload checksum mismatch")
+        if header.written_ns < not_before_ns:  # checked once the seal is: the time is the writer's
+            raise CorruptBlock(f"remote tier: block {name} is older than a value of it this tier has read "
+                               f"(written {not_before_ns - header.written_ns} ns before): a replay")
+        return header
 
     def _check_seal(self, key: BlockKey, header: ValueHeader, head: bytes, parts: Sequence[np.ndarray]) -> None:
         name = key.hex()[:12]

@@ -10,8 +10,10 @@ models or tenants apart and greppable. Objects live in the pool daemons, never i
 The block manager's table for this tier is this process's view of the pool: keys it wrote, and
 keys other instances wrote that ``find`` (``exists``) saw. ``discard`` does not remove the
 object, since other instances share it, and the pool evicts by itself when full. A key READY in
-the view may therefore be gone from the pool: reading it raises BlockMissing (a CorruptBlock),
-a miss, never wrong data. ``remove_from_pool`` deletes objects explicitly.
+the view may therefore be gone from the pool: the cache's lookup asks the pool about the blocks
+only it holds (``find``, one bounded call) and forgets those gone, counted; one gone between the
+lookup and the read raises BlockMissing (a CorruptBlock), a miss, never wrong data.
+``remove_from_pool`` deletes objects explicitly.
 
 Zero-copy. Memory from ``allocate`` (or passed to ``register``) is registered with the store;
 ``write`` and ``read_into`` on tensors inside it hand the pool the caller's bytes directly. Any
@@ -45,7 +47,8 @@ may name objects the pool no longer has. The contract for the caller's memory:
   never exposed, and the staging buffer is retired instead.
 * A ``write`` that times out raises PoolUnavailable; should the put complete later anyway, the
   object is removed then, since the source memory may have changed meanwhile (an instance that
-  reads it in between is protected only by ``verify_payload``).
+  reads it in between finds that its bytes fail the value's MAC, or without a secret its
+  payload checksum: a miss).
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ from __future__ import annotations
 import functools
 import re
 import threading
+import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -78,7 +83,7 @@ __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "Rem
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
-NAMES_KEPT = 1 << 14  # object names remembered per tier (a few MB at most)
+NAMES_KEPT = 1 << 14  # object names, and the newest write time read at each, remembered per tier (a few MB at most)
 # A lane's registered headers: two halves, one per call in flight or being checked; 128 a half, so
 # a batch of 128 blocks (SGLang's storage batch) can go in one call.
 HEADER_PAGES_BYTES = 2 * 128 * poolvalue.HEADER_BYTES
@@ -150,14 +155,13 @@ class RemoteTier(Tier):
         namespace_tag: the object name's middle part (e.g. ``Namespace.tag``).
         op_timeout_s: the longest one store call is waited for.
         connect_timeout_s: the longest connecting may take.
-        verify_payload: without a secret, write an xxh3_64 of each payload and check it on
-            every read of a value that has one (with a secret the MAC checks every byte).
         backoff_s, backoff_max_s: after a fault, the first wait before a background probe, and
             the longest (it doubles per failed probe).
         required: raise if the pool cannot be reached now; False: start DOWN, keep trying.
         secret: the deployment secret (``kvstrata.pool.config.read_secret``): values are sealed
             and object names keyed with it, and a value without this deployment's seal is a
-            miss; None: neither (a pool only trusted processes reach).
+            miss; None: neither (a pool only trusted processes reach), and each value carries
+            an xxh3_64 of its payload instead, checked on every read.
         encrypt: encrypt payloads too (AES-GCM; needs ``secret``).
 
     Raises:
@@ -179,7 +183,6 @@ class RemoteTier(Tier):
         namespace_tag: str = "",
         op_timeout_s: float = OP_TIMEOUT_S,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
-        verify_payload: bool = False,
         backoff_s: float = BACKOFF_S,
         backoff_max_s: float = BACKOFF_MAX_S,
         required: bool = True,
@@ -190,11 +193,13 @@ class RemoteTier(Tier):
         if not isinstance(namespace_tag, str) or not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"remote tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
         self.namespace_tag = namespace_tag
-        self.verify_payload = verify_payload
-        self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt,
-                                         checksum=verify_payload)
+        self._seal = poolvalue.ValueSeal(layout.describe(), layout.block_bytes, namespace_tag, secret, encrypt)
         # Keyed names cost an HMAC each, on every lookup that asks the pool: remember recent ones.
         self._names = functools.lru_cache(maxsize=NAMES_KEPT)(self._seal.object_name)
+        # object name -> the newest written_ns of a value this tier read there, the NAMES_KEPT most
+        # recent: a read of an older value there is a replay (tiers/poolvalue.py), refused.
+        self._seen: OrderedDict[str, int] = OrderedDict()
+        self._clock_ns = 0  # the last written_ns given out: they strictly increase
         self._lanes = threading.local()
         self._lock = threading.Lock()
         self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
@@ -295,7 +300,7 @@ class RemoteTier(Tier):
         else:
             payload = self._staging(client, lane).view(shape)
             payload.copy_(src)
-        header, ciphertext = self._seal.seal(key, [payload.numpy()])
+        header, ciphertext = self._seal.seal(key, [payload.numpy()], self._now_ns())
         if ciphertext is not None:  # encrypted: the ciphertext goes, from staging (registered memory)
             payload = self._staging(client, lane).view(shape)
             payload.numpy()[:] = ciphertext
@@ -400,7 +405,7 @@ class RemoteTier(Tier):
             for k, batch in enumerate(self._calls(len(keys), growing=True, parts=max(map(len, blocks)))):
                 headers = self._headers(lane, k % 2, len(batch))
                 for j, i in enumerate(batch):  # overlaps the puts of the previous call
-                    header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]])
+                    header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]], self._now_ns())
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
                 if not self._settle_puts(client, lane, names, pending, out):
                     return out
@@ -554,7 +559,7 @@ class RemoteTier(Tier):
             self._get_failed(client, lane, direct, name, got)
         if got != sum(sizes):
             raise CorruptBlock(f"remote tier: {name} read {got} bytes, expected {sum(sizes)}: a value of the wrong size")
-        self._seal.open(key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes(), [p.numpy() for p in parts])
+        self._opened(name, key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes(), [p.numpy() for p in parts])
         if not direct:
             dst.copy_(parts[0].view(self.layout.num_layers, layer_bytes)[start:stop])
 
@@ -654,20 +659,17 @@ class RemoteTier(Tier):
 
     def _calls(self, blocks: int, growing: bool, parts: int = 1) -> list[range]:
         """The pool calls a batch of ``blocks`` (each in at most ``parts`` parts) is cut into: at
-        most ``CALL_BYTES``, ``CALL_BUFFERS`` and a half of the headers each; when every value's
-        bytes are checked, calls that grow threefold from 1/16 of the batch (``growing``: puts),
-        or shrink to it (gets)."""
+        most ``CALL_BYTES``, ``CALL_BUFFERS`` and a half of the headers each; every value's bytes
+        are checked (a MAC or a checksum), so calls grow threefold from 1/16 of the batch
+        (``growing``: puts), or shrink to it (gets)."""
         most = max(1, min(HEADERS_PER_CALL, CALL_BYTES // self.layout.block_bytes, CALL_BUFFERS // (1 + parts)))
         sizes = []
-        if self._seal.sealed or self._seal.checksum:
-            size, left = -(-blocks // FIRST_CALL_SHARE), blocks
-            while left:
-                sizes.append(min(left if left <= size * (1 + CALL_GROWTH) else size, most))
-                left -= sizes[-1]
-                size *= CALL_GROWTH
-            sizes = sizes if growing else sizes[::-1]
-        else:
-            sizes = [most] * (blocks // most) + ([blocks % most] if blocks % most else [])
+        size, left = -(-blocks // FIRST_CALL_SHARE), blocks
+        while left:
+            sizes.append(min(left if left <= size * (1 + CALL_GROWTH) else size, most))
+            left -= sizes[-1]
+            size *= CALL_GROWTH
+        sizes = sizes if growing else sizes[::-1]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [range(start, start + size) for start, size in zip(starts, sizes)]
 
@@ -697,7 +699,7 @@ class RemoteTier(Tier):
                     self._get_failed(client, lane, True, names[i], got[j])
                 if got[j] != poolvalue.HEADER_BYTES + self.layout.block_bytes:
                     raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
-                self._seal.open(keys[i], headers[j].numpy().tobytes(), [part.numpy() for part in blocks[i]])
+                self._opened(names[i], keys[i], headers[j].numpy().tobytes(), [part.numpy() for part in blocks[i]])
             except (CorruptBlock, PoolUnavailable) as error:
                 out[i] = error
 
@@ -766,6 +768,30 @@ class RemoteTier(Tier):
                 self._retire(lane)  # made for another store (a stray call may use it still)
             lane = self._lanes.lane = _Lane(client.allocate(HEADER_PAGES_BYTES), generation)  # pages: what SHM maps anyway
         return lane
+
+    def _now_ns(self) -> int:
+        """A written_ns for a value about to be sealed: the wall clock, strictly increasing."""
+        with self._lock:
+            self._clock_ns = max(time.time_ns(), self._clock_ns + 1)
+            return self._clock_ns
+
+    def _opened(self, name: str, key: BlockKey, head: bytes, parts: list[np.ndarray]) -> None:
+        """Check a value read from object ``name`` (``ValueSeal.open``): none older than the
+        newest this tier has read there is served. Why reads, not puts, set that bar: a put of a
+        name the pool holds already succeeds (code 0) and leaves the old value in place, so a
+        put does not tell which value the pool holds; the first read after it does.
+
+        Raises:
+            CorruptBlock: as ``ValueSeal.open``; a replay among them.
+        """
+        with self._lock:
+            newest = self._seen.get(name, 0)
+        written_ns = self._seal.open(key, head, parts, newest).written_ns
+        with self._lock:
+            self._seen[name] = max(written_ns, self._seen.get(name, 0))
+            self._seen.move_to_end(name)
+            if len(self._seen) > NAMES_KEPT:
+                self._seen.popitem(last=False)
 
     def _staging(self, client: PoolClient, lane: _Lane) -> torch.Tensor:
         if lane.staging is None:

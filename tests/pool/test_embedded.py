@@ -12,9 +12,19 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.cli import main
+from kvstrata.kv.geometry import DType
+from kvstrata.kv.layout import KVLayout
+from kvstrata.media import Medium
+from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool import embedded
+from kvstrata.pool.client import PoolClient
+from kvstrata.pool.config import ENV as POOL_ENV
+from kvstrata.pool.config import load_pool_config, pool_from_env, read_secret
+from kvstrata.tiers import poolvalue
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="the pool engine is not installed")
 
@@ -88,3 +98,54 @@ def test_stop_ends_the_processes_start_recorded_by_their_stamps(tmp_path):
         stopped = embedded.stop(run_dir)
     assert stopped == embedded.Stopped(True)
     assert not state.master_stamp.holds(state.master_pid) and not state.daemon_stamp.holds(state.daemon_pid)
+
+
+def test_pool_start_makes_a_private_secret_that_clients_of_its_state_file_seal_with(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "pool"
+    assert main(["pool", "start", "--segment-size", "64MiB", "--dir", str(run_dir), "--json"]) == 0
+    try:
+        key_file = run_dir / embedded.SECRET
+        made = key_file.lstat()
+        assert stat.S_ISREG(made.st_mode) and stat.S_IMODE(made.st_mode) == 0o600 and made.st_uid == os.getuid()
+        monkeypatch.setenv(POOL_ENV, json.loads(capsys.readouterr().out)["state_file"])
+        config = pool_from_env()  # what a client is pointed at: the pool's state file
+        assert read_secret(config) == bytes.fromhex(key_file.read_text().strip())
+        layout = KVLayout(num_layers=2, block_tokens=16, kv_heads=2, head_dim=32, dtype=DType.BF16)
+        cache_config = CacheConfig(layout, "secret-test", device_bytes=4 * layout.block_bytes, host_bytes=0,
+                                   device="cpu", write=WriteRule(WritePolicy.WRITE_THROUGH), pool=config,
+                                   remote_bytes=4 * layout.block_bytes)
+        with TieredCache(cache_config) as cache:
+            toks = list(range(layout.block_tokens))
+            kv = torch.zeros(layout.num_layers, 2, layout.block_tokens, 2, 32, dtype=torch.bfloat16)
+            assert cache.store(toks, kv).result(timeout=10).new_blocks == 1
+            (key,) = cache.keys(toks)
+            tier = cache.tier(Medium.REMOTE)
+            assert tier.object_name(key) != f"kvstrata/{tier.namespace_tag}/{key.hex()}"  # keyed with the secret
+            client = PoolClient(config)
+            try:
+                head = client.allocate(poolvalue.HEADER_BYTES + layout.block_bytes)
+                (got,) = client.call("raw get", "batch_get_into", [tier.object_name(key)], [head.data_ptr()],
+                                     [head.numel()])
+                assert got == head.numel()
+                assert poolvalue.decode_header(head[: poolvalue.HEADER_BYTES].numpy().tobytes()).nonce is not None
+            finally:
+                client.close()
+    finally:
+        embedded.stop(run_dir)
+
+
+def test_pool_start_uses_a_secret_it_is_given_and_refuses_a_weak_one_before_starting(tmp_path, capsys):
+    run_dir, given = tmp_path / "pool", tmp_path / "deploy.key"
+    given.write_text("ab" * 32 + "\n")
+    given.chmod(0o644)
+    assert main(["pool", "start", "--segment-size", "64MiB", "--dir", str(run_dir), "--secret-file", str(given)]) == 2
+    assert "readable by others" in capsys.readouterr().err and not (run_dir / embedded.STATE).exists()
+    given.chmod(0o600)
+    assert main(["pool", "start", "--segment-size", "64MiB", "--dir", str(run_dir), "--secret-file", str(given),
+                 "--json"]) == 0
+    try:
+        config = load_pool_config(json.loads(capsys.readouterr().out)["state_file"])
+        assert config.secret_file == str(given) and read_secret(config) == bytes.fromhex("ab" * 32)
+        assert not (run_dir / embedded.SECRET).exists()  # none made: one was given
+    finally:
+        embedded.stop(run_dir)

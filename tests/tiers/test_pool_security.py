@@ -130,8 +130,8 @@ def test_a_sealed_value_altered_anywhere_is_a_miss(tiers, attacker, where, encry
     offset = {"payload": poolvalue.HEADER_BYTES + 100, "nonce": 60, "key field": 20, "last byte": len(value) - 1}[where]
     value[offset] ^= 0x01
     if where != "payload":  # keep the header's own accident check consistent, as an attacker would
-        body = bytes(value[:88])
-        value[88:96] = xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+        body = bytes(value[:96])  # the header's body, then its own checksum (tiers/poolvalue.py)
+        value[96:104] = xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
     raw_put(attacker, tier.object_name(key), bytes(value))
     with pytest.raises(CorruptBlock):
         read(tier, key)
@@ -146,6 +146,27 @@ def test_a_replayed_value_under_another_blocks_name_is_a_miss(tiers, attacker):
     with pytest.raises(CorruptBlock, match="holds block"):
         read(tier, b)
     assert torch.equal(read(tier, a), content(a))
+
+
+@pytest.mark.parametrize("with_secret", [True, False], ids=["sealed", "unsealed"])
+def test_an_older_value_of_the_same_block_put_back_after_a_newer_one_is_a_miss(tiers, attacker, with_secret):
+    # A replay: the value of block A as first stored, kept by whoever read it, put back after
+    # the tier stored A anew (the pool had lost it) with other bytes. Sealed and intact, it
+    # passed every check before values carried their write time.
+    tier = tiers(with_secret=with_secret)
+    key = key_of(8)
+    store(tier, key)
+    old = raw_get(attacker, tier.object_name(key))
+    assert tier.remove_from_pool([key], force=True) == [True]
+    newer = content(key) ^ 0xFF
+    tier.write(0, key, newer)
+    assert torch.equal(read(tier, key), newer)
+    raw_put(attacker, tier.object_name(key), old)
+    with pytest.raises(CorruptBlock, match="replay"):
+        read(tier, key)
+    batch = tier.allocate(LAYOUT.block_bytes).view(1, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    (error,) = tier.read_many_into([0], [key], list(batch))  # batched reads refuse it too
+    assert isinstance(error, CorruptBlock) and "replay" in str(error)
 
 
 def test_without_the_secret_sealed_values_are_refused_and_the_payload_hidden_when_encrypted(tiers, attacker):

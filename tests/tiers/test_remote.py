@@ -86,8 +86,13 @@ def put_raw(raw, name: str, value: bytes) -> None:
     assert client.call("raw put", "batch_put_from", [name], [buffer.data_ptr()], [len(value)]) == [0]
 
 
-def value_bytes(key: bytes, payload: torch.Tensor, layout_text: str = LAYOUT.describe(), checksum=None) -> bytes:
+def value_bytes(key: bytes, payload: torch.Tensor, layout_text: str = LAYOUT.describe(),
+                checksum_of: torch.Tensor | None = None) -> bytes:
+    """An unsealed value of ``payload`` under ``key``'s header; the header's payload checksum is
+    that of ``checksum_of`` (default: ``payload``; an empty tensor: no checksum)."""
     digest = poolvalue.layout_digest(layout_text)
+    summed = payload if checksum_of is None else checksum_of
+    checksum = xxhash.xxh3_64_intdigest(summed.numpy()) if summed.numel() else None
     return poolvalue.encode_header(key, digest, payload.numel(), checksum) + payload.numpy().tobytes()
 
 
@@ -249,24 +254,30 @@ def test_wrong_header_is_rejected(make_remote_tier, raw, defect):
     assert not isinstance(caught.value, BlockMissing)
 
 
+@pytest.mark.parametrize("defect", ["another block's bytes", "a flipped byte", "no checksum"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_verify_payload_catches_a_flipped_byte(make_remote_tier, raw, mode):
-    checked = make_remote_tier(mode, verify_payload=True)
-    unchecked = make_remote_tier(mode, namespace_tag=checked.namespace_tag)
-    key = make_key(9)
-    payload = content(key)
-    checksum = xxhash.xxh3_64_intdigest(payload.numpy())
-    flipped = payload.clone()
-    flipped[2, 5] ^= 1
-    put_raw(raw, checked.object_name(key), value_bytes(key, flipped, checksum=checksum))
-    with pytest.raises(CorruptBlock, match="payload checksum"):
-        load(checked, key)
-    assert torch.equal(load(unchecked, key), flipped)  # without verify_payload: served as stored
-    # A checked tier's own writes carry a checksum and read back clean, whole or in part.
-    store(checked, make_key(10))
-    assert torch.equal(load(checked, make_key(10)), content(make_key(10)))
+def test_without_a_secret_a_value_whose_payload_is_not_its_headers_is_a_miss(make_remote_tier, raw, mode, defect):
+    # A put that lands late, from memory reused meanwhile: block A's valid header (its key, its
+    # payload's checksum) over block B's bytes. Before payload checks were on by default, the
+    # tier served B's bytes as A's.
+    tier = make_remote_tier(mode)
+    a, b = make_key(9), make_key(19)
+    payload = {"another block's bytes": content(b), "a flipped byte": content(a).clone(), "no checksum": content(a)}[defect]
+    payload[2, 5] ^= 1 if defect == "a flipped byte" else 0
+    checksum_of = torch.empty(0, dtype=torch.uint8) if defect == "no checksum" else content(a)
+    put_raw(raw, tier.object_name(a), value_bytes(a, payload, checksum_of=checksum_of))
+    dst = torch.full((LAYOUT.num_layers, LAYOUT.layer_bytes), 0xAA, dtype=torch.uint8)
+    with pytest.raises(CorruptBlock, match="checksum") as caught:
+        load(tier, a, dst)
+    assert not isinstance(caught.value, BlockMissing)
+    batch = tier.allocate(LAYOUT.block_bytes).view(1, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    (error,) = tier.read_many_into([0], [a], list(batch))  # the batched path checks the same
+    assert isinstance(error, CorruptBlock) and "checksum" in str(error)
+    # The tier's own writes carry a checksum and read back clean, whole or in part.
+    store(tier, make_key(10))
+    assert torch.equal(load(tier, make_key(10)), content(make_key(10)))
     part = torch.empty(2, LAYOUT.layer_bytes, dtype=torch.uint8)
-    checked.read_into(0, make_key(10), part, slice(1, 3))
+    tier.read_into(0, make_key(10), part, slice(1, 3))
     assert torch.equal(part, content(make_key(10))[1:3])
 
 
@@ -290,8 +301,8 @@ def recording_calls(tier: RemoteTier) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_remote_tier, mode):
-    writer = make_remote_tier(mode, verify_payload=True)  # checked values: the batch is cut for pipelining
-    reader = make_remote_tier(mode, verify_payload=True, namespace_tag=writer.namespace_tag)
+    writer = make_remote_tier(mode)  # checked values: the batch is cut for pipelining
+    reader = make_remote_tier(mode, namespace_tag=writer.namespace_tag)
     keys = [make_key(i, f"batch-{mode.value}") for i in range(6)]
     src = writer.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
@@ -310,7 +321,7 @@ def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_
 
 
 def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_remote_tier, raw):
-    tier = make_remote_tier(verify_payload=True)
+    tier = make_remote_tier()
     keys = [make_key(i, "batch-bad") for i in range(6)]
     src = tier.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
@@ -378,7 +389,7 @@ def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_remote_tier, 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 def test_hung_pool_under_a_pipelined_batch_abandons_only_what_it_was_handed(make_remote_tier, private_pool, mode):
     op_timeout_s = 1.0
-    tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=5.0, verify_payload=True)
+    tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=5.0)
     keys = [make_key(i, "hung-batch") for i in range(8)]  # checked: cut into calls (of 7, then 1)
     memory = tier.allocate(16 * LAYOUT.block_bytes).view(16, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):

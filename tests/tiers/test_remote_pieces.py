@@ -82,7 +82,7 @@ def tamper(attacker, name: str, offset: int) -> None:
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("sizes", [[HALF, HALF], UNEVEN], ids=["k/v halves", "uneven"])
 def test_registered_pieces_go_as_they_lie_one_object_per_block(make_remote_tier, mode, sizes):
-    tier = make_remote_tier(mode, verify_payload=True)  # checked: the batch is cut into pipelined calls
+    tier = make_remote_tier(mode)  # checked: the batch is cut into pipelined calls
     keys = [make_key(i, f"pieces-{mode.value}") for i in range(6)]
     memory = tier.allocate(2 * 6 * LAYOUT.block_bytes)
     sources = filled(memory[: 6 * LAYOUT.block_bytes], sizes, keys)
@@ -148,7 +148,7 @@ def test_a_key_twice_in_one_call_is_stored_once(make_remote_tier):
 
 def test_whole_blocks_and_pieces_read_each_others_checksums(make_remote_tier):
     # The checksum of a value put from pieces is streamed over them; a whole write's is over one.
-    tier = make_remote_tier(verify_payload=True)
+    tier = make_remote_tier()
     a, b = make_key(1, "mix"), make_key(2, "mix")
     memory = tier.allocate(2 * LAYOUT.block_bytes)
     assert tier.write_pieces([0], [a], filled(memory[: LAYOUT.block_bytes], UNEVEN, [a])) == [None]
