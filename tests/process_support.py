@@ -56,11 +56,12 @@ def stop_process(pid: int, timeout_s: float = 5.0) -> None:
         raise AssertionError(f"process {pid} not stopped {timeout_s} s after SIGSTOP")
 
 
-def children_running(fragment: str) -> list[int]:
-    """This process's children whose command line holds ``fragment`` (e.g. a server left behind)."""
-    me = os.getpid()
+def children_running(fragment: str, parent: int | None = None) -> list[int]:
+    """The children of ``parent`` (default: this process) whose command line holds ``fragment``
+    (e.g. a server left behind)."""
+    parent = os.getpid() if parent is None else parent
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and (fields := _stat(f"/proc/{p}/stat")) is not None
-            and fields[1] == str(me) and fragment in _cmdline(p)]
+            and fields[1] == str(parent) and fragment in _cmdline(p)]
 
 
 def _stat(path: str) -> list[str] | None:

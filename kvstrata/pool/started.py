@@ -8,13 +8,46 @@ differ in it) and its executable (``/proc/<pid>/exe``), and ``pool stop`` signal
 while both still match. A pid recorded without them (a ``pool.json`` older than this) names an
 unknown process: it is never signalled.
 
+A process is only stamped once ``start`` has it serving, and ``start`` may be killed before
+that (SIGKILL, at any point): its processes run on, named in no ``pool.json``. So each start
+first records a fresh random token in the run directory, and launches its processes with it in
+their environment (``TOKEN_ENV``): whatever a killed start left running carries the token, which
+``carrying`` finds. A process that carries it was launched by that start (or by one of its
+processes): a token is made per start, kept in the owner's private run directory, and a
+process's environment is set at its ``exec`` by its parent, so no unrelated process holds it.
+
 Linux only (``/proc``), as the pool's engine is.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
+
+TOKEN_ENV = "KVSTRATA_POOL_START"  # the environment variable a start's processes carry its token in
+
+
+def new_token() -> str:
+    """A fresh token for one start (128 random bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def carrying(token: str) -> list[int]:
+    """The pids of live processes launched with ``token`` (``TOKEN_ENV``) in their environment,
+    among those whose environment this user may read (its own; every one for root). A zombie
+    has none: it is not listed."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and carries(int(name), token)]
+
+
+def carries(pid: int, token: str) -> bool:
+    """Whether the process that holds ``pid`` now was launched with ``token`` (``TOKEN_ENV``)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as file:
+            environ = file.read()
+    except OSError:  # gone, or another user's
+        return False
+    return f"{TOKEN_ENV}={token}".encode() in environ.split(b"\0")
 
 
 @dataclass(frozen=True)
