@@ -11,6 +11,7 @@ named in no ``pool.json``. Bystanders run meanwhile: a process whose command lin
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -141,3 +142,25 @@ def test_a_start_killed_at_any_moment_leaves_nothing_running_once_stopped(tmp_pa
         for pid in spawned:
             if embedded.process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_two_starts_at_once_in_one_run_directory_start_one_pool(tmp_path):
+    # They take turns: the second finds the first's pool running and returns it, rather than
+    # ending the processes of a start under way (or, before the turns, starting a second pool
+    # that pool.json no longer named).
+    run_dir = tmp_path / "pool"
+    argv = [sys.executable, "-m", "kvstrata", "pool", "start", "--segment-size", SEGMENT, "--dir", str(run_dir), "--json"]
+    starts = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
+    try:
+        docs = [json.loads(proc.communicate(timeout=120)[0]) for proc in starts]
+        assert {(doc["master_pid"], doc["daemon_pid"]) for doc in docs} == {(docs[0]["master_pid"], docs[0]["daemon_pid"])}
+        assert sorted(logging_to(run_dir)) == sorted([docs[0]["master_pid"], docs[0]["daemon_pid"]])
+    finally:
+        for proc in starts:
+            proc.kill()
+            proc.wait()
+        embedded.stop(run_dir)
+        leftover = logging_to(run_dir)
+        for pid in leftover:  # on the old code, the pool no pool.json names
+            os.kill(pid, signal.SIGKILL)
+    assert leftover == []
