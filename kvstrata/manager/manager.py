@@ -511,8 +511,8 @@ class BlockManager:
 
     def _reserve(self, medium: Medium, key: BlockKey, victims: list[Victim]):
         """A WRITING slot for ``key`` in ``medium``, choosing a victim (and its demotion, whose
-        own room goes into ``victims`` first) when the tier is full; None if the key is there
-        in any state.
+        own room goes into ``victims`` first) when the tier is full, and one more while it holds
+        more than its capacity (``EXCESS_PER_RESERVATION``); None if the key is there in any state.
 
         Raises:
             TierFull: nothing can leave (every block pinned or in flight).
