@@ -22,7 +22,9 @@ A table can hold more blocks than its capacity: a disk tier reopened smaller tha
 adopts every block it finds (``adopt(past_capacity=True)``), in slots past the capacity where
 needed, rather than deleting the excess before its first hit. It is then full (no free slot)
 and ``excess_blocks`` says by how much; the excess leaves as the block manager makes room (the
-eviction policy's order), and a slot at or past the capacity is never reused.
+eviction policy's order). A slot at or past the capacity never goes back on the free list (a
+victim's handed straight to a new block is that block's, as any victim's is): only a tier whose
+slots are bookkeeping (disk) is ever adopted past its capacity.
 
 The table takes no lock: the block manager that owns it serializes every call.
 """
@@ -279,7 +281,7 @@ class BlockTable:
     def _free_slot(self, slot: int) -> None:
         """Put ``slot`` on the free list, unless it lies at or past the capacity (a block adopted
         past it, or a tier that shrank): while a block may be reserved, some slot below the
-        capacity is free (its slots in use number fewer), so none past it is ever reused."""
+        capacity is free (its slots in use number fewer), so none past it is needed."""
         if slot < self.capacity_blocks:
             self._free.append(slot)
 
