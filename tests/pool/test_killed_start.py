@@ -65,9 +65,9 @@ def killed_start(run_dir, point: str | None, delay_s: float = 0.0) -> list[int]:
     finally:
         starter.kill()
         starter.wait()
-    if point is not None:
-        assert spawned and all(embedded.process_alive(pid) for pid in spawned)  # the kill left them running
-        assert not (run_dir / embedded.STATE).exists()  # ... recorded in no pool.json
+    if point is not None:  # the kill left them running, recorded in no pool.json
+        assert spawned and all(embedded.process_alive(pid) for pid in spawned), f"not running: {spawned}"
+        assert not (run_dir / embedded.STATE).exists(), "the start got to pool.json before it was killed"
     return spawned
 
 
