@@ -89,8 +89,8 @@ def assert_quiescent(cache: TieredCache, held: dict | None = None) -> None:
         table = cache.manager.table(medium)
         ready = table.ready_keys()
         assert table.used_blocks == len(ready), f"{medium.label}: slots stuck WRITING or EVICTING"
-        assert table.used_blocks + table.free_blocks + table.quarantined_slots == table.capacity_blocks, (
-            f"{medium.label}: slots neither used, free nor retired")
+        assert table.used_blocks + table.free_blocks + table.quarantined_slots == (
+            table.capacity_blocks + table.excess_blocks), f"{medium.label}: slots neither used, free nor retired"
         for key in ready:
             assert table.state(key) is BlockState.READY
             where.setdefault(key, set()).add(medium)

@@ -873,6 +873,46 @@ def test_blocks_on_disk_survive_a_restart_bit_exact(tmp_path, caches):
     assert load_released(again, toks).bytes_from[K] == 3 * B
 
 
+def test_a_disk_reopened_smaller_serves_every_block_then_evicts_the_excess_by_lru_as_new_ones_come(tmp_path, caches):
+    # 8 blocks on disk, reopened at 3: nothing is deleted at the start and every block is served
+    # with its bytes. Each new block then evicts two (the least recently used) until the tier
+    # holds 3, one after that; the files on disk are the blocks the table holds, at every step.
+    config = make_config(tmp_path, device=4, host=8, disk=8, write=WritePolicy.WRITE_THROUGH)
+    first = caches(config)
+    old = [tokens(i, 1) for i in range(8)]
+    for seq in old:
+        store(first, seq)
+    first.close()
+    cache = caches(dataclasses.replace(config, disk_bytes=3 * B))
+    disk = cache.manager.table(K)
+    old_keys = [cache.keys(seq)[0] for seq in old]
+
+    def on_disk() -> set:
+        files = {p.name for p in cache.tier(K).directory.glob("*.kvb")}
+        assert files == {k.hex() + ".kvb" for k in disk.ready_keys()}  # no file kept past its block, none lost
+        return set(disk.ready_keys())
+
+    assert on_disk() == set(old_keys) and (disk.capacity_blocks, disk.excess_blocks) == (3, 5)
+    for seq in old:  # in order: the LRU order is old[0] (least recent) .. old[7]
+        assert media(cache, seq) == (K,)
+        assert load_released(cache, seq).bytes_from[K] == B  # bytes checked
+    new = [tokens(100 + i, 1) for i in range(6)]
+    new_keys = [cache.keys(seq)[0] for seq in new]
+    expected = [old_keys[2:] + new_keys[:1], old_keys[4:] + new_keys[:2], old_keys[6:] + new_keys[:3],
+                new_keys[:4], new_keys[2:5], new_keys[3:6]]
+    for seq, held in zip(new, expected, strict=True):
+        store(cache, seq)
+        assert on_disk() == set(held)
+    assert (len(disk.ready_keys()), disk.excess_blocks, disk.counts().evicted_blocks) == (3, 0, 11)
+    for seq in new[3:]:
+        cache.evict(D, 4)
+        cache.evict(H, 8)
+        assert load_released(cache, seq).bytes_from[K] == B
+    cache.close()
+    again = caches(dataclasses.replace(config, disk_bytes=3 * B))  # the manifest agrees: the same 3
+    assert set(again.manager.ready_keys(K)) == set(new_keys[3:])
+
+
 @pytest.mark.parametrize("damage", [flip_last_byte, flip_header_byte, truncate])
 def test_a_block_damaged_on_disk_between_runs_is_never_served(tmp_path, caches, monkeypatch, damage):
     # The restart takes the block on the manifest's word (same inode, header not read); the load

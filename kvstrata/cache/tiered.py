@@ -58,7 +58,7 @@ class TieredCache:
             try:
                 self.manager = block_manager(self._tiers, config)  # reconciles its view of a pool that comes back
                 for tier in self._tiers.values():
-                    self.manager.adopt(tier.medium, tier.recover())
+                    self.manager.adopt(tier.medium, tier.recover(), past_capacity=True)  # a tier reopened smaller keeps them
             except BaseException:
                 for tier in self._tiers.values():
                     tier.close()

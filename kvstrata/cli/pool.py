@@ -98,9 +98,12 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "stop":
         stopped = embedded.stop(args.dir)
         if args.json:
-            print(json.dumps({"stopped": stopped.recorded, "not_signalled": list(stopped.unknown_pids)}))
+            print(json.dumps({"stopped": stopped.recorded, "not_signalled": list(stopped.unknown_pids),
+                              "interrupted_start_processes": stopped.interrupted}))
         else:
             print("pool stopped" if stopped.recorded else "no pool was running")
+            if stopped.interrupted:
+                print(f"stopped {stopped.interrupted} process(es) a killed `pool start` had left running")
             if stopped.unknown_pids:
                 print(stopped.describe(), file=sys.stderr)
         return 0

@@ -63,6 +63,11 @@ COPY_TASK_BYTES = 32 * 1024 * 1024  # bytes per layer-range copy of a load: larg
 # Its layers then become ready together, about 0.1 ms in.
 SMALL_LOAD_BYTES = 4 * 1024 * 1024
 MEMORY_MEDIA = frozenset({Medium.DEVICE, Medium.HOST})  # slots readable in place
+# A tier holding more blocks than its capacity (a disk tier reopened smaller) sheds this many
+# more per reservation that must make room, so it shrinks by one block per new block written:
+# back within its capacity once as many new blocks as it held in excess have come in, each
+# write paying one more eviction (a file deleted), never a start that deletes them all at once.
+EXCESS_PER_RESERVATION = 1
 
 
 @dataclass(frozen=True)
@@ -142,12 +147,17 @@ class BlockManager:
         with self._lock:
             self._tables[slot.medium].unretire(slot.index)
 
-    def adopt(self, medium: Medium, keys: Sequence[BlockKey]) -> int:
+    def adopt(self, medium: Medium, keys: Sequence[BlockKey], past_capacity: bool = False) -> int:
         """Record blocks found READY in a tier without a plan (recovered from disk, written to
         a shared pool by others): those not known yet, in order, until the table is full.
-        Returns how many of ``keys`` are known there now, from the first (a leading run)."""
+        Returns how many of ``keys`` are known there now, from the first (a leading run).
+
+        ``past_capacity``: all of them, even past the tier's capacity (a disk tier reopened
+        smaller than what it holds keeps its blocks, and serves them, until they are evicted:
+        each reservation there then evicts one more block than it needs, ``EXCESS_PER_RESERVATION``,
+        until the tier is back within its capacity)."""
         with self._lock:
-            adopted = self._tables[medium].adopt(keys)
+            adopted = self._tables[medium].adopt(keys, past_capacity)
             self._index.add_many(adopted.new, medium)
             return adopted.known
 
@@ -501,8 +511,8 @@ class BlockManager:
 
     def _reserve(self, medium: Medium, key: BlockKey, victims: list[Victim]):
         """A WRITING slot for ``key`` in ``medium``, choosing a victim (and its demotion, whose
-        own room goes into ``victims`` first) when the tier is full; None if the key is there
-        in any state.
+        own room goes into ``victims`` first) when the tier is full, and one more while it holds
+        more than its capacity (``EXCESS_PER_RESERVATION``); None if the key is there in any state.
 
         Raises:
             TierFull: nothing can leave (every block pinned or in flight).
@@ -511,14 +521,14 @@ class BlockManager:
         try:
             return table.prepare_store(key)
         except TierFull:
-            chosen = table.choose_victims(1)
+            chosen = table.choose_victims(1 + min(EXCESS_PER_RESERVATION, table.excess_blocks))
             if not chosen:
                 raise
-        victim = chosen[0]
-        self._index.discard(victim.key, medium)
-        demotion = self._demotion(medium, victim.key, victim.slot, victims)
-        victims.append(Victim(victim.key, Slot(medium, victim.slot), demotion))
-        return table.hand_over(victim, key)
+        for victim in chosen:
+            self._index.discard(victim.key, medium)
+            demotion = self._demotion(medium, victim.key, victim.slot, victims)
+            victims.append(Victim(victim.key, Slot(medium, victim.slot), demotion))
+        return table.hand_over(chosen[0], key)  # the others' slots are freed as they leave
 
     def _demotion(self, medium: Medium, key: BlockKey, slot: int, victims: list[Victim]) -> Leg | None:
         """The leg that copies an evicted block to the next tier down, if the write policy wants

@@ -18,6 +18,14 @@ must finish with the victim's bytes (its demotion) before writing the new ones. 
 victim then frees nothing; failing the new key's store before the victim is released gives the
 slot back to the victim. So a slot is free only once nobody has a use for its bytes.
 
+A table can hold more blocks than its capacity: a disk tier reopened smaller than what it holds
+adopts every block it finds (``adopt(past_capacity=True)``), in slots past the capacity where
+needed, rather than deleting the excess before its first hit. It is then full (no free slot)
+and ``excess_blocks`` says by how much; the excess leaves as the block manager makes room (the
+eviction policy's order). A slot at or past the capacity never goes back on the free list (a
+victim's handed straight to a new block is that block's, as any victim's is): only a tier whose
+slots are bookkeeping (disk) is ever adopted past its capacity.
+
 The table takes no lock: the block manager that owns it serializes every call.
 """
 
@@ -102,7 +110,7 @@ class TableCounts:
 
 
 class BlockTable:
-    """Slots 0..capacity-1 of one tier."""
+    """Slots 0..capacity-1 of one tier (and past it, blocks adopted past the capacity, until they leave)."""
 
     def __init__(self, capacity_blocks: int, policy: EvictionPolicy, name: str = "tier") -> None:
         if capacity_blocks < 0:
@@ -146,14 +154,18 @@ class BlockTable:
         self._owned += 1
         return Reservation(key, slot)
 
-    def adopt(self, keys: Sequence[BlockKey]) -> Adopted:
+    def adopt(self, keys: Sequence[BlockKey], past_capacity: bool = False) -> Adopted:
         """Record blocks found whole in the tier without a write of ours (recovered at a start,
         put in a shared pool by others): those not here yet go absent -> READY in one step, as
         ``prepare_store`` then ``complete_store(ok=True)`` would take them, in order, until the
         table is full. One call for a tier's worth of blocks (100K at a start), with no
-        reservation or transition check made per block."""
+        reservation or transition check made per block.
+
+        ``past_capacity``: take every key, even beyond the capacity (a disk tier reopened
+        smaller than the blocks it holds, whose slots are bookkeeping only): the table is then
+        over capacity (``excess_blocks``) until enough of them have left."""
         entries, inserted, new = self._entries, self._policy.inserted, []
-        room = self.free_blocks
+        room = len(keys) if past_capacity else self.free_blocks
         for n, key in enumerate(keys):
             if key in entries:
                 continue
@@ -264,7 +276,14 @@ class BlockTable:
             victim.handed_to = None  # the victim's bytes are still in use: its slot goes back to it
             return
         self._owned -= 1
-        self._free.append(entry.slot)
+        self._free_slot(entry.slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """Put ``slot`` on the free list, unless it lies at or past the capacity (a block adopted
+        past it, or a tier that shrank): while a block may be reserved, some slot below the
+        capacity is free (its slots in use number fewer), so none past it is needed."""
+        if slot < self.capacity_blocks:
+            self._free.append(slot)
 
     # --- readers ----------------------------------------------------------------------------
 
@@ -324,6 +343,11 @@ class BlockTable:
     def free_blocks(self) -> int:
         return max(0, self.capacity_blocks - self._owned - len(self._quarantined))
 
+    @property
+    def excess_blocks(self) -> int:
+        """Slots in use beyond the capacity (blocks adopted past it, or a tier that shrank)."""
+        return max(0, self._owned + len(self._quarantined) - self.capacity_blocks)
+
     def counts(self) -> TableCounts:
         return TableCounts(self._owned + len(self._quarantined), self.capacity_blocks, self._evicted)
 
@@ -337,7 +361,7 @@ class BlockTable:
         if slot not in self._quarantined:
             raise InvalidTransition(f"{self.name}: slot {slot} is not retired")
         self._quarantined.remove(slot)
-        self._free.append(slot)
+        self._free_slot(slot)
 
     @property
     def quarantined_slots(self) -> int:

@@ -12,13 +12,22 @@ the deployment secret (``pool.key``) and names the processes ``stop`` signals, i
 if it is this user's (``kvstrata.trust``): one another user made, or a symlink, is refused in one
 line, and its state, key and logs are never followed through a symlink. A recorded pid is
 signalled only while it is still the process that was started (``kvstrata.pool.started``).
+
+A start killed midway (SIGKILL, at any point) leaves the processes it had launched running,
+named in no ``pool.json``. So ``start`` writes ``starting.json`` first, with a fresh token its
+processes then carry in their environment (``kvstrata.pool.started``), and removes it once
+``pool.json`` names them; ``stop`` (which the next ``start`` runs first) ends every process
+carrying the token of a ``starting.json`` it finds: those of that start, and no other. Starts
+in one run directory take turns (a lock held while starting), so one never ends another's.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,12 +41,14 @@ from pathlib import Path
 from kvstrata import trust
 from kvstrata.pool import libs, native_log
 from kvstrata.pool.config import PoolConfig, json_error, make_secret, secret_at
-from kvstrata.pool.started import ProcessStamp
+from kvstrata.pool.started import TOKEN_ENV, ProcessStamp, carries, carrying, new_token
 
 _log = logging.getLogger("kvstrata.pool")
 
 STATE = "pool.json"
 SECRET = "pool.key"
+STARTING = "starting.json"  # a start under way (or killed): the token its processes carry
+START_LOCK = ".start.lock"  # held while a start runs: starts in one run directory take turns
 RUN_DIR = "pool run directory"  # how messages name it
 START_TIMEOUT_S = 30.0
 # A pool daemon's start is tried again (on a new port) once: on a busy host (CI, beside SGLang's
@@ -237,6 +248,16 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_
     if secret_file is not None:
         secret_file = Path(secret_file).absolute()
         secret_at(secret_file)  # before anything starts: one line saying what is wrong with it
+    lock = trust.open_private(run_dir / START_LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when this process dies
+        return _start(segment_bytes, run_dir, secret_file)
+    finally:
+        os.close(lock)
+
+
+def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None) -> PoolState:
+    """``start`` in ``run_dir``, its lock held."""
     current = status(run_dir)
     if current["running"]:
         running = read_state(run_dir)
@@ -244,22 +265,25 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_
             raise ValueError(f"a pool runs in {run_dir} with secret_file {running.config.secret_file}: "
                              f"stop it to start one with {secret_file}")
         return running
-    stopped = stop(run_dir)  # clear a half-dead previous pool
+    stopped = stop(run_dir)  # clear a half-dead previous pool, or what a killed start left
     if stopped.unknown_pids:
         _log.warning("%s", stopped.describe())
     missing = libs.missing_libraries()
     if missing:  # the programs would exit 127 naming only the first
         raise PoolError(libs.describe(missing))
+    token = new_token()
+    _write_json(run_dir / STARTING, {"token": token})  # before any process: a kill at any point leaves it
     master_port, metrics_port = free_port(), free_port()
     master = f"127.0.0.1:{master_port}"
-    master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log")
     try:
+        master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log", token=token)
         wait_for(master, master_proc, run_dir / "master.log")
         master_stamp = _stamp(master_proc, run_dir / "master.log")
         for attempt in range(DAEMON_ATTEMPTS):
             daemon_port = free_port()
             daemon = f"127.0.0.1:{daemon_port}"
-            daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log")
+            daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log",
+                                        token=token)
             try:
                 wait_for(daemon, daemon_proc, run_dir / "daemon.log")
                 daemon_stamp = _stamp(daemon_proc, run_dir / "daemon.log")
@@ -267,26 +291,35 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_
             except PoolError:
                 if attempt + 1 == DAEMON_ATTEMPTS:
                     raise
-    except PoolError:
-        _terminate(master_proc.pid)
+        secret = secret_file
+        if secret is None:
+            secret = run_dir / SECRET
+            make_secret(secret)  # kept across restarts: values sealed with it, names keyed (tiers/poolvalue.py)
+        config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret), config_file=run_dir / STATE)
+        state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir),
+                          master_stamp, daemon_stamp)
+        _write_json(run_dir / STATE, state.to_json())
+    except BaseException:  # a process that did not start, or an interrupt: end all this start launched
+        _end_carriers(token)
+        (run_dir / STARTING).unlink(missing_ok=True)
         raise
-    secret = secret_file
-    if secret is None:
-        secret = run_dir / SECRET
-        make_secret(secret)  # kept across restarts: values sealed with it, names keyed (tiers/poolvalue.py)
-    config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret), config_file=run_dir / STATE)
-    state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir),
-                      master_stamp, daemon_stamp)
-    partial = run_dir / f".{STATE}.{os.getpid()}"
-    with _private(partial, "w") as out:
-        out.write(json.dumps(state.to_json(), indent=2))
-    os.replace(partial, run_dir / STATE)  # readers see the old file or the whole new one
+    (run_dir / STARTING).unlink()  # pool.json names them now (a kill before this: stop ends them anyway)
     return state
 
 
-def launch_master(host: str, port: int, metrics_port: int, log: Path, prefix: Sequence[str] = ()) -> subprocess.Popen:
+def _write_json(path: Path, doc: dict) -> None:
+    """``doc`` as ``path`` (0600), whole: readers see the old file or the new one, never part."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    with _private(partial, "w") as out:
+        out.write(json.dumps(doc, indent=2))
+    os.replace(partial, path)
+
+
+def launch_master(host: str, port: int, metrics_port: int, log: Path, prefix: Sequence[str] = (),
+                  token: str | None = None) -> subprocess.Popen:
     """``mooncake_master`` on ``host:port`` in its own session, logging to ``log`` (0600);
-    ``prefix``: a command that runs it elsewhere (``ip netns exec NS``, for the lab)."""
+    ``prefix``: a command that runs it elsewhere (``ip netns exec NS``, for the lab); ``token``:
+    the start's, carried in its environment (``kvstrata.pool.started``)."""
     return _launch("mooncake_master", [
         f"--rpc_address={host}",
         f"--rpc_port={port}",
@@ -294,11 +327,11 @@ def launch_master(host: str, port: int, metrics_port: int, log: Path, prefix: Se
         f"--metrics_port={metrics_port}",
         "--enable_http_metadata_server=false",
         f"--client_ttl={CLIENT_TTL_S}",
-    ], log, prefix)
+    ], log, prefix, token)
 
 
 def launch_daemon(host: str, port: int, master: str, segment_bytes: int, log: Path,
-                  prefix: Sequence[str] = ()) -> subprocess.Popen:
+                  prefix: Sequence[str] = (), token: str | None = None) -> subprocess.Popen:
     """A pool daemon (``mooncake_client``) on ``host`` (its segment's name: ``ip:port`` there
     names it exactly) serving on ``port``, owning a segment of ``segment_bytes`` of the master
     at ``master``; as ``launch_master``."""
@@ -310,13 +343,14 @@ def launch_daemon(host: str, port: int, master: str, segment_bytes: int, log: Pa
         f"--master_server_address={master}",
         "--metadata_server=P2PHANDSHAKE",
         "--protocol=tcp",
-    ], log, prefix)
+    ], log, prefix, token)
 
 
-def _launch(program: str, flags: list[str], log: Path, prefix: Sequence[str]) -> subprocess.Popen:
+def _launch(program: str, flags: list[str], log: Path, prefix: Sequence[str], token: str | None) -> subprocess.Popen:
+    env = native_log.pool_process_env() | ({TOKEN_ENV: token} if token else {})
     with _private(log, "wb") as out:
         return subprocess.Popen([*prefix, _binary(program), *flags], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=native_log.pool_process_env())
+                                start_new_session=True, env=env)
 
 
 def _private(path: Path, mode: str):
@@ -395,10 +429,13 @@ class Stopped:
         recorded: a pool was recorded in the run directory (its ``pool.json`` is gone now).
         unknown_pids: recorded pids left alone although a process holds them: recorded without
             a stamp (by an older kvstrata), so nothing tells the pool's process from another.
+        interrupted: processes a start killed midway had left running (its ``starting.json``
+            names their token), ended.
     """
 
     recorded: bool
     unknown_pids: tuple[int, ...] = ()
+    interrupted: int = 0
 
     def describe(self) -> str:
         """One line on the pids left alone (empty when none was)."""
@@ -411,20 +448,74 @@ class Stopped:
 
 def stop(run_dir: Path | None = None) -> Stopped:
     """Stop the embedded pool: signal each recorded process group whose leader is still the
-    process started (``PoolState.processes``), and forget the pool.
+    process started (``PoolState.processes``), and forget the pool; then end what a start
+    killed midway left running (the processes carrying its token), and forget that start.
 
     Raises:
-        Untrusted, ValueError: as ``read_state``.
+        Untrusted, ValueError: as ``read_state`` (and ``read_start_token``).
     """
     run_dir = Path(run_dir or default_run_dir()).absolute()
     state = read_state(run_dir)
-    if state is None:
-        return Stopped(False)
+    token = read_start_token(run_dir)
     unknown = []
-    for _, pid, stamp in state.processes():
+    for _, pid, stamp in state.processes() if state else ():
         if _ours(pid, stamp):
             _terminate(pid)
         elif stamp is None and process_alive(pid):
             unknown.append(pid)
     (run_dir / STATE).unlink(missing_ok=True)
-    return Stopped(True, tuple(unknown))
+    interrupted = 0
+    if token is not None:
+        interrupted = _end_carriers(token)  # after the recorded ones: those pool.json named are gone already
+        (run_dir / STARTING).unlink(missing_ok=True)
+    return Stopped(state is not None, tuple(unknown), interrupted)
+
+
+def read_start_token(run_dir: Path) -> str | None:
+    """The token of the start recorded under way in ``run_dir`` (``starting.json``); None if none is.
+
+    Raises:
+        Untrusted: the run directory or the file is not this user's, or a symlink.
+        ValueError: the file is not a start's record.
+    """
+    path = run_dir / STARTING
+    if not os.path.lexists(run_dir):
+        return None
+    trust.check_private_dir(run_dir, RUN_DIR)
+    try:
+        with os.fdopen(trust.open_own(path, "pool start record"), "r") as file:
+            text = file.read()
+    except FileNotFoundError:
+        return None
+    try:
+        token = json.loads(text)["token"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a pool start record: {json_error(exc)}") from None
+    if not (isinstance(token, str) and re.fullmatch(r"[0-9a-f]{32}", token)):
+        raise ValueError(f"{path}: not a pool start record: its token is not 32 hex digits")
+    return token
+
+
+def _end_carriers(token: str) -> int:
+    """End every process launched with ``token``: each leading its process group (as ``start``
+    launches them) with its group, any other alone; each checked again just before it is
+    signalled. Returns how many there were."""
+    pids = carrying(token)
+    for pid in sorted(pids, key=lambda pid: not _leads_group(pid)):  # leaders first: their groups go with them
+        if not carries(pid, token):
+            continue  # gone with its group already
+        if _leads_group(pid):
+            _terminate(pid)
+        else:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return len(pids)
+
+
+def _leads_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False

@@ -134,8 +134,9 @@ class Tier(abc.ABC):
         """Forget a block's bytes as it leaves the tier (disk: delete its file)."""
 
     def recover(self) -> list[BlockKey]:
-        """Blocks found intact at start (persistent tiers), oldest first, at most
-        ``capacity_blocks``."""
+        """Blocks found intact at start (persistent tiers), oldest first; more than
+        ``capacity_blocks`` where the tier was reopened smaller (the cache adopts them all and
+        evicts the excess as new blocks need room)."""
         return []
 
     def find(self, keys: list[BlockKey]) -> list[bool]:

@@ -117,7 +117,9 @@ class DiskTier(Tier):
 
     Args:
         layout: what every block holds; blocks written under another layout are never served.
-        capacity_bytes: payload bytes to hold (each file adds a header of 4 KiB or more).
+        capacity_bytes: payload bytes to hold (each file adds a header of 4 KiB or more); a
+            tier reopened smaller than the blocks it holds keeps them all (``recover``) until
+            the block manager evicts the excess.
         directory: created (0700) if missing; one of this user's is tightened to 0700, and one
             of another user's, or a symlink, is refused (``kvstrata.trust.Untrusted``, a
             ValueError): its owner could plant blocks, delete them or redirect the writes.
@@ -227,7 +229,8 @@ class DiskTier(Tier):
             self._stamps.pop(key, None)
 
     def recover(self) -> list[BlockKey]:
-        """The blocks the constructor found intact, oldest write first (at most ``capacity_blocks``).
+        """The blocks the constructor found intact, oldest write first (all of them: more than
+        ``capacity_blocks`` where the tier was reopened smaller).
 
         Recovery runs once, in the constructor: rescanning later could delete the temp file of
         a write in flight.
@@ -373,9 +376,11 @@ class DiskTier(Tier):
 
         A block the manifest vouches for, whose file has the inode it saw (``scandir`` gives it:
         no system call per block), is taken as it is; any other file has its header and size
-        checked. Blocks beyond capacity go, oldest write first; the survivors are listed in
-        write order (adopted in that order, LRU after a restart evicts the least recently
-        *written*).
+        checked. The blocks are listed in write order (adopted in that order, LRU after a
+        restart evicts the least recently *written*), all of them, even beyond the capacity (a
+        tier reopened smaller): deleting the excess here made a start slow (47,570 of 67,570
+        blocks: 40 s) and threw away blocks a restart could serve; the block manager adopts them
+        all and evicts the excess by its policy as new blocks need room.
         """
         vouched = diskmanifest.read(self.directory, self._layout_text, self.namespace_tag)  # in write order
         present: set[BlockKey] = set()  # vouched for, and there
@@ -404,16 +409,14 @@ class DiskTier(Tier):
             stamps.update(checked)
             stamps = {key: stamps[key] for key in sorted(stamps, key=lambda key: (stamps[key].mtime_ns, key))}
         found = list(stamps)
-        excess = max(0, len(found) - self.capacity_blocks)
-        if excess:
-            _log.warning("disk tier %s: %d blocks found, %d fit its capacity (%d bytes): deleting the %d oldest "
-                         "(%d bytes)", self.directory, len(found), self.capacity_blocks, self.capacity_bytes, excess,
+        excess = len(found) - self.capacity_blocks
+        if excess > 0:
+            _log.warning("disk tier %s: %d blocks found, %d fit its capacity (%d bytes): all kept and served; "
+                         "the %d in excess (%d bytes) leave by the eviction policy as new blocks need room",
+                         self.directory, len(found), self.capacity_blocks, self.capacity_bytes, excess,
                          excess * self.layout.block_bytes)
-        for key in found[:excess]:
-            _unlink_quietly(self._path(key))
-            del stamps[key]
         self._stamps = stamps
-        return found[excess:]
+        return found
 
     def _verified_stamp(self, path: str, key: BlockKey) -> diskmanifest.Stamp:
         """The stamp of the block file at ``path`` once its header checks out for ``key``.

@@ -119,3 +119,12 @@ def test_a_bad_pool_file_in_the_environment_is_named(capsys, tmp_path, monkeypat
 
     with pytest.raises(ValueError, match=f"{path}: not a pool state file"):
         pool_from_env()
+
+
+@pytest.mark.parametrize(("text", "why"), [("{half a file", "invalid JSON"),
+                                           ('{"token": "ab"}', "its token is not 32 hex digits")])
+def test_a_bad_start_record_in_the_run_directory_is_named(capsys, tmp_path, text, why):
+    (tmp_path / embedded.STARTING).write_text(text)
+    for action in ("start", "stop"):  # refused before a process starts or is signalled
+        err = run_error(capsys, "pool", action, "--dir", str(tmp_path))
+        assert f"{tmp_path / embedded.STARTING}: not a pool start record: {why}" in err

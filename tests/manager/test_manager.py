@@ -98,7 +98,8 @@ def check(m: BlockManager, tiers: Bytes) -> None:
     for medium in m.media:
         table = m.table(medium)
         owners = table.owners()
-        assert len(owners) + table.free_blocks + table.quarantined_slots == table.capacity_blocks
+        assert len(owners) + table.free_blocks + table.quarantined_slots == table.capacity_blocks + table.excess_blocks
+        assert medium not in MEMORY or all(slot < table.capacity_blocks for slot in owners)  # memory has no more
         for key in table.ready_keys():
             ready_where.setdefault(key, set()).add(medium)
             slot = table.slot(key)
@@ -393,6 +394,30 @@ def test_forget_drops_the_pool_view_but_leaves_blocks_plans_hold():
     check(m, tiers)
 
 
+def test_a_tier_adopted_past_its_capacity_sheds_one_more_block_a_reservation_in_policy_order():
+    # A disk of 3 reopened holding 6: each block written down evicts two (least recently used
+    # first) until 3 are left, then one, as a full tier does.
+    m, tiers = manager({D: 4, K: 3}, write=WritePolicy.WRITE_THROUGH), Bytes()
+    found = keys_of(20, 6)
+    assert m.adopt(K, found, past_capacity=True) == 6
+    tiers.named[K].update(found)
+    assert m.match(found).media == (K,) * 6
+    check(m, tiers)
+    new = [keys_of(21 + i, 1)[0] for i in range(4)]
+    evicted = []
+    for key in new:
+        plan = m.prepare_store([key])
+        m.complete_store(plan, [None], pin=False)
+        tiers.slots[D][plan.blocks[0].slot] = key
+        copies = m.prepare_copies([key], (K,))
+        evicted.append([v.key for v in copies.room.victims])
+        m.complete_room(copies.room, tiers.carry_out(copies.room, [None] * len(copies.room.victims)))
+        m.complete_copies(copies, tiers.move(copies.legs, [None]))
+        check(m, tiers)
+    assert evicted == [found[0:2], found[2:4], found[4:6], new[:1]]
+    assert sorted(m.ready_keys(K)) == sorted(new[1:]) and m.table(K).excess_blocks == 0
+
+
 # --- a state machine of plans in flight ----------------------------------------------------------
 
 SEQS = {i: keys_of(100 + i, 3) for i in range(5)}
@@ -414,10 +439,14 @@ class ManagerMachine(RuleBasedStateMachine):
         self.data = None
 
     @initialize(write=st.sampled_from(list(WritePolicy)), direct=st.sets(st.sampled_from([K, R])), host=st.integers(0, 3),
-                small=st.sampled_from([0, 1 << 20]))
-    def start(self, write, direct, host, small):
+                small=st.sampled_from([0, 1 << 20]), recovered=st.sampled_from([0, 0, 3, 9]))
+    def start(self, write, direct, host, small, recovered):
         capacities = {D: 3, K: 4, R: 4} | ({H: host} if host else {})
         self.m = manager(capacities, write, frozenset(direct), small_load_bytes=small)
+        # A disk reopened holding ``recovered`` blocks of the sequences, past its capacity of 4 at 9.
+        found = [key for seq in sorted(SEQS) for key in SEQS[seq]][:recovered]
+        self.m.adopt(K, found, past_capacity=True)
+        self.tiers.named[K].update(found)
 
     def failures(self, n: int) -> list[Failure | None]:
         return [None] * n if self.data is None else [self.data.draw(FAILURES) for _ in range(n)]

@@ -177,6 +177,26 @@ def test_adopt_reuses_released_slots_and_adopts_nothing_twice():
     assert sorted(t.slot(k) for k in (B, C)) == [0, 1]
 
 
+def test_adopt_past_capacity_takes_every_key_and_never_reuses_a_slot_past_it():
+    # A disk tier reopened at 2 with 5 blocks: all READY, in slots past the capacity where
+    # needed; full (and by how much) until enough have left; then only slots below 2 serve.
+    t = table(2)
+    assert t.adopt(KEYS[:5], past_capacity=True) == Adopted(5, KEYS[:5])
+    assert [t.state(k) for k in KEYS[:5]] == [R] * 5 and sorted(t.slot(k) for k in KEYS[:5]) == [0, 1, 2, 3, 4]
+    assert (t.free_blocks, t.excess_blocks, t.counts()) == (0, 3, TableCounts(5, 2, 0))
+    with pytest.raises(TierFull):
+        t.prepare_store(KEYS[5])
+    victims = t.choose_victims(4)
+    assert [v.key for v in victims] == KEYS[:4]  # LRU: in the order adopted
+    for victim in victims:
+        t.release(victim.key)
+    assert (t.free_blocks, t.excess_blocks) == (1, 0)
+    slots = [t.prepare_store(k).slot for k in KEYS[5:6]]
+    with pytest.raises(TierFull):
+        t.prepare_store(KEYS[6])
+    assert slots[0] < 2 and t.slot(KEYS[4]) == 4  # the block past the capacity keeps its slot until it leaves
+
+
 def test_complete_store_with_pin_is_ready_and_pinned_at_once():
     t = table()
     stored(t, B)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstrata.pool.started import ProcessStamp
+from kvstrata.pool.started import TOKEN_ENV, ProcessStamp, carries, carrying, new_token
 
 
 def test_a_stamp_names_the_processs_executable_and_holds_for_it_only():
@@ -51,3 +51,25 @@ def test_a_stamp_round_trips_through_json_and_refuses_what_is_not_one():
     for doc in ({"start_ticks": "1", "exe": "/x"}, {"exe": "/x"}, [1, "/x"], None):
         with pytest.raises(TypeError):
             ProcessStamp.from_json(doc)
+
+
+def test_a_process_carries_its_token_across_an_exec():
+    # The pool's programs are wrappers that exec the engine's binaries; read mid-exec, a process's
+    # environment is empty for about a millisecond, and a scan then missed the daemon a killed
+    # start had left running. Read in a tight loop across the exec, it carries the token throughout.
+    token = new_token()
+    # Wrappers exec'ing each other five times, then sleep: six execs, each read across.
+    wrapper = ("import os, sys, time; n = int(sys.argv[1]); time.sleep(0.02); "
+               "os.execv(sys.executable, [sys.executable, '-c', sys.argv[2], str(n - 1), sys.argv[2]]) if n "
+               "else os.execv('/bin/sleep', ['sleep', '60'])")
+    with subprocess.Popen([sys.executable, "-c", wrapper, "5", wrapper], env=os.environ | {TOKEN_ENV: token}) as proc:
+        try:
+            reads, missed = 0, 0
+            while os.path.basename(os.readlink(f"/proc/{proc.pid}/exe")) != "sleep" or reads < 1000:
+                reads += 1
+                missed += not carries(proc.pid, token)
+                assert reads < 10**6, "the wrapper never exec'd"
+            assert missed == 0 and carries(proc.pid, token) and not carries(proc.pid, new_token())
+            assert carrying(token) == [proc.pid]
+        finally:
+            proc.kill()

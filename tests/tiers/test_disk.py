@@ -309,7 +309,7 @@ def test_restart_recovers_exactly_the_blocks_whose_headers_verify(tmp_path):
     tier.close()
 
 
-def test_restart_with_less_capacity_keeps_the_newest_blocks_in_write_order(tmp_path, caplog):
+def test_restart_with_less_capacity_keeps_and_serves_every_block_in_write_order(tmp_path, caplog):
     tier = DiskTier(SMALL, 6 * SMALL.block_bytes, tmp_path)
     keys = [make_key(i) for i in range(6)]
     for age, key in enumerate(keys):
@@ -319,12 +319,15 @@ def test_restart_with_less_capacity_keeps_the_newest_blocks_in_write_order(tmp_p
 
     with caplog.at_level("WARNING", logger="kvstrata.tiers"):
         tier = DiskTier(SMALL, 4 * SMALL.block_bytes, tmp_path)
-    assert any("6 blocks found, 4 fit" in r.getMessage() and "deleting the 2 oldest" in r.getMessage()
+    assert any("6 blocks found, 4 fit" in r.getMessage() and "all kept" in r.getMessage()
                for r in caplog.records)  # said, not silent
-    # Oldest write first: the order the block manager adopts them in, so LRU after a restart
-    # evicts the least recently written first.
-    assert tier.recover() == keys[2:]
-    assert block_files(tmp_path) == {f"{k.hex()}.kvb" for k in keys[2:]}
+    # Nothing deleted at the start (the block manager evicts the excess as new blocks need
+    # room); oldest write first: the order it adopts them in, so LRU after a restart evicts
+    # the least recently written first.
+    assert tier.recover() == keys
+    assert block_files(tmp_path) == {f"{k.hex()}.kvb" for k in keys}
+    for key in keys:
+        assert torch.equal(load(tier, key), content(SMALL, key))
     tier.close()
 
 
