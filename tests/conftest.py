@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -31,6 +32,27 @@ def pool(tmp_path_factory) -> PoolConfig:
         yield state.config
     finally:
         embedded.stop(run_dir)
+
+
+@pytest.fixture
+def private_pool(tmp_path):
+    """A pool of this test's own (64 MiB segment, so it evicts once full), to stop, hang or
+    kill; its processes are resumed, stopped and reaped afterwards, whatever the test did."""
+    from process_support import kill_and_reap
+
+    run_dir = tmp_path / "pool"
+    state = embedded.start(64 * 1024**2, run_dir)
+    try:
+        yield state
+    finally:
+        for pid in (state.daemon_pid, state.master_pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        embedded.stop(run_dir)
+        for pid in (state.daemon_pid, state.master_pid):
+            kill_and_reap(pid)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import uuid
 import pytest
 import torch
 from cache_support import assert_loaded_bytes, assert_quiescent, kv_for, tokens
-from process_support import kill_and_reap
 
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.geometry import DType
@@ -24,7 +23,6 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.manager.plans import Failure, StopReason
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.pool import embedded
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers import poolvalue
@@ -110,25 +108,12 @@ def test_without_a_secret_another_blocks_bytes_under_a_valid_header_are_a_counte
 BIG = KVLayout(num_layers=4, block_tokens=16, kv_heads=8, head_dim=128, dtype=DType.BF16)
 
 
-@pytest.fixture
-def small_pool(tmp_path):
-    """A pool of this test's own with a 64 MiB segment, which evicts once full."""
-    run_dir = tmp_path / "pool"
-    state = embedded.start(64 * 1024**2, run_dir)
-    try:
-        yield state
-    finally:
-        embedded.stop(run_dir)
-        for pid in (state.daemon_pid, state.master_pid):
-            kill_and_reap(pid)
-
-
-def test_blocks_the_pool_evicted_are_missed_by_the_lookup_counted_never_promised_to_a_load(small_pool, caches):
+def test_blocks_the_pool_evicted_are_missed_by_the_lookup_counted_never_promised_to_a_load(private_pool, caches):
     # 160 sequences of 4 blocks (160 MiB) into a 64 MiB segment: the pool evicts most of them,
     # while the cache's view of it (1024 blocks) still lists every block it put. Before lookups
     # asked the pool about the blocks only it holds, they promised evicted blocks, and loads
     # then stopped at them (MISSING).
-    cache = caches(small_pool.config, f"pool-evicted-{uuid.uuid4().hex[:12]}", remote_blocks=1024, layout=BIG)
+    cache = caches(private_pool.config, f"pool-evicted-{uuid.uuid4().hex[:12]}", remote_blocks=1024, layout=BIG)
     sequences = [tokens(100 + i, 4, BIG) for i in range(160)]
     for toks in sequences:
         cache.store(toks, kv_for(cache, toks)).result(timeout=WAIT_S)
@@ -154,15 +139,15 @@ def test_blocks_the_pool_evicted_are_missed_by_the_lookup_counted_never_promised
     assert_quiescent(cache)
 
 
-def test_a_lookup_while_the_pool_hangs_costs_one_bounded_wait_and_drops_nothing(small_pool, caches):
+def test_a_lookup_while_the_pool_hangs_costs_one_bounded_wait_and_drops_nothing(private_pool, caches):
     # The lookup asks the pool about blocks only it holds; a pool that does not answer says
     # nothing about them: they stay in the view (and the load finds the pool down, at once).
-    cache = caches(small_pool.config, f"pool-hung-{uuid.uuid4().hex[:12]}")
+    cache = caches(private_pool.config, f"pool-hung-{uuid.uuid4().hex[:12]}")
     toks = tokens(7, 4, LAYOUT)
     store(cache, toks)
     cache.evict(D, cache.manager.table(D).capacity_blocks)
     budget_s = cache.config.pool_timeout_s
-    os.kill(small_pool.master_pid, signal.SIGSTOP)
+    os.kill(private_pool.master_pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
         match = cache.lookup(toks)
@@ -173,4 +158,4 @@ def test_a_lookup_while_the_pool_hangs_costs_one_bounded_wait_and_drops_nothing(
         cache.lookup(toks)  # the pool is down now: no wait at all
         assert time.monotonic() - start < FAST_S
     finally:
-        os.kill(small_pool.master_pid, signal.SIGCONT)
+        os.kill(private_pool.master_pid, signal.SIGCONT)

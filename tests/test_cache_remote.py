@@ -243,19 +243,6 @@ def test_no_pool_at_start_the_cache_builds_quickly_and_serves_from_local_tiers(c
     assert load_released(cache, toks).paths == {(H, D): 3}
 
 
-@pytest.fixture
-def private_pool(tmp_path):
-    """A pool of this test's own, to kill; its processes are gone (and reaped) afterwards."""
-    run_dir = tmp_path / "pool"
-    state = embedded.start(64 * 1024**2, run_dir)
-    try:
-        yield state
-    finally:
-        embedded.stop(run_dir)
-        for pid in (state.daemon_pid, state.master_pid):
-            kill_and_reap(pid)
-
-
 
 
 @pytest.mark.parametrize(("mode", "path"), [("tcp", "direct"), ("shm", "staged"), ("tcp", "staged"), ("shm", "direct")])

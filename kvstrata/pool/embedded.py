@@ -183,19 +183,31 @@ def read_state(run_dir: Path | None = None) -> PoolState | None:
     """
     run_dir = Path(run_dir or default_run_dir()).absolute()
     path = run_dir / STATE
-    if not os.path.lexists(run_dir):
-        return None
-    trust.check_private_dir(run_dir, RUN_DIR)
-    try:
-        with os.fdopen(trust.open_own(path, "pool state file"), "r") as file:
-            text = file.read()
-    except FileNotFoundError:
+    text = _read_own(run_dir, STATE, "pool state file")
+    if text is None:
         return None
     try:
         state = PoolState.from_json(json.loads(text))
     except (ValueError, KeyError, TypeError) as exc:  # edited by hand, or not a pool's state
         raise ValueError(f"{path}: not a pool state file: {json_error(exc)}") from None
     return replace(state, config=replace(state.config, config_file=path))
+
+
+def _read_own(run_dir: Path, name: str, what: str) -> str | None:
+    """The text of ``run_dir / name``, a file of this user's in a run directory of this user's;
+    None if either is missing.
+
+    Raises:
+        Untrusted: the run directory or the file is not this user's, or a symlink.
+    """
+    if not os.path.lexists(run_dir):
+        return None
+    trust.check_private_dir(run_dir, RUN_DIR)
+    try:
+        with os.fdopen(trust.open_own(run_dir / name, what), "r") as file:
+            return file.read()
+    except FileNotFoundError:
+        return None
 
 
 def _ours(pid: int, stamp: ProcessStamp | None) -> bool:
@@ -479,13 +491,8 @@ def read_start_token(run_dir: Path) -> str | None:
         ValueError: the file is not a start's record.
     """
     path = run_dir / STARTING
-    if not os.path.lexists(run_dir):
-        return None
-    trust.check_private_dir(run_dir, RUN_DIR)
-    try:
-        with os.fdopen(trust.open_own(path, "pool start record"), "r") as file:
-            text = file.read()
-    except FileNotFoundError:
+    text = _read_own(run_dir, STARTING, "pool start record")
+    if text is None:
         return None
     try:
         token = json.loads(text)["token"]

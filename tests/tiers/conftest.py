@@ -1,10 +1,8 @@
 """Fixtures the pool tier's test modules share: remote tiers on the session pool, a deployment
-secret, and a pool of a test's own (to stop or kill)."""
+secret (a pool of a test's own: tests/conftest.py's ``private_pool``)."""
 
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 
@@ -41,17 +39,3 @@ def secret(tmp_path) -> bytes:
     make_secret(path)
     return read_secret(PoolConfig(master="127.0.0.1:1", secret_file=str(path)))
 
-
-@pytest.fixture
-def private_pool(tmp_path):
-    """A pool of this test's own, to kill or stop."""
-    from kvstrata.pool import embedded
-
-    state = embedded.start(64 * 1024**2, tmp_path / "pool")
-    yield state
-    for pid in (state.daemon_pid, state.master_pid):
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    embedded.stop(tmp_path / "pool")
