@@ -30,6 +30,7 @@ from kvstrata.cache.build import block_manager, build_tiers, check_tiers, remote
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.direct import Direct
 from kvstrata.cache.outcomes import Outcomes
+from kvstrata.cache.poolview import PoolView
 from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, PutResult, StoreResult
 from kvstrata.index.keys import BlockKey, Namespace, block_keys, token_array
 from kvstrata.index.prefix import Match
@@ -69,6 +70,8 @@ class TieredCache:
         self._copy_in_load = not self.manager.config.layer_ranges and self._tiers[Medium.DEVICE].device.type != "cuda"
         self._outcomes = Outcomes(self.manager, self.metrics)
         self._direct = Direct(self.manager, self._worker, self._outcomes, self._carry_out)
+        self._pool_view = (PoolView(self.manager, self._worker, self.metrics, self._carry_out, lambda: self.remote_error)
+                           if Medium.REMOTE in self._tiers else None)
         self._namespaces: dict[str, Namespace] = {}
         self._closed = False
 
@@ -100,40 +103,11 @@ class TieredCache:
         ``lookup``: counted as one (False: a read's own look)."""
         self._check_open()
         match = self.manager.match(keys)
-        if Medium.REMOTE in self._tiers and self._follow_pool(keys, match):
+        if self._pool_view is not None and self._pool_view.follow(keys, match):
             match = self.manager.match(keys)
         if lookup:
             self.metrics.lookup(match.counts, len(keys) - match.blocks)
         return match
-
-    def _follow_pool(self, keys: list[BlockKey], match: Match) -> bool:
-        """Ask the shared pool, in one call (bounded by the pool's call budget, on the pool
-        client's worker: a hung pool never holds the caller longer), about the matched blocks
-        only it holds and the blocks after the match. A block the pool no longer has (evicted
-        when full, removed) leaves this cache's view, counted, so the lookup misses it rather
-        than promise it to a load that would; the leading run of the rest that is there (put
-        by other instances) joins the view. Whether the view changed."""
-        held = [key for key, medium in zip(match.keys, match.media) if medium is Medium.REMOTE]
-        after = keys[match.blocks :]
-        if not held and not after:
-            return False
-        found = self._worker.find(Medium.REMOTE, held + after)
-        gone = [key for key, here in zip(held, found) if not here]
-        dropped = 0
-        if gone and self.remote_error is None:  # a pool down said nothing about its blocks: keep them
-            dropped = self.manager.forget(Medium.REMOTE, gone)
-            self.metrics.pool_dropped(dropped)
-        return bool(dropped) | bool(after and self._discover(after, found[len(held) :]))
-
-    def _discover(self, keys: list[BlockKey], found: list[bool]) -> int:
-        """Blocks other instances put in the shared pool (``found``: which of ``keys`` it holds):
-        the leading run of ``keys`` found there joins this cache's view of it (READY, indexed)."""
-        run = next((i for i, hit in enumerate(found) if not hit), len(found))
-        known = self.manager.adopt(Medium.REMOTE, keys[:run])
-        if known < run:  # our view of the pool is full: forget its coldest, not the pool's
-            self._carry_out(self.manager.prepare_evict(Medium.REMOTE, run - known))
-            known = self.manager.adopt(Medium.REMOTE, keys[:run])
-        return known
 
     def device_block(self, slot: int) -> torch.Tensor:
         """Device slot ``slot`` as KV, ``layout.block_shape``."""
