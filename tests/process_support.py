@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 from kvstrata.pool import embedded
@@ -36,6 +37,15 @@ def kill_and_reap(pid: int, timeout_s: float = 10.0) -> None:
                 return
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still alive {timeout_s} s after SIGKILL")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (if any is left) and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def stop_process(pid: int, timeout_s: float = 5.0) -> None:

@@ -17,6 +17,7 @@ import subprocess
 from dataclasses import replace
 
 import pytest
+from process_support import kill_group
 
 from kvstrata.cli import main
 from kvstrata.pool import embedded
@@ -40,11 +41,7 @@ def bystanders():
 
     yield make
     for proc in made:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc)
 
 
 def recorded(master: subprocess.Popen, daemon: subprocess.Popen, run_dir, stamped: bool = False) -> dict:

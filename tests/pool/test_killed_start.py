@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytest
-from process_support import children_running, wait_until
+from process_support import children_running, kill_group, wait_until
 
 from kvstrata.cli import main
 from kvstrata.pool import embedded
@@ -41,11 +41,7 @@ def bystanders():
             subprocess.Popen(sleeper, start_new_session=True, env=os.environ | {TOKEN_ENV: "0" * 32})]
     yield made
     for proc in made:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc)
 
 
 def killed_start(run_dir, point: str | None, delay_s: float = 0.0) -> list[int]:
