@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 MATURE_HORIZONS = 2  # the engine's capacities of computed blocks before a store's reuse is judged
 CONFIDENCE_REQUESTS = 3.0  # the rule of three: no hit in 3/p requests bounds reuse below p (95%)
 HALF_LIFE_REQUESTS = 64.0  # matured requests over which the evidence halves
+_KEEP = 0.5 ** (1.0 / HALF_LIFE_REQUESTS)  # what one more matured request leaves of the evidence
 SAMPLE_EVERY = 16  # while stores do not pay, one request in this many is still stored
 COST_DECAY = 0.9  # each new cost measurement multiplies the older ones' weight by this
 
@@ -85,10 +86,9 @@ class SaveOrSkip:
         mature_at = self._computed - MATURE_HORIZONS * self.horizon_blocks
         while self._pending and self._pending[0][0] <= mature_at:
             _, n = self._pending.popleft()
-            keep = 0.5 ** (1.0 / HALF_LIFE_REQUESTS)  # one more matured request
-            self._matured_requests = self._matured_requests * keep + 1
-            self._matured_blocks = self._matured_blocks * keep + n
-            self._hit_blocks *= keep
+            self._matured_requests = self._matured_requests * _KEEP + 1
+            self._matured_blocks = self._matured_blocks * _KEEP + n
+            self._hit_blocks *= _KEEP
 
     def granted(self, blocks: int) -> None:
         """A request was admitted with ``blocks`` blocks from kvstrata beyond the engine's own hit."""

@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvstrata.kv.presets import load_geometry  # noqa: E402
 from tests.integrations.test_vllm import BLOCK, MiB, run_children, spec  # noqa: E402
 
-VLLM_BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * 2  # the tiny model's vLLM block, bf16
 _rng = random.Random(11)
 STREAM = [[_rng.randrange(10, 4000) for _ in range(_rng.choice((100, 130, 160)))] for _ in range(320)]
 LEARN, LATER = STREAM[:200], STREAM[200:]
@@ -32,7 +32,8 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("saving")
     model = Path(tiny_model_dir)
     stream = spec(model, tmp, "stream", passes=[LEARN, LATER, STREAM], max_tokens=2, host_bytes=64 * MiB)
-    stream["kv_cache_bytes"] = VLLM_BLOCKS * VLLM_BLOCK_BYTES
+    vllm_block_bytes = load_geometry(str(model), "bfloat16").bytes_per_token * BLOCK  # the child's dtype
+    stream["kv_cache_bytes"] = VLLM_BLOCKS * vllm_block_bytes
     return run_children({"stream": stream}, tmp)
 
 

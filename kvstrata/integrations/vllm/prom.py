@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvstrata.media import Medium
+from kvstrata.policies.saving import SAMPLE_EVERY
 
 if TYPE_CHECKING:
     from kvstrata.cache import TieredCache
@@ -96,7 +97,7 @@ SAVE_DROPPED_BLOCKS = _counter("save_dropped_blocks", (), "Blocks of saves dropp
                                "still in flight held save_backlog_bytes already (a tier that cannot keep up)")
 SAVE_SKIPPED_BLOCKS = _counter("save_skipped_blocks", (), "Prompt blocks not stored because stores did not pay: "
                                "too few stored blocks came back as hits for what a store costs (one request in "
-                               "16 is stored anyway, to see whether reuse returns)")
+                               f"{SAMPLE_EVERY} is stored anyway, to see whether reuse returns)")
 TIER_USED_BYTES = Metric("kvstrata_connector_tier_used_bytes", Kind.GAUGE, ("tier",),
                          "Bytes of a tier's slots in use, as this instance's caches track them")
 TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUGE, ("tier",),
