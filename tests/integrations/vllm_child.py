@@ -5,7 +5,7 @@ extra (kv_connector_extra_config), passes (a list of prompt batches, each a list
 lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
 multiprocessing (vLLM's engine core and worker in processes of their own; default true),
 max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks),
-dtype (default bfloat16), kv_cache_bytes (vLLM's KV memory; default 64 MiB), block_size (default 32; vLLM's CPU MLA forces 16), attention_backend
+dtype (default bfloat16), max_num_seqs (default 4), kv_cache_bytes (vLLM's KV memory; default 64 MiB), block_size (default 32; vLLM's CPU MLA forces 16), attention_backend
 (a vLLM attention backend by name; default: vLLM's choice), tensor_parallel_size (default 1; more runs
 vLLM's CPU workers over gloo/shm, one process each, their OpenMP threads left unbound: the
 automatic binding wants a NUMA node per rank).
@@ -44,7 +44,7 @@ def main(spec: dict) -> dict:
         tensor_parallel_size=tp,
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 * 1024**2),  # else vLLM sizes it from host RAM
         max_model_len=1024,
-        max_num_seqs=4,
+        max_num_seqs=spec.get("max_num_seqs", 4),
         # fewer tokens per step than a prompt: vLLM prefills it in chunks (None: vLLM's default)
         max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         enable_prefix_caching=spec.get("prefix_caching", False),
