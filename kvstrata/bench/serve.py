@@ -9,23 +9,26 @@ What runs, in order (see :mod:`kvstrata.bench.serve_config` for the servers):
    rotating from round to round; each round draws fresh tokens for the same conversations, so
    no round finds another's KV. vLLM's KV memory is a few requests' worth: by a conversation's
    next turn its blocks have been evicted from vLLM, and only kvstrata can serve them.
-2. Two servers, one pool. A second kvstrata server joins the first on the shared pool; each
+2. Concurrency. On the kvstrata server, bursts of requests sharing one prefix, all sent at once:
+   while only kvstrata holds the prefix, and while vLLM's own cache does
+   (:mod:`kvstrata.bench.serve_burst`): each block loaded once, TTFT against vLLM's own hit.
+3. Two servers, one pool. A second kvstrata server joins the first on the shared pool; each
    conversation's turns alternate between the two (no affinity), so a turn finds its history in
    the pool, put there by the other server.
-3. Restart. The second server is stopped and started again (its disk directory kept) and the
+4. Restart. The second server is stopped and started again (its disk directory kept) and the
    turns it served in the phase before are sent again: their KV comes from its disk tier (the
    blocks the other server put in the pool, from the pool).
-4. P/D. A ``kv_producer`` server computes each prompt (one token), a ``kv_consumer`` server
+5. P/D. A ``kv_producer`` server computes each prompt (one token), a ``kv_consumer`` server
    answers it with the KV read from the pool. Beside the decode server's TTFT: kvstrata's own
    restore time there and the prediction for this host (``HostCalibration.restore_s`` over the
    pool path: a ``kvstrata calibrate`` profile, else a quick calibration run here).
-5. Reference. A server with prefix caching off and no connector computes every distinct prompt
+6. Reference. A server with prefix caching off and no connector computes every distinct prompt
    sent above from scratch; each completion is compared with its answer.
 
 Without a pool (none configured and the pool engine not installed, or ``pool=False``) parts 2
-and 4 are skipped, kvstrata has no pool tier, and the kvstrata server restarts and replays the
+and 5 are skipped, kvstrata has no pool tier, and the kvstrata server restarts and replays the
 last round's turns. The no-reuse workload (:attr:`~kvstrata.bench.serve_plan.WorkloadKind.NO_REUSE`)
-runs the rounds alone, each round's two servers sent prompts of their own: parts 2-4 exist to
+runs the rounds alone, each round's two servers sent prompts of their own: parts 2-5 exist to
 reuse KV, and the reference checks the rounds' completions.
 Every server and an embedded pool are stopped however the run ends: an exception, Ctrl-C or
 SIGTERM (SIGINT is ignored while they stop, so a second Ctrl-C cannot leave them running).
@@ -34,6 +37,7 @@ SIGTERM (SIGINT is ignored while they stop, so a second Ctrl-C cannot leave them
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstrata.bench.rounds import rotated
+from kvstrata.bench.serve_burst import BurstPlan, BurstRun, plan_bursts
 from kvstrata.bench.serve_client import Endpoint, Handoff, Route, ask_each, drive
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
 from kvstrata.bench.serve_counters import Counters, counters_of
@@ -155,6 +160,7 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
         stack.callback(_ignore_sigint)  # unwinds first: nothing interrupts the stops below
         run = _Run(config, fleet, progress)
         rounds = run.rounds(rounds_plans)
+        bursts = run.bursts(plan_bursts(w, config.vocab, config.rounds, config.vllm_kv_tokens)) if reuse else ()
         shared: PhaseRun | None = None
         restart: RestartRun | None = None
         pd: PhaseRun | None = None
@@ -165,7 +171,7 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
             else:
                 restart = run.restart(Instance.OURS, rounds[-1].runs[Instance.OURS].records)
             pd = run.prefill_decode(later[1]) if source is not None else None
-        ran = RunLog(tuple(rounds), shared, restart, pd)
+        ran = RunLog(tuple(rounds), shared, restart, pd, bursts)
         if pd is not None and calibration is None:
             progress.start(1)
             progress.step("calibrating this host's restore paths (a few seconds)")
@@ -185,13 +191,16 @@ class _Run:
         self.config, self.fleet, self.progress = config, fleet, progress
         self.w = config.workload
 
-    def phase(self, plans: Sequence[TurnPlan], route: Route, servers: Sequence[Instance], label: str) -> PhaseRun:
+    def phase(self, plans: Sequence[TurnPlan], route: Route, servers: Sequence[Instance], label: str,
+              rate_per_s: float | None = None) -> PhaseRun:
         """One phase, on a quiet host: a vLLM worker busy-polls its queue for a while after its
         last step (about 1 s), and a phase begun while the last one's server still spun on the
-        CPUs this one's is bound to had its first requests take 0.2-0.7 s to a first token."""
+        CPUs this one's is bound to had its first requests take 0.2-0.7 s to a first token.
+        ``rate_per_s``: the pace (None: the workload's; ``math.inf``: every request at once)."""
         wait_quiet()
         before = self.fleet.counters(servers)
-        driven = drive(plans, route, self.w.max_tokens, self.w.rate_per_s, self.progress, label)
+        rate = self.w.rate_per_s if rate_per_s is None else rate_per_s
+        driven = drive(plans, route, self.w.max_tokens, rate, self.progress, label)
         time.sleep(SETTLE_S)
         after = self.fleet.counters(servers)
         return PhaseRun(driven.records, {s: after[s].minus(before[s]) for s in servers}, driven.prefills)
@@ -210,6 +219,27 @@ class _Run:
             out.append(RoundRun(order, by))
         self.fleet.stop(Instance.BASELINE)
         return out
+
+    def bursts(self, plans: Sequence[BurstPlan]) -> tuple[BurstRun, ...]:
+        """Each round's bursts on the kvstrata server (:mod:`kvstrata.bench.serve_burst`)."""
+        endpoint = self.fleet.endpoint(Instance.OURS)
+        out = []
+        for plan in plans:
+            def send(prompts: Sequence[Sequence[int]], what: str) -> PhaseRun:
+                return self.phase(replay_plans(prompts), lambda c, t: endpoint, [Instance.OURS],
+                                  f"concurrency {plan.index + 1}/{len(plans)}: {what}", rate_per_s=math.inf)
+
+            seed = send([plan.seed], "the shared prefix, computed")
+            if plan.kvstrata_first:
+                fill = send(plan.fillers, "evicting it from vLLM")
+                ours = send(plan.from_kvstrata, f"{len(plan.from_kvstrata)} at once, the prefix in kvstrata")
+                vllm = send(plan.from_vllm, f"{len(plan.from_vllm)} at once, the prefix in vLLM")
+            else:
+                vllm = send(plan.from_vllm, f"{len(plan.from_vllm)} at once, the prefix in vLLM")
+                fill = send(plan.fillers, "evicting it from vLLM")
+                ours = send(plan.from_kvstrata, f"{len(plan.from_kvstrata)} at once, the prefix in kvstrata")
+            out.append(BurstRun(plan, ours, vllm, (seed, fill)))
+        return tuple(out)
 
     def shared(self, plans: Sequence[TurnPlan]) -> PhaseRun:
         self.fleet.start(Instance.SECOND)

@@ -243,12 +243,12 @@ def plan_conversations(trace: Sequence[Request], workload: ServeWorkload, vocab:
                 trace_id = request.hash_ids[b]
                 if trace_id in seen and shared == b:  # a leading run another opener had
                     shared += 1
-                opener += _draw(workload.seed, vocab, variant, f"block/{trace_id}", workload.block_tokens)
+                opener += draw(workload.seed, vocab, variant, f"block/{trace_id}", workload.block_tokens)
             else:  # the trace left this block unhashed: it is this request's own
-                opener += _draw(workload.seed, vocab, variant, f"own/{index}/{b}", workload.block_tokens)
-        opener += _draw(workload.seed, vocab, variant, f"tail/{index}", tail)
+                opener += draw(workload.seed, vocab, variant, f"own/{index}/{b}", workload.block_tokens)
+        opener += draw(workload.seed, vocab, variant, f"tail/{index}", tail)
         seen.update(request.hash_ids[:full])
-        user = tuple(tuple(_draw(workload.seed, vocab, variant, f"user/{index}/{t}", workload.user_tokens))
+        user = tuple(tuple(draw(workload.seed, vocab, variant, f"user/{index}/{t}", workload.user_tokens))
                      for t in range(1, workload.turns))
         plans.append(ConversationPlan(index, tuple(opener), user, request.input_length, shared))
     return tuple(plans)
@@ -284,7 +284,7 @@ def plan_no_reuse(trace: Sequence[Request], workload: ServeWorkload, vocab: int,
                 length = opener_tokens(request, workload) + turn * grow
                 number = (stream * workload.conversations + index) * workload.turns + turn
                 tag = _digits(number, base, width)
-                rest = _draw(workload.seed, vocab, stream, f"fresh/{index}/{turn}", max(0, length - width))
+                rest = draw(workload.seed, vocab, stream, f"fresh/{index}/{turn}", max(0, length - width))
                 prompts.append(tuple([*tag, *rest][:length]))
             plans.append(FreshPlan(index, tuple(prompts)))
         out.append(tuple(plans))
@@ -313,7 +313,7 @@ def replay_plans(prompts: Sequence[Sequence[int]]) -> tuple[ConversationPlan, ..
 
 def warm_prompts(workload: ServeWorkload, vocab: int, count: int, tag: str) -> list[tuple[int, ...]]:
     """Prompts of their own (two blocks and a token) to warm a fresh server up with."""
-    return [tuple(_draw(workload.seed, vocab, -1, f"warm/{tag}/{i}", 2 * workload.block_tokens + 1))
+    return [tuple(draw(workload.seed, vocab, -1, f"warm/{tag}/{i}", 2 * workload.block_tokens + 1))
             for i in range(count)]
 
 
@@ -353,7 +353,7 @@ def _digits(number: int, base: int, width: int) -> list[int]:
     return out[::-1]
 
 
-def _draw(seed: int, vocab: int, variant: int, what: str, count: int) -> list[int]:
+def draw(seed: int, vocab: int, variant: int, what: str, count: int) -> list[int]:
     """``count`` token ids for ``what``, the same for the same seed, variant and name."""
     rng = random.Random(f"{seed}/{variant}/{what}")  # a str seed: stable across processes
     return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(count)]

@@ -29,6 +29,7 @@ from kvstrata.report import OMIT, OMIT_NONE
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from kvstrata.bench.serve_burst import BurstRun, Concurrency
     from kvstrata.bench.serve_config import ServeBenchConfig
     from kvstrata.bench.serve_plan import TurnPlan
     from kvstrata.plan.host import HostCalibration
@@ -289,6 +290,8 @@ class ServeBenchReport:
         versus: kvstrata over the baseline, paired per round.
         shared_pool, restart, prefill_decode: the later parts (or why they did not run: no pool,
             or the no-reuse workload, which runs the rounds alone).
+        concurrency: bursts of requests sharing a prefix only kvstrata holds, against the same
+            when vLLM's cache holds it (:mod:`kvstrata.bench.serve_burst`; the no-reuse workload: skipped).
         pool: where the pool came from (None: no pool).
         reference_prompts: prompts the reference server computed.
         identical: every completion checked equals the reference's.
@@ -307,6 +310,7 @@ class ServeBenchReport:
     shared_pool: SharedPool | Skipped
     restart: Restart | Skipped
     prefill_decode: PrefillDecode | Skipped
+    concurrency: Concurrency | Skipped
     pool: PoolSource | None
     reference_prompts: int
     identical: bool
@@ -341,10 +345,12 @@ class RunLog:
     shared: PhaseRun | None
     restart: RestartRun | None
     prefill_decode: PhaseRun | None
+    bursts: tuple[BurstRun, ...] = ()
 
     def runs(self) -> list[PhaseRun]:
         optional = (self.shared, self.restart.run if self.restart is not None else None, self.prefill_decode)
-        return [run for r in self.rounds for run in r.runs.values()] + [run for run in optional if run is not None]
+        return ([run for r in self.rounds for run in r.runs.values()] + [run for run in optional if run is not None]
+                + [run for b in self.bursts for run in b.runs()])
 
 
 def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[TurnPlan], ran: RunLog,
@@ -388,8 +394,17 @@ def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[Tur
     if ran.prefill_decode is not None:
         calibration, basis, workers = prediction
         pd = prefill_decode(final(ran.prefill_decode), bt, config.block_bytes, workers, calibration, basis)
+    bursts: Concurrency | Skipped = Skipped("--workload no-reuse")
+    if ran.bursts:
+        from kvstrata.bench.serve_burst import concurrency
+
+        bursts = concurrency([replace(b, from_kvstrata=final(b.from_kvstrata), from_vllm=final(b.from_vllm),
+                                      others=tuple(final(o) for o in b.others)) for b in ran.bursts],
+                             Instance.OURS, bt)
     baseline, ours = over_rounds(Instance.BASELINE), over_rounds(Instance.OURS)
     every = [baseline, ours]
+    if not isinstance(bursts, Skipped):
+        every += [bursts.from_kvstrata, bursts.from_vllm, bursts.setup]
     if isinstance(restart, Restart):
         every.append(restart.replay)
     if isinstance(shared, SharedPool):
@@ -397,7 +412,7 @@ def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[Tur
     if isinstance(pd, PrefillDecode):
         every += [pd.decode, pd.prefill]
     return ServeBenchReport(config, trace, tuple(len(p.opener) for p in first_plans), baseline, ours, rounds,
-                            versus(rounds), shared, restart, pd, pool, len(reference),
+                            versus(rounds), shared, restart, pd, bursts, pool, len(reference),
                             all(m.identical is True for m in every), start_s, metrics_text, wall_s)
 
 

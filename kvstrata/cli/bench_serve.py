@@ -267,6 +267,12 @@ def _print_serve(report: ServeBenchReport) -> None:
         skipped("restart", report.restart.skipped)
     else:
         row(f"{report.restart.server.value}, restarted", report.restart.replay)
+    burst = report.concurrency
+    if isinstance(burst, Skipped):
+        skipped("concurrency", burst.skipped)
+    else:
+        row(f"{burst.requests} at once, prefix in kvstrata", burst.from_kvstrata)
+        row(f"{burst.requests} at once, prefix in vLLM", burst.from_vllm)
     pd = report.prefill_decode
     if isinstance(pd, Skipped):
         skipped("P/D", pd.skipped)
@@ -295,6 +301,13 @@ def _print_serve(report: ServeBenchReport) -> None:
         lines.append(f"Restart: {report.restart.server.value} stopped and started again in "
                      f"{report.restart.restart_s:.0f} s, its disk tier kept; {len(report.restart.replay.requests)} "
                      "turns it had served sent again.")
+    if not isinstance(burst, Skipped):
+        once = "each block once" if burst.loaded_once else "[bold red]some more than once[/]"
+        lines.append(
+            f"Concurrency: {burst.requests} requests at once sharing a {burst.prefix_blocks}-block prefix, in "
+            f"{burst.ttft_p90.rounds} round(s); the burst whose prefix only kvstrata held over the one whose prefix vLLM's "
+            f"cache held: TTFT p90 {spread_x(burst.ttft_p90)}, p50 {spread_x(burst.ttft_p50)}. Blocks loaded from "
+            f"kvstrata: {burst.loaded_blocks} in {burst.load_requests} load(s) ({once}).")
     if not isinstance(pd, Skipped):
         predicted = "-" if pd.restore_predicted_s is None else f"{pd.restore_predicted_s * 1e3:.1f} ms"
         lines.append(

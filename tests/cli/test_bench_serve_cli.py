@@ -90,11 +90,12 @@ def test_the_table_says_which_parts_were_skipped_and_why(capsys):
     report = ServeBenchReport(
         ServeBenchConfig(ServeWorkload(), Path("/models/tiny"), 4096, 131072), "t.jsonl", (352, 96),
         measured(Instance.BASELINE), measured(Instance.OURS, same=False), rounds, versus(rounds), Skipped("--no-pool"),
-        Restart(Instance.OURS, 19.0, measured(Instance.OURS), ""), Skipped("--no-pool"), None, 8, False,
+        Restart(Instance.OURS, 19.0, measured(Instance.OURS), ""), Skipped("--no-pool"), Skipped("--no-pool"), None, 8,
+        False,
         {Instance.BASELINE: 20.0}, {}, 60.0)
     _print_serve(report)
     out = capsys.readouterr().out
-    assert out.count("skipped") == 2 and "--no-pool" in out
+    assert out.count("skipped") == 3 and "--no-pool" in out
     assert "host 38% disk 12%" in out  # 6 and 2 blocks of 32 tokens over 4 x 128 prompt tokens
     assert "NO (4)" in out and "some differ" in out
     assert "P/D handoff" not in out
@@ -123,10 +124,10 @@ def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios_and_the_co
     why = Skipped("--workload no-reuse")
     report = ServeBenchReport(
         ServeBenchConfig(ServeWorkload(kind=WorkloadKind.NO_REUSE), Path("/models/tiny"), 4096, 131072), "t.jsonl",
-        (352, 96), base, ours, rounds, versus(rounds), why, why, why, None, 8, True, {}, {}, 60.0)
+        (352, 96), base, ours, rounds, versus(rounds), why, why, why, why, None, 8, True, {}, {}, 60.0)
     _print_serve(report)
     out = " ".join(capsys.readouterr().out.split())
-    assert out.count("skipped") == 3 and out.count("--workload no-reuse") == 3
+    assert out.count("skipped") == 4 and out.count("--workload no-reuse") == 4
     assert "no reuse: every prompt new" in out and "Restart:" not in out
     assert "TTFT p50 1.00x (1.00-1.00), p90 1.00x (1.00-1.00), TPOT p50 1.25x (1.25-1.25)" in out
     assert "connector CPU per request: 0.62 ms (scheduler 0.11, worker 0.51)" in out
