@@ -16,6 +16,11 @@ class TierUnavailable(RuntimeError):
     """The service behind a tier cannot be reached (a pool master or daemon is down)."""
 
 
+class LoadCancelled(Exception):
+    """The load this leg belongs to was given up by its caller before the leg ran: nothing was
+    read or written, both slots are as they were."""
+
+
 class TransferAbandoned(TierUnavailable):
     """A transfer timed out; its bytes may still land in the destination later, so the
     caller must never reuse that destination (quarantine the slot) nor trust it.

@@ -91,6 +91,7 @@ class LoadHandle:
         self._keys: tuple[BlockKey, ...] = ()
         self._released = False
         self._release_lock = threading.Lock()
+        self._cancelled = threading.Event()
 
     # --- filled by the cache ---
     def _plan(self, keys: tuple[BlockKey, ...], slots: tuple[int, ...]) -> None:
@@ -125,6 +126,14 @@ class LoadHandle:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Give the load up: blocks not yet being read are not read (the load ends stopped, at
+        the first of them); what is in flight lands. ``release`` still waits for its end."""
+        self._cancelled.set()
+
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
 
     @property
     def blocks(self) -> int:

@@ -150,6 +150,15 @@ class SlicedLoad:
         for handle in self.handles:
             handle.wait_layer(layer, timeout)
 
+    def done(self) -> bool:
+        """Every part of the load has ended (loaded, failed or stopped)."""
+        return all(h.done() for h in self.handles)
+
+    def cancel(self) -> None:
+        """Give every part up (:meth:`LoadHandle.cancel`)."""
+        for handle in self.handles:
+            handle.cancel()
+
     @property
     def blocks(self) -> int:
         """Whole blocks loaded, from the first on (a segment loaded short ends the count)."""

@@ -137,7 +137,7 @@ class TieredCache:
         try:
             self._carry_out(plan.room)
             fetches = plan.legs(Step.FETCH)
-            fetched = self._outcomes.moved(self._worker.move(fetches), moves)
+            fetched = self._outcomes.moved(self._worker.move(fetches, cancelled=handle.cancelled), moves)
             plan, drops = self.manager.complete_fetch(plan, fetched.failures)
             self._outcomes.settled(fetches, fetched)
             self._carry_out(drops)

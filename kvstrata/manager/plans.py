@@ -35,6 +35,7 @@ class StopReason(enum.Enum):
     MISSING = "missing"  # the block was gone from its tier (a shared pool evicted it, say)
     UNAVAILABLE = "unavailable"  # the tier's service is down (nothing was exposed to it)
     ABANDONED = "abandoned"  # the tier stopped answering mid-transfer; the destination slot is retired
+    CANCELLED = "cancelled"  # the caller gave the load up (past its budget) before this block was read
     FAILED = "failed"  # moving the block raised an unexpected error (the load raises it)
 
 
@@ -46,6 +47,7 @@ class Failure(enum.Enum):
     UNAVAILABLE = "unavailable"  # the tier is down; nothing was exposed: the destination is reusable
     ABANDONED = "abandoned"  # timed out with the destination exposed: it may still be written, retire it
     NO_SPACE = "no-space"  # the destination's medium is full below its capacity: hold no more there
+    CANCELLED = "cancelled"  # the load was given up before this leg ran: nothing touched, both slots reusable
     ERROR = "error"  # anything else: the destination is discarded, the error surfaces
 
     @property
@@ -63,6 +65,7 @@ _STOPS = {
     Failure.UNAVAILABLE: StopReason.UNAVAILABLE,
     Failure.ABANDONED: StopReason.ABANDONED,
     Failure.NO_SPACE: StopReason.FAILED,
+    Failure.CANCELLED: StopReason.CANCELLED,
     Failure.ERROR: StopReason.FAILED,
 }
 

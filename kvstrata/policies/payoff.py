@@ -20,6 +20,14 @@ size only is predicted flat above it (a cold first load is no slope). A tier tha
 request may load one block from it: a bounded cost that tells whether it recovered. Each probe
 that finds it still slow doubles the wait, up to ``PROBE_MAX_S``.
 
+A grant carries a budget once the prefill is measured: ``BUDGET_FACTOR`` times the time computing
+its tokens would take, at least ``BUDGET_MIN_S`` (a grant is predicted to take well under its
+prefill, so a load past twice that is a tier gone slow, not a noisy host). A load that holds the
+step up longer is given up and its blocks are computed instead, so a tier that turned slow since
+it was measured, or was never measured (the first load from a capped disk), costs a request at
+most about three times the prefill of its hit, not whatever the tier takes; and the failure it
+reports tells the decision the tier no longer pays.
+
 No clocks are read here: callers pass ``now_s``.
 """
 
@@ -35,6 +43,8 @@ PREFILL_MIN_SPREAD = 16  # ... and the spread of their token counts (a slope fro
 PROBE_EVERY_S = 5.0
 PROBE_MAX_S = 60.0
 MARGIN = 1.25  # a grant must save this many times what it costs (estimates are noisy)
+BUDGET_FACTOR = 2.0  # a load may hold the step up this many times the prefill it saves
+BUDGET_MIN_S = 0.005  # ... and never less: a stalled thread or a page fault is not a slow tier
 
 
 @dataclass
@@ -94,6 +104,8 @@ class Grant:
         load_s: predicted time to load the granted blocks (None: not measured yet).
         saved_s: predicted prefill time those blocks save (None: not measured yet).
         probe: the grant is one block from a tier that stopped paying, to measure it again.
+        budget_s: how long the load may hold the step up before it is given up and its blocks
+            computed (None: the prefill not measured yet, no budget).
     """
 
     blocks: int
@@ -101,6 +113,7 @@ class Grant:
     load_s: float | None = None
     saved_s: float | None = None
     probe: Medium | None = None
+    budget_s: float | None = None
 
 
 @dataclass
@@ -174,7 +187,8 @@ class LoadOrRecompute:
             return Grant(0)
         per_token = self.per_token_s
         if per_token is None or any(m not in self.loads for m in tiers):
-            return Grant(len(tiers))  # not measured yet: loading it is how it gets measured
+            # not measured yet: loading it is how it gets measured (within the prefill's time, once known)
+            return Grant(len(tiers), budget_s=self._budget(len(tiers), per_token))
         best, best_gain, best_load = 0, 0.0, 0.0
         by_tier: dict[Medium, int] = {}
         for k, medium in enumerate(tiers, 1):
@@ -195,8 +209,16 @@ class LoadOrRecompute:
             self._probed_at.pop(medium, None)
         if best == 0 and self._probe(tiers[0], now_s):
             probe = len(tiers) if whole else 1
-            return Grant(probe, _count(tiers[probe:]), probe=tiers[0])
-        return Grant(best, declined, best_load, best * self.block_tokens * per_token)
+            return Grant(probe, _count(tiers[probe:]), probe=tiers[0], budget_s=self._budget(probe, per_token))
+        return Grant(best, declined, best_load, best * self.block_tokens * per_token,
+                     budget_s=self._budget(best, per_token) if best else None)
+
+    def _budget(self, blocks: int, per_token: float | None) -> float | None:
+        """``BUDGET_FACTOR`` times the prefill of ``blocks`` blocks (at least ``BUDGET_MIN_S``);
+        None before the prefill is measured."""
+        if per_token is None:
+            return None
+        return max(BUDGET_MIN_S, BUDGET_FACTOR * blocks * self.block_tokens * per_token)
 
     def _probe(self, medium: Medium, now_s: float) -> bool:
         """Whether a tier declined since its last probe (or for ``probe_every_s``) may be tried

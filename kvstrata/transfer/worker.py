@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvstrata.errors import BlockMissing, CorruptBlock, TierUnavailable, TransferAbandoned
+from kvstrata.errors import BlockMissing, CorruptBlock, LoadCancelled, TierUnavailable, TransferAbandoned
 from kvstrata.manager.plans import Failure, Leg, Placement, Room, Victim
 from kvstrata.media import Medium
 from kvstrata.tiers.base import Pieces, Tier
@@ -99,6 +99,8 @@ def classify(error: BaseException | None) -> Failure | None:
         return Failure.CORRUPT
     if isinstance(error, TierUnavailable):
         return Failure.UNAVAILABLE
+    if isinstance(error, LoadCancelled):
+        return Failure.CANCELLED
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return Failure.NO_SPACE
     return Failure.ERROR
@@ -151,14 +153,16 @@ class TransferWorker:
 
     # --- moving bytes --------------------------------------------------------------------------
 
-    def move(self, legs: Sequence[Leg], layers: slice = slice(None)) -> Moved:
+    def move(self, legs: Sequence[Leg], layers: slice = slice(None),
+             cancelled: Callable[[], bool] | None = None) -> Moved:
         """Move ``legs`` (``layers`` of each), in parallel on the byte movers: a memory-to-memory
         group is one batched copy, and so is a group into or out of memory by a pipelined tier
         (the pool: it overlaps its calls with its checks itself); a group whose source reads
         many blocks in one call is split in one batch per mover; any other leg (a file read or
         write) is a task of its own, so a slow one holds up one mover, not a fixed share; reads
-        into memory of a tier with readers of its own (the disk) run on those.
-        Returns when all are settled."""
+        into memory of a tier with readers of its own (the disk) run on those. ``cancelled``:
+        asked before each call starts; once true, the calls not yet started fail with
+        :class:`LoadCancelled` (their slots untouched). Returns when all are settled."""
         _check_layers(layers)
         if not legs:
             return Moved()
@@ -180,7 +184,12 @@ class TransferWorker:
             chunks += [group[w::split] for w in range(split)]
             pools += [pool] * split
         ready = self._ready_event(legs)
-        tasks = [lambda c=c: self._run_handler([legs[i] for i in c], layers, ready) for c in chunks]
+        def task(chunk: list[int]) -> tuple[list, TransferResult | None]:
+            if cancelled is not None and cancelled():
+                return [LoadCancelled("the load was given up before this block was read")] * len(chunk), None
+            return self._run_handler([legs[i] for i in chunk], layers, ready)
+
+        tasks = [lambda c=c: task(c) for c in chunks]
         return _assemble(len(legs), chunks, self._run_all(tasks, pools))
 
     def copy_layers(self, legs: Sequence[Leg], ranges: Sequence[range], on_range: Callable[[range], None]) -> Moved:

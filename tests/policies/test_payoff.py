@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.media import Medium
-from kvstrata.policies.payoff import PROBE_EVERY_S, DecayingFit, LoadOrRecompute
+from kvstrata.policies.payoff import BUDGET_FACTOR, BUDGET_MIN_S, PROBE_EVERY_S, DecayingFit, LoadOrRecompute
 
 H, D, R = Medium.HOST, Medium.DISK, Medium.REMOTE
 BT = 32
@@ -105,3 +105,17 @@ def test_a_grant_never_costs_more_than_it_saves(tiers, per_token, host, disk, re
     if grant.blocks and grant.probe is None:
         assert grant.saved_s >= d.margin * grant.load_s
     assert sum(grant.declined.values()) == len(tiers) - grant.blocks
+
+
+def test_a_grant_s_budget_is_the_prefill_of_its_blocks_once_the_prefill_is_measured() -> None:
+    assert LoadOrRecompute(BT).grant((H, H, D), 0.0).budget_s is None  # nothing measured: no budget
+    d = _measured(host=1e-5)  # 50 us a token: a block's prefill takes 1.6 ms
+    first = d.grant((H, D, D), 0.0)  # the disk never measured: granted whole, within twice the prefill of its tokens
+    assert first.blocks == 3 and first.budget_s == pytest.approx(BUDGET_FACTOR * 3 * BT * 50e-6, rel=0.02)
+    assert d.grant((H,) * 8, 0.0).budget_s == pytest.approx(BUDGET_FACTOR * 8 * BT * 50e-6, rel=0.02)
+    assert d.grant((H,), 0.0).budget_s == BUDGET_MIN_S  # a stalled thread is not a slow tier
+    # the first load ran out its budget and failed: the disk no longer pays, its probe carries a budget too
+    d.failed(D, 3, first.budget_s)
+    assert d.grant((D, D), 1.0).blocks == 0
+    probe = d.grant((D, D), 1.0 + PROBE_EVERY_S)
+    assert probe.probe is D and probe.blocks == 1 and probe.budget_s == BUDGET_MIN_S

@@ -37,6 +37,7 @@ class LoadSpec:
     tokens: list[int]  # the prefix up to the end of the hit (full blocks)
     external_tokens: int  # tokens of the hit beyond vLLM's own prefix-cache hit
     groups: list[GroupBlocks]
+    budget_s: float | None = None  # how long it may hold the step up, then its blocks are computed (None: no limit)
 
     @property
     def block_ids(self) -> list[int]:

@@ -23,7 +23,9 @@ weighs each tier's measured loads against the prefill's measured rate
 (:class:`~kvstrata.policies.payoff.LoadOrRecompute`, fed by the workers' measurements through
 ``update_connector_output``: :mod:`~kvstrata.integrations.vllm.feedback`), so a slow or failing
 tier stops being used without a restart, and is tried again with one block now and then. The
-blocks held but not granted are counted (``declined_blocks``).
+blocks held but not granted are counted (``declined_blocks``). A grant's load carries a budget,
+the prefill of its tokens (:class:`LoadSpec` ``budget_s``): a load that holds the step up longer
+is given up by the workers and its blocks are computed.
 
 Save or skip. A store costs the workers CPU, on a CPU server taken from the forward; it pays
 only where its blocks come back as kvstrata hits. Where this server can see that (it loads what
@@ -113,6 +115,7 @@ class KVStrataConnectorScheduler:
         self._counts = LookupCounts()
         self.decision = LoadOrRecompute(block_size)
         self._granted: dict[str, tuple[Medium, int]] = {}  # req_id -> the tier its load waits for, its blocks
+        self._budgets: dict[str, float] = {}  # req_id -> how long its granted load may hold a step up
         self.saving = SaveOrSkip(block_size, horizon_blocks)
         self._judge_saves = judge_saves and loads_enabled and saves_enabled
         self._storing: dict[str, bool] = {}  # req_id -> whether its prompt blocks are stored (decided once)
@@ -128,6 +131,7 @@ class KVStrataConnectorScheduler:
         if usable <= num_computed_tokens:
             return 0, False
         self._granted.pop(request.request_id, None)
+        self._budgets.pop(request.request_id, None)
         tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
         own = -(-num_computed_tokens // self._block_size)  # blocks vLLM holds itself
         # a sliding or chunked group keeps its windows only where a hit may end: all or none of it
@@ -137,6 +141,8 @@ class KVStrataConnectorScheduler:
         if grant.blocks:
             granted = tiers[own : own + grant.blocks]
             self._granted[request.request_id] = (max(granted, key=lambda m: m.value), grant.blocks)
+            if grant.budget_s is not None:
+                self._budgets[request.request_id] = grant.budget_s
         return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -237,7 +243,8 @@ class KVStrataConnectorScheduler:
         bs = self._block_size
         first = (end - external) // bs
         return LoadSpec(req_id, prompt[:end], external,
-                        [_window(ids[first : end // bs], first, null) for ids in block_ids])
+                        [_window(ids[first : end // bs], first, null) for ids in block_ids],
+                        self._budgets.pop(req_id, None))
 
     def _save_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
                    null: int) -> SaveSpec:
@@ -258,6 +265,7 @@ class KVStrataConnectorScheduler:
         self._lookups.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
         self._granted.pop(request.request_id, None)
+        self._budgets.pop(request.request_id, None)
         self._storing.pop(request.request_id, None)
         return False, None
 

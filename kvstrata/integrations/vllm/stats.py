@@ -94,6 +94,7 @@ class WorkerStats:
     failed_blocks: int = 0
     recomputed_blocks: int = 0  # failed blocks vLLM was told to recompute (kv_load_failure_policy "recompute")
     dropped_blocks: int = 0  # blocks of saves dropped: the stores in flight held save_backlog_bytes already
+    late_loads: int = 0  # loads given up past their budget (the prefill of their tokens): computed instead
     last_failure: str | None = None
     remote_error: str | None = None
     tp: list[int] = field(default_factory=lambda: [0, 1])  # this worker's TP rank and size
@@ -136,6 +137,10 @@ class WorkerStats:
         with self._lock:
             self.failed_blocks += blocks
             self.last_failure = why
+
+    def late(self) -> None:
+        with self._lock:
+            self.late_loads += 1
 
     def dropped(self, blocks: int) -> None:
         with self._lock:

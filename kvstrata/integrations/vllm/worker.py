@@ -15,7 +15,8 @@ Loads. ``start_load_kv`` starts, per :class:`LoadSpec`, one kvstrata load per gr
 blocks to fill, of exactly those blocks (a sliding group: its window; blocks vLLM found in its
 own prefix cache: none); each layer's hook waits for that layer and copies it into vLLM's blocks.
 A load that cannot be served whole in every group (its blocks left kvstrata after the
-scheduler's lookup, a load failed or stopped early, a layer was never copied) has every block
+scheduler's lookup, a load failed or stopped early, a layer was never copied, or it held the
+step up past its budget, the prefill of its tokens: :class:`LoadSpec` ``budget_s``) has every block
 it writes reported through ``get_block_ids_with_load_errors``; vLLM recomputes them
 (``kv_load_failure_policy="recompute"``) or fails the request, and never reads them as valid KV.
 
@@ -74,6 +75,7 @@ class _ActiveLoad:
     handles: list[Any]  # per group, a LoadHandle or SlicedLoad; None: the group fills no blocks
     layers_done: list[int]  # per group, layers copied
     failed: bool = False
+    held_s: float = 0.0  # how long it has held vLLM's step up (waiting for it, copying it)
 
 
 class _CountingSaver(ThreadPoolExecutor):
@@ -117,6 +119,7 @@ class KVStrataConnectorWorker:
         self._server: LookupServer | None = None
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, layer within the group)
         self._active: list[_ActiveLoad] = []
+        self._abandoned: list[Any] = []  # loads given up while in flight: released once they end, never waited for
         self._staged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]] = {}  # (req, group) -> kv, staged
         self._taken: dict[str, bool] = {}  # req -> whether this step stores its save (the backlog's room)
         self._failed_blocks: set[int] = set()
@@ -242,7 +245,8 @@ class KVStrataConnectorWorker:
                                     "scheduler's lookup")
                     break
                 active.handles.append(load)
-            self.clock.charge(spec.req_id, time.perf_counter() - started)
+            active.held_s = time.perf_counter() - started
+            self.clock.charge(spec.req_id, active.held_s)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: copy that layer of every load into vLLM's blocks."""
@@ -253,15 +257,26 @@ class KVStrataConnectorWorker:
             if not active.failed:
                 started = time.perf_counter()
                 self._copy_layer(active, *where)
-                self.clock.charge(active.spec.req_id, time.perf_counter() - started)
+                took = time.perf_counter() - started
+                active.held_s += took
+                self.clock.charge(active.spec.req_id, took)
 
     def _copy_layer(self, active: _ActiveLoad, group: int, layer: int) -> None:
         handle = active.handles[group] if group < len(active.handles) else None
         if handle is None:
             return
         block_ids = active.spec.groups[group].block_ids
+        budget = active.spec.budget_s
         try:
-            handle.wait_layer(layer)
+            handle.wait_layer(layer, None if budget is None else max(0.0, budget - active.held_s))
+        except TimeoutError:
+            if not handle.done():  # past its budget: computing its tokens is quicker than waiting on
+                self._stats.late()
+                self._fail_load(active, f"the load held the step up past its budget of {budget * 1e3:.1f} ms "
+                                "(set from the prefill of its tokens): its blocks are computed")
+                return
+            self._fail_load(active, "load failed: timed out")
+            return
         except Exception as exc:  # noqa: BLE001 - the blocks are reported, vLLM recomputes them
             self._fail_load(active, f"load failed: {exc}")
             return
@@ -273,11 +288,16 @@ class KVStrataConnectorWorker:
 
     def _finish_loads(self) -> None:
         """End of the forward: release the loads, and report any whose layers were not all
-        copied (their blocks were read as they were: vLLM must recompute them)."""
+        copied (their blocks were read as they were: vLLM must recompute them). A failed load
+        still in flight (given up past its budget) is not waited for: released once it ends."""
+        self._abandoned = [h for h in self._abandoned if not _released_if_done(h)]
         for active in self._active:
             results = []
             for g, handle in enumerate(active.handles):
                 if handle is None:
+                    continue
+                if active.failed and not handle.done():
+                    self._abandoned.append(handle)
                     continue
                 try:
                     results.append((g, len(active.spec.groups[g].block_ids), handle.wait()))
@@ -341,6 +361,9 @@ class KVStrataConnectorWorker:
     def _fail_load(self, active: _ActiveLoad, why: str) -> None:
         """Every block the load writes, in every group, is reported: its KV is not all there."""
         active.failed = True
+        for handle in active.handles:
+            if handle is not None:
+                handle.cancel()  # its bytes will not be used: what it has not started reading, it does not read
         block_ids = active.spec.block_ids
         self._failed_blocks.update(block_ids)
         self._stats.failed(len(block_ids), why)
@@ -444,6 +467,9 @@ class KVStrataConnectorWorker:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for handle in self._abandoned:
+            handle.release()  # waits for it to end: it writes into the caches' memory
+        self._abandoned = []
         if self._groups:
             self._close_caches()
             if self._stats_file is not None:
@@ -464,3 +490,11 @@ class KVStrataConnectorWorker:
                 self._stats_file.write_now()
             else:
                 self._stats_file.poke()
+
+
+def _released_if_done(handle: Any) -> bool:
+    """Release a load given up in flight once it has ended; whether it has."""
+    if not handle.done():
+        return False
+    handle.release()
+    return True

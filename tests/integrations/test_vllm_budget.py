@@ -1,0 +1,49 @@
+"""A load past its budget is given up: a disk far slower than computing costs a request about
+its prefill, not what the disk takes.
+
+A vLLM engine (CPU, tiny random-weight Llama, prefix caching off) whose kvstrata keeps blocks on
+a disk tier capped at 0.2 MB/s, a cap the connector is not told of, stores six prompts, then is
+asked them again. The disk was never loaded from, so the first hit is granted whole, with a budget
+of twice the prefill of its tokens (the prefill measured by then); reading it would take seconds.
+The load is given up past its budget, its blocks are computed, and the failure tells the
+scheduler the disk does not pay: the later prompts are computed without waiting on it. Every
+completion is the one computed the first time.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstrata.kv.presets import load_geometry  # noqa: E402
+from tests.integrations.test_vllm import BLOCK, MiB, run_children, spec  # noqa: E402
+
+_rng = random.Random(23)
+PROMPTS = [[_rng.randrange(10, 4000) for _ in range(n)] for n in (200, 260, 230, 290, 250, 270)]
+CAP_GBPS = 0.0002  # 0.2 MB/s
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("budget")
+    model = Path(tiny_model_dir)
+    s = spec(model, tmp, "slow", passes=[PROMPTS, PROMPTS], max_tokens=4, host_bytes=0, disk_dir=str(tmp / "disk"),
+             disk_bytes=64 * MiB, disk_read_gbps=CAP_GBPS)
+    return run_children({"slow": s}, tmp)["slow"] | {"block_bytes": load_geometry(str(model), "bfloat16").bytes_per_token * BLOCK}
+
+
+def test_a_load_from_a_disk_slower_than_computing_is_given_up_and_computed(run):
+    first, again = run["passes"]
+    stats = again["stats"]
+    assert first["stats"]["new_blocks"] > 0 and first["stats"]["load_requests"] == 0
+    # the first hit was granted (never measured), ran past its budget, and was computed instead
+    assert stats["late_loads"] >= 1 and "budget" in stats["last_failure"]
+    assert stats["recomputed_blocks"] >= stats["failed_blocks"] > 0
+    # waiting on the disk for one prompt's hit would have taken this long; the pass took far less
+    one_hit_s = min((len(p) - 1) // BLOCK for p in PROMPTS) * run["block_bytes"] / (CAP_GBPS * 1e9)
+    assert one_hit_s > 1.5 and again["seconds"] < one_hit_s / 2, (again["seconds"], one_hit_s)
+    assert again["tokens"] == first["tokens"]
