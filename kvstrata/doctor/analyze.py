@@ -12,7 +12,9 @@ The questions, in the order a person debugging "no speedup" asks them:
 4. Do its restores run at the rate the hardware model predicts (the calibrated fit for the
    tier's path, and the spec path's bottleneck link)?
 5. Did loading beat computing for the prompts seen? (the load-or-recompute model of
-   :mod:`kvstrata.plan.recompute` with the tier's achieved load time and the prefill rate)
+   :mod:`kvstrata.plan.recompute` with the tier's achieved load time and the prefill rate) And
+   which tiers' hits did the scheduler itself decline as slower than computing? (nothing to
+   change for speed: it computes them)
 6. What did failed loads cost? (blocks vLLM computed again)
 
 Each finding carries the one change most likely to help. Pure: no I/O, no torch.
@@ -34,7 +36,7 @@ from kvstrata.doctor.findings import (
     TierReport,
     Verdict,
 )
-from kvstrata.doctor.observation import ConnectorCounters, Observation, VllmCounters
+from kvstrata.doctor.observation import ConnectorCounters, Observation, TierCounters, VllmCounters
 from kvstrata.media import Medium
 from kvstrata.plan.host import GB, PrefillFit
 from kvstrata.plan.recompute import PlanKind
@@ -95,6 +97,7 @@ def diagnose(obs: Observation, hw: Expectations) -> Diagnosis:
         if report.achieved_gbps is not None and report.predicted_gbps is not None \
                 and report.achieved_gbps < RATE_SHORTFALL * report.predicted_gbps:
             findings.append(_below_prediction(report, report.medium in slow))
+    findings += [_declined(t) for t in conn.tiers if t.declined_blocks > 0 and t.medium not in slow]
     if conn.load_failed_blocks > 0:
         findings.append(_failures(conn, block_tokens, prefill))
     helped = _helps(obs, conn, tiers, timings, slow)
@@ -287,6 +290,23 @@ def _below_prediction(t: TierReport, slower_than_compute: bool) -> Finding:
         f"{_SLOWER_BECAUSE.get(t.medium, 'other work on the same path')}.{anyway}",
         Suggestion(Change.FASTER_PATH, f"{_FASTER.get(t.medium, 'A faster path')} (predicted "
                                        f"{t.predicted_gbps:.3g} GB/s).", t.medium),
+        t.medium,
+    )
+
+
+def _declined(t: TierCounters) -> Finding:
+    """Hits in a tier the scheduler left to vLLM to compute: its loads measured slower than
+    computing (or failed, or ran past their budget). Nothing to change for speed: kvstrata does
+    not use the tier while it stays so, and tries it again now and then."""
+    name = t.medium.label
+    return Finding(
+        Cause.DECLINED, Severity.INFO, f"Loading from {name} measured slower than computing: kvstrata computes instead",
+        (Evidence("declined_blocks", t.declined_blocks, "blocks"),),
+        f"{t.declined_blocks:,.0f} blocks of hits held in {name} were not loaded: the scheduler measured its loads "
+        f"slower than computing those tokens (or they failed, or ran past their budget), so vLLM computed them. It "
+        f"tries one block again now and then, and uses {name} again once it pays.",
+        Suggestion(Change.NONE, f"Nothing, for speed: kvstrata already computes rather than wait on {name}. A faster "
+                                f"{name} path would let these hits load.", t.medium),
         t.medium,
     )
 

@@ -38,6 +38,7 @@ class Cause(Enum):
     BELOW_PREDICTION = "below_prediction"  # a tier restores slower than the hardware model says
     SLOWER_THAN_RECOMPUTE = "slower_than_recompute"  # loading from a tier loses to computing
     LOAD_FAILURES = "load_failures"  # loads failed and vLLM computed those blocks again
+    DECLINED = "declined"  # hits in a tier the scheduler did not load: measured slower than computing
     HELPS = "helps"  # kvstrata served prompt tokens faster than computing them
 
 

@@ -64,6 +64,8 @@ class TierCounters:
         loaded_blocks, loaded_bytes: blocks and bytes loaded from this tier.
         evicted_blocks: blocks evicted from it; None where the connector does not report them.
         used_bytes, capacity_bytes: its fill now; None where not reported.
+        declined_blocks: blocks of hits held here that the scheduler did not load, loading them
+            measured slower than computing them (vLLM computed them).
     """
 
     medium: Medium
@@ -73,6 +75,7 @@ class TierCounters:
     evicted_blocks: float | None = None
     used_bytes: float | None = None
     capacity_bytes: float | None = None
+    declined_blocks: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,8 @@ def _connector(s: Samples) -> ConnectorCounters:
         field: s.by(f"{c}{name}", "tier")
         for field, name in (("hit_blocks", "lookup_hit_blocks_total"), ("loaded_blocks", "loaded_blocks_total"),
                             ("loaded_bytes", "loaded_bytes_total"), ("evicted_blocks", "evicted_blocks_total"),
-                            ("used_bytes", "tier_used_bytes"), ("capacity_bytes", "tier_capacity_bytes"))
+                            ("used_bytes", "tier_used_bytes"), ("capacity_bytes", "tier_capacity_bytes"),
+                            ("declined_blocks", "declined_blocks_total"))
     }
     evictions_reported = s.has(f"{c}evicted_blocks_total")
     labels = sorted({label for values in per_tier.values() for (label,) in values},
@@ -177,6 +178,7 @@ def _connector(s: Samples) -> ConnectorCounters:
             evicted_blocks=per_tier["evicted_blocks"].get(key, 0.0) if evictions_reported else None,
             used_bytes=per_tier["used_bytes"].get(key),
             capacity_bytes=per_tier["capacity_bytes"].get(key),
+            declined_blocks=per_tier["declined_blocks"].get(key, 0.0),
         ))
     moved, seconds = s.by(f"{c}moved_bytes_total", "src", "dst"), s.by(f"{c}transfer_seconds_total", "src", "dst")
     legs = []

@@ -181,6 +181,20 @@ def test_failed_loads_say_what_they_cost():
     assert ev["recompute_lost_s"] > 0 and "computed 10 blocks again" in f.explanation
 
 
+def test_hits_the_scheduler_declined_are_told_and_ask_for_no_change():
+    from dataclasses import replace
+
+    disk = replace(tier(Medium.DISK, hits=100, loaded=0), declined_blocks=96)
+    conn = ConnectorCounters(tiers=(tier(Medium.HOST, hits=0, loaded=0), disk), loads=1, load_seconds=0.04,
+                             load_failed_blocks=4, recomputed_blocks=4)
+    d = diagnose(observe(vllm(), conn), Expectations())
+    f = d.finding(Cause.DECLINED)
+    assert f.tier is Medium.DISK and f.severity is Severity.INFO and f.suggestion.change is Change.NONE
+    assert {e.key: e.value for e in f.evidence} == {"declined_blocks": 96}
+    assert d.verdict is not Verdict.HURTS  # kvstrata computed them: it did not wait on the disk
+    assert d.finding(Cause.LOAD_FAILURES) is not None  # the load that found it slow is still told
+
+
 def test_an_uncalibrated_profile_predicts_from_the_spec_path():
     conn = ConnectorCounters(tiers=(tier(Medium.DISK, hits=54, loaded=54),), loads=6, load_seconds=2.0)
     d = diagnose(observe(vllm(external_hits=1728.0), conn), Expectations(load_profile("workstation")))

@@ -3,8 +3,9 @@ four workloads, the doctor naming the cause of each from the server's own ``/met
 
 1. no reuse: distinct prompts only;
 2. fits vLLM's own cache: three short prompts asked five times each, 400 KV blocks;
-3. slow disk: six prompts asked twice through 40 KV blocks (the repeats evicted from vLLM), served
-   from a disk tier whose reads are capped at 2 MB/s (an emulated slow drive), no host tier;
+3. slow disk: six prompts asked twice through 40 KV blocks (the repeats evicted from vLLM), held
+   in a disk tier whose reads are capped at 2 MB/s (an emulated slow drive), no host tier: the
+   first load from it runs past its budget and is computed, the rest the scheduler declines;
 4. kvstrata helps: the same, served from the host tier.
 
 Cases 1 and 2 share a server: the second is diagnosed on the window after the first's dump
@@ -155,18 +156,18 @@ def test_a_workload_that_fits_vllms_cache_is_served_by_vllm(big_vllm, profile):
     assert found["vllm_cache_serves"]["evidence"]["connector_hit_tokens"]["value"] == 0
 
 
-def test_a_slow_disk_is_slower_than_computing_and_below_its_prediction(servers, profile):
+def test_a_slow_disk_is_declined_by_the_scheduler_and_asks_for_no_change(servers, profile):
     metrics = served_twice(*servers["slow-disk"])
     doc = doctor(metrics, profile)
     found = causes(doc)
-    assert doc["verdict"] == "hurts" and "helps" not in found
-    slow = found["slower_than_recompute"]
-    assert slow["tier"] == "disk" and slow["change"]["kind"] == "disable_tier"
-    below = found["below_prediction"]
-    assert below["tier"] == "disk" and below["change"]["kind"] == "faster_path"
+    # the first load from the disk ran past its budget (twice the prefill of its tokens) and was
+    # computed instead; the scheduler then declined the disk's hits: kvstrata never waited on it
+    assert doc["verdict"] != "hurts" and "helps" not in found and "slower_than_recompute" not in found
+    declined = found["declined"]
+    assert declined["tier"] == "disk" and declined["change"]["kind"] == "none"
+    assert found["load_failures"]["severity"] in ("warn", "problem")
     disk = next(t for t in doc["tiers"] if t["tier"] == "disk")
-    assert disk["predicted_basis"] == "calibrated" and disk["loaded_blocks"] > 0
-    assert disk["achieved_gbps"] < 2 * SLOW_DISK_GBPS < disk["predicted_gbps"]
+    assert disk["hit_rate"] > 0
 
 
 def test_host_restores_help_and_the_hit_rate_per_tier_is_reported(servers, profile):

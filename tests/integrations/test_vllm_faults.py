@@ -31,8 +31,9 @@ def prompt(seed: int, tokens: int = 300) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(tokens)]
 
 
-def complete(server: VllmServer, p: list[int]) -> tuple[list[int], float]:
-    """Greedy tokens (8) and the seconds to the first streamed one."""
+def complete(server: VllmServer, p: list[int]) -> tuple[str, float]:
+    """Greedy text (8 tokens) and the seconds to the first streamed chunk. The text whole: how
+    the server splits it into chunks depends on timing (a busy host sends two tokens in one)."""
     client = openai.OpenAI(base_url=server.base_url, api_key="none")
     model = client.models.list().data[0].id
     start, first, out = time.perf_counter(), None, []
@@ -40,7 +41,7 @@ def complete(server: VllmServer, p: list[int]) -> tuple[list[int], float]:
                                            stream=True):
         first = first if first is not None else time.perf_counter() - start
         out.append(chunk.choices[0].text)
-    return out, first
+    return "".join(out), first
 
 
 @pytest.fixture(scope="module")
