@@ -151,3 +151,12 @@ def test_the_table_names_each_configuration(run):
     if run[1].pool is not None:
         assert "2 servers: second" in text and "P/D handoff" in text and "predicted for this host" in text
 
+
+
+def test_a_burst_sharing_a_prefix_only_kvstrata_holds_loads_each_block_once(run):
+    burst = run[1].concurrency
+    assert burst.requests == 16 and burst.ttft_p90.rounds == 1
+    # kvstrata's burst: the prefix loaded once (the other 15 found it in vLLM's cache), every answer the cold one
+    assert 0 < burst.loaded_blocks == burst.prefix_blocks and burst.load_requests == 1 and burst.loaded_once
+    assert burst.from_kvstrata.identical and burst.from_vllm.identical and burst.setup.identical
+    assert burst.from_vllm.hits == {} and burst.ttft_p90.median > 0
