@@ -269,10 +269,13 @@ class ValueSeal:
 
     def _check_seal(self, key: BlockKey, header: ValueHeader, head: bytes, parts: Sequence[np.ndarray]) -> None:
         name = key.hex()[:12]
-        if header.nonce is None or header.encrypted != self.encrypt:
+        if header.nonce is None:
             raise CorruptBlock(f"remote tier: block {name} is not sealed as this deployment seals (forged?)")
         signed = bytes(head[:_SIGNED])
-        if self.encrypt:
+        # A value is opened as it was sealed, encrypted or not: both are authenticated with the
+        # deployment's keys (the flag is under the MAC, or AES-GCM's associated data), so a
+        # process that encrypts reads what one that does not wrote, and the other way round.
+        if header.encrypted:
             # Streamed: each piece decrypted a chunk at a time through one reused scratch buffer
             # that stays in cache, and copied back (cryptography refuses to decrypt in place;
             # AESGCM.decrypt would need the ciphertext joined, tag appended, and a new
