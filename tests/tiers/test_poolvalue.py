@@ -39,7 +39,7 @@ def test_a_ciphertext_buffer_of_another_size_is_refused_in_one_line():
 
 
 def test_a_ciphertext_altered_in_its_last_chunk_is_refused():
-    size = 2 * poolvalue.DECRYPT_CHUNK + 100
+    size = 2 * poolvalue.CIPHER_CHUNK + 100
     seal = seal_of(True, size)
     header, ciphertext = seal.seal(KEY, [np.frombuffer(os.urandom(size), dtype=np.uint8)], 1)
     ciphertext[-1] ^= 1
