@@ -197,9 +197,10 @@ class ValueSeal:
         """The header of the payload given as ``parts`` (uint8, C-contiguous, in order), written
         at ``written_ns`` (under the seal: see the module docstring's replays), and, when
         encrypting, the ciphertext to store instead: streamed into ``into`` (uint8, as many
-        bytes as the parts, sharing no memory with them: a registered buffer, so that the pool
-        takes it from there) or, without one, into a new array of the first part's shape if it is
-        the only part, else flat; else None: the parts are stored as they are. A sealed value
+        bytes as the parts: a registered buffer, so that the pool takes it from there; it is
+        written only once the tag is made, see ``_stream``) or, without one, into a new array of
+        the first part's shape if it is the only part, else flat; else None: the parts are
+        stored as they are. A sealed value
         carries no xxh3: its MAC checks every byte already.
 
         Raises:
