@@ -197,8 +197,8 @@ class ValueSeal:
         """The header of the payload given as ``parts`` (uint8, C-contiguous, in order), written
         at ``written_ns`` (under the seal: see the module docstring's replays), and, when
         encrypting, the ciphertext to store instead: streamed into ``into`` (uint8, as many
-        bytes as the parts: a registered buffer, so that the pool takes it from there; it is
-        written only once the tag is made, see ``_stream``) or, without one, into a new array of
+        bytes as the parts: a registered buffer, so that the pool takes it from there; the tag
+        never reads it, see ``_stream``) or, without one, into a new array of
         the first part's shape if it is the only part, else flat; else None: the parts are
         stored as they are. A sealed value
         carries no xxh3: its MAC checks every byte already.
@@ -320,8 +320,9 @@ def _stream(cipher, parts: Sequence[np.ndarray], out: np.ndarray) -> None:
     """``cipher``'s output of ``parts`` (in order) into ``out`` (flat uint8, their size), a
     chunk at a time through this thread's scratch buffer (private memory, in cache), then
     copied: AES-GCM's tag is computed over the ciphertext where it is written, and ``out`` may
-    be registered memory that another client of the pool can write, so it is written there only
-    once the tag no longer reads it (bytes changed there fail authentication)."""
+    be registered memory that another client of the pool can write, so each chunk is copied
+    there only after the cipher has made (and hashed) it in private memory: bytes changed in
+    ``out`` then fail authentication, never enter the tag."""
     scratch = _scratch(CIPHER_CHUNK + 15)  # update_into's room for a partial AES block
     at = 0
     for part in parts:
