@@ -176,8 +176,9 @@ def _run_mode(
     namespace = base.namespace()
     with ExitStack() as sides:  # every side closed (objects removed, clients gone), however the run ends
         keys, secret = block_keys(tokens, namespace), read_secret(base.pool)
-        # Ours seals with the pool's secret, as the cache does (the cache reads ours' objects);
-        # the same tier unsealed and encrypted, under names of their own, price the seal.
+        # Ours seals with the pool's secret (a MAC; the cache reads ours' objects, whether it
+        # encrypts or not: CacheConfig's default with a secret is to encrypt); the same tier
+        # unsealed and encrypted, under names of their own, price the seal and the encryption.
         ours = OursRemote(base.layout, base.pool, mode, keys, blocks, namespace.tag, config.workers, secret)
         sides.callback(ours.close)
         plain = OursRemote(base.layout, base.pool, mode, keys, blocks, f"{namespace.tag}-plain", config.workers)

@@ -62,12 +62,16 @@ def _connect_remote(config: CacheConfig) -> tuple[Tier | None, str | None]:
         return None, None
     from kvstrata.tiers.remote import RemoteTier
 
+    secret = read_secret(config.pool)
+    log.info("pool %s: values %s", config.pool.master, "sealed and encrypted (AES-GCM)" if config.pool_encrypted else
+             "sealed (MAC); payloads NOT encrypted: any client of the pool reads them" if secret else
+             "not sealed (no secret_file): checksummed against accidents only")
     try:
         tier = RemoteTier(config.layout, config.remote_bytes, config.pool, config.remote_mode,
                           namespace_tag=config.namespace().tag, op_timeout_s=config.pool_timeout_s,
                           connect_timeout_s=config.pool_connect_timeout_s, backoff_s=config.pool_backoff_s,
                           backoff_max_s=config.pool_backoff_max_s, required=False,
-                          secret=read_secret(config.pool), encrypt=config.pool_encrypt)
+                          secret=secret, encrypt=config.pool_encrypted)
     except TierUnavailable as exc:  # the pool client is not installed: no tier at all
         return None, str(exc)
     return tier, None

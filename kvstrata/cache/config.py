@@ -47,7 +47,11 @@ class CacheConfig:
     pool: PoolConfig | None = None  # the shared remote DRAM pool; None: no remote tier
     remote_bytes: int = 0  # this instance's view of the pool (how many blocks it tracks)
     remote_mode: RemoteMode = RemoteMode.TCP  # TCP (any host) or SHM (a pool daemon on this host)
-    pool_encrypt: bool = False  # encrypt payloads in the pool too (needs the pool's secret_file)
+    # Encrypt payloads in the pool (AES-GCM with the pool's secret). None: whenever the pool has a
+    # secret_file (``pool_encrypted``): a pool is shared with every process that reaches it, and
+    # Mooncake lets each read any object (see the README's pool security). False: sealed only
+    # (the MAC; payloads readable by anyone who reaches the pool). True: refused without a secret.
+    pool_encrypt: bool | None = None
     remote_path: FetchPath = FetchPath.AUTO  # how pool blocks reach the device
     disk_path: FetchPath = FetchPath.AUTO  # how disk blocks reach the device
     # This host's measured paths (kvstrata.plan.host.HostCalibration): predicted transfer times
@@ -89,8 +93,11 @@ class CacheConfig:
             raise ValueError(f"cache workers must be >= 1, got {self.workers}")
         if self.pool is not None and self.remote_bytes <= 0:
             raise ValueError("cache with a pool needs remote_bytes > 0 (how much of the pool it tracks)")
+        if self.pool_encrypt is not None and not isinstance(self.pool_encrypt, bool):
+            raise ValueError(f"cache pool_encrypt must be True, False or None (whenever the pool has a secret), "
+                             f"got {self.pool_encrypt!r}")
         if self.pool_encrypt and (self.pool is None or self.pool.secret_file is None):
-            raise ValueError("cache pool_encrypt needs a pool with a secret_file (its values are sealed with it)")
+            raise ValueError("cache pool_encrypt=True needs a pool with a secret_file (payloads are encrypted with it)")
         for name, kind in (("remote_mode", RemoteMode), ("remote_path", FetchPath), ("disk_path", FetchPath),
                            ("write", WriteRule), ("eviction", Eviction)):
             if not isinstance(getattr(self, name), kind):
@@ -106,6 +113,14 @@ class CacheConfig:
         check_budgets("cache", pool_timeout_s=self.pool_timeout_s, pool_connect_timeout_s=self.pool_connect_timeout_s,
                       pool_backoff_s=self.pool_backoff_s, pool_backoff_max_s=self.pool_backoff_max_s)
         self.namespace()  # a bad model_id or TP rank/size fails here, not on first use
+
+    @property
+    def pool_encrypted(self) -> bool:
+        """Whether this cache encrypts its pool payloads: ``pool_encrypt``, or when None, whether
+        the pool has a secret (every value is then sealed, and encrypted too)."""
+        if self.pool_encrypt is not None:
+            return self.pool_encrypt
+        return self.pool is not None and self.pool.secret_file is not None
 
     def namespace(self, tenant: str = "") -> Namespace:
         return Namespace(

@@ -62,7 +62,8 @@ def status_notes(doc: dict[str, Any]) -> list[str]:
     if "config" in doc:
         c = doc["config"]
         notes.append(f"protocol: {c['protocol']}, metadata: {c['metadata_server']}, "
-                     f"secret: {c['secret_file'] or 'none (values not sealed)'}")
+                     "secret: " + (f"{c['secret_file']} (values sealed; caches encrypt them unless pool_encrypt=False)"
+                                   if c["secret_file"] else "none (values not sealed nor encrypted)"))
     if "state_file" in doc:
         notes.append(f"use it with {POOL_ENV}={doc['state_file']}")
     return notes

@@ -1,10 +1,11 @@
 """The remote tier: blocks in a shared DRAM pool (Mooncake Store) that many processes use.
 
-Where blocks live. Block ``key`` is the pool object ``kvstrata/<namespace_tag>/<key hex>`` in
-the format of ``kvstrata.tiers.poolvalue`` (a 128-byte header, then the payload), sealed with the
-deployment's secret: every value read back is authenticated before it is served.
-Keys are chained from the namespace digest already; the tag keeps the objects of different
-models or tenants apart and greppable. Objects live in the pool daemons, never in this process
+Where blocks live. Block ``key`` is a pool object in the format of ``kvstrata.tiers.poolvalue``
+(a 128-byte header, then the payload), sealed with the deployment's secret: every value read
+back is authenticated before it is served. Its name is ``kvstrata/<namespace_tag>/<key hex>``
+without a secret; with one, both parts are keyed with it (``ValueSeal.object_name``), so that a
+listing of the pool says nothing of whose blocks they are. Keys are chained from the namespace
+digest already; the name's middle part keeps the objects of different models or tenants apart. Objects live in the pool daemons, never in this process
 (it joins with a segment of 0 bytes), so they outlive it and every instance sees them.
 
 The block manager's table for this tier is this process's view of the pool: keys it wrote, and
@@ -295,15 +296,17 @@ class RemoteTier(Tier):
             raise ValueError(f"remote tier: src must be uint8 {list(shape)}, got {src.dtype} {list(src.shape)}")
         name = self.object_name(key)
         lane = self._lane(client)
-        if client.is_registered(src):
-            payload = src
+        if self._seal.encrypt:  # the ciphertext goes, streamed from src into staging (registered memory)
+            payload = self._staging(client, lane).view(shape)
+            plain = src if src.device.type == "cpu" else src.cpu()
+            header, _ = self._seal.seal(key, [plain.numpy()], self._now_ns(), into=payload.numpy())
         else:
-            payload = self._staging(client, lane).view(shape)
-            payload.copy_(src)
-        header, ciphertext = self._seal.seal(key, [payload.numpy()], self._now_ns())
-        if ciphertext is not None:  # encrypted: the ciphertext goes, from staging (registered memory)
-            payload = self._staging(client, lane).view(shape)
-            payload.numpy()[:] = ciphertext
+            if client.is_registered(src):
+                payload = src
+            else:
+                payload = self._staging(client, lane).view(shape)
+                payload.copy_(src)
+            header, _ = self._seal.seal(key, [payload.numpy()], self._now_ns())
         lane.header[: poolvalue.HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
         ptrs = [lane.header.data_ptr(), payload.data_ptr()]
         sizes = [poolvalue.HEADER_BYTES, payload.numel()]

@@ -51,7 +51,7 @@ def test_status_of_a_configured_pool_that_does_not_answer_is_a_table(capsys, tmp
     assert lines[1].split() == ["process", "address", "pid", "answers"]
     assert lines[2].split() == ["master", f"127.0.0.1:{port}", "-", "no"]
     assert lines[3].split() == ["daemon", f"127.0.0.1:{port}", "-", "no"]
-    assert lines[4] == "protocol: tcp, metadata: P2PHANDSHAKE, secret: none (values not sealed)"
+    assert lines[4] == "protocol: tcp, metadata: P2PHANDSHAKE, secret: none (values not sealed nor encrypted)"
     assert not any("{" in line for line in lines)  # no Python dict
 
 
