@@ -139,8 +139,8 @@ def direct_media(tiers: Sequence[Tier], config: CacheConfig) -> frozenset[Medium
 
     ``auto``: disk blocks go straight into device slots the CPU can address (the CPU stand-in
     for HBM); into GPU memory they are staged in the host tier (GPUDirect Storage would lift
-    that). Pool blocks go straight in where the pool can address device memory: a CPU stand-in
-    here, or GPU memory over RDMA (GPUDirect) on GPU hosts.
+    that). Pool blocks go straight into a CPU stand-in; into GPU memory they are staged in the
+    host tier (no GPU memory is registered with the pool: GPUDirect would expose it).
     """
     by_medium = {t.medium: t for t in tiers}
     device = by_medium[Medium.DEVICE]
@@ -151,7 +151,6 @@ def direct_media(tiers: Sequence[Tier], config: CacheConfig) -> frozenset[Medium
         direct.add(Medium.DISK)
     remote = by_medium.get(Medium.REMOTE)
     if remote is not None and config.remote_path is not FetchPath.STAGED:
-        rdma = config.pool is not None and config.pool.protocol == "rdma"
-        if config.remote_path is FetchPath.DIRECT or on_cpu or rdma:
+        if config.remote_path is FetchPath.DIRECT or on_cpu:
             direct.add(Medium.REMOTE)
     return frozenset(direct)
