@@ -333,10 +333,10 @@ class RemoteTier(Tier):
                 headers = self._headers(lane, k % 2, len(batch))
                 rows = self._rows(client, lane, k % 2, len(batch))
                 for j, i in enumerate(batch):  # overlaps the puts of the previous call
+                    # Copied, then sealed from the caller's bytes (still in cache), never from staging.
+                    torch._foreach_copy_(split_like(rows[j], blocks[i]), blocks[i])
                     header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]], self._now_ns())
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
-                torch._foreach_copy_([d for j, i in enumerate(batch) for d in split_like(rows[j], blocks[i])],
-                                     [p for i in batch for p in blocks[i]])
                 if not self._settle_puts(client, lane, names, pending, out):
                     return out
                 ptrs, sizes = _buffers(headers, rows, batch)
@@ -621,16 +621,13 @@ class RemoteTier(Tier):
         heads = self._headers(lane, half, len(batch)).numpy().tobytes()
         rows = self._rows(client, lane, half, len(batch))
         size = poolvalue.HEADER_BYTES + self.layout.block_bytes
-        landed = [j for j in range(len(batch)) if got[j] == size]
-        if landed:
-            torch._foreach_copy_([p for j in landed for p in blocks[batch[j]]],
-                                 [s for j in landed for s in split_like(rows[j], blocks[batch[j]])])
         for j, i in enumerate(batch):
             try:
                 if got[j] < 0:
                     self._get_failed(client, lane, names[i], got[j])
                 if got[j] != size:
                     raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
+                torch._foreach_copy_(blocks[i], split_like(rows[j], blocks[i]))  # checked next, still in cache
                 head = heads[j * poolvalue.HEADER_BYTES : (j + 1) * poolvalue.HEADER_BYTES]
                 self._opened(names[i], keys[i], head, [part.numpy() for part in blocks[i]])
             except (CorruptBlock, PoolUnavailable) as error:
