@@ -334,7 +334,7 @@ class RemoteTier(Tier):
                 rows = self._rows(client, lane, k % 2, len(batch))
                 for j, i in enumerate(batch):  # overlaps the puts of the previous call
                     # Copied, then sealed from the caller's bytes (still in cache), never from staging.
-                    torch._foreach_copy_(split_like(rows[j], blocks[i]), blocks[i])
+                    _copy(split_like(rows[j], blocks[i]), blocks[i])
                     header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]], self._now_ns())
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
                 if not self._settle_puts(client, lane, names, pending, out):
@@ -480,10 +480,10 @@ class RemoteTier(Tier):
         head = lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes()
         whole = dst.device.type == "cpu" and dst.is_contiguous() and (start, stop) == (0, self.layout.num_layers)
         private = dst.view(-1) if whole else torch.empty_like(row)
-        private.copy_(row)  # out of staging first: what is verified is what is served
+        _copy([private], [row])  # out of staging first: what is verified is what is served
         self._opened(name, key, head, [private.numpy()])
         if not whole:
-            dst.copy_(private.view(self.layout.num_layers, layer_bytes)[start:stop])
+            _copy([dst], [private.view(self.layout.num_layers, layer_bytes)[start:stop]])
 
     def read_many_into(
         self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
@@ -627,7 +627,7 @@ class RemoteTier(Tier):
                     self._get_failed(client, lane, names[i], got[j])
                 if got[j] != size:
                     raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
-                torch._foreach_copy_(blocks[i], split_like(rows[j], blocks[i]))  # checked next, still in cache
+                _copy(blocks[i], split_like(rows[j], blocks[i]))  # checked next, still in cache
                 head = heads[j * poolvalue.HEADER_BYTES : (j + 1) * poolvalue.HEADER_BYTES]
                 self._opened(names[i], keys[i], head, [part.numpy() for part in blocks[i]])
             except (CorruptBlock, PoolUnavailable) as error:
@@ -766,6 +766,13 @@ def _buffers(headers: torch.Tensor, rows: torch.Tensor, batch: range) -> tuple[l
     ptrs = [[headers[j].data_ptr(), rows[j].data_ptr()] for j in range(len(batch))]
     sizes = [[poolvalue.HEADER_BYTES, rows[j].numel()] for j in range(len(batch))]
     return ptrs, sizes
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i][:] = srcs[i]``; the caller's tensors may be inference tensors (made under
+    ``torch.inference_mode``, as an engine's KV is), which only that mode may update in place."""
+    with torch.inference_mode():
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _undo_late_put(store, name: str, codes: list[int]) -> None:
