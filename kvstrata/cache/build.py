@@ -1,4 +1,4 @@
-"""The tiers a CacheConfig describes, wired for zero-copy paths, and which paths fetch straight in.
+"""The tiers a CacheConfig describes, and which paths fetch straight into device slots.
 
 On a pool, no tier's memory is registered with it (nor allocated in its shared memory): the
 transfer engine exposes registered memory to anyone who reaches its port. Blocks move through

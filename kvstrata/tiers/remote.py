@@ -20,8 +20,8 @@ ever registered with the store: Mooncake's transfer engine hands the addresses o
 registered buffer to anyone who reaches its handshake port, and any such client may then read
 and write them. Every transfer goes through this thread's own registered staging buffers (a
 header page and ``STAGE_BYTES`` of blocks, two halves: one call's blocks are copied while the
-next call's move). A put seals the caller's (private) bytes first, then copies them into
-staging; a get copies the value out of staging into the caller's memory (one copy), then
+next call's move). A put copies the caller's bytes into staging and seals them from the
+caller's (private) memory, never from staging; a get copies the value out of staging into the caller's memory (one copy), then
 verifies that copy (the MAC, or the payload checksum) against a copy of its header: bytes
 changed in staging during or after the transfer are a miss, never served.
 
