@@ -111,17 +111,16 @@ def test_a_put_no_tier_has_room_for_is_refused_block_by_block(make, tmp_path):
     assert_quiescent(cache)
 
 
-def test_a_get_finds_blocks_another_cache_put_in_the_pool_straight_from_registered_memory(make, pool):
+def test_a_get_finds_blocks_another_cache_put_in_the_pool_from_the_callers_memory(make, pool):
     model = f"direct-{uuid.uuid4().hex[:8]}"
     writer = make(pool=pool, remote_bytes=16 * LAYOUT.block_bytes, model_id=model)
     reader = make(pool=pool, remote_bytes=16 * LAYOUT.block_bytes, model_id=model)
-    remote = writer.tier(Medium.REMOTE)
-    memory = remote.allocate(8 * LAYOUT.block_bytes)  # registered: the pool reads and writes it in place
+    memory = torch.zeros(8 * LAYOUT.block_bytes, dtype=torch.uint8)  # never registered: it moves through the tier's staging
     memory.copy_(caller_memory(8, seed=3))
     keys = writer.keys(tokens(6, 4))
     src = pieces(memory[: 4 * LAYOUT.block_bytes], 4)
     assert writer.put(keys, src).stored == (True,) * 4
-    out = reader.tier(Medium.REMOTE).allocate(4 * LAYOUT.block_bytes)
+    out = torch.zeros(4 * LAYOUT.block_bytes, dtype=torch.uint8)
     out.zero_()
     dst = pieces(out, 4)
     assert reader.get_into(keys, dst) == 4  # not known to the reader before: found in the pool

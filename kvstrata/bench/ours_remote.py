@@ -1,9 +1,9 @@
 """Our side of the remote benchmark, at the tier: ``RemoteTier`` driven by the transfer worker.
 
 This is the first hop of every pool transfer the cache makes: the worker's byte movers (two by
-default, as in the cache) run the cache's own handlers between the pool and host memory from
-``RemoteTier.allocate`` (a host tier built on it, as the cache builds its own), so the blocks move
-zero-copy: stores call ``RemoteTier.write_many`` (one object per block: the 128-byte value header
+default, as in the cache) run the cache's own handlers between the pool and a host tier (built as
+the cache builds its own: never registered with the pool), so each block is copied once, through
+the tier's own registered staging: stores call ``RemoteTier.write_many`` (one object per block: the 128-byte value header
 and the block; batched puts, pipelined with sealing), restores ``RemoteTier.read_many_into``
 (batched gets, pipelined with checking every value), the whole batch on one mover. The tier is driven with no block table: it names objects by key and
 ignores slots (the cache's block manager keeps the table, outside this first hop). The host tier
@@ -71,7 +71,7 @@ class OursRemote:
         self._worker: TransferWorker | None = None
         self.host: HostTier | None = None
         try:
-            self.host = HostTier(layout, 2 * self.size_bytes, buffer=self.tier.allocate(2 * self.size_bytes))
+            self.host = HostTier(layout, 2 * self.size_bytes)
             self.host.buffer[: len(keys)].copy_(blocks)  # [blocks, layers, layer_bytes]: slots 0..n-1
             self._worker = TransferWorker({Medium.HOST: self.host, Medium.REMOTE: self.tier}, workers)
         except BaseException:

@@ -5,10 +5,10 @@ put the blocks in the pool; a ``TieredCache`` of the same namespace finds them w
 ``lookup`` (its index misses, so it asks the pool ``exists`` and adopts what it finds) and
 ``load`` brings them to the device tier by one of the two restore paths of the seed:
 
-- direct, ``remote -> device``: the pool writes into the device slots (zero-copy into a CPU
-  stand-in for HBM registered with the pool; GPUDirect over RDMA on GPU hosts);
-- staged, ``remote -> host -> device``: into host-tier slots (memory the pool can address),
-  then a copy host -> device, layer range by layer range.
+- direct, ``remote -> device``: each block copied out of the remote tier's staging into its
+  device slot (a CPU stand-in for HBM) and verified there;
+- staged, ``remote -> host -> device``: the same into host-tier slots, then a copy host ->
+  device, layer range by layer range. (No tier's memory is registered with the pool.)
 
 Each restore is checked to have taken its path (``LoadResult.paths``) and verified byte for
 byte on the device; afterwards the blocks leave the device and host tiers again (untimed;

@@ -22,7 +22,8 @@ phase           ours                                             raw (``kvstrata
 ==============  ===============================================  ===============================
 store           ``RemoteTier.write_many`` of every block (batched one ``batch_put_from`` of every
                 puts, pipelined), on the transfer worker, from   object, from registered memory
-                host memory of ``RemoteTier.allocate``
+                a host tier's (unregistered) memory, copied
+                through the tier's own registered staging
 restore         ``RemoteTier.read_many_into`` (batched gets),    one ``batch_get_into`` of every
                 the same way; and ``TieredCache.load`` of blocks object into registered memory
                 in the pool only: direct (pool -> device) and

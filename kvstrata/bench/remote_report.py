@@ -69,10 +69,10 @@ class ModeMethod:
     @staticmethod
     def of(workers: int) -> ModeMethod:
         return ModeMethod(
-            restore=f"RemoteTier.read_many_into (batched gets, pipelined with the checks) on the engine ({workers} workers), pool -> registered "
-            "host memory; raw: one batch_get_into of every object",
-            store=f"RemoteTier.write_many (batched puts, pipelined with sealing) on the engine ({workers} workers), registered host memory -> "
-            "pool, as new objects; raw: one batch_put_from of every object",
+            restore=f"RemoteTier.read_many_into (batched gets, pipelined with the checks) on the engine ({workers} workers), pool -> the tier's "
+            "registered staging -> host memory (never registered); raw: one batch_get_into of every object",
+            store=f"RemoteTier.write_many (batched puts, pipelined with sealing) on the engine ({workers} workers), host memory (never registered) -> "
+            "the tier's registered staging -> pool, as new objects; raw: one batch_put_from of every object",
         )
 
 

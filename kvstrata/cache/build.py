@@ -1,8 +1,8 @@
-"""The tiers a CacheConfig describes, wired for zero-copy paths, and which paths fetch straight in.
+"""The tiers a CacheConfig describes, and which paths fetch straight into device slots.
 
-On a pool, the host tier lives in memory the pool can address (registered, or in the pool's
-shared memory), so pool <-> host moves are zero-copy both ways; a CPU stand-in for HBM is
-registered too (or, in SHM mode, allocated in the pool's memory), so pool -> device is direct.
+On a pool, no tier's memory is registered with it (nor allocated in its shared memory): the
+transfer engine exposes registered memory to anyone who reaches its port. Blocks move through
+the remote tier's own staging, one copy to and from the tier (``kvstrata.tiers.remote``).
 
 A configured pool that cannot be reached at start still gets its remote tier, DOWN: the cache
 serves from its local tiers while the tier keeps trying in the background, and serves from the
@@ -17,15 +17,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-import torch
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.errors import TierUnavailable
 from kvstrata.manager.manager import BlockManager, ManagerConfig
 from kvstrata.media import FetchPath, Medium
-from kvstrata.pool.config import RemoteMode, read_secret
+from kvstrata.pool.config import read_secret
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.memory import DeviceTier, HostTier, MemoryTier, default_device
+from kvstrata.tiers.memory import DeviceTier, HostTier
 
 log = logging.getLogger("kvstrata.pool")
 
@@ -35,18 +34,9 @@ def build_tiers(config: CacheConfig) -> tuple[list[Tier], str | None]:
     when it is, or none was configured; a pool that is only unreachable is: its tier is DOWN
     and keeps trying): the cache then serves from its local tiers."""
     remote, remote_error = _connect_remote(config)
-    slots = config.device_bytes // config.layout.block_bytes
-    where = torch.device(config.device) if config.device else default_device()
-    device_buffer = None
-    if remote is not None and config.remote_mode is RemoteMode.SHM and where.type == "cpu" and slots:
-        # A CPU stand-in for HBM on a shared-memory pool: in the pool's memory, so the direct
-        # pool -> device path is zero-copy too.
-        device_buffer = remote.allocate(slots * config.layout.block_bytes)
-    tiers: list[Tier] = [DeviceTier(config.layout, config.device_bytes, config.device, buffer=device_buffer)]
+    tiers: list[Tier] = [DeviceTier(config.layout, config.device_bytes, config.device)]
     if config.host_bytes:
-        slots = config.host_bytes // config.layout.block_bytes
-        buffer = remote.allocate(slots * config.layout.block_bytes) if remote is not None and slots else None
-        tiers.append(HostTier(config.layout, config.host_bytes, buffer=buffer))
+        tiers.append(HostTier(config.layout, config.host_bytes))
     if config.disk_bytes:
         from kvstrata.tiers.disk import DiskTier
 
@@ -137,7 +127,7 @@ def check_tiers(tiers: Sequence[Tier], config: CacheConfig) -> dict[Medium, Tier
 
 def manager_config(tiers: Mapping[Medium, Tier], config: CacheConfig) -> ManagerConfig:
     """What the block manager plans for: these tiers' capacities, the config's policies, and
-    the direct paths (registering memory with the pool where they need it)."""
+    the direct paths."""
     capacities = {medium: tier.capacity_blocks for medium, tier in tiers.items()}
     ranges = config.layer_ranges
     if ranges is None:
@@ -148,13 +138,13 @@ def manager_config(tiers: Mapping[Medium, Tier], config: CacheConfig) -> Manager
 
 
 def direct_media(tiers: Sequence[Tier], config: CacheConfig) -> frozenset[Medium]:
-    """The media without a view whose blocks are read straight into device slots, registering
-    the device tier's memory with the pool where that path needs it.
+    """The media without a view whose blocks are read straight into device slots (from the
+    pool: copied out of the remote tier's staging into the slot, verified there).
 
     ``auto``: disk blocks go straight into device slots the CPU can address (the CPU stand-in
     for HBM); into GPU memory they are staged in the host tier (GPUDirect Storage would lift
-    that). Pool blocks go straight in where the pool can address device memory: a CPU stand-in
-    here, or GPU memory over RDMA (GPUDirect) on GPU hosts.
+    that). Pool blocks go straight into a CPU stand-in; into GPU memory they are staged in the
+    host tier (no GPU memory is registered with the pool: GPUDirect would expose it).
     """
     by_medium = {t.medium: t for t in tiers}
     device = by_medium[Medium.DEVICE]
@@ -165,9 +155,6 @@ def direct_media(tiers: Sequence[Tier], config: CacheConfig) -> frozenset[Medium
         direct.add(Medium.DISK)
     remote = by_medium.get(Medium.REMOTE)
     if remote is not None and config.remote_path is not FetchPath.STAGED:
-        rdma = config.pool is not None and config.pool.protocol == "rdma"
-        if config.remote_path is FetchPath.DIRECT or on_cpu or rdma:
+        if config.remote_path is FetchPath.DIRECT or on_cpu:
             direct.add(Medium.REMOTE)
-            if on_cpu and isinstance(device, MemoryTier) and hasattr(remote, "register"):
-                remote.register(device.buffer)
     return frozenset(direct)

@@ -6,17 +6,18 @@ of the caller's buffer is often a few separate runs of bytes, K then V), straigh
 below the device (every one, write-through; the first, write-back); ``get`` reads the leading
 run of keys from the fastest tier holding each straight into the caller's pieces, verified. A
 tier moves the pieces as they lie (:meth:`kvstrata.tiers.base.Tier.write_pieces`: vectored file
-I/O on disk, multi-buffer calls into registered memory on the pool), so nothing is copied on the
-way. The same three steps as the cache's other operations: the manager plans (``prepare_put``,
+I/O on disk; on the pool, one copy through the remote tier's own staging, never registering the
+caller's memory). The same three steps as the cache's other operations: the manager plans (``prepare_put``,
 ``prepare_get``), the worker moves, the manager settles.
 
 The bytes are the caller's, in the caller's order; the cache's layout (its ``name``) must say
 which order that is, so that blocks of another order never share a namespace. A block put here
 is not on the device tier, and a get brings nothing there: the caller's memory plays its part.
 
-Caller memory cannot be quarantined. A get whose transfer was abandoned (the pool stopped
-answering with the caller's memory handed to it) waits until that transfer has ended before it
-returns, so nothing lands in memory the caller has reused; a warning says so.
+Caller memory cannot be quarantined. A get whose transfer was abandoned (a tier stopped answering
+with the caller's memory handed to it; the pool tier never hands it over) waits until that
+transfer has ended before it returns, so nothing lands in memory the caller has reused; a warning
+says so.
 """
 
 from __future__ import annotations

@@ -16,13 +16,15 @@ only it holds (``find``, one bounded call) and forgets those gone, counted; one 
 lookup and the read raises BlockMissing (a CorruptBlock), a miss, never wrong data.
 ``remove_from_pool`` deletes objects explicitly.
 
-Zero-copy. Memory from ``allocate`` (or passed to ``register``) is registered with the store;
-``write`` and ``read_into`` on tensors inside it hand the pool the caller's bytes directly. Any
-other tensor (another CPU tensor, a CUDA tensor) goes through this thread's staging buffer of
-one block. In SHM mode the daemon on this host copies between the pool and shared memory.
-``write_pieces`` and ``read_pieces`` move a block whose pieces all lie in registered memory as
-one object from and into the buffers ``[header, *pieces]``; ``write_many`` and
-``read_many_into`` are the same batched calls, one piece per block.
+Private memory. No memory that KV is served from (a host or device tier, an engine's pages) is
+ever registered with the store: Mooncake's transfer engine hands the addresses of every
+registered buffer to anyone who reaches its handshake port, and any such client may then read
+and write them. Every transfer goes through this thread's own registered staging buffers (a
+header page and ``STAGE_BYTES`` of blocks, two halves: one call's blocks are copied while the
+next call's move). A put copies the caller's bytes into staging and seals them from the
+caller's (private) memory, never from staging; a get copies the value out of staging into the caller's memory (one copy), then
+verifies that copy (the MAC, or the payload checksum) against a copy of its header: bytes
+changed in staging during or after the transfer are a miss, never served.
 
 Placement. With the pool's ``segments`` (pool daemons by segment name), each batched put goes
 as one call per segment, all in flight at once, its blocks dealt out to them one by one, so
@@ -41,11 +43,9 @@ DOWN when the pool cannot be reached, and keeps trying. ``on_reconnect`` tells t
 tier's table (the block manager's view) that the pool is back, perhaps another pool: its view
 may name objects the pool no longer has. The contract for the caller's memory:
 
-* ``read_into`` raises TransferAbandoned (a PoolUnavailable and a ``kvstrata.errors.TransferAbandoned``) when it handed ``dst``'s memory to
-  the pool and the call did not end cleanly (timed out, or a transport error): bytes may still
-  land in ``dst`` at any later time. The caller must quarantine that memory (e.g. never reuse
-  the host slot). A read that went through staging raises plain PoolUnavailable: ``dst`` was
-  never exposed, and the staging buffer is retired instead.
+* A read that did not end cleanly (timed out, or a transport error) raises PoolUnavailable:
+  the caller's memory was never handed to the pool; the thread's staging buffers, which a
+  stray call may still write, are retired (kept, never reused).
 * A ``write`` that times out raises PoolUnavailable; should the put complete later anyway, the
   object is removed then, since the source memory may have changed meanwhile (an instance that
   reads it in between finds that its bytes fail the value's MAC, or without a secret its
@@ -62,14 +62,12 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvstrata import errors
 from kvstrata.errors import BlockMissing, CorruptBlock
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
@@ -79,8 +77,7 @@ from kvstrata.pool.config import BACKOFF_MAX_S, BACKOFF_S, CONNECT_TIMEOUT_S, OP
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.base import Pieces, Tier, split_like
 
-__all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier",
-           "TransferAbandoned"]
+__all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier"]
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
@@ -89,9 +86,10 @@ NAMES_KEPT = 1 << 14  # object names, and the newest write time read at each, re
 # a batch of 128 blocks (SGLang's storage batch) can go in one call.
 HEADER_PAGES_BYTES = 2 * 128 * poolvalue.HEADER_BYTES
 HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
-# Payload bytes per batched pool call at most: inside its time budget (1 s) at loopback TCP rates on a
-# loaded host too (256 MiB: ~0.17 s at 1.5 GB/s; one call at a time moves them).
-CALL_BYTES = 256 * 1024**2
+# Payload bytes per batched pool call at most (a half of a lane's registered staging; at least one
+# block, however large): inside its time budget (1 s) at loopback TCP rates on a loaded host too
+# (64 MiB: ~0.04 s at 1.5 GB/s; one call at a time moves them).
+CALL_BYTES = 64 * 1024**2
 # A checked batch (a MAC or a checksum over every byte) is cut into calls that grow threefold from
 # 1/16 of the batch, so that the checks of all but one small call overlap a transfer: a put seals a
 # call's values before it starts, so its calls grow (the first call's seals wait alone); a get
@@ -99,14 +97,12 @@ CALL_BYTES = 256 * 1024**2
 # Fewer, larger calls also pay the master's round trips fewer times. Sealed puts of 128 blocks of
 # 2 MiB on loopback, against a raw put in the same rounds: 64+64 0.80x, 16+48+64 0.83x, 8+24+96 0.88x.
 FIRST_CALL_SHARE, CALL_GROWTH = 16, 3
-# Buffers (a value's header and each of its parts) per call at most: Mooncake's TCP transport moves
-# each as a slice of its own, ~20 us apiece on loopback, and a put of 96 values of 65 buffers each
-# (a layer-first page of 32 layers) failed outright.
+# Buffers per call at most: Mooncake's TCP transport moves each as a slice of its own, ~20 us
+# apiece on loopback (a value is two: its header and its staging row).
 CALL_BUFFERS = 1024
-# A block in more parts than this (a layer-first page: a part a layer) moves through a lane's
-# registered gather buffer of GATHER_BYTES, one buffer a value: a copy costs less than the slices
-# (32 values of 2 MiB in 64 parts put in 95 ms, in 2 parts in 50 ms; copying 64 MiB takes ~8 ms).
-GATHER_PARTS, GATHER_BYTES = 8, 32 * 1024**2
+# A lane's registered staging for blocks, two halves of CALL_BYTES: one call's blocks are copied
+# out of (or into) one half while the next call's move through the other.
+STAGE_BYTES = 2 * CALL_BYTES
 
 # Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
 NO_SPACE = -200  # the pool could not place the object now
@@ -123,26 +119,19 @@ _MISSING = {REPLICA_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED}
 _PUT_REFUSED = {NO_SPACE, INVALID_KEY, BUFFERS_TOO_SMALL, REPLICA_NOT_READY, OBJECT_HAS_LEASE, TENANT_QUOTA_EXCEEDED}
 
 
-class TransferAbandoned(errors.TransferAbandoned, PoolUnavailable):
-    """A read gave up on a transfer into the caller's memory, which may still be written later.
-
-    Quarantine that memory: never reuse it for anything (see the module docstring).
-    """
-
-
 class PoolRefused(RuntimeError):
     """The pool refused to store one object (full, say); the pool itself is fine."""
 
 
 @dataclass
 class _Lane:
-    """A thread's registered buffers: a header, and a staging block made on first need; both
-    made under one store generation of the client (SHM segments are the daemon's)."""
+    """A thread's registered buffers, the only memory of this tier the pool ever sees: header
+    pages, and staging for blocks made on first need; both made under one store generation of
+    the client (SHM segments are the daemon's)."""
 
     header: torch.Tensor  # uint8 [HEADER_PAGES_BYTES]
     generation: int
-    staging: torch.Tensor | None = None  # uint8 [block_bytes]
-    gather: torch.Tensor | None = None  # uint8 [GATHER_BYTES // block_bytes, block_bytes]
+    stage: torch.Tensor | None = None  # uint8 [2, rows, block_bytes]: two halves
 
 
 class RemoteTier(Tier):
@@ -255,36 +244,14 @@ class RemoteTier(Tier):
         if listener is not None:
             listener(self, event)
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of pre-faulted CPU memory (uint8 ``[nbytes]``) that moves to and from the
-        pool zero-copy; build the host tier on it (``HostTier(..., buffer=...)``).
-
-        SHM mode: shared memory the pool daemon maps, mapped until this process exits; while
-        the pool is down, ordinary memory (it moves through staging). TCP mode: ordinary
-        memory, registered with the store (once the pool is up), kept alive as long as this tier.
-        """
-        client = self._live()
-        try:
-            return client.allocate(nbytes)
-        except PoolUnavailable:
-            if client.mode is RemoteMode.TCP:
-                raise
-        memory = torch.empty(nbytes, dtype=torch.uint8)
-        memory.zero_()  # pre-fault, as the pool's memory is
-        return memory
-
-    def register(self, tensor: torch.Tensor) -> bool:
-        """Register a tensor's memory for zero-copy transfers; whether that worked (TCP mode:
-        any contiguous CPU memory; SHM mode: only memory from ``allocate``; never CUDA memory).
-        Memory that is not registered still transfers, through this thread's staging buffer."""
-        return self._live().register(tensor)
-
     # --- the Tier interface -------------------------------------------------------------------
 
     def write(self, slot: int, key: BlockKey, src: torch.Tensor) -> None:
         """Put ``src`` (uint8 ``[layers, layer_bytes]``, any device) as the object of ``key``.
 
         ``slot`` is not used. A key already in the pool is left as it is (keys name content).
+        The value is sealed from ``src`` (a private copy of it, off the CPU), then copied into
+        this thread's staging, which the pool reads.
 
         Raises:
             PoolUnavailable: the pool is down or did not answer in time.
@@ -296,27 +263,23 @@ class RemoteTier(Tier):
             raise ValueError(f"remote tier: src must be uint8 {list(shape)}, got {src.dtype} {list(src.shape)}")
         name = self.object_name(key)
         lane = self._lane(client)
-        if self._seal.encrypt:  # the ciphertext goes, streamed from src into staging (registered memory)
-            payload = self._staging(client, lane).view(shape)
-            plain = src if src.device.type == "cpu" else src.cpu()
-            header, _ = self._seal.seal(key, [plain.numpy()], self._now_ns(), into=payload.numpy())
+        row = self._rows(client, lane, 0, 1)[0].view(shape)
+        private = src.to("cpu").contiguous()  # sealed here, never in staging: staging is not ours alone
+        if self._seal.encrypt:  # the ciphertext streamed into the row through private scratch (poolvalue._stream)
+            header, _ = self._seal.seal(key, [private.numpy()], self._now_ns(), into=row.numpy())
         else:
-            if client.is_registered(src):
-                payload = src
-            else:
-                payload = self._staging(client, lane).view(shape)
-                payload.copy_(src)
-            header, _ = self._seal.seal(key, [payload.numpy()], self._now_ns())
+            header, _ = self._seal.seal(key, [private.numpy()], self._now_ns())
+            row.copy_(private)
         lane.header[: poolvalue.HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
-        ptrs = [lane.header.data_ptr(), payload.data_ptr()]
-        sizes = [poolvalue.HEADER_BYTES, payload.numel()]
+        ptrs = [lane.header.data_ptr(), row.data_ptr()]
+        sizes = [poolvalue.HEADER_BYTES, row.numel()]
         try:
             (rc,) = client.call(
                 f"put of {name}", "batch_put_from_multi_buffers", [name], [ptrs], [sizes], *self._placed(key),
                 on_late=lambda store, codes: _undo_late_put(store, name, codes), generation=lane.generation,
             )
         except CallTimedOut:
-            self._retire(lane)  # the stray put still reads the header (and staging)
+            self._retire(lane)  # the stray put still reads the header and staging
             raise
         if rc in (0, OBJECT_EXISTS):
             return
@@ -327,92 +290,57 @@ class RemoteTier(Tier):
 
     def write_many(self, slots: list[int], keys: list[BlockKey], srcs: list[torch.Tensor]) -> list[BaseException | None]:
         """Put several blocks in few pool calls; per block None or the error ``write`` would
-        have raised for it. Sources in registered memory (not encrypted, no key twice) go as
-        ``write_pieces`` puts them, one piece each; any other batch goes block by block."""
-        client = self._live()
+        have raised for it. CPU sources (not encrypted, no key twice) go as ``write_pieces``
+        puts them, one piece each; any other batch goes block by block."""
         shape = (self.layout.num_layers, self.layout.layer_bytes)
-        try:
-            lane = self._lane(client)
-        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
-            return [error] * len(keys)
-        blocks = [[src.view(-1)] for src in srcs
-                  if src.dtype == torch.uint8 and tuple(src.shape) == shape and src.is_contiguous()]
-        if len(blocks) != len(srcs) or not self._puts_direct(client, keys, blocks):
+        blocks = [[src.view(-1)] for src in srcs if src.dtype == torch.uint8 and tuple(src.shape) == shape
+                  and src.is_contiguous() and src.device.type == "cpu"]
+        if len(blocks) != len(srcs) or self._seal.encrypt or len(set(keys)) != len(keys):
             return super().write_many(slots, keys, srcs)
-        return self._put_blocks(client, lane, keys, blocks)
+        return self.write_pieces(slots, keys, blocks)
 
     def write_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
-        """Put several blocks, each from its pieces as they lie: one object per block from the
-        buffers ``[header, *pieces]``, when every piece is in registered memory (not encrypted,
-        no key twice); else as the default does (gathered, then ``write_many``).
+        """Put several blocks, each from its pieces as they lie, through this thread's staging:
+        one object per block (not encrypted, no key twice); else as the default does
+        (gathered, then ``write_many``).
 
         The puts are batched and pipelined: this thread seals the next call's blocks (the MAC
-        reads every byte) while the pool takes the last call's. A put that times out leaves its
-        blocks and the later ones failed (PoolUnavailable); its objects are removed should it
-        complete later, as ``write`` does."""
+        reads every byte) and copies them into staging while the pool takes the last call's. A
+        put that times out leaves its blocks and the later ones failed (PoolUnavailable); its
+        objects are removed should it complete later, as ``write`` does."""
         self._check_pieces(blocks)
+        if self._seal.encrypt or len(set(keys)) != len(keys):
+            return super().write_pieces(slots, keys, blocks)
         client = self._live()
+        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
         try:
             lane = self._lane(client)
+            self._rows(client, lane, 0, 0)  # the staging, made before the first put
         except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
             return [error] * len(keys)
-        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
-        if max(map(len, parts), default=0) > GATHER_PARTS and not self._seal.encrypt and len(set(keys)) == len(keys):
-            return self._gathered(client, keys, parts, put=True)
-        if not self._puts_direct(client, keys, parts):
-            return super().write_pieces(slots, keys, blocks)
         return self._put_blocks(client, lane, keys, parts)
-
-    def _gathered(self, client: PoolClient, keys: list[BlockKey], blocks: list[list[torch.Tensor]],
-                  put: bool) -> list[BaseException | None]:
-        """Blocks in many parts put (gathered first) or got (then scattered, once verified)
-        through this thread's registered gather buffer, a buffer's worth of blocks at a time."""
-        out: list[BaseException | None] = []
-        per = max(1, GATHER_BYTES // self.layout.block_bytes)
-        for at in range(0, len(keys), per):
-            try:
-                lane = self._lane(client)
-            except PoolUnavailable as error:
-                return out + [error] * (len(keys) - at)
-            if lane.gather is None:
-                lane.gather = client.allocate(per * self.layout.block_bytes)
-            chunk = range(at, min(len(keys), at + per))
-            rows = list(lane.gather.view(per, self.layout.block_bytes)[: len(chunk)])
-            staged = [split_like(row, blocks[i]) for row, i in zip(rows, chunk)]
-            if put:
-                torch._foreach_copy_([d for s in staged for d in s], [p for i in chunk for p in blocks[i]])
-                out += self._put_blocks(client, lane, keys[at : chunk.stop], [[row] for row in rows])
-                continue
-            got = self._get_blocks(client, lane.generation, keys[at : chunk.stop], [[row] for row in rows])
-            good = [n for n, error in enumerate(got) if error is None]
-            if good:
-                torch._foreach_copy_([p for n in good for p in blocks[chunk[n]]], [d for n in good for d in staged[n]])
-            # a stray get lands in the retired lane's buffer, never in the caller's parts
-            out += [PoolUnavailable(str(e)) if isinstance(e, TransferAbandoned) else e for e in got]
-        return out
-
-    def _puts_direct(self, client: PoolClient, keys: list[BlockKey], blocks: list[list[torch.Tensor]]) -> bool:
-        """Whether blocks (as their parts) can go in batched puts straight from where they lie."""
-        return (not self._seal.encrypt and len(set(keys)) == len(keys)
-                and all(client.is_registered(part) for parts in blocks for part in parts))
 
     def _put_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
                     blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
-        """Batched, pipelined puts of blocks given as their parts in registered memory (flat
-        uint8, in order): the object of ``keys[i]`` from the buffers ``[header, *blocks[i]]``.
-        Each call goes as the sub-calls ``_spread`` cuts it into (one per segment), together."""
+        """Batched, pipelined puts of blocks given as their parts (CPU, flat uint8, in order):
+        each sealed from its parts, copied into a staging row, and the object of ``keys[i]``
+        put from the buffers ``[header, row]``. Each call goes as the sub-calls ``_spread`` cuts
+        it into (one per segment), together."""
         names = [self.object_name(k) for k in keys]
         out: list[BaseException | None] = [None] * len(keys)
         pending: list[tuple[range, PendingCall]] = []  # the sub-calls in flight, in block order
         try:
-            for k, batch in enumerate(self._calls(len(keys), growing=True, parts=max(map(len, blocks)))):
+            for k, batch in enumerate(self._calls(len(keys), growing=True)):
                 headers = self._headers(lane, k % 2, len(batch))
+                rows = self._rows(client, lane, k % 2, len(batch))
                 for j, i in enumerate(batch):  # overlaps the puts of the previous call
+                    # Copied, then sealed from the caller's bytes (still in cache), never from staging.
+                    _copy(split_like(rows[j], blocks[i]), blocks[i])
                     header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]], self._now_ns())
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
                 if not self._settle_puts(client, lane, names, pending, out):
                     return out
-                ptrs, sizes = _buffers(headers, blocks, batch)
+                ptrs, sizes = _buffers(headers, rows, batch)
                 for run, placed in self._spread(batch):
                     at = slice(run.start - batch.start, run.stop - batch.start, run.step)
                     run_names = names[run.start : run.stop : run.step]
@@ -519,15 +447,15 @@ class RemoteTier(Tier):
     def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
         """Read layers ``layers`` of ``key`` into ``dst`` (uint8 ``[n_layers, layer_bytes]``).
 
-        The whole object always moves (header, then payload); into registered ``dst`` the
-        requested layers land in place and the others in staging. Verified before returning.
+        The whole object always moves (header, then payload) into this thread's staging, and
+        is copied out before it is verified: into ``dst`` itself for a whole block in CPU
+        memory, else into a private copy whose requested layers go to ``dst`` once verified.
 
         Raises:
             BlockMissing: the object is not in the pool (a CorruptBlock: a miss).
             CorruptBlock: wrong size, header of another key or layout, bad checksum; ``dst``
                 may hold some of its bytes and must be discarded.
-            TransferAbandoned: ``dst`` may still be written later: quarantine it.
-            PoolUnavailable: the pool is down; ``dst`` was not touched.
+            PoolUnavailable: the pool is down or did not answer; ``dst`` was not touched.
         """
         client = self._live()
         start, stop = self._layer_range(layers)
@@ -537,99 +465,74 @@ class RemoteTier(Tier):
             raise ValueError(f"remote tier: dst must be uint8 {list(shape)}, got {dst.dtype} {list(dst.shape)}")
         name = self.object_name(key)
         lane = self._lane(client)
-        direct = client.is_registered(dst)
-        # The payload's parts in object order: [layers before | dst | layers after], or all staged.
-        if direct:
-            before, after = start * layer_bytes, (self.layout.num_layers - stop) * layer_bytes
-            parts = [dst.view(-1)] if dst.numel() else []
-            if before or after:
-                staging = self._staging(client, lane)
-                if before:
-                    parts.insert(0, staging[:before])
-                if after:
-                    parts.append(staging[before : before + after])
-        else:
-            parts = [self._staging(client, lane)]
+        row = self._rows(client, lane, 0, 1)[0]
         lane.header[: poolvalue.HEADER_BYTES].zero_()  # never a stale header of an earlier read
-        ptrs = [lane.header.data_ptr()] + [p.data_ptr() for p in parts]
-        sizes = [poolvalue.HEADER_BYTES] + [p.numel() for p in parts]
+        ptrs = [lane.header.data_ptr(), row.data_ptr()]
+        sizes = [poolvalue.HEADER_BYTES, row.numel()]
         try:
             (got,) = client.call(f"get of {name}", "batch_get_into_multi_buffers", [name], [ptrs], [sizes],
                                  generation=lane.generation)
         except CallTimedOut as error:
-            raise self._abandon(lane, direct, name, str(error), error.settled) from None
+            raise self._abandon(lane, str(error)) from None
         if got < 0:
-            self._get_failed(client, lane, direct, name, got)
+            self._get_failed(client, lane, name, got)
         if got != sum(sizes):
             raise CorruptBlock(f"remote tier: {name} read {got} bytes, expected {sum(sizes)}: a value of the wrong size")
-        self._opened(name, key, lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes(), [p.numpy() for p in parts])
-        if not direct:
-            dst.copy_(parts[0].view(self.layout.num_layers, layer_bytes)[start:stop])
+        head = lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes()
+        whole = dst.device.type == "cpu" and dst.is_contiguous() and (start, stop) == (0, self.layout.num_layers)
+        private = dst.view(-1) if whole else torch.empty_like(row)
+        _copy([private], [row])  # out of staging first: what is verified is what is served
+        self._opened(name, key, head, [private.numpy()])
+        if not whole:
+            _copy([dst], [private.view(self.layout.num_layers, layer_bytes)[start:stop]])
 
     def read_many_into(
         self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
     ) -> list[BaseException | None]:
         """Whole blocks of several keys in few pool calls (each value still verified on its
         own): per key None (in ``dst``, verified) or the exception ``read_into`` would have
-        raised for it. Registered destinations are read as ``read_pieces`` reads them, one
-        piece each; partial reads, destinations outside registered memory, and batches that
-        name a key twice go one by one."""
-        client = self._live()
-        try:
-            generation = self._lane(client).generation  # before looking at registrations: they are per store
-        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
-            return [error] * len(keys)
-        whole = self._layer_range(layers) == (0, self.layout.num_layers)
-        if not whole or not self._gets_direct(client, keys, [[d] for d in dsts]):
-            return super().read_many_into(slots, keys, dsts, layers)
+        raised for it. Whole blocks into contiguous CPU destinations are read as
+        ``read_pieces`` reads them, one piece each; partial reads, other destinations, and
+        batches that name a key twice go one by one."""
         shape = (self.layout.num_layers, self.layout.layer_bytes)
-        for dst in dsts:
-            if dst.dtype != torch.uint8 or tuple(dst.shape) != shape or not dst.is_contiguous():
-                raise ValueError(f"remote tier: dst must be contiguous uint8 {list(shape)}, got {list(dst.shape)}")
-        return self._get_blocks(client, generation, keys, [[dst.view(-1)] for dst in dsts])
+        whole = self._layer_range(layers) == (0, self.layout.num_layers)
+        if not whole or len(set(keys)) != len(keys) or not all(
+                d.dtype == torch.uint8 and tuple(d.shape) == shape and d.is_contiguous() and d.device.type == "cpu"
+                for d in dsts):
+            return super().read_many_into(slots, keys, dsts, layers)
+        return self.read_pieces(slots, keys, [[dst.view(-1)] for dst in dsts])
 
     def read_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
-        """Read whole blocks into their pieces as they lie: each object into the buffers
-        ``[header, *pieces]`` in batched, pipelined gets, verified, when every piece is in
-        registered memory (and no key comes twice); else as the default does
-        (``read_many_into``, then scattered).
+        """Read whole blocks into their pieces as they lie: each object into this thread's
+        staging in batched, pipelined gets, copied out into its pieces, then verified there
+        (no key twice; else as the default does: ``read_many_into``, then scattered).
 
-        The gets are pipelined: the get of the next call's blocks runs while this thread checks
-        the blocks of the last (the MAC reads every byte). A call that times out abandons its
-        own blocks (TransferAbandoned: their pieces may still be written until ``settled``);
-        the blocks of the calls after it were never handed to the pool."""
+        The gets are pipelined: the get of the next call's blocks runs while this thread copies
+        out and checks the blocks of the last (the MAC reads every byte). A call that times out
+        fails its blocks and the later ones (PoolUnavailable); their pieces were never handed to
+        the pool, and the staging a stray call may still write is retired."""
         self._check_pieces(blocks)
+        if len(set(keys)) != len(keys):
+            return super().read_pieces(slots, keys, blocks)
         client = self._live()
+        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
         try:
-            generation = self._lane(client).generation  # before looking at registrations: they are per store
+            lane = self._lane(client)
+            self._rows(client, lane, 0, 0)  # the staging, made before the first get
         except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
             return [error] * len(keys)
-        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
-        if max(map(len, parts), default=0) > GATHER_PARTS and len(set(keys)) == len(keys):
-            return self._gathered(client, keys, parts, put=False)
-        if not self._gets_direct(client, keys, parts):
-            return super().read_pieces(slots, keys, blocks)
-        return self._get_blocks(client, generation, keys, parts)
+        return self._get_blocks(client, lane, keys, parts)
 
-    @staticmethod
-    def _gets_direct(client: PoolClient, keys: list[BlockKey], blocks: list[list[torch.Tensor]]) -> bool:
-        """Whether blocks (as their parts) can be got in batched calls straight into where they
-        lie: all in registered memory, no key twice (a batched get fills one of a name's buffers)."""
-        return len(set(keys)) == len(keys) and all(client.is_registered(part) for parts in blocks for part in parts)
-
-    def _get_blocks(self, client: PoolClient, generation: int, keys: list[BlockKey],
+    def _get_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
                     blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
-        """Batched, pipelined gets of whole blocks into their parts in registered memory (flat
-        uint8, in order; registrations checked under store ``generation``): the object of
-        ``keys[i]`` into the buffers ``[header, *blocks[i]]``, each verified."""
-        lane = self._lane(client)
-        if lane.generation != generation:  # reconnected since the registrations were checked
-            return [PoolUnavailable("remote tier: the pool was reconnected under this read; retry")] * len(keys)
+        """Batched, pipelined gets of whole blocks (as their parts: CPU, flat uint8, in order):
+        the object of ``keys[i]`` into the staging buffers ``[header, row]``, then copied out
+        into ``blocks[i]`` and verified there."""
         names = [self.object_name(k) for k in keys]
         out: list[BaseException | None] = [None] * len(keys)
-        calls = self._calls(len(keys), growing=False, parts=max(map(len, blocks)))
+        calls = self._calls(len(keys), growing=False)
         try:
-            pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names, blocks)
+            pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names)
         except PoolUnavailable as error:  # DOWN: nothing was handed to the pool
             return [error] * len(keys)
         try:
@@ -638,17 +541,17 @@ class RemoteTier(Tier):
                 try:
                     got = current.result()
                 except CallTimedOut as error:
-                    abandoned = self._abandon(lane, True, names[batch.start], str(error), error.settled)
-                    out[batch.start :] = [abandoned] * len(batch) + [PoolUnavailable(str(error))] * (len(keys) - batch.stop)
+                    abandoned = self._abandon(lane, str(error))
+                    out[batch.start :] = [abandoned] * (len(keys) - batch.start)
                     return out
                 unstarted = None
                 if k + 1 < len(calls):
                     try:
-                        pending = self._start_get(client, lane, calls[k + 1], (k + 1) % 2, names, blocks)
+                        pending = self._start_get(client, lane, calls[k + 1], (k + 1) % 2, names)
                         pending.handed_over()  # before the checks below hold the interpreter's lock
                     except PoolUnavailable as error:  # DOWN since: the later blocks stay untouched
                         unstarted = error
-                self._check_got(client, lane, keys, names, blocks, batch, got, self._headers(lane, k % 2, len(batch)), out)
+                self._check_got(client, lane, keys, names, blocks, batch, got, k % 2, out)
                 if unstarted is not None:
                     out[batch.stop :] = [unstarted] * (len(keys) - batch.stop)
                     return out
@@ -660,12 +563,12 @@ class RemoteTier(Tier):
                     pass
         return out
 
-    def _calls(self, blocks: int, growing: bool, parts: int = 1) -> list[range]:
-        """The pool calls a batch of ``blocks`` (each in at most ``parts`` parts) is cut into: at
-        most ``CALL_BYTES``, ``CALL_BUFFERS`` and a half of the headers each; every value's bytes
-        are checked (a MAC or a checksum), so calls grow threefold from 1/16 of the batch
-        (``growing``: puts), or shrink to it (gets)."""
-        most = max(1, min(HEADERS_PER_CALL, CALL_BYTES // self.layout.block_bytes, CALL_BUFFERS // (1 + parts)))
+    def _calls(self, blocks: int, growing: bool) -> list[range]:
+        """The pool calls a batch of ``blocks`` is cut into: at most a half of the staging (and
+        of the headers) and ``CALL_BUFFERS`` each; every value's bytes are checked (a MAC or a
+        checksum), so calls grow threefold from 1/16 of the batch (``growing``: puts), or
+        shrink to it (gets)."""
+        most = max(1, min(HEADERS_PER_CALL, self._stage_rows(), CALL_BUFFERS // 2))
         sizes = []
         size, left = -(-blocks // FIRST_CALL_SHARE), blocks
         while left:
@@ -684,25 +587,50 @@ class RemoteTier(Tier):
         at = half * HEADERS_PER_CALL * head
         return lane.header[at : at + count * head].view(count, head)
 
-    def _start_get(self, client: PoolClient, lane: _Lane, batch: range, half: int, names: list[str],
-                   blocks: list[list[torch.Tensor]]) -> PendingCall:
+    def _stage_rows(self) -> int:
+        """Blocks in a half of a lane's staging."""
+        return max(1, STAGE_BYTES // 2 // self.layout.block_bytes)
+
+    def _rows(self, client: PoolClient, lane: _Lane, half: int, count: int) -> torch.Tensor:
+        """``count`` staging rows in one half of the lane's staging (uint8 [count, block_bytes]),
+        the staging registered (made) on first need.
+
+        Raises:
+            PoolUnavailable: the pool is down (no staging is made for a store that is gone), or
+                (SHM mode) the daemon would not map a segment.
+        """
+        if lane.stage is None:
+            if not client.up:
+                raise PoolUnavailable(f"remote tier: the pool is down ({client.down_reason})")
+            rows = self._stage_rows()
+            lane.stage = client.allocate(2 * rows * self.layout.block_bytes).view(2, rows, self.layout.block_bytes)
+        return lane.stage[half, :count]
+
+    def _start_get(self, client: PoolClient, lane: _Lane, batch: range, half: int, names: list[str]) -> PendingCall:
         headers = self._headers(lane, half, len(batch))
         headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
-        ptrs, sizes = _buffers(headers, blocks, batch)
+        ptrs, sizes = _buffers(headers, self._rows(client, lane, half, len(batch)), batch)
         return client.start(f"batch get of {len(batch)} blocks", "batch_get_into_multi_buffers",
                             names[batch.start : batch.stop], ptrs, sizes, generation=lane.generation)
 
     def _check_got(self, client: PoolClient, lane: _Lane, keys: list[BlockKey], names: list[str],
-                   blocks: list[list[torch.Tensor]], batch: range, got: list[int], headers: torch.Tensor,
+                   blocks: list[list[torch.Tensor]], batch: range, got: list[int], half: int,
                    out: list[BaseException | None]) -> None:
-        """Verify the blocks of one finished get (``got``: bytes or a code per block) into ``out``."""
+        """Copy out and verify the blocks of one finished get (``got``: bytes or a code per
+        block; in staging ``half``) into ``out``: the headers and payloads are copied out of
+        staging first, and the copies are what is checked and served."""
+        heads = self._headers(lane, half, len(batch)).numpy().tobytes()
+        rows = self._rows(client, lane, half, len(batch))
+        size = poolvalue.HEADER_BYTES + self.layout.block_bytes
         for j, i in enumerate(batch):
             try:
                 if got[j] < 0:
-                    self._get_failed(client, lane, True, names[i], got[j])
-                if got[j] != poolvalue.HEADER_BYTES + self.layout.block_bytes:
+                    self._get_failed(client, lane, names[i], got[j])
+                if got[j] != size:
                     raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
-                self._opened(names[i], keys[i], headers[j].numpy().tobytes(), [part.numpy() for part in blocks[i]])
+                _copy(blocks[i], split_like(rows[j], blocks[i]))  # checked next, still in cache
+                head = heads[j * poolvalue.HEADER_BYTES : (j + 1) * poolvalue.HEADER_BYTES]
+                self._opened(names[i], keys[i], head, [part.numpy() for part in blocks[i]])
             except (CorruptBlock, PoolUnavailable) as error:
                 out[i] = error
 
@@ -796,11 +724,6 @@ class RemoteTier(Tier):
             if len(self._seen) > NAMES_KEPT:
                 self._seen.popitem(last=False)
 
-    def _staging(self, client: PoolClient, lane: _Lane) -> torch.Tensor:
-        if lane.staging is None:
-            lane.staging = client.allocate(self.layout.block_bytes)
-        return lane.staging
-
     def _retire(self, lane: _Lane) -> None:
         """A stray call may still use this thread's buffers: keep them, make new ones next time."""
         with self._lock:
@@ -808,16 +731,13 @@ class RemoteTier(Tier):
         if getattr(self._lanes, "lane", None) is lane:
             self._lanes.lane = None
 
-    def _abandon(self, lane: _Lane, direct: bool, name: str, why: str, settled: Future | None) -> PoolUnavailable:
-        """The error for a get that did not end cleanly; ``settled`` completes once the stray
-        call has (the destination is then safe again; a finished call: already complete)."""
+    def _abandon(self, lane: _Lane, why: str) -> PoolUnavailable:
+        """The error for a get that did not end cleanly: the stray call may still write this
+        thread's staging (retired, never the caller's memory)."""
         self._retire(lane)
-        if direct:
-            return TransferAbandoned(f"remote tier: {why}; the destination may still be written: quarantine it",
-                                     settled=settled)
         return PoolUnavailable(f"remote tier: {why}")
 
-    def _get_failed(self, client: PoolClient, lane: _Lane, direct: bool, name: str, code: int) -> None:
+    def _get_failed(self, client: PoolClient, lane: _Lane, name: str, code: int) -> None:
         """Raise the error a failed get (Mooncake code ``code``) means."""
         if code in _MISSING:
             raise BlockMissing(f"remote tier: {name} is not in the pool (Mooncake code {code})")
@@ -830,7 +750,7 @@ class RemoteTier(Tier):
             try:
                 size = client.call(f"size of {name}", "get_size", name)
             except CallTimedOut as error:  # the get itself has returned: nothing more lands
-                raise self._abandon(lane, direct, name, str(error), _DONE) from None
+                raise self._abandon(lane, str(error)) from None
             except PoolUnavailable:
                 size = None
             if size == OBJECT_NOT_FOUND:
@@ -838,15 +758,22 @@ class RemoteTier(Tier):
             if size is not None and size >= 0 and size != expected:
                 raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
         client.mark_down(f"get failed with Mooncake code {code}", lane.generation)
-        raise self._abandon(lane, direct, name, f"get of {name} failed (Mooncake code {code})", _DONE)
+        raise self._abandon(lane, f"get of {name} failed (Mooncake code {code})")
 
 
-def _buffers(headers: torch.Tensor, blocks: list[list[torch.Tensor]], batch: range) -> tuple[list, list]:
+def _buffers(headers: torch.Tensor, rows: torch.Tensor, batch: range) -> tuple[list, list]:
     """The pointers and sizes of one batched call's objects: block ``i`` of ``batch`` as its
-    header (``headers[j]``, j its place in the batch), then its parts."""
-    ptrs = [[headers[j].data_ptr(), *(p.data_ptr() for p in blocks[i])] for j, i in enumerate(batch)]
-    sizes = [[poolvalue.HEADER_BYTES, *(p.numel() for p in blocks[i])] for i in batch]
+    header (``headers[j]``, j its place in the batch), then its staging row (``rows[j]``)."""
+    ptrs = [[headers[j].data_ptr(), rows[j].data_ptr()] for j in range(len(batch))]
+    sizes = [[poolvalue.HEADER_BYTES, rows[j].numel()] for j in range(len(batch))]
     return ptrs, sizes
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i][:] = srcs[i]``; the caller's tensors may be inference tensors (made under
+    ``torch.inference_mode``, as an engine's KV is), which only that mode may update in place."""
+    with torch.inference_mode():
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _undo_late_put(store, name: str, codes: list[int]) -> None:
@@ -861,9 +788,6 @@ def _undo_late_puts(store, names: list[str], codes: list[int]) -> None:
     if stored:
         store.batch_remove(stored, True)
 
-
-_DONE: Future = Future()  # a call that returned (with an error): nothing of it is still running
-_DONE.set_result(None)
 
 
 def fresh_tag() -> str:

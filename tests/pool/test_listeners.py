@@ -64,3 +64,29 @@ def test_every_address_kvstrata_configures_is_loopback_and_mooncake_adds_only_it
         assert not [p for _, p in wild if p in configured], f"{name} listens on a configured port beyond loopback: {wild}"
         assert len(wild) <= MOONCAKE_WILDCARD, f"{name} listens beyond loopback on more than Mooncake's own: {wild}"
     assert all(a in LOOPBACK for a, _ in found.get(pool.master_pid, [])), "the master listens beyond loopback"
+
+
+def test_a_cache_and_its_pool_listen_beyond_loopback_only_on_the_transfer_engines_own_ports(pool):
+    # The wildcard listeners, named exactly: each is a transfer engine's handshake port (it
+    # answers a metadata request with its segment) or the TCP data port that segment names.
+    from cache_support import LAYOUT as layout
+    from cache_support import kv_for, tokens
+    from engine_support import listening, segment_descriptor
+
+    from kvstrata.cache import CacheConfig, TieredCache
+
+    config = CacheConfig(layout, "listeners", device_bytes=8 * layout.block_bytes, host_bytes=8 * layout.block_bytes,
+                         device="cpu", pool=pool.config, remote_bytes=64 * layout.block_bytes)
+    cache = TieredCache(config)
+    try:
+        toks = tokens(1, 4, layout)
+        cache.store(toks, kv_for(cache, toks)).result(timeout=10)
+        for pid, name in ((pool.master_pid, "master"), (pool.daemon_pid, "daemon"), (os.getpid(), "cache")):
+            wild = {listener.port for listener in listening(pid) if listener.wildcard}
+            engines = {port: segment_descriptor(port) for port in wild}
+            engine_ports = {port for port, segment in engines.items() if segment is not None}
+            engine_ports |= {segment["tcp_data_port"] for segment in engines.values() if segment is not None}
+            assert wild <= engine_ports, f"{name} (pid {pid}) listens beyond loopback on {sorted(wild - engine_ports)}"
+            assert name != "master" or not wild, f"the master listens beyond loopback on {sorted(wild)}"
+    finally:
+        cache.close()

@@ -49,8 +49,6 @@ class TierSpec:
     build: Callable[..., Tier]  # (layout, capacity_bytes, tmp_path, **fixtures) -> Tier
     has_view: bool
     fixtures: tuple[str, ...] = ()  # pytest fixtures ``build`` takes as keyword arguments
-    # Caller memory pieces are cut from: (tier, nbytes) -> uint8 [nbytes] (the pool: registered).
-    memory: Callable[[Tier, int], torch.Tensor] = lambda tier, nbytes: torch.empty(nbytes, dtype=torch.uint8)
 
 
 MakeTier = Callable[..., Tier]  # (layout=SMALL, blocks=4, eviction=LRU, extra_bytes=0) -> Tier
@@ -185,7 +183,7 @@ class TierConformance:
     def test_pieces_round_trip_and_mix_with_whole_blocks(self, make_tier: MakeTier, tier_spec: TierSpec,
                                                          split: list[int]) -> None:
         tier = make_tier(blocks=6)
-        memory = tier_spec.memory(tier, 4 * SMALL.block_bytes)
+        memory = torch.empty(4 * SMALL.block_bytes, dtype=torch.uint8)
         memory.fill_(0xAA)
         sources, targets = cut(memory[: 2 * SMALL.block_bytes], split, 2), cut(memory[2 * SMALL.block_bytes :], split, 2)
         blocks = {key(i): random_block(SMALL, seed=i) for i in range(4)}
@@ -204,7 +202,7 @@ class TierConformance:
 
     def test_bad_pieces_are_refused(self, make_tier: MakeTier, tier_spec: TierSpec) -> None:
         tier = make_tier()
-        memory = tier_spec.memory(tier, 2 * SMALL.block_bytes)
+        memory = torch.empty(2 * SMALL.block_bytes, dtype=torch.uint8)
         half = SMALL.block_bytes // 2
         bad = {  # the pieces, and what the error says
             "torch.int16": [memory[:half].view(torch.int16), memory[half : 2 * half]],

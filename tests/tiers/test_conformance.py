@@ -39,8 +39,8 @@ SPECS = [
     TierSpec("device", lambda layout, capacity, _: DeviceTier(layout, capacity), True),
     TierSpec("host", lambda layout, capacity, _: HostTier(layout, capacity), True),
     TierSpec("disk", _disk, False),
-    TierSpec("remote-tcp", _remote("TCP"), False, fixtures=("pool",), memory=lambda tier, n: tier.allocate(n)),
-    TierSpec("remote-shm", _remote("SHM"), False, fixtures=("pool",), memory=lambda tier, n: tier.allocate(n)),
+    TierSpec("remote-tcp", _remote("TCP"), False, fixtures=("pool",)),
+    TierSpec("remote-shm", _remote("SHM"), False, fixtures=("pool",)),
 ]
 
 

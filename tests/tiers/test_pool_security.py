@@ -93,7 +93,7 @@ def test_sealed_values_round_trip_whole_and_in_part(tiers, encrypt):
     assert torch.equal(part, content(key)[1:3])
     other = key_of(11)
     store(tier, other)
-    registered = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    registered = torch.zeros(2 * LAYOUT.block_bytes, dtype=torch.uint8).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
     assert tier.read_many_into([0, 0], [key, other], [registered[0], registered[1]]) == [None, None]  # one batch get
     assert torch.equal(registered[0], content(key)) and torch.equal(registered[1], content(other))
 
@@ -164,7 +164,7 @@ def test_an_older_value_of_the_same_block_put_back_after_a_newer_one_is_a_miss(t
     raw_put(attacker, tier.object_name(key), old)
     with pytest.raises(CorruptBlock, match="replay"):
         read(tier, key)
-    batch = tier.allocate(LAYOUT.block_bytes).view(1, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    batch = torch.zeros(LAYOUT.block_bytes, dtype=torch.uint8).view(1, LAYOUT.num_layers, LAYOUT.layer_bytes)
     (error,) = tier.read_many_into([0], [key], list(batch))  # batched reads refuse it too
     assert isinstance(error, CorruptBlock) and "replay" in str(error)
 

@@ -37,7 +37,6 @@ from kvstrata.tiers.remote import (
     PoolUnavailable,
     RemoteMode,
     RemoteTier,
-    TransferAbandoned,
 )
 
 LAYOUT = KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DType.BF16)  # 4 x 1 KiB
@@ -135,44 +134,25 @@ def test_shm_mode_needs_a_daemon():
         RemoteTier(LAYOUT, 0, PoolConfig(master="127.0.0.1:1"), RemoteMode.SHM)
 
 
-# --- zero-copy memory -------------------------------------------------------------------------
+# --- private memory ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_allocated_memory_moves_without_staging(make_remote_tier, mode):
+def test_blocks_move_through_the_tiers_own_staging_and_partial_reads_verify(make_remote_tier, mode):
     tier = make_remote_tier(mode)
-    host = tier.allocate(3 * LAYOUT.block_bytes).view(3, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    host = torch.zeros(3 * LAYOUT.block_bytes, dtype=torch.uint8).view(3, LAYOUT.num_layers, LAYOUT.layer_bytes)
     host[0].copy_(content(make_key(1)))
     store(tier, make_key(1), host[0])
     load(tier, make_key(1), host[1])
     assert torch.equal(host[1], host[0])
-    assert tier._lanes.lane.staging is None  # whole blocks in registered memory: no staging at all
+    client = tier._client
+    assert not any(client.is_registered(t) for t in (host, host[0], host[1]))  # the caller's memory: never
+    assert client.is_registered(tier._lanes.lane.stage) and client.is_registered(tier._lanes.lane.header)
     for layers in (slice(1, 3), slice(0, 1), slice(3, 4), slice(2, 2)):
         dst = host[2][: len(range(*layers.indices(LAYOUT.num_layers)))]
         dst.fill_(0xAA)
         tier.read_into(0, make_key(1), dst, layers)
         assert torch.equal(dst, host[0][layers])
-
-
-def test_registered_tensor_is_zero_copy_in_tcp_mode(make_remote_tier):
-    tier = make_remote_tier(RemoteMode.TCP)
-    mine = content(make_key(2)).clone()
-    assert tier.register(mine) is True
-    store(tier, make_key(2), mine)
-    mine.zero_()
-    load(tier, make_key(2), mine)
-    assert torch.equal(mine, content(make_key(2)))
-    assert tier._lanes.lane.staging is None
-
-
-def test_shm_mode_cannot_register_private_memory_but_still_moves_it(make_remote_tier):
-    tier = make_remote_tier(RemoteMode.SHM)
-    mine = content(make_key(12)).clone()
-    assert tier.register(mine) is False  # the daemon maps only segments from allocate()
-    assert tier.register(tier.allocate(4096)) is True
-    store(tier, make_key(12), mine)
-    mine.zero_()
-    assert torch.equal(load(tier, make_key(12), mine), content(make_key(12)))  # through staging
 
 
 # --- shared visibility ------------------------------------------------------------------------
@@ -270,7 +250,7 @@ def test_without_a_secret_a_value_whose_payload_is_not_its_headers_is_a_miss(mak
     with pytest.raises(CorruptBlock, match="checksum") as caught:
         load(tier, a, dst)
     assert not isinstance(caught.value, BlockMissing)
-    batch = tier.allocate(LAYOUT.block_bytes).view(1, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    batch = torch.zeros(LAYOUT.block_bytes, dtype=torch.uint8).view(1, LAYOUT.num_layers, LAYOUT.layer_bytes)
     (error,) = tier.read_many_into([0], [a], list(batch))  # the batched path checks the same
     assert isinstance(error, CorruptBlock) and "checksum" in str(error)
     # The tier's own writes carry a checksum and read back clean, whole or in part.
@@ -304,14 +284,14 @@ def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_
     writer = make_remote_tier(mode)  # checked values: the batch is cut for pipelining
     reader = make_remote_tier(mode, namespace_tag=writer.namespace_tag)
     keys = [make_key(i, f"batch-{mode.value}") for i in range(6)]
-    src = writer.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    src = torch.zeros(6 * LAYOUT.block_bytes, dtype=torch.uint8).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
         src[i] = content(key)
     puts = recording_calls(writer)
     assert writer.write_many([0] * 6, keys, list(src)) == [None] * 6
     assert [m for m, _ in puts] == ["batch_put_from_multi_buffers"] * len(puts)
     assert 1 < len(puts) < 6 and sum(n for _, n in puts) == 6  # pipelined batches, not a call per block
-    dst = reader.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    dst = torch.zeros(6 * LAYOUT.block_bytes, dtype=torch.uint8).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     dst.fill_(0xAA)
     gets = recording_calls(reader)
     assert reader.read_many_into([0] * 6, keys, list(dst)) == [None] * 6
@@ -323,14 +303,14 @@ def test_a_checked_batch_moves_in_few_pipelined_calls_and_reads_back_exact(make_
 def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_remote_tier, raw):
     tier = make_remote_tier()
     keys = [make_key(i, "batch-bad") for i in range(6)]
-    src = tier.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    src = torch.zeros(6 * LAYOUT.block_bytes, dtype=torch.uint8).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
         src[i] = content(key)
     assert tier.write_many([0] * 6, keys, list(src)) == [None] * 6
     assert tier.remove_from_pool([keys[1]], force=True) == [True]  # in the first call
     tier.remove_from_pool([keys[4]], force=True)  # in a later call: a value of another key instead
     put_raw(raw, tier.object_name(keys[4]), value_bytes(keys[5], content(keys[5])))
-    dst = tier.allocate(6 * LAYOUT.block_bytes).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    dst = torch.zeros(6 * LAYOUT.block_bytes, dtype=torch.uint8).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     got = tier.read_many_into([0] * 6, keys, list(dst))
     assert isinstance(got[1], BlockMissing)
     assert isinstance(got[4], CorruptBlock) and not isinstance(got[4], BlockMissing)
@@ -346,7 +326,7 @@ def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_remote_tier, raw):
 def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_remote_tier, private_pool, mode):
     op_timeout_s = 1.0
     tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=0.2)
-    host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    host = torch.zeros(2 * LAYOUT.block_bytes, dtype=torch.uint8).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
     keys = [make_key(i, "killed") for i in range(3)]
     for key in keys:
         store(tier, key)
@@ -366,16 +346,18 @@ def test_pool_killed_mid_run_reads_raise_in_bounded_time(make_remote_tier, priva
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_remote_tier, private_pool, mode):
+def test_hung_pool_fails_the_read_leaves_dst_untouched_then_recovers(make_remote_tier, private_pool, mode):
     op_timeout_s, backoff_s, backoff_max_s = 1.0, 0.3, 1.0
     tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=backoff_s,
                      backoff_max_s=backoff_max_s)
-    host = tier.allocate(2 * LAYOUT.block_bytes).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    host = torch.zeros(2 * LAYOUT.block_bytes, dtype=torch.uint8).view(2, LAYOUT.num_layers, LAYOUT.layer_bytes)
     store(tier, make_key(11))
     stop_process(private_pool.daemon_pid)  # holds the bytes (and serves SHM clients)
+    host[0].fill_(0xAA)
     error, seconds = timed(lambda: load(tier, make_key(11), host[0]))
-    assert isinstance(error, TransferAbandoned)  # host[0] was handed to the pool: quarantine it
-    assert isinstance(error, errors.TransferAbandoned)  # what the cache catches
+    assert type(error) is PoolUnavailable  # host[0] was never handed to the pool: nothing to quarantine
+    assert not isinstance(error, errors.TransferAbandoned)
+    assert bool((host[0] == 0xAA).all())
     assert op_timeout_s <= seconds < op_timeout_s + SLACK_S
     assert not tier.up
     error, seconds = timed(lambda: load(tier, make_key(11), host[1]))  # known down: fails at once
@@ -387,11 +369,11 @@ def test_hung_pool_abandons_the_read_fails_fast_then_recovers(make_remote_tier, 
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_hung_pool_under_a_pipelined_batch_abandons_only_what_it_was_handed(make_remote_tier, private_pool, mode):
+def test_hung_pool_under_a_pipelined_batch_fails_it_and_never_had_the_callers_memory(make_remote_tier, private_pool, mode):
     op_timeout_s = 1.0
     tier = make_remote_tier(mode, private_pool.config, op_timeout_s=op_timeout_s, backoff_s=5.0)
     keys = [make_key(i, "hung-batch") for i in range(8)]  # checked: cut into calls (of 7, then 1)
-    memory = tier.allocate(16 * LAYOUT.block_bytes).view(16, LAYOUT.num_layers, LAYOUT.layer_bytes)
+    memory = torch.zeros(16 * LAYOUT.block_bytes, dtype=torch.uint8).view(16, LAYOUT.num_layers, LAYOUT.layer_bytes)
     for i, key in enumerate(keys):
         memory[i] = content(key)
     assert tier.write_many([0] * 8, keys, list(memory[:8])) == [None] * 8
@@ -399,9 +381,8 @@ def test_hung_pool_under_a_pipelined_batch_abandons_only_what_it_was_handed(make
     try:
         got, seconds = timed(lambda: tier.read_many_into([0] * 8, keys, list(memory[8:])))
         assert seconds < op_timeout_s + SLACK_S  # one call's budget, not one per call of the batch
-        handed = next(i for i, e in enumerate(got) if not isinstance(e, TransferAbandoned))
-        assert 0 < handed < 8, [type(e).__name__ for e in got]  # the first call's destinations: quarantine them
-        assert all(type(e) is PoolUnavailable for e in got[handed:])  # never handed to the pool
+        # The caller's memory is never handed to the pool: every block fails plainly, untouched.
+        assert all(type(e) is PoolUnavailable for e in got), [type(e).__name__ for e in got]
         assert not tier.up
         others = [make_key(i, "hung-batch-2") for i in range(8)]
         got, seconds = timed(lambda: tier.write_many([0] * 8, others, list(memory[:8])))

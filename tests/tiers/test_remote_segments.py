@@ -110,7 +110,7 @@ def blocks_in(memory: torch.Tensor, keys: list[bytes]) -> list[torch.Tensor]:
 
 def reads_back(tier: RemoteTier, keys: list[bytes]) -> bool:
     """Whether one batched get of ``keys`` (from every segment at once) returns what was written."""
-    memory = tier.allocate(len(keys) * LAYOUT.block_bytes).fill_(0xAA)
+    memory = torch.zeros(len(keys) * LAYOUT.block_bytes, dtype=torch.uint8).fill_(0xAA)
     dsts = list(memory.view(len(keys), LAYOUT.num_layers, LAYOUT.layer_bytes))
     assert tier.read_many_into([0] * len(keys), keys, dsts) == [None] * len(keys)
     return all(torch.equal(dst, content(key)) for dst, key in zip(dsts, keys))
@@ -120,7 +120,7 @@ def reads_back(tier: RemoteTier, keys: list[bytes]) -> bool:
 def test_a_batched_put_deals_its_blocks_out_to_the_segments_one_by_one(make_tier, segmented, mode):
     tier = make_tier(mode=mode)
     keys = [make_key(i, f"runs-{mode.value}") for i in range(11)]
-    assert tier.write_many([0] * 11, keys, blocks_in(tier.allocate(11 * LAYOUT.block_bytes), keys)) == [None] * 11
+    assert tier.write_many([0] * 11, keys, blocks_in(torch.zeros(11 * LAYOUT.block_bytes, dtype=torch.uint8), keys)) == [None] * 11
     placed = [segmented.segment_of(tier.object_name(key)) for key in keys]
     first, second = placed[0], placed[1]
     assert {first, second} == set(segmented.pool.segments)
@@ -138,7 +138,7 @@ def test_puts_go_round_the_segments_block_by_block(make_tier, segmented, secret)
     # block must not always land on the same segment; and single-block puts alternate.
     tier = make_tier(secret=secret)
     keys = [make_key(i, "round") for i in range(40)]
-    memory = tier.allocate(40 * LAYOUT.block_bytes)
+    memory = torch.zeros(40 * LAYOUT.block_bytes, dtype=torch.uint8)
     assert tier.write_many([0] * 34, keys[:34], blocks_in(memory, keys[:34])) == [None] * 34
     for key, block in zip(keys[34:], blocks_in(memory, keys[34:])):
         assert tier.write_many([0], [key], [block]) == [None]
@@ -164,7 +164,7 @@ def test_one_segment_takes_every_block(make_tier, segmented):
     only = segmented.pool.segments[1]
     tier = make_tier(segments=(only,))
     keys = [make_key(i, "one") for i in range(9)]
-    assert tier.write_many([0] * 8, keys[:8], blocks_in(tier.allocate(8 * LAYOUT.block_bytes), keys[:8])) == [None] * 8
+    assert tier.write_many([0] * 8, keys[:8], blocks_in(torch.zeros(8 * LAYOUT.block_bytes, dtype=torch.uint8), keys[:8])) == [None] * 8
     tier.write(0, keys[8], content(keys[8]))
     assert {segmented.segment_of(tier.object_name(key)) for key in keys} == {only}
     assert reads_back(tier, keys)
@@ -177,7 +177,7 @@ def test_a_hung_daemon_fails_its_run_and_the_other_runs_are_waited_for(make_tier
     op_timeout_s = 0.5
     tier = make_tier(op_timeout_s=op_timeout_s, backoff_s=5.0)
     keys = [make_key(i, "hung") for i in range(4)]
-    blocks = blocks_in(tier.allocate(4 * LAYOUT.block_bytes), keys)
+    blocks = blocks_in(torch.zeros(4 * LAYOUT.block_bytes, dtype=torch.uint8), keys)
     stop_process(segmented.daemon_pids[1])
     try:
         got, seconds = timed(lambda: tier.write_many([0] * 4, keys, blocks))

@@ -27,9 +27,9 @@ heads and share the pool); each keeps its own disk directory (``disk_dir/dp<r>``
 Tiers. A page moves between SGLang's host pool and kvstrata's tiers in place: its bytes, in
 the order of SGLang's flat page for the pool's layout (the order is in the namespace), are a few
 runs of the host pool's memory, which the disk tier writes and reads with vectored file I/O and
-the pool tier puts and gets with multi-buffer calls (the host pool's memory registered with the
-pool client), so no page is copied on the way (:meth:`kvstrata.cache.TieredCache.put`,
-``get_into``). The cache's "device" tier holds nothing: SGLang's host pool plays its part. Below
+the pool tier puts and gets through its own staging buffers (one copy each way: the host pool's
+memory is never registered with the pool's transfer engine, which exposes registered memory to
+anyone who reaches its port) (:meth:`kvstrata.cache.TieredCache.put`, ``get_into``). The cache's "device" tier holds nothing: SGLang's host pool plays its part. Below
 it an optional host DRAM tier, a disk tier and the pool, under the write policy (write-through
 by default: a backup returns once its pages are in every tier). Integrity is kvstrata's: a page
 that fails verification, or that the pool lost, is a miss and ends the leading run, never wrong
@@ -104,8 +104,6 @@ class KVStrataHiCacheStorage(HiCacheStorage):
             disk_subdir=_disk_subdir(config))
         self._cache = TieredCache(cache_config)
         self._pages = pages
-        if Medium.REMOTE in self._cache.media and not self._cache.tier(Medium.REMOTE).register(pages.memory):
-            _log.info("kvstrata: the pool client did not register SGLang's host pool: its pages are copied on their way to and from the pool")
         self._digest = cache_config.namespace(self.settings.tenant).digest
 
     @property
