@@ -25,7 +25,7 @@ step environment
 cat "$OUT/env.txt"
 
 step "tests on CUDA (tiers, transfer worker, manager, cache, transformers integration)"
-timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/tiers tests/transfer tests/manager tests/test_cache.py \
+timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/tiers tests/transfer tests/manager tests/test_cache.py tests/test_cache_cancel.py \
   tests/integrations/test_hf.py tests/integrations/test_recompute.py > "$OUT/tests.txt" 2>&1
 echo "tests rc=$?" | tee -a "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
 

@@ -29,8 +29,8 @@ from kvstrata.trust import Untrusted
 ENV = "KVSTRATA_POOL"
 
 # How long a client waits on the pool (kvstrata.pool.client), and CacheConfig's defaults.
-# One call: a lookup's existence query, a load's batch get or a store's batch put (up to 256 MiB
-# and 128 blocks: kvstrata.tiers.remote.CALL_BYTES, ~0.17 s at loopback TCP's 1.5 GB/s). A
+# One call: a lookup's existence query, a load's batch get or a store's batch put (up to 64 MiB
+# and 128 blocks: kvstrata.tiers.remote.CALL_BYTES, ~0.04 s at loopback TCP's 1.5 GB/s). A
 # live pool on loopback or a LAN answers in milliseconds; a second is ample, and is what a
 # caller waits, once, for a pool that has stopped answering (then calls fail at once).
 OP_TIMEOUT_S = 1.0
