@@ -124,11 +124,13 @@ class LoadOrRecompute:
         block_tokens: tokens per block.
         margin: a grant must save ``margin`` times what it costs.
         probe_every_s: how often a tier that stopped paying is tried with one block.
+        budget_factor: a grant's budget in prefills of its tokens (None: grants carry no budget).
     """
 
     block_tokens: int
     margin: float = MARGIN
     probe_every_s: float = PROBE_EVERY_S
+    budget_factor: float | None = BUDGET_FACTOR
     prefill: DecayingFit = field(default_factory=lambda: DecayingFit(0.95))
     loads: dict[Medium, DecayingFit] = field(default_factory=dict)
     _declined_since: dict[Medium, float] = field(default_factory=dict)
@@ -214,11 +216,11 @@ class LoadOrRecompute:
                      budget_s=self._budget(best, per_token) if best else None)
 
     def _budget(self, blocks: int, per_token: float | None) -> float | None:
-        """``BUDGET_FACTOR`` times the prefill of ``blocks`` blocks (at least ``BUDGET_MIN_S``);
+        """``budget_factor`` times the prefill of ``blocks`` blocks (at least ``BUDGET_MIN_S``);
         None before the prefill is measured."""
-        if per_token is None:
+        if per_token is None or self.budget_factor is None:
             return None
-        return max(BUDGET_MIN_S, BUDGET_FACTOR * blocks * self.block_tokens * per_token)
+        return max(BUDGET_MIN_S, self.budget_factor * blocks * self.block_tokens * per_token)
 
     def _probe(self, medium: Medium, now_s: float) -> bool:
         """Whether a tier declined since its last probe (or for ``probe_every_s``) may be tried

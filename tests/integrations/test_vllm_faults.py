@@ -54,7 +54,10 @@ def pool_and_servers(tiny_model_dir, tmp_path_factory):
     # and the 36 blocks asked after a prompt push it out of them: the hits below are the pool's
     block_bytes = load_geometry(str(tiny_model_dir), "float32").bytes_per_token * BLOCK
     connector = {"device_bytes": 16 * block_bytes, "host_bytes": 16 * block_bytes, "pool": str(work / "pool" / "pool.json"),
-                 "remote_bytes": 64 * 1024**2, "pool_timeout_s": POOL_TIMEOUT_S, "model_id": f"faults-{os.getpid()}"}
+                 "remote_bytes": 64 * 1024**2, "pool_timeout_s": POOL_TIMEOUT_S, "model_id": f"faults-{os.getpid()}",
+                 # every granted load is waited for, however slow against the tiny model's prefill: what
+                 # is tested is the pool's faults (a budget would give a slow pool load up, rightly)
+                 "load_budget": None}
     common = dict(kv_blocks=24, block_size=BLOCK, max_model_len=512, dtype="float32", env=ENV)
     ours = VllmServer(ServerSpec(str(tiny_model_dir), connector=connector, **common), work / "ours.log")
     cold = VllmServer(ServerSpec(str(tiny_model_dir), prefix_caching=False, **common), work / "cold.log")

@@ -34,6 +34,7 @@ def test_json_values_become_typed_settings():
     assert (s.model_id, s.sync_save) == ("m", False)
     assert s.kv_sharing is KVSharing.SLICED  # the default: any TP size reads the blocks
     assert ConnectorSettings.from_extra({"kv_sharing": "tp-matched"}).kv_sharing is KVSharing.MATCHED
+    assert ConnectorSettings().load_budget == 2.0 and ConnectorSettings.from_extra({"load_budget": None}).load_budget is None
 
 
 def test_saves_never_wait_by_default_and_io_threads_leave_the_compute_cpus(monkeypatch):
@@ -73,6 +74,8 @@ def test_empty_strings_mean_not_given():
         ({"io_cpus": "3-1"}, "io_cpus must be \"auto\", \"none\" or a CPU list such as \"6-7\", got '3-1'"),
         ({"io_cpus": 2}, "io_cpus must be"),
         ({"save_backlog_bytes": -5}, "save_backlog_bytes must be a number of bytes >= 0"),
+        ({"load_budget": 0}, "load_budget must be a number > 0 \\(times the prefill\\) or null, got 0"),
+        ({"load_budget": "2x"}, "load_budget must be a number > 0"),
     ],
 )
 def test_a_bad_key_or_value_is_one_line_naming_it(extra, named):

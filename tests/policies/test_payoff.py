@@ -119,3 +119,4 @@ def test_a_grant_s_budget_is_the_prefill_of_its_blocks_once_the_prefill_is_measu
     assert d.grant((D, D), 1.0).blocks == 0
     probe = d.grant((D, D), 1.0 + PROBE_EVERY_S)
     assert probe.probe is D and probe.blocks == 1 and probe.budget_s == BUDGET_MIN_S
+    assert LoadOrRecompute(BT, budget_factor=None).grant((H,), 0.0).budget_s is None  # no budget asked for

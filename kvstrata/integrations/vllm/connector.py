@@ -77,6 +77,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
                 loads_enabled=transfer.is_kv_consumer, saves_enabled=transfer.is_kv_producer,
                 spans=group_spans(kv_cache_config), horizon_blocks=kv_cache_config.num_blocks,
                 judge_saves=self.settings.pool is None,  # a pool's blocks serve other servers too: unseen here
+                load_budget=self.settings.load_budget,
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStrataConnectorWorker(

@@ -58,7 +58,7 @@ from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
 from kvstrata.media import Medium
-from kvstrata.policies.payoff import LoadOrRecompute
+from kvstrata.policies.payoff import BUDGET_FACTOR, LoadOrRecompute
 from kvstrata.policies.saving import SaveOrSkip
 
 if TYPE_CHECKING:
@@ -97,10 +97,12 @@ class KVStrataConnectorScheduler:
         judge_saves: store only what pays (:class:`SaveOrSkip`); False: store everything (a
             producer, or a server whose stores other servers read from a pool: their hits are not
             seen here).
+        load_budget: a grant's budget in prefills of its tokens (None: none; ``ConnectorSettings``).
     """
 
     def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool,
-                 spans: tuple[int | None, ...] = (None,), horizon_blocks: int = 0, judge_saves: bool = False) -> None:
+                 spans: tuple[int | None, ...] = (None,), horizon_blocks: int = 0, judge_saves: bool = False,
+                 load_budget: float | None = BUDGET_FACTOR) -> None:
         self._block_size = block_size
         self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
         self._windowed = any(span is not None for span in spans)
@@ -113,7 +115,7 @@ class KVStrataConnectorScheduler:
         self._lookups: dict[str, _Lookup] = {}  # req_id -> its last lookup, until vLLM admits it
         self._sources: dict[str, dict[Medium, int]] = {}  # req_id -> its admitted hit's tokens by tier
         self._counts = LookupCounts()
-        self.decision = LoadOrRecompute(block_size)
+        self.decision = LoadOrRecompute(block_size, budget_factor=load_budget)
         self._granted: dict[str, tuple[Medium, int]] = {}  # req_id -> the tier its load waits for, its blocks
         self._budgets: dict[str, float] = {}  # req_id -> how long its granted load may hold a step up
         self.saving = SaveOrSkip(block_size, horizon_blocks)

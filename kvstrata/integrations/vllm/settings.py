@@ -18,6 +18,7 @@ from kvstrata.cache import CacheConfig
 from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_budgets, pool_of, whole
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
+from kvstrata.policies.payoff import BUDGET_FACTOR
 from kvstrata.transfer.placement import parse_cpu_list
 from kvstrata.pool.config import (
     BACKOFF_MAX_S,
@@ -65,6 +66,9 @@ class ConnectorSettings:
             (``"head-sliced"`` or ``"tp-matched"`` in the extra config).
         disk_read_gbps: cap the disk tier's reads at this many GB/s (emulates a slower drive);
             None: no cap.
+        load_budget: a granted load may hold a step up this many times the prefill of its tokens
+            (:data:`~kvstrata.policies.payoff.BUDGET_FACTOR` by default), then it is given up and
+            its blocks are computed; None: no budget (every granted load is waited for).
     """
 
     device_bytes: int = 64 * MiB
@@ -85,6 +89,7 @@ class ConnectorSettings:
     pool_backoff_max_s: float = BACKOFF_MAX_S
     kv_sharing: KVSharing = KVSharing.SLICED
     disk_read_gbps: float | None = None
+    load_budget: float | None = BUDGET_FACTOR
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -116,6 +121,10 @@ class ConnectorSettings:
             raise ValueError(f"{_PREFIX} remote_mode must be a RemoteMode, got {self.remote_mode!r}")
         if not isinstance(self.kv_sharing, KVSharing):
             raise ValueError(f"{_PREFIX} kv_sharing must be a KVSharing, got {self.kv_sharing!r}")
+        if self.load_budget is not None and (isinstance(self.load_budget, bool) or not isinstance(
+                self.load_budget, (int, float)) or not self.load_budget > 0):
+            raise ValueError(f"{_PREFIX} load_budget must be a number > 0 (times the prefill) or null, "
+                             f"got {self.load_budget!r}")
         if not isinstance(self.sync_save, bool):
             raise ValueError(f"{_PREFIX} sync_save must be true or false, got {self.sync_save!r}")
         if self.disk_read_gbps is not None and (isinstance(self.disk_read_gbps, bool)
