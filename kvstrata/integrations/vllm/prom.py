@@ -94,7 +94,8 @@ CPU_SECONDS = _counter("cpu_seconds", ("side",), "CPU seconds the connector used
 DECLINED_BLOCKS = _counter("declined_blocks", ("tier",), "Blocks of hits not loaded because loading them was "
                            "predicted slower than recomputing them (the tier's measured loads against the prefill's)")
 SAVE_DROPPED_BLOCKS = _counter("save_dropped_blocks", (), "Blocks of saves dropped, not waited for: the stores "
-                               "still in flight held save_backlog_bytes already (a tier that cannot keep up)")
+                               "still in flight held save_backlog_bytes already (a tier that cannot keep up), "
+                               "or the request's load failed in the same step (its KV computed over it)")
 SAVE_SKIPPED_BLOCKS = _counter("save_skipped_blocks", (), "Prompt blocks not stored because stores did not pay: "
                                "too few stored blocks came back as hits for what a store costs (one request in "
                                f"{SAMPLE_EVERY} is stored anyway, to see whether reuse returns)")

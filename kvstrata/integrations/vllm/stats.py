@@ -93,7 +93,7 @@ class WorkerStats:
     store_seconds: float = 0.0  # copy out of vLLM + store + write-down, summed
     failed_blocks: int = 0
     recomputed_blocks: int = 0  # failed blocks vLLM was told to recompute (kv_load_failure_policy "recompute")
-    dropped_blocks: int = 0  # blocks of saves dropped: the stores in flight held save_backlog_bytes already
+    dropped_blocks: int = 0  # blocks of saves dropped: the stores in flight held save_backlog_bytes, or its load failed
     late_loads: int = 0  # loads given up past their budget (the prefill of their tokens): computed instead
     last_failure: str | None = None
     remote_error: str | None = None

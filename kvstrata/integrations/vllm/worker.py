@@ -120,6 +120,7 @@ class KVStrataConnectorWorker:
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, layer within the group)
         self._active: list[_ActiveLoad] = []
         self._abandoned: list[Any] = []  # loads given up while in flight: released once they end, never waited for
+        self._tp_size = 1
         self._staged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]] = {}  # (req, group) -> kv, staged
         self._taken: dict[str, bool] = {}  # req -> whether this step stores its save (the backlog's room)
         self._failed_blocks: set[int] = set()
@@ -147,6 +148,7 @@ class KVStrataConnectorWorker:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self._tp_size = tp_size
         model = self._vllm_config.model_config.model
         place_io_threads(io_cpus_for(self.settings.io_cpus))  # before the caches start threads
         paged = []
@@ -266,7 +268,9 @@ class KVStrataConnectorWorker:
         if handle is None:
             return
         block_ids = active.spec.groups[group].block_ids
-        budget = active.spec.budget_s
+        # One rank alone: a rank cannot tell the others that it gave a load up, and theirs saves
+        # of the step would hold KV computed over it.
+        budget = active.spec.budget_s if self._tp_size == 1 else None
         try:
             handle.wait_layer(layer, None if budget is None else max(0.0, budget - active.held_s))
         except TimeoutError:
@@ -286,11 +290,13 @@ class KVStrataConnectorWorker:
         self._groups[group].copy_layer(handle, layer, block_ids)
         active.layers_done[group] += 1
 
-    def _finish_loads(self) -> None:
+    def _finish_loads(self) -> set[str]:
         """End of the forward: release the loads, and report any whose layers were not all
         copied (their blocks were read as they were: vLLM must recompute them). A failed load
-        still in flight (given up past its budget) is not waited for: released once it ends."""
+        still in flight (given up past its budget) is not waited for: released once it ends.
+        Returns the requests whose load failed this step."""
         self._abandoned = [h for h in self._abandoned if not _released_if_done(h)]
+        failed: set[str] = set()
         for active in self._active:
             results = []
             for g, handle in enumerate(active.handles):
@@ -309,8 +315,11 @@ class KVStrataConnectorWorker:
                 handle.release()
             if not active.failed:
                 self._stats.loaded(active.spec.external_tokens, results)
+            else:
+                failed.add(active.spec.req_id)
             self.clock.load_done(active.spec.req_id, not active.failed)
         self._active.clear()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them, or fails
@@ -409,10 +418,15 @@ class KVStrataConnectorWorker:
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
         """End of the step: finish the loads, start storing the staged blocks (the cache's
         threads store them and write them down; ``sync_save``: wait for that here)."""
-        self._finish_loads()
+        failed = self._finish_loads()
         pending = []
         cpu = time.thread_time()
         for spec in meta.saves if self._saves_enabled else ():
+            if spec.req_id in failed:
+                # computed this step over KV whose load failed: its new blocks' later layers are
+                # wrong (vLLM recomputes the request); never stored
+                self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
+                continue
             if not self._taking(spec):
                 continue
             futures = []
