@@ -422,9 +422,11 @@ class KVStrataConnectorWorker:
         pending = []
         cpu = time.thread_time()
         for spec in meta.saves if self._saves_enabled else ():
-            if spec.req_id in failed:
-                # computed this step over KV whose load failed: its new blocks' later layers are
-                # wrong (vLLM recomputes the request); never stored
+            if failed:
+                # A load failed this step: its request, and any other that found the same blocks
+                # in vLLM's prefix cache this step, computed over KV that is not all there; their
+                # new blocks' later layers are wrong (vLLM recomputes them). Which requests read
+                # those blocks is vLLM's to know: no save of the step is stored.
                 self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
                 continue
             if not self._taking(spec):
