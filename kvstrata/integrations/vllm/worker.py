@@ -120,7 +120,6 @@ class KVStrataConnectorWorker:
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, layer within the group)
         self._active: list[_ActiveLoad] = []
         self._abandoned: list[Any] = []  # loads given up while in flight: released once they end, never waited for
-        self._tp_size = 1
         self._staged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]] = {}  # (req, group) -> kv, staged
         self._taken: dict[str, bool] = {}  # req -> whether this step stores its save (the backlog's room)
         self._failed_blocks: set[int] = set()
@@ -148,7 +147,6 @@ class KVStrataConnectorWorker:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self._tp_size = tp_size
         model = self._vllm_config.model_config.model
         place_io_threads(io_cpus_for(self.settings.io_cpus))  # before the caches start threads
         paged = []
@@ -270,7 +268,7 @@ class KVStrataConnectorWorker:
         block_ids = active.spec.groups[group].block_ids
         # One rank alone: a rank cannot tell the others that it gave a load up, and theirs saves
         # of the step would hold KV computed over it.
-        budget = active.spec.budget_s if self._tp_size == 1 else None
+        budget = active.spec.budget_s if self._stats.tp[1] == 1 else None
         try:
             handle.wait_layer(layer, None if budget is None else max(0.0, budget - active.held_s))
         except TimeoutError:
