@@ -24,8 +24,8 @@ weighs each tier's measured loads against the prefill's measured rate
 ``update_connector_output``: :mod:`~kvstrata.integrations.vllm.feedback`), so a slow or failing
 tier stops being used without a restart, and is tried again with one block now and then. The
 blocks held but not granted are counted (``declined_blocks``). A grant's load carries a budget,
-the prefill of its tokens (:class:`LoadSpec` ``budget_s``): a load that holds the step up longer
-is given up by the workers and its blocks are computed.
+a multiple of the prefill of its tokens (:class:`LoadSpec` ``budget_s``): a load that holds the
+step up longer is given up by the workers and its blocks are computed.
 
 Save or skip. A store costs the workers CPU, on a CPU server taken from the forward; it pays
 only where its blocks come back as kvstrata hits. Where this server can see that (it loads what
@@ -85,6 +85,16 @@ class _Lookup:
         return {m: n for m, n in out.items() if n}
 
 
+@dataclass(frozen=True)
+class _Granted:
+    """A request's grant: the tier its load waits for (the slowest of its blocks'), its blocks,
+    and how long the load may hold a step up (None: no budget)."""
+
+    medium: Medium
+    blocks: int
+    budget_s: float | None
+
+
 class KVStrataConnectorScheduler:
     """The scheduler-side half of :class:`~kvstrata.integrations.vllm.KVStrataConnector`.
 
@@ -116,8 +126,7 @@ class KVStrataConnectorScheduler:
         self._sources: dict[str, dict[Medium, int]] = {}  # req_id -> its admitted hit's tokens by tier
         self._counts = LookupCounts()
         self.decision = LoadOrRecompute(block_size, budget_factor=load_budget)
-        self._granted: dict[str, tuple[Medium, int]] = {}  # req_id -> the tier its load waits for, its blocks
-        self._budgets: dict[str, float] = {}  # req_id -> how long its granted load may hold a step up
+        self._granted: dict[str, _Granted] = {}  # req_id -> its grant, until its load's timing comes back
         self.saving = SaveOrSkip(block_size, horizon_blocks)
         self._judge_saves = judge_saves and loads_enabled and saves_enabled
         self._storing: dict[str, bool] = {}  # req_id -> whether its prompt blocks are stored (decided once)
@@ -133,7 +142,6 @@ class KVStrataConnectorScheduler:
         if usable <= num_computed_tokens:
             return 0, False
         self._granted.pop(request.request_id, None)
-        self._budgets.pop(request.request_id, None)
         tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
         own = -(-num_computed_tokens // self._block_size)  # blocks vLLM holds itself
         # a sliding or chunked group keeps its windows only where a hit may end: all or none of it
@@ -142,9 +150,8 @@ class KVStrataConnectorScheduler:
         self._lookups[request.request_id] = lookup
         if grant.blocks:
             granted = tiers[own : own + grant.blocks]
-            self._granted[request.request_id] = (max(granted, key=lambda m: m.value), grant.blocks)
-            if grant.budget_s is not None:
-                self._budgets[request.request_id] = grant.budget_s
+            self._granted[request.request_id] = _Granted(max(granted, key=lambda m: m.value), grant.blocks,
+                                                         grant.budget_s)
         return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -187,11 +194,10 @@ class KVStrataConnectorScheduler:
             granted = self._granted.pop(timing.req_id, None)
             if granted is None:
                 continue
-            medium, blocks = granted
             if timing.ok:
-                self.decision.loaded(medium, blocks, timing.seconds)
+                self.decision.loaded(granted.medium, granted.blocks, timing.seconds)
             else:
-                self.decision.failed(medium, blocks, timing.seconds)
+                self.decision.failed(granted.medium, granted.blocks, timing.seconds)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
@@ -246,7 +252,7 @@ class KVStrataConnectorScheduler:
         first = (end - external) // bs
         return LoadSpec(req_id, prompt[:end], external,
                         [_window(ids[first : end // bs], first, null) for ids in block_ids],
-                        self._budgets.pop(req_id, None))
+                        granted.budget_s if (granted := self._granted.get(req_id)) is not None else None)
 
     def _save_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
                    null: int) -> SaveSpec:
@@ -267,7 +273,6 @@ class KVStrataConnectorScheduler:
         self._lookups.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
         self._granted.pop(request.request_id, None)
-        self._budgets.pop(request.request_id, None)
         self._storing.pop(request.request_id, None)
         return False, None
 

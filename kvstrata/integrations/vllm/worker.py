@@ -16,7 +16,7 @@ blocks to fill, of exactly those blocks (a sliding group: its window; blocks vLL
 own prefix cache: none); each layer's hook waits for that layer and copies it into vLLM's blocks.
 A load that cannot be served whole in every group (its blocks left kvstrata after the
 scheduler's lookup, a load failed or stopped early, a layer was never copied, or it held the
-step up past its budget, the prefill of its tokens: :class:`LoadSpec` ``budget_s``) has every block
+step up past its budget, a multiple of the prefill of its tokens: :class:`LoadSpec` ``budget_s``) has every block
 it writes reported through ``get_block_ids_with_load_errors``; vLLM recomputes them
 (``kv_load_failure_policy="recompute"``) or fails the request, and never reads them as valid KV.
 
@@ -266,18 +266,17 @@ class KVStrataConnectorWorker:
         if handle is None:
             return
         block_ids = active.spec.groups[group].block_ids
-        # One rank alone: a rank cannot tell the others that it gave a load up, and theirs saves
-        # of the step would hold KV computed over it.
-        budget = active.spec.budget_s if self._stats.tp[1] == 1 else None
+        budget = active.spec.budget_s
         try:
             handle.wait_layer(layer, None if budget is None else max(0.0, budget - active.held_s))
-        except TimeoutError:
-            if not handle.done():  # past its budget: computing its tokens is quicker than waiting on
-                self._stats.late()
-                self._fail_load(active, f"the load held the step up past its budget of {budget * 1e3:.1f} ms "
-                                "(set from the prefill of its tokens): its blocks are computed")
+        except TimeoutError as exc:
+            if handle.done():  # the load's own error (a timeout of its tier's), not this wait's
+                self._fail_load(active, f"load failed: {exc}")
                 return
-            self._fail_load(active, "load failed: timed out")
+            # past its budget: computing its tokens is quicker than waiting on
+            self._stats.late()
+            self._fail_load(active, f"the load held the step up past its budget of {budget * 1e3:.1f} ms "
+                            "(set from the prefill of its tokens): its blocks are computed")
             return
         except Exception as exc:  # noqa: BLE001 - the blocks are reported, vLLM recomputes them
             self._fail_load(active, f"load failed: {exc}")
@@ -288,13 +287,13 @@ class KVStrataConnectorWorker:
         self._groups[group].copy_layer(handle, layer, block_ids)
         active.layers_done[group] += 1
 
-    def _finish_loads(self) -> set[str]:
+    def _finish_loads(self) -> bool:
         """End of the forward: release the loads, and report any whose layers were not all
         copied (their blocks were read as they were: vLLM must recompute them). A failed load
         still in flight (given up past its budget) is not waited for: released once it ends.
-        Returns the requests whose load failed this step."""
+        Returns whether a load failed this step."""
         self._abandoned = [h for h in self._abandoned if not _released_if_done(h)]
-        failed: set[str] = set()
+        failed = False
         for active in self._active:
             results = []
             for g, handle in enumerate(active.handles):
@@ -313,8 +312,7 @@ class KVStrataConnectorWorker:
                 handle.release()
             if not active.failed:
                 self._stats.loaded(active.spec.external_tokens, results)
-            else:
-                failed.add(active.spec.req_id)
+            failed = failed or active.failed
             self.clock.load_done(active.spec.req_id, not active.failed)
         self._active.clear()
         return failed
