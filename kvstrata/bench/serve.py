@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstrata.bench.rounds import rotated
-from kvstrata.bench.serve_burst import BurstPlan, BurstRun, plan_bursts
+from kvstrata.bench.serve_burst import BurstPhase, BurstPlan, BurstRun, plan_bursts
 from kvstrata.bench.serve_client import Endpoint, Handoff, Route, ask_each, drive
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
 from kvstrata.bench.serve_counters import Counters, counters_of
@@ -230,15 +230,9 @@ class _Run:
                                   f"concurrency {plan.index + 1}/{len(plans)}: {what}", rate_per_s=math.inf)
 
             seed = send([plan.seed], "the shared prefix, computed")
-            if plan.kvstrata_first:
-                fill = send(plan.fillers, "evicting it from vLLM")
-                ours = send(plan.from_kvstrata, f"{len(plan.from_kvstrata)} at once, the prefix in kvstrata")
-                vllm = send(plan.from_vllm, f"{len(plan.from_vllm)} at once, the prefix in vLLM")
-            else:
-                vllm = send(plan.from_vllm, f"{len(plan.from_vllm)} at once, the prefix in vLLM")
-                fill = send(plan.fillers, "evicting it from vLLM")
-                ours = send(plan.from_kvstrata, f"{len(plan.from_kvstrata)} at once, the prefix in kvstrata")
-            out.append(BurstRun(plan, ours, vllm, (seed, fill)))
+            ran = {phase: send(plan.prompts(phase), phase.value) for phase in plan.order}
+            out.append(BurstRun(plan, ran[BurstPhase.FROM_KVSTRATA], ran[BurstPhase.FROM_VLLM],
+                                (seed, ran[BurstPhase.FILL])))
         return tuple(out)
 
     def shared(self, plans: Sequence[TurnPlan]) -> PhaseRun:

@@ -15,17 +15,25 @@ as soon as the one that finds it in vLLM: TTFT p90 over the two, per round.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstrata.bench.rounds import Spread
 from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_counters import Counters
 from kvstrata.bench.serve_plan import ServeWorkload, draw
-from kvstrata.bench.serve_report import Measured, PhaseRun, measure, total
+from kvstrata.bench.serve_report import Measured, PhaseRun, measure, percentile, total
 
 BURST_REQUESTS = 16
+
+
+class BurstPhase(enum.Enum):
+    """A round's phases after its seed (the value: what the progress line says)."""
+
+    FILL = "prompts of their own, evicting the prefix from vLLM"
+    FROM_KVSTRATA = "all at once, the prefix in kvstrata only"
+    FROM_VLLM = "all at once, the prefix in vLLM's cache"
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,18 @@ class BurstPlan:
     from_kvstrata: tuple[tuple[int, ...], ...]
     from_vllm: tuple[tuple[int, ...], ...]
     kvstrata_first: bool
+
+    @property
+    def order(self) -> tuple[BurstPhase, ...]:
+        """The phases after the seed, in the order sent: vLLM's burst finds the prefix that
+        kvstrata's loaded, or kvstrata's finds it after the fillers evicted vLLM's."""
+        if self.kvstrata_first:
+            return BurstPhase.FILL, BurstPhase.FROM_KVSTRATA, BurstPhase.FROM_VLLM
+        return BurstPhase.FROM_VLLM, BurstPhase.FILL, BurstPhase.FROM_KVSTRATA
+
+    def prompts(self, phase: BurstPhase) -> tuple[tuple[int, ...], ...]:
+        return {BurstPhase.FILL: self.fillers, BurstPhase.FROM_KVSTRATA: self.from_kvstrata,
+                BurstPhase.FROM_VLLM: self.from_vllm}[phase]
 
 
 def plan_bursts(workload: ServeWorkload, vocab: int, rounds: int, vllm_kv_tokens: int,
@@ -129,15 +149,15 @@ def concurrency(runs: Sequence[BurstRun], server: Instance, block_tokens: int) -
         return measure([rec for p in phases for rec in p.records], total(p.counters[server] for p in phases),
                        block_tokens)
 
-    def ratio(of: str) -> Spread:
+    def ratio(q: float) -> Spread:
         values = []
         for r in runs:
-            ours, vllm = (getattr(measure(p.records, Counters(), block_tokens), of) for p in (r.from_kvstrata, r.from_vllm))
+            ours, vllm = (percentile([rec.ttft_s for rec in p.records], q) for p in (r.from_kvstrata, r.from_vllm))
             values.append(ours / vllm if vllm > 0 else math.nan)
         return Spread.of(values)
 
     loads = total(r.from_kvstrata.counters[server] for r in runs)
     return Concurrency(len(runs[0].plan.from_kvstrata), runs[0].plan.prefix_tokens // block_tokens,
                        pooled([r.from_kvstrata for r in runs]), pooled([r.from_vllm for r in runs]),
-                       pooled([o for r in runs for o in r.others]), ratio("ttft_p90_s"), ratio("ttft_p50_s"),
+                       pooled([o for r in runs for o in r.others]), ratio(90), ratio(50),
                        sum(loads.loaded_blocks.values()), loads.load_requests)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvstrata.bench.serve_burst import BurstRun, concurrency, plan_bursts
+from kvstrata.bench.serve_burst import BurstPhase, BurstRun, concurrency, plan_bursts
 from kvstrata.bench.serve_config import Instance
 from kvstrata.bench.serve_counters import Counters
 from kvstrata.bench.serve_plan import ServeWorkload, hit_blocks
@@ -34,6 +34,10 @@ def test_every_burst_request_shares_the_prefix_and_hits_it_whole(workload, kv_to
         assert sum(len(f) for f in plan.fillers) > kv_tokens
         assert all(f[:bt] != prefix[:bt] for f in plan.fillers)
     assert [p.kvstrata_first for p in plans] == [True, False, True]
+    # kvstrata's burst always comes after the fillers evicted the prefix from vLLM
+    for plan in plans:
+        assert plan.order.index(BurstPhase.FILL) < plan.order.index(BurstPhase.FROM_KVSTRATA)
+        assert plan.prompts(BurstPhase.FROM_VLLM) == plan.from_vllm and len(set(plan.order)) == 3
     assert len({p.seed for p in plans}) == 3  # no round finds another's prefix
 
 
