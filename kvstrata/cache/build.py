@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-
 from kvstrata.cache.config import CacheConfig
 from kvstrata.errors import TierUnavailable
 from kvstrata.manager.manager import BlockManager, ManagerConfig

@@ -73,23 +73,13 @@ class MemoryTier(Tier):
         capacity_bytes: int,
         device: torch.device,
         pin: bool,
-        buffer: torch.Tensor | None = None,
     ) -> None:
         super().__init__(layout, capacity_bytes)
-        slots = self.capacity_blocks
-        shape = (slots, layout.num_layers, layout.layer_bytes)
-        if buffer is None:
-            pool = torch.empty(shape, dtype=torch.uint8, device=device)
-        else:
-            # Memory someone else allocated (e.g. a remote pool's shared-memory segment, so
-            # transfers to the pool are zero-copy): must be uint8, contiguous, large enough.
-            needed = slots * layout.block_bytes
-            if buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.numel() < needed:
-                raise ValueError(
-                    f"{self.medium.label} tier: buffer must be contiguous uint8 of >= {needed} bytes, "
-                    f"got {buffer.dtype} {tuple(buffer.shape)}"
-                )
-            pool = buffer.reshape(-1)[:needed].view(shape)
+        # Always its own memory: a tier's memory lent to a transport (a pool's shared segment,
+        # memory registered with its transfer engine) is memory other processes may read and
+        # write, and a memory tier's blocks are served unchecked.
+        pool = torch.empty((self.capacity_blocks, layout.num_layers, layout.layer_bytes), dtype=torch.uint8,
+                           device=device)
         pool.zero_()  # pre-fault every page now, not on the first write into each slot
         self._device = pool.device
         self._finalizer: weakref.finalize | None = None
@@ -119,7 +109,7 @@ class MemoryTier(Tier):
 
     @property
     def buffer(self) -> torch.Tensor:
-        """The whole pool, uint8 ``[slots, layers, layer_bytes]`` (to register with a transport)."""
+        """The whole pool, uint8 ``[slots, layers, layer_bytes]``."""
         return self._live_pool()
 
     def _live_pool(self) -> torch.Tensor:
@@ -203,7 +193,6 @@ class DeviceTier(MemoryTier):
         capacity_bytes: pool size; ``capacity_bytes // layout.block_bytes`` slots (0 allowed:
             the cache then stores nothing).
         device: where the pool lives; by default CUDA when available, else CPU.
-        buffer: use this memory (uint8, contiguous, on ``device``) for the pool instead of allocating.
     """
 
     medium = Medium.DEVICE
@@ -213,14 +202,11 @@ class DeviceTier(MemoryTier):
         layout: KVLayout,
         capacity_bytes: int,
         device: torch.device | str | None = None,
-        buffer: torch.Tensor | None = None,
     ) -> None:
         where = default_device() if device is None else torch.device(device)
         if where.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device tier: device {where} requested but CUDA is not available")
-        if buffer is not None and buffer.device != where:
-            raise ValueError(f"device tier: buffer on {buffer.device}, tier on {where}")
-        super().__init__(layout, capacity_bytes, where, pin=False, buffer=buffer)
+        super().__init__(layout, capacity_bytes, where, pin=False)
 
 
 class HostTier(MemoryTier):
@@ -232,7 +218,6 @@ class HostTier(MemoryTier):
         capacity_bytes: pool size; ``capacity_bytes // layout.block_bytes`` slots (0 allowed).
         pin: pin the pool; by default only when CUDA is available. ``True`` without CUDA is
             an error.
-        buffer: use this CPU memory (uint8, contiguous) for the pool instead of allocating.
     """
 
     medium = Medium.HOST
@@ -242,10 +227,9 @@ class HostTier(MemoryTier):
         layout: KVLayout,
         capacity_bytes: int,
         pin: bool | None = None,
-        buffer: torch.Tensor | None = None,
     ) -> None:
         cuda = torch.cuda.is_available()
         if pin and not cuda:
             raise ValueError("host tier: pin=True needs CUDA, which is not available")
         pin = cuda if pin is None else pin
-        super().__init__(layout, capacity_bytes, torch.device("cpu"), pin=pin, buffer=buffer)
+        super().__init__(layout, capacity_bytes, torch.device("cpu"), pin=pin)
