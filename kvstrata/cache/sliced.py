@@ -168,14 +168,15 @@ class SlicedRank:
             position, last = position + segment.blocks, segment.packed
         return SlicedMatch(tuple(segments), self.layout.block_tokens, len(keys))
 
-    def load(self, match: SlicedMatch) -> SlicedLoad:
-        """Bring the match's packs and slices to the device tiers (each segment one load)."""
+    def load(self, match: SlicedMatch, in_place: bool = False) -> SlicedLoad:
+        """Bring the match's packs and slices to the device tiers (each segment one load;
+        ``in_place``: see :meth:`TieredCache.load`)."""
         handles = []
         try:
             for segment in match.segments:
                 cache = self.packs if segment.packed else self.cache
                 assert cache is not None
-                handles.append(cache.load(segment.match))
+                handles.append(cache.load(segment.match, in_place=in_place))
         except BaseException:
             for handle in handles:
                 handle.release()

@@ -29,6 +29,7 @@ import torch
 from kvstrata.cache.build import block_manager, build_tiers, check_tiers, remote_error
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.direct import Direct
+from kvstrata.cache.inplace import load_in_place
 from kvstrata.cache.outcomes import Outcomes
 from kvstrata.cache.poolview import PoolView
 from kvstrata.cache.results import LoadHandle, LoadResult, PrefetchFuture, PutResult, StoreResult
@@ -67,6 +68,7 @@ class TieredCache:
         self._worker = TransferWorker(self._tiers, config.workers)
         # Into a CPU device a load's one copy runs in load(): it takes the caller's cores either
         # way, and a worker adds two thread wake-ups (~1 ms on a busy 2-core host).
+        self._on_cpu = self._tiers[Medium.DEVICE].device.type == "cpu"
         self._copy_in_load = not self.manager.config.layer_ranges and self._tiers[Medium.DEVICE].device.type != "cuda"
         self._outcomes = Outcomes(self.manager, self.metrics)
         self._direct = Direct(self.manager, self._worker, self._outcomes, self._carry_out)
@@ -113,10 +115,14 @@ class TieredCache:
         """Device slot ``slot`` as KV, ``layout.block_shape``."""
         return block_tensor(self._tiers[Medium.DEVICE].view(slot), self.layout)
 
-    def load(self, match: Match) -> LoadHandle:
+    def load(self, match: Match, in_place: bool = False) -> LoadHandle:
         """Bring the matched blocks into the device tier; returns a handle at once (into a CPU
-        device, once a load that is one copy from memory tiers has copied)."""
+        device, once a load that is one copy from memory tiers has copied). ``in_place``, on a
+        CPU: blocks all in memory stay where they are (:mod:`kvstrata.cache.inplace`)."""
         self._check_open()
+        served = load_in_place(self.manager, self._tiers, match, self.layout) if in_place and self._on_cpu else None
+        if served is not None:
+            return served
         start = time.perf_counter()
         handle = LoadHandle(match, self.layout.num_layers, self.device_block,
                             lambda keys: self.manager.unpin(Medium.DEVICE, keys))

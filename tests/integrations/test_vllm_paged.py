@@ -1,7 +1,8 @@
-"""The connector's head-sliced copies, byte for byte, without an engine: vLLM CPU's paged KV
-(attention ``[blocks, heads, block, 2*head_dim]``, MLA ``[blocks, 1, block, latent]``) staged
-and stored by the ranks of one TP size, loaded into other block ids by the ranks of another,
-through one real cache; and a paged tensor of another layout refused in one line."""
+"""The connector's copies, byte for byte, without an engine: vLLM CPU's paged KV (attention
+``[blocks, heads, block, 2*head_dim]``, MLA ``[blocks, 1, block, latent]``) staged and stored by
+the ranks of one TP size, loaded into other block ids by the ranks of another, through one real
+cache; a paged tensor of another layout refused in one line; and TP-matched blocks copied into
+vLLM's out of the host tier's slots, from a disk through the cache's device tier."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import torch  # noqa: E402
 from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
 from kvstrata.cache.sliced import SlicedRank, pack_layout  # noqa: E402
 from kvstrata.integrations.vllm.groups import VLLMGroup  # noqa: E402
-from kvstrata.integrations.vllm.paged import SlicedGroup, staging  # noqa: E402
+from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup, staging  # noqa: E402
 from kvstrata.kv.geometry import DType  # noqa: E402
 from kvstrata.kv.groups import GroupKind, KVGroup  # noqa: E402
 from kvstrata.kv.heads import HeadSlicing  # noqa: E402
 from kvstrata.kv.layout import KVLayout  # noqa: E402
+from kvstrata.media import Medium  # noqa: E402
 
 BLOCK, LAYERS, NUM_BLOCKS = 4, 2, 6
 HEADS, DIM, LATENT = 4, 8, 24
@@ -119,3 +121,47 @@ def test_a_paged_layout_head_slices_cannot_read_is_refused_in_one_line():
                                              r"\(6, 8, 4, 8\) is not \[blocks, 4, 4, 16\]") as info:
             SlicedGroup(spec, SlicedRank(cache, HeadSlicing.for_group(group), 1, 0), other)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("source", [Medium.HOST, Medium.DISK])
+def test_tp_matched_blocks_in_memory_are_copied_into_vllms_blocks_from_where_they_lie(tmp_path, source):
+    """Blocks held in host memory are copied into vLLM's blocks out of the host tier's own
+    slots: none passes through the cache's device tier. Blocks on disk load into the device
+    tier first. Both land byte for byte in the blocks asked for and nowhere else."""
+    group = whole(GroupKind.FULL)
+    spec = VLLMGroup(0, group, tuple(f"model.layers.{i}.attn" for i in range(LAYERS)), "")
+    written = paged(GroupKind.FULL, HEADS, torch.Generator().manual_seed(2))
+    layout = OpaqueGroup.layout_of(spec, written, BLOCK, "cpu")
+    host = 8 * layout.block_bytes if source is Medium.HOST else 0
+    config = CacheConfig(layout, "paged-test", device_bytes=8 * layout.block_bytes, host_bytes=host,
+                         disk_bytes=8 * layout.block_bytes, disk_dir=tmp_path / "disk", device="cpu")
+    tokens = list(range(2000, 2000 + 3 * BLOCK))
+    src_ids, dst_ids = [5, 0, 3], [1, 4, 2]
+    with TieredCache(config) as cache:
+        writer = OpaqueGroup(spec, cache, written)
+        keys = writer.keys(tokens)
+        kv = staging(writer.layout, len(src_ids), written[0])
+        for layer in range(LAYERS):
+            writer.stage_layer(kv, layer, src_ids)
+        with ThreadPoolExecutor(1) as saver:
+            assert writer.store_keys(keys, kv, saver).result().blocks == 3
+        assert all(cache.manager.where(k)[0] is source for k in keys)
+        reader = OpaqueGroup(spec, cache, paged(GroupKind.FULL, HEADS, None))
+        load = reader.load(keys)
+        for layer in range(LAYERS):
+            load.wait_layer(layer)
+            reader.copy_layer(load, layer, dst_ids)
+        result = load.wait()
+        tier = cache.tier(Medium.HOST if source is Medium.HOST else Medium.DEVICE).buffer
+        start, end = tier.data_ptr(), tier.data_ptr() + tier.numel()
+        assert all(start <= load.block(j).data_ptr() < end for j in range(3))  # copied from that tier's slots
+        load.release()
+        assert result.blocks == 3 and result.restored_bytes == 3 * layout.block_bytes
+        assert {route[0] for route in result.paths} == {source}
+        on_device = [Medium.DEVICE in cache.manager.where(k) for k in keys]
+        assert on_device == [source is not Medium.HOST] * 3  # host blocks never went through it
+    for layer in range(LAYERS):
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(reader.layers[layer][d], written[layer][s])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
+        assert not reader.layers[layer][untouched].any()

@@ -20,6 +20,11 @@ Both answer the same calls: ``keys``, ``match`` (in blocks), ``load`` (None when
 is there), ``copy_layer``, ``stage_layer``, ``store_keys``; ``layout`` is this rank's KV of a
 block, ``[layers, kv, block_tokens, its heads, head_dim]``.
 
+Loads are one copy where the blocks are in memory on a CPU server: they are loaded in place
+(:mod:`kvstrata.cache.inplace`), so ``copy_layer`` copies each layer out of the host (or device)
+tier's own slots into vLLM's blocks, with no copy into the cache's device tier first. Blocks on
+disk or in the pool, and a GPU's, land in the device tier and are copied from there.
+
 Saves are staged block by block (``[blocks, layers, kv, block_tokens, its heads, head_dim]``:
 each block one contiguous run, as the tiers keep it) and stored with the cache's caller-memory
 put (:mod:`kvstrata.cache.direct`): straight from the staging into the host tier and down (a
@@ -74,7 +79,7 @@ class OpaqueGroup:
 
     def load(self, keys: list[BlockKey]) -> Any:
         part = self.cache.match(keys)
-        return self.cache.load(part) if part.blocks == len(keys) else None
+        return self.cache.load(part, in_place=True) if part.blocks == len(keys) else None
 
     def copy_layer(self, handle: Any, layer: int, block_ids: list[int]) -> None:
         paged = self.layers[layer]
@@ -122,7 +127,7 @@ class SlicedGroup:
 
     def load(self, keys: list[BlockKey]) -> SlicedLoad | None:
         m = self.rank.match(keys)
-        return self.rank.load(m) if m.blocks == len(keys) else None
+        return self.rank.load(m, in_place=True) if m.blocks == len(keys) else None
 
     def copy_layer(self, load: SlicedLoad, layer: int, block_ids: list[int]) -> None:
         heads = self._heads[layer]

@@ -39,8 +39,9 @@ class ConnectorSettings:
     """``kv_connector_extra_config``: which tiers the cache has. Capacities in bytes.
 
     Attributes:
-        device_bytes: kvstrata's device tier (where loads land before the copy into vLLM's
-            paged blocks).
+        device_bytes: kvstrata's device tier (where loads from disk or the pool, and a GPU's,
+            land before the copy into vLLM's paged blocks; on a CPU, blocks in memory are
+            copied into vLLM's from where they are).
         host_bytes: host DRAM tier, per process.
         disk_dir, disk_bytes: a disk tier (one process per directory; it is locked).
         pool: a pool config file (TOML, or an embedded pool's pool.json), or "env" for
