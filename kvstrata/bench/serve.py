@@ -55,7 +55,7 @@ from kvstrata.bench.rounds import rotated
 from kvstrata.bench.serve_burst import BurstPhase, BurstPlan, BurstRun, plan_bursts
 from kvstrata.bench.serve_client import Endpoint, Handoff, Route, ask_each, drive
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
-from kvstrata.bench.serve_counters import Counters, counters_of
+from kvstrata.bench.serve_counters import ByteRates, Counters, counters_of
 from kvstrata.bench.serve_plan import (
     TurnPlan,
     WorkloadKind,
@@ -151,6 +151,7 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
     with ExitStack() as stack:
         stack.enter_context(_signals_end_the_run())
         work = _work_dir(config, stack)
+        rates = byte_rates(work)  # before any server: the host as quiet as the run finds it
         source = _pool(config, pool, stack)
         pool_file = _pool_file(source, work)
         fleet = stack.enter_context(_Fleet(
@@ -181,7 +182,8 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
         reference = run.reference(ran.runs())
     return build_report(config, trace_text, rounds_plans[0][0], ran, reference, source,
                         (calibration, basis, CacheConfig.workers),
-                        why_no_pool, dict(fleet.start_s), dict(fleet.metrics_text), time.perf_counter() - began)
+                        why_no_pool, dict(fleet.start_s), dict(fleet.metrics_text), time.perf_counter() - began,
+                        rates)
 
 
 class _Run:
@@ -393,6 +395,31 @@ def _cpu_ticks() -> tuple[int, int] | None:
         return None
     busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
     return busy, busy + fields[3] + fields[4]
+
+
+RATE_BYTES = 32 << 20  # a few cache blocks' worth, far past the CPU caches
+RATE_RUNS = 5
+
+
+def byte_rates(work: Path) -> ByteRates:
+    """This host's one-thread copy and xxh3 rates: the median of a few runs over RATE_BYTES,
+    as ``kvstrata calibrate`` times them (what the connector's bytes cost, against its CPU)."""
+    import statistics
+
+    import torch
+
+    from kvstrata.calibrate.measure import Prober, blocks_layout
+    from kvstrata.plan import host as h
+
+    prober = Prober(work / "rates", 1, torch.device("cpu"), blocks_layout(1 << 20))
+    try:
+        copy, checksum = prober.step(h.MEMCPY_1T, RATE_BYTES), prober.step(h.CHECKSUM, RATE_BYTES)
+        copy(), checksum()  # warm
+        copy_s = statistics.median(copy() for _ in range(RATE_RUNS))
+        checksum_s = statistics.median(checksum() for _ in range(RATE_RUNS))
+    finally:
+        prober.close()
+    return ByteRates(RATE_BYTES / copy_s / 1e9, RATE_BYTES / checksum_s / 1e9)
 
 
 def _work_dir(config: ServeBenchConfig, stack: ExitStack) -> Path:

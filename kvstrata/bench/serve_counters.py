@@ -9,7 +9,13 @@ exports the connector's ``kvstrata_connector_lookup_hit_blocks_total`` per tier,
 tier are taken from there instead, and :attr:`Counters.hits_source` says which was read. The
 connector's own CPU time comes from ``/metrics`` alone: ``kvstrata_connector_cpu_seconds_total``
 by ``side`` (``scheduler``: its hooks in vLLM's engine-core process; ``worker``: its hooks and
-threads in the worker process(es)); a server whose connector does not export it has none.
+threads in the worker process(es)); a server whose connector does not export it has none. So do
+the bytes that CPU moved: ``kvstrata_connector_loaded_bytes_total`` (copied into vLLM's KV),
+``kvstrata_connector_saved_bytes_total`` (copied out of it) and
+``kvstrata_connector_moved_bytes_total`` (between its tiers; those to or from a disk or the pool
+are checksummed too). At this host's copy and checksum rates (:class:`ByteRates`) that is what
+the bytes themselves cost; the rest of the CPU is the connector's own
+(:meth:`ConnectorCpu.beyond_bytes_s`).
 
 Every counter is cumulative over the process's life: a phase's figures are the difference of a
 snapshot after it and one before (:meth:`Counters.minus`).
@@ -29,6 +35,10 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CONNECTOR_HITS = "kvstrata_connector_lookup_hit_blocks_total"
 CONNECTOR_CPU = "kvstrata_connector_cpu_seconds_total"
+LOADED_BYTES = "kvstrata_connector_loaded_bytes_total"
+SAVED_BYTES = "kvstrata_connector_saved_bytes_total"
+MOVED_BYTES = "kvstrata_connector_moved_bytes_total"
+_CHECKSUMMED = frozenset({Medium.DISK.label, Medium.REMOTE.label})  # a move to or from these hashes its bytes
 TIER_LABELS = ("tier", "medium", "source")  # the label of CONNECTOR_HITS that names the tier
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
@@ -49,26 +59,53 @@ class ConnectorSide(enum.Enum):
 
 
 @dataclass(frozen=True)
+class ByteRates:
+    """This host's rates for what the connector does to bytes, measured by the run (one thread):
+    a memory copy, and an xxh3 checksum."""
+
+    copy_gbps: float
+    checksum_gbps: float
+
+
+@dataclass(frozen=True)
 class ConnectorCpu:
-    """The connector's CPU seconds per side: cumulative in a snapshot, over a phase after
-    :meth:`minus`, a request's share after :meth:`per_request`."""
+    """The connector's CPU seconds per side, and the bytes that CPU moved: cumulative in a
+    snapshot, over a phase after :meth:`minus`, a request's share after :meth:`per_request`.
+
+    Attributes:
+        copied_bytes: bytes copied into and out of vLLM's KV and between kvstrata's tiers.
+        checksummed_bytes: of those, bytes written to or read from a disk or the pool (hashed).
+    """
 
     scheduler_s: float = 0.0
     worker_s: float = 0.0
+    copied_bytes: float = 0.0
+    checksummed_bytes: float = 0.0
 
     @property
     def total_s(self) -> float:
         return self.scheduler_s + self.worker_s
 
+    def bytes_s(self, rates: ByteRates) -> float:
+        """What the bytes alone take at ``rates``: one copy each, and a checksum where hashed."""
+        return self.copied_bytes / (rates.copy_gbps * 1e9) + self.checksummed_bytes / (rates.checksum_gbps * 1e9)
+
+    def beyond_bytes_s(self, rates: ByteRates) -> float:
+        """The CPU beyond what its bytes take at ``rates``: the connector's own cost."""
+        return self.total_s - self.bytes_s(rates)
+
     def minus(self, earlier: ConnectorCpu) -> ConnectorCpu:
-        return ConnectorCpu(self.scheduler_s - earlier.scheduler_s, self.worker_s - earlier.worker_s)
+        return ConnectorCpu(self.scheduler_s - earlier.scheduler_s, self.worker_s - earlier.worker_s,
+                            self.copied_bytes - earlier.copied_bytes, self.checksummed_bytes - earlier.checksummed_bytes)
 
     def plus(self, other: ConnectorCpu) -> ConnectorCpu:
-        return ConnectorCpu(self.scheduler_s + other.scheduler_s, self.worker_s + other.worker_s)
+        return ConnectorCpu(self.scheduler_s + other.scheduler_s, self.worker_s + other.worker_s,
+                            self.copied_bytes + other.copied_bytes, self.checksummed_bytes + other.checksummed_bytes)
 
     def per_request(self, requests: int) -> ConnectorCpu:
-        """Each side's seconds over ``requests`` (>= 1)."""
-        return ConnectorCpu(self.scheduler_s / requests, self.worker_s / requests)
+        """Each figure over ``requests`` (>= 1)."""
+        return ConnectorCpu(self.scheduler_s / requests, self.worker_s / requests, self.copied_bytes / requests,
+                            self.checksummed_bytes / requests)
 
 
 @dataclass(frozen=True)
@@ -196,8 +233,8 @@ def counters_of(metrics_text: str, stats: Mapping[str, Any] | None) -> Counters:
 
 
 def _connector_cpu(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> ConnectorCpu | None:
-    """``CONNECTOR_CPU`` summed per side (over engines and workers); None where it is not
-    exported. A side this bench does not know is left out."""
+    """``CONNECTOR_CPU`` summed per side (over engines and workers), and the bytes moved; None
+    where the CPU is not exported. A side this bench does not know is left out."""
     samples = metrics.get(CONNECTOR_CPU)
     if not samples:
         return None
@@ -206,7 +243,10 @@ def _connector_cpu(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) ->
         side = next((s for s in ConnectorSide if s.value == labels.get("side")), None)
         if side is not None:
             by_side[side] += value
-    return ConnectorCpu(by_side[ConnectorSide.SCHEDULER], by_side[ConnectorSide.WORKER])
+    copied = sum(v for name in (LOADED_BYTES, SAVED_BYTES, MOVED_BYTES) for _, v in metrics.get(name, []))
+    hashed = sum(v for labels, v in metrics.get(MOVED_BYTES, [])
+                 if labels.get("src") in _CHECKSUMMED or labels.get("dst") in _CHECKSUMMED)
+    return ConnectorCpu(by_side[ConnectorSide.SCHEDULER], by_side[ConnectorSide.WORKER], copied, hashed)
 
 
 def _exported_hits(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) -> dict[Medium, int] | None:

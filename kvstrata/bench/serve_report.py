@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvstrata.bench.rounds import Skipped, Spread
 from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_counters import ConnectorCpu, Counters, HitsSource
+from kvstrata.bench.serve_counters import ByteRates, ConnectorCpu, Counters, HitsSource
 from kvstrata.bench.serve_plan import WorkloadKind
 from kvstrata.media import Medium
 from kvstrata.report import OMIT, OMIT_NONE
@@ -298,6 +298,10 @@ class ServeBenchReport:
         server_start_s: each server's seconds to answer /health.
         metrics_text: each server's /metrics as it stopped.
         wall_s: the whole run.
+        byte_rates: this host's copy and checksum rates, measured before the servers started
+            (what the connector's bytes cost, against its CPU; None: not measured).
+        connector_cpu_beyond_bytes_per_request_s: the connector's CPU per request over the
+            rounds beyond what its bytes take at ``byte_rates`` (None: either is unknown).
     """
 
     config: ServeBenchConfig
@@ -317,6 +321,8 @@ class ServeBenchReport:
     server_start_s: dict[Instance, float]
     metrics_text: dict[Instance, str]
     wall_s: float
+    byte_rates: ByteRates | None = field(default=None, metadata=OMIT_NONE)
+    connector_cpu_beyond_bytes_per_request_s: float | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass(frozen=True)
@@ -356,7 +362,8 @@ class RunLog:
 def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[TurnPlan], ran: RunLog,
                  reference: Mapping[tuple[int, ...], tuple[int, ...]], pool: PoolSource | None,
                  prediction: tuple[HostCalibration | None, str, int], why_no_pool: str | None,
-                 start_s: dict[Instance, float], metrics_text: dict[Instance, str], wall_s: float) -> ServeBenchReport:
+                 start_s: dict[Instance, float], metrics_text: dict[Instance, str], wall_s: float,
+                 byte_rates: ByteRates | None = None) -> ServeBenchReport:
     """The report of ``ran``, every completion checked against ``reference`` (its answer per
     prompt); ``prediction``: the calibration for the P/D restore, what it is, the cache's workers."""
     bt = config.workload.block_tokens
@@ -413,7 +420,12 @@ def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[Tur
         every += [pd.decode, pd.prefill]
     return ServeBenchReport(config, trace, tuple(len(p.opener) for p in first_plans), baseline, ours, rounds,
                             versus(rounds), shared, restart, pd, bursts, pool, len(reference),
-                            all(m.identical is True for m in every), start_s, metrics_text, wall_s)
+                            all(m.identical is True for m in every), start_s, metrics_text, wall_s, byte_rates,
+                            _beyond_bytes(ours.connector_cpu_per_request, byte_rates))
+
+
+def _beyond_bytes(cpu: ConnectorCpu | None, rates: ByteRates | None) -> float | None:
+    return None if cpu is None or rates is None else cpu.beyond_bytes_s(rates)
 
 
 def checked(records: Sequence[RequestRecord], reference: Mapping[tuple[int, ...], tuple[int, ...]]) -> tuple[RequestRecord, ...]:

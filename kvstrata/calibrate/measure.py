@@ -503,6 +503,8 @@ class Prober:
             return _memcpy_nt(s, nbytes)
         if path == h.MEMCPY_ONE:
             return _memcpy_one(s, nbytes)
+        if path == h.CHECKSUM:
+            return _checksum(s, nbytes)
         if path in (h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD):
             return _disk_blocks(s, nbytes, path == h.DISK_BLOCKS_COLD, self._layout)
         if path == h.H2D_PINNED:

@@ -213,14 +213,21 @@ _HITS_SOURCE = {
 }
 
 
-def _cpu_line(m: Measured) -> list[str]:
-    """The connector's CPU time per request, where its server exports it (else no line)."""
+def _cpu_line(report: ServeBenchReport) -> list[str]:
+    """The connector's CPU time per request, where its server exports it (else no line), and
+    what of it is beyond its bytes' cost, where the run measured this host's rates."""
+    m, rates = report.kvstrata, report.byte_rates
     cpu = m.connector_cpu_per_request
     if cpu is None:
         return []
-    return [f"connector CPU per request: {cpu.total_s * 1e3:.2f} ms (scheduler {cpu.scheduler_s * 1e3:.2f}, worker "
+    line = (f"connector CPU per request: {cpu.total_s * 1e3:.2f} ms (scheduler {cpu.scheduler_s * 1e3:.2f}, worker "
             f"{cpu.worker_s * 1e3:.2f}): kvstrata_connector_cpu_seconds_total on the kvstrata server's /metrics over "
-            f"the rounds, over its {len(m.requests)} requests."]
+            f"the rounds, over its {len(m.requests)} requests.")
+    if rates is not None:
+        line += (f" Beyond its bytes: {cpu.beyond_bytes_s(rates) * 1e3:.2f} ms ({cpu.copied_bytes / 1e6:.2f} MB "
+                 f"copied, {cpu.checksummed_bytes / 1e6:.2f} MB of it hashed, {cpu.bytes_s(rates) * 1e3:.2f} ms at "
+                 f"this host's {rates.copy_gbps:.1f} GB/s copy and {rates.checksum_gbps:.1f} GB/s xxh3, one thread).")
+    return [line]
 
 
 _NEW = {  # what the workload line adds for each kind
@@ -286,7 +293,7 @@ def _print_serve(report: ServeBenchReport) -> None:
         f"kvstrata / vLLM, the median over {v.ttft_p50.rounds} round(s) of the ratio within a round (lowest-highest "
         f"round): TTFT p50 {spread_x(v.ttft_p50)}, p90 {spread_x(v.ttft_p90)}, TPOT p50 {spread_x(v.tpot_p50)} "
         f"(< 1x: faster); output tok/s {spread_x(v.output_tokens_per_s)}.",
-        *_cpu_line(report.kvstrata),
+        *_cpu_line(report),
         "Rows: vLLM alone and with kvstrata over every round; two kvstrata servers on one pool, turns alternating "
         "(each server's turns); the second restarted, the same turns sent again; prefill (kv_producer, 1 token) and "
         "decode (kv_consumer) servers, the KV handed over in the pool. TPOT and hits: p50 and rates over the prompt "

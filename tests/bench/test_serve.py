@@ -86,6 +86,14 @@ def test_the_report_has_each_configurations_figures_per_request(run):
     assert set(doc["metrics_text"]) == (SERVERS if doc["pool"] else {"baseline", "kvstrata", "reference"})
     assert all("vllm:prefix_cache_queries_total" in text for text in doc["metrics_text"].values())
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the connector's CPU, the bytes it moved (it stored every prompt, loaded later turns), and
+    # what of the CPU is beyond those bytes at the host's rates, measured in the run
+    cpu, rates = doc["kvstrata"]["connector_cpu_per_request"], doc["byte_rates"]
+    assert cpu["copied_bytes"] >= config["block_bytes"] and 0 < cpu["checksummed_bytes"] <= cpu["copied_bytes"]
+    assert rates["copy_gbps"] > 0 and rates["checksum_gbps"] > 0
+    assert doc["connector_cpu_beyond_bytes_per_request_s"] == pytest.approx(
+        cpu["scheduler_s"] + cpu["worker_s"] - cpu["copied_bytes"] / (rates["copy_gbps"] * 1e9)
+        - cpu["checksummed_bytes"] / (rates["checksum_gbps"] * 1e9))
 
 
 def test_kvstrata_serves_later_turns_from_its_host_tier_after_vllm_evicted_them(run):

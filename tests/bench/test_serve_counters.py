@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.bench.serve_counters import ConnectorCpu, Counters, HitsSource, counters_of, parse_metrics
+from kvstrata.bench.serve_counters import ByteRates, ConnectorCpu, Counters, HitsSource, counters_of, parse_metrics
 from kvstrata.media import Medium
 
 METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries.
@@ -72,3 +72,27 @@ def test_a_connector_without_the_cpu_counter_has_none():
     older = counters_of(METRICS, STATS)
     assert older.connector and older.connector_cpu is None
     assert older.minus(older).connector_cpu is None and older.plus(Counters()).connector_cpu is None
+
+
+# the bytes that CPU moved: into vLLM (by tier), out of vLLM, between tiers (by src and dst)
+BYTES = """kvstrata_connector_loaded_bytes_total{engine="0",model_name="m",tier="host"} 3e6
+kvstrata_connector_loaded_bytes_total{engine="0",model_name="m",tier="disk"} 1e6
+kvstrata_connector_saved_bytes_total{engine="0",model_name="m"} 2e6
+kvstrata_connector_moved_bytes_total{dst="host",engine="0",model_name="m",src="device"} 2e6
+kvstrata_connector_moved_bytes_total{dst="disk",engine="0",model_name="m",src="host"} 2e6
+kvstrata_connector_moved_bytes_total{dst="device",engine="0",model_name="m",src="disk"} 1e6
+kvstrata_connector_moved_bytes_total{dst="device",engine="0",model_name="m",src="remote"} 5e5
+"""
+
+
+def test_the_bytes_the_connectors_cpu_moved_and_its_cpu_beyond_them():
+    cpu = counters_of(CPU + BYTES, None).connector_cpu
+    assert cpu.copied_bytes == 11.5e6  # every copy: into vLLM, out of it, between tiers
+    assert cpu.checksummed_bytes == 3.5e6  # the moves to or from a disk or the pool
+    rates = ByteRates(copy_gbps=10.0, checksum_gbps=5.0)
+    assert cpu.bytes_s(rates) == pytest.approx(11.5e6 / 10e9 + 3.5e6 / 5e9)
+    assert cpu.beyond_bytes_s(rates) == pytest.approx(0.375 - cpu.bytes_s(rates))
+    phase = counters_of((CPU + BYTES).replace("2e6", "5e6"), None).minus(counters_of(CPU + BYTES, None)).connector_cpu
+    assert (phase.copied_bytes, phase.checksummed_bytes) == (9e6, 3e6)  # saved 3e6, device->host 3e6, host->disk 3e6
+    assert phase.per_request(3).copied_bytes == 3e6
+    assert counters_of(CPU, None).connector_cpu.copied_bytes == 0  # a connector exporting no bytes: none counted

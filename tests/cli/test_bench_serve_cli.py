@@ -108,7 +108,7 @@ def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios_and_the_co
     from kvstrata.bench.serve_config import Instance, ServeBenchConfig
     from dataclasses import replace
 
-    from kvstrata.bench.serve_counters import ConnectorCpu, Counters
+    from kvstrata.bench.serve_counters import ByteRates, ConnectorCpu, Counters
     from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind
     from kvstrata.bench.serve_report import RequestRecord, ServeBenchReport, ServeRound, Skipped, measure, versus
     from kvstrata.cli.bench_serve import _print_serve
@@ -119,15 +119,18 @@ def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios_and_the_co
         return measure(records, Counters(), 32)
 
     base, ours = measured(Instance.BASELINE, 0.004), measured(Instance.OURS, 0.005)
-    ours = replace(ours, connector_cpu_per_request=ConnectorCpu(0.00011, 0.00051))
+    ours = replace(ours, connector_cpu_per_request=ConnectorCpu(0.00011, 0.00051, 2e6, 1e6))
     rounds = (ServeRound(0, (Instance.OURS, Instance.BASELINE), base, ours),)
     why = Skipped("--workload no-reuse")
     report = ServeBenchReport(
         ServeBenchConfig(ServeWorkload(kind=WorkloadKind.NO_REUSE), Path("/models/tiny"), 4096, 131072), "t.jsonl",
-        (352, 96), base, ours, rounds, versus(rounds), why, why, why, why, None, 8, True, {}, {}, 60.0)
+        (352, 96), base, ours, rounds, versus(rounds), why, why, why, why, None, 8, True, {}, {}, 60.0,
+        ByteRates(10.0, 5.0))
     _print_serve(report)
     out = " ".join(capsys.readouterr().out.split())
     assert out.count("skipped") == 4 and out.count("--workload no-reuse") == 4
     assert "no reuse: every prompt new" in out and "Restart:" not in out
     assert "TTFT p50 1.00x (1.00-1.00), p90 1.00x (1.00-1.00), TPOT p50 1.25x (1.25-1.25)" in out
     assert "connector CPU per request: 0.62 ms (scheduler 0.11, worker 0.51)" in out
+    # 2 MB copied at 10 GB/s (0.2 ms), 1 MB hashed at 5 GB/s (0.2 ms): 0.22 ms beyond
+    assert "Beyond its bytes: 0.22 ms (2.00 MB copied, 1.00 MB of it hashed, 0.40 ms at this host's 10.0 GB/s" in out

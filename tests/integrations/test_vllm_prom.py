@@ -30,6 +30,7 @@ from kvstrata.integrations.vllm.prom import (  # noqa: E402
     LOOKUP_MISS_BLOCKS,
     METRICS,
     MOVED_BYTES,
+    SAVED_BYTES,
     STORED_BLOCKS,
     TIER_CAPACITY_BYTES,
     TIER_USED_BYTES,
@@ -151,6 +152,7 @@ def test_a_worker_reports_what_changed_since_its_last_report(cache):
     worker.stored([(0, result)], 0.5)
     first = reporter.report(worker, [cache])
     assert counters(first)[STORED_BLOCKS.name] == {"": 6}
+    assert counters(first)[SAVED_BYTES.name] == {"": 6 * LAYOUT.block_bytes}  # copied out of vLLM's KV
     # 6 blocks through a 4-block device tier; every tier's series from the first report, at 0 if so
     assert counters(first)[EVICTED_BLOCKS.name] == {"device": 2, "host": 0}
     gauges = first.to_dict()["gauges"]
@@ -173,6 +175,7 @@ def test_a_worker_reports_what_changed_since_its_last_report(cache):
 
     other_rank = counters(WorkerReporter(1).report(worker, [cache]))
     assert STORED_BLOCKS.name not in other_rank and LOADED_BYTES.name in other_rank  # blocks are rank 0's
+    assert SAVED_BYTES.name in other_rank  # bytes are each rank's
 
 
 def test_a_hits_tiers_are_each_blocks_slowest_copy_over_the_groups():

@@ -77,6 +77,8 @@ LOOKUP_MISS_BLOCKS = _counter("lookup_miss_blocks", (), "Full prompt blocks beyo
                               "that no kvstrata tier held when vLLM admitted the request")
 LOADED_BLOCKS = _counter("loaded_blocks", ("tier",), "vLLM blocks restored into vLLM's KV, by source tier")
 LOADED_BYTES = _counter("loaded_bytes", ("tier",), "Bytes restored into vLLM's KV, by source tier")
+SAVED_BYTES = _counter("saved_bytes", (), "Bytes copied out of vLLM's KV for saves (every block offered to "
+                       "kvstrata's tiers, new or held already)")
 MOVED_BYTES = _counter("moved_bytes", ("src", "dst"), "Bytes moved between kvstrata's tiers")
 TRANSFER_SECONDS = _counter("transfer_seconds", ("src", "dst"), "Seconds the transfers of moved_bytes took "
                             "(each transfer's own time, summed: bytes / seconds is the achieved GB/s)")
@@ -104,8 +106,8 @@ TIER_USED_BYTES = Metric("kvstrata_connector_tier_used_bytes", Kind.GAUGE, ("tie
 TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUGE, ("tier",),
                              "A tier's configured capacity in this instance's caches")
 
-METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOADED_BLOCKS, LOADED_BYTES, MOVED_BYTES, TRANSFER_SECONDS, LOADS,
-           LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
+METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOADED_BLOCKS, LOADED_BYTES, SAVED_BYTES, MOVED_BYTES,
+           TRANSFER_SECONDS, LOADS, LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
            CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -284,6 +286,7 @@ class WorkerReporter:
                 add(counters, LOADED_BLOCKS, blocks, medium.label)
         for medium, n in totals.loaded_bytes.items():
             add(counters, LOADED_BYTES, n, medium.label)
+        add(counters, SAVED_BYTES, totals.saved_bytes)
         add(counters, LOAD_FAILED_BLOCKS, totals.failed_blocks)
         add(counters, RECOMPUTED_BLOCKS, totals.recomputed_blocks)
         if self._rank == "0":

@@ -74,6 +74,7 @@ class LoadStoreTotals:
     failed_blocks: int
     recomputed_blocks: int
     dropped_blocks: int
+    saved_bytes: int = 0  # this rank's bytes copied out of vLLM's KV for saves (every block offered to the caches)
 
 
 @dataclass
@@ -154,7 +155,8 @@ class WorkerStats:
         with self._lock:
             return LoadStoreTotals(self.load_requests, self.load_seconds, dict(self._loaded_blocks),
                                    dict(self._loaded_bytes), self.store_requests, self.new_blocks, self.store_seconds,
-                                   self.failed_blocks, self.recomputed_blocks, self.dropped_blocks)
+                                   self.failed_blocks, self.recomputed_blocks, self.dropped_blocks,
+                                   sum(g.stored_blocks * g.block_bytes for g in self.groups))
 
     def to_json(self, caches: tuple[TieredCache, ...]) -> dict[str, Any]:
         with self._lock:
