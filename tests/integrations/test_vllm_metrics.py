@@ -91,8 +91,11 @@ def test_a_host_hit_is_counted_loaded_and_moved(served):
     assert value(samples, "kvstrata_connector_lookup_miss_blocks_total") == 5 * 18  # each prompt's first ask
     for tier, blocks in loaded.items():
         assert value(samples, "kvstrata_connector_loaded_bytes_total", tier=tier) == blocks * BLOCK_BYTES
-    assert value(samples, "kvstrata_connector_moved_bytes_total", src="host", dst="device") > 0
-    assert value(samples, "kvstrata_connector_transfer_seconds_total", src="host", dst="device") > 0
+    # host hits are copied into vLLM's blocks out of the host tier's slots: nothing moves to kvstrata's device tier
+    assert value(samples, "kvstrata_connector_moved_bytes_total", src="host", dst="device") == 0
+    assert value(samples, "kvstrata_connector_moved_bytes_total", src="device", dst="host") > 0  # the saves' puts
+    assert value(samples, "kvstrata_connector_transfer_seconds_total", src="device", dst="host") > 0
+    assert value(samples, "kvstrata_connector_saved_bytes_total") >= stats["stored_bytes"] > 0  # offered >= new
     assert value(samples, "kvstrata_connector_stored_blocks_total") == 5 * 18
     assert value(samples, "kvstrata_connector_load_failed_blocks_total") == 0  # there, at 0
     # vLLM's own per-source count of the hit's tokens, from the connector's tiers
@@ -106,7 +109,7 @@ def test_the_tier_gauges_are_the_configured_capacities_and_what_is_stored(served
     assert capacity == {"device": DEVICE_BYTES, "host": HOST_BYTES, "disk": DISK_BYTES}
     stored = stats["new_blocks"] * BLOCK_BYTES
     assert used["host"] == used["disk"] == stored  # written through to both, neither full
-    assert 0 < used["device"] <= capacity["device"]  # loads land there (saves go straight to the host tier)
+    assert used["device"] == 0  # host hits are served in place, saves go straight to the host tier
     # every tier's eviction series is exported, at 0 where none was needed
     assert set(tier_sum(samples, "kvstrata_connector_evicted_blocks_total")) == {"device", "host", "disk"}
 
