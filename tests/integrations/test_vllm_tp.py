@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("KVSTRATA_VLLM_TP") != "1",
 
 MiB = 1024**2
 FILLER_HITS = [96, 96]
+LONGER = [p + [11 + i for i in range(64)] for p in FILLER]  # FILLER's 3 blocks, then 2 new full ones
 
 
 def rank_stats(run: dict, tmp: Path, name: str, rank: int) -> dict:
@@ -75,7 +76,7 @@ def tp_runs(tiny_model_dir, tiny_mla_dir, pool, tmp_path_factory) -> dict:
         "m1_from_2": {**spec(mla, tmp, "m1_from_2", passes=[FILLER], **mla_back), **MLA_ENGINE},
     }, tmp)
     runs |= run_children({
-        "l2_missing": {**spec(model, tmp, "l2_missing", passes=[FILLER], model_id=f"vllm-tp-{ns}",
+        "l2_missing": {**spec(model, tmp, "l2_missing", passes=[FILLER, LONGER], model_id=f"vllm-tp-{ns}",
                               host_bytes=16 * MiB, **disk), **tp2, **fp32},
     }, tmp)
     for name, run in runs.items():
@@ -133,10 +134,26 @@ def test_mla_at_tp1_loads_the_one_copy_tp2_stored(tp_runs):
 def test_a_rank_missing_its_slices_reports_load_errors_and_vllm_recomputes(tp_runs):
     runs, tmp = tp_runs["runs"], tp_runs["tmp"]
     run = runs["l2_missing"]["passes"][0]
-    rank0, rank1 = (rank_stats(runs["l2_missing"], tmp, "l2_missing", r) for r in (0, 1))
+    rank0, rank1 = run["stats"], rank_stats(runs["l2_missing"], tmp, "l2_missing", 1)  # rank 1's: after LONGER too
     # rank 0 answered the scheduler's lookup from its own disk: a hit
     assert rank0["loaded_tokens"] == sum(FILLER_HITS) and rank0["failed_blocks"] == 0
     # rank 1 found none of its slices: every block of both loads reported, never read as KV
-    assert rank1["failed_blocks"] == sum(FILLER_HITS) // BLOCK and rank1["loaded_tokens"] == 0
+    assert rank1["failed_blocks"] >= sum(FILLER_HITS) // BLOCK and rank1["loaded_tokens"] == 0
     assert "left kvstrata" in rank1["last_failure"]
     assert run["tokens"] == runs["l2"]["passes"][0]["tokens"]  # recomputed: the cold tokens
+
+
+def test_no_rank_stores_the_new_blocks_of_a_step_in_which_another_ranks_load_failed(tp_runs):
+    """LONGER: FILLER's 3 blocks (rank 1's slices gone again), then 2 new full blocks computed in
+    the loading step over rank 1's missing KV. Rank 1 drops its saves of that step itself. Rank 0,
+    whose own load arrived, holds its saves until the scheduler's verdict on the step's loads over
+    both ranks, then drops them. So both ranks drop the same blocks and store the same ones
+    (before the verdicts, rank 0 stored them: KV computed over rank 1's missing part)."""
+    runs, tmp = tp_runs["runs"], tp_runs["tmp"]
+    first = runs["l2_missing"]["passes"][0]["stats"]  # rank 0 after FILLER: nothing new to save
+    rank0, rank1 = (rank_stats(runs["l2_missing"], tmp, "l2_missing", r) for r in (0, 1))
+    assert first["dropped_blocks"] == 0 and first["stored_blocks"] == 0
+    assert rank0["failed_blocks"] == 0 and rank0["loaded_tokens"] > sum(FILLER_HITS)  # LONGER loaded too
+    assert rank1["failed_blocks"] > sum(FILLER_HITS) // BLOCK  # and failed on rank 1 again
+    assert rank0["dropped_blocks"] == rank1["dropped_blocks"] >= len(LONGER[0]) // BLOCK - 3  # held, then dropped
+    assert rank0["stored_blocks"] == rank1["stored_blocks"]

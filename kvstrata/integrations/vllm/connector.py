@@ -80,6 +80,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
                 # with one TP rank only: a rank cannot tell the others it gave a load up, and
                 # their saves of the step would hold KV computed over it
                 load_budget=self.settings.load_budget if vllm_config.parallel_config.tensor_parallel_size == 1 else None,
+                ranks=vllm_config.parallel_config.tensor_parallel_size,
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStrataConnectorWorker(
@@ -135,7 +136,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         worker, meta = self._worker, self._metadata()
         worker.clock.end()  # the forward is over
-        if meta.loads or meta.saves:
+        if meta.loads or meta.saves or meta.verdicts:
             with worker.hook():
                 worker.wait_for_save(meta)
 

@@ -62,3 +62,7 @@ class KVStrataMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     scheduled_tokens: int = 0  # tokens the step computes, every request's (the prefill's measure)
+    step: int = 0  # the scheduler's count of steps: names a step whose saves wait for a verdict
+    # earlier steps' verdicts (TP > 1): step -> its loads arrived on every rank, so the saves
+    # the workers hold for it are stored (False: dropped; :mod:`~kvstrata.integrations.vllm.verdicts`)
+    verdicts: dict[int, bool] = field(default_factory=dict)

@@ -57,6 +57,7 @@ from kvstrata.integrations.vllm.channel import WorkerLookup
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
+from kvstrata.integrations.vllm.verdicts import StepVerdicts
 from kvstrata.media import Medium
 from kvstrata.policies.payoff import BUDGET_FACTOR, LoadOrRecompute
 from kvstrata.policies.saving import SaveOrSkip
@@ -108,11 +109,12 @@ class KVStrataConnectorScheduler:
             producer, or a server whose stores other servers read from a pool: their hits are not
             seen here).
         load_budget: a grant's budget in prefills of its tokens (None: none; ``ConnectorSettings``).
+        ranks: the TP size (more than one: a step's saves wait for its loads' verdict).
     """
 
     def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool,
                  spans: tuple[int | None, ...] = (None,), horizon_blocks: int = 0, judge_saves: bool = False,
-                 load_budget: float | None = BUDGET_FACTOR) -> None:
+                 load_budget: float | None = BUDGET_FACTOR, ranks: int = 1) -> None:
         self._block_size = block_size
         self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
         self._windowed = any(span is not None for span in spans)
@@ -130,6 +132,10 @@ class KVStrataConnectorScheduler:
         self.saving = SaveOrSkip(block_size, horizon_blocks)
         self._judge_saves = judge_saves and loads_enabled and saves_enabled
         self._storing: dict[str, bool] = {}  # req_id -> whether its prompt blocks are stored (decided once)
+        self._step = 0
+        # TP > 1: a step that loads and saves has its saves held by the workers until every
+        # rank's loads of it are known to have arrived (verdicts.py)
+        self._verdicts = StepVerdicts() if ranks > 1 else None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``; never
@@ -191,6 +197,8 @@ class KVStrataConnectorScheduler:
         self.decision.step_computed(meta.computed_tokens, meta.compute_s)
         self.saving.stored_cost(meta.saved_blocks, meta.save_cpu_s)
         for timing in meta.loads:
+            if self._verdicts is not None:
+                self._verdicts.reported(timing.req_id, timing.ok)
             granted = self._granted.pop(timing.req_id, None)
             if granted is None:
                 continue
@@ -201,7 +209,9 @@ class KVStrataConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
-        meta = KVStrataMetadata(scheduled_tokens=scheduler_output.total_num_scheduled_tokens)
+        self._step += 1
+        meta = KVStrataMetadata(scheduled_tokens=scheduler_output.total_num_scheduled_tokens, step=self._step,
+                                verdicts=self._verdicts.take() if self._verdicts is not None else {})
         null = kv_cache_manager.block_pool.null_block.block_id
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         for req_id, hit in computed.items():  # the hit's blocks (vLLM's, kvstrata's) are stored already
@@ -224,6 +234,8 @@ class KVStrataConnectorScheduler:
             if save:
                 meta.saves.append(self._save_spec(req_id, prompt, block_ids, end, null))
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
+        if self._verdicts is not None and meta.loads and meta.saves:
+            self._verdicts.track(self._step, [spec.req_id for spec in meta.loads])
         return meta
 
     def _saves_more(self, req_id: str, request: Request, end: int) -> bool:

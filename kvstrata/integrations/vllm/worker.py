@@ -29,6 +29,7 @@ each group's blocks in its cache under their keys (a windowed group's run starts
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ import torch
 from kvstrata.cache import TieredCache
 from kvstrata.cache.grouped import longest_hit
 from kvstrata.cache.sliced import SlicedRank
+from kvstrata.index.keys import BlockKey
 from kvstrata.integrations.vllm.groups import VLLMGroup, hit_tiers, vllm_groups
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup, staging
@@ -67,6 +69,19 @@ if TYPE_CHECKING:
 
 # vLLM's KV dtype is the cache's (FP8 KV caches: not yet).
 _VLLM_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
+
+
+_log = logging.getLogger("kvstrata.integrations.vllm")
+MAX_HELD_STEPS = 8  # steps whose saves wait for their loads' verdict at most (TP > 1)
+
+
+@dataclass
+class _StagedSave:
+    """A save staged out of vLLM's blocks, not yet stored: per group (group, keys, staged KV)."""
+
+    start: float
+    blocks: int  # its blocks (as dropped, if so)
+    stores: list[tuple[int, list[BlockKey], torch.Tensor]]
 
 
 @dataclass
@@ -122,6 +137,8 @@ class KVStrataConnectorWorker:
         self._abandoned: list[Any] = []  # loads given up while in flight: released once they end, never waited for
         self._staged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]] = {}  # (req, group) -> kv, staged
         self._taken: dict[str, bool] = {}  # req -> whether this step stores its save (the backlog's room)
+        self._held: dict[int, list[_StagedSave]] = {}  # step -> its saves, until the verdict on its loads (TP > 1)
+        self._holds = False  # TP > 1: set once the caches are registered
         self._failed_blocks: set[int] = set()
         self._stats = WorkerStats()
         self._stats_path = settings.stats_path
@@ -189,7 +206,7 @@ class KVStrataConnectorWorker:
         self._stats.vllm_block_shape = list(paged[0][0].shape[1:])
         self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
                                          g.layout.block_bytes) for g in self._groups]
-        self._stats.tp = [tp_rank, tp_size]
+        self._stats.tp, self._holds = [tp_rank, tp_size], tp_size > 1
         self._reporter = WorkerReporter(tp_rank)
         self._stats.writes = all(g.writes for g in self._groups)
         if tp_rank > 0 and self._stats_path is not None:  # each rank its own file: rank 0's is stats_path
@@ -413,10 +430,13 @@ class KVStrataConnectorWorker:
 
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
         """End of the step: finish the loads, start storing the staged blocks (the cache's
-        threads store them and write them down; ``sync_save``: wait for that here)."""
+        threads store them and write them down; ``sync_save``: wait for that here). With TP > 1
+        a step that loaded holds its staged saves until the scheduler's verdict on its loads
+        (:mod:`~kvstrata.integrations.vllm.verdicts`); earlier steps' verdicts are applied here."""
         failed = self._finish_loads()
-        pending = []
         cpu = time.thread_time()
+        pending = self._judged(meta.verdicts)
+        staged: list[_StagedSave] = []
         for spec in meta.saves if self._saves_enabled else ():
             if failed:
                 # A load failed this step: its request, and any other that found the same blocks
@@ -425,31 +445,18 @@ class KVStrataConnectorWorker:
                 # those blocks is vLLM's to know: no save of the step is stored.
                 self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
                 continue
-            if not self._taking(spec):
-                continue
-            futures = []
-            start = time.perf_counter()
-            for g, group in enumerate(self._groups):
-                block_ids = spec.groups[g].block_ids
-                if not block_ids or not group.writes:
-                    continue
-                kv, staged = self._staging(spec, g)
-                for layer, done in enumerate(staged):
-                    if not done:  # no per-layer hook ran for it: take it now (the forward is over)
-                        group.stage_layer(kv, layer, block_ids)
-                first = spec.groups[g].first_block
-                keys = group.keys(spec.tokens)[first : first + len(block_ids)]
-                futures.append((g, group.store_keys(keys, kv, self._saver)))
-            if futures:
-                blocks = max(len(spec.groups[g].block_ids) for g, _ in futures)
-                self.clock.saved(blocks)
-                with self._saving_lock:
-                    self._saving_blocks += blocks
-                pending.append((PendingSave(self._stats, start, len(futures), lambda n=blocks: self._saved(n)),
-                                futures))
+            if self._taking(spec):
+                save = self._staged_save(spec)
+                if save.stores:
+                    staged.append(save)
         self._staged.clear()
         self._taken.clear()
-        if meta.saves:
+        if staged and meta.loads and self._holds:  # another rank's load may have failed: wait for the verdict
+            self._held[meta.step] = staged
+            self._drop_stale_holds()
+        else:
+            pending += self._store(staged)
+        if meta.saves or pending:
             self.clock.save_cpu(time.thread_time() - cpu)
         for save, futures in pending:
             for g, future in futures:
@@ -458,9 +465,61 @@ class KVStrataConnectorWorker:
                     future.result()  # a failed store fails the step, as it always has with sync_save
                 else:
                     future.add_done_callback(lambda f, s=save, g=g: s.done(g, f))
-        if meta.loads or meta.saves:
+        if meta.loads or meta.saves or pending:
             self._changed = True
             self._write_stats(now=self.settings.sync_save)  # a pass's reader expects its saves there
+
+    def _staged_save(self, spec: SaveSpec) -> _StagedSave:
+        """A save's every group staged (layers no per-layer hook took are taken now, the forward over)."""
+        save = _StagedSave(time.perf_counter(), len(spec.groups[0].block_ids) if spec.groups else 0, [])
+        for g, group in enumerate(self._groups):
+            block_ids = spec.groups[g].block_ids
+            if not block_ids or not group.writes:
+                continue
+            kv, staged = self._staging(spec, g)
+            for layer, done in enumerate(staged):
+                if not done:
+                    group.stage_layer(kv, layer, block_ids)
+            first = spec.groups[g].first_block
+            save.stores.append((g, group.keys(spec.tokens)[first : first + len(block_ids)], kv))
+        return save
+
+    def _store(self, staged: list[_StagedSave]) -> list[tuple[PendingSave, list[tuple[int, Future]]]]:
+        """Hand the staged saves to the caches; what is pending, to settle once each store ends."""
+        pending = []
+        for save in staged:
+            futures = [(g, self._groups[g].store_keys(keys, kv, self._saver)) for g, keys, kv in save.stores]
+            blocks = max(len(keys) for _, keys, _ in save.stores)
+            self.clock.saved(blocks)
+            with self._saving_lock:
+                self._saving_blocks += blocks
+            pending.append((PendingSave(self._stats, save.start, len(futures), lambda n=blocks: self._saved(n)),
+                            futures))
+        return pending
+
+    def _judged(self, verdicts: dict[int, bool]) -> list[tuple[PendingSave, list[tuple[int, Future]]]]:
+        """Store the held saves of steps whose loads arrived on every rank; drop (and count)
+        those of steps where one failed."""
+        pending = []
+        for step, ok in verdicts.items():
+            held = self._held.pop(step, None)
+            if held is None:
+                continue
+            if ok:
+                pending += self._store(held)
+            else:
+                for save in held:
+                    self._stats.dropped(save.blocks)
+        return pending
+
+    def _drop_stale_holds(self) -> None:
+        """A verdict always follows within a step or two; holds past MAX_HELD_STEPS (a verdict
+        lost) are dropped, counted, so their staging is not kept for ever."""
+        while len(self._held) > MAX_HELD_STEPS:
+            step = min(self._held)
+            for save in self._held.pop(step):
+                self._stats.dropped(save.blocks)
+            _log.warning("KVStrataConnector: no verdict on the loads of step %d; its saves are dropped", step)
 
     def _staging(self, spec: SaveSpec, group: int) -> tuple[torch.Tensor, list[bool]]:
         staged = self._staged.get((spec.req_id, group))
@@ -482,6 +541,10 @@ class KVStrataConnectorWorker:
         for handle in self._abandoned:
             handle.release()  # waits for it to end: it writes into the caches' memory
         self._abandoned = []
+        for held in self._held.values():  # no verdict will come: never stored
+            for save in held:
+                self._stats.dropped(save.blocks)
+        self._held = {}
         if self._groups:
             self._close_caches()
             if self._stats_file is not None:
