@@ -68,7 +68,8 @@ def test_the_connectors_cpu_per_request_is_the_phases_seconds_over_its_requests(
     assert m.connector_cpu_per_request.scheduler_s == pytest.approx(0.001)
     assert m.connector_cpu_per_request.worker_s == pytest.approx(0.005)
     doc = json.loads(dumps(m))
-    assert doc["connector_cpu_per_request"] == pytest.approx({"scheduler_s": 0.001, "worker_s": 0.005})
+    assert doc["connector_cpu_per_request"] == pytest.approx({"scheduler_s": 0.001, "worker_s": 0.005,
+                                                              "copied_bytes": 0.0, "checksummed_bytes": 0.0})
     older = measure(records, counters_of(METRICS, STATS), 32)  # a connector without the counter
     assert older.connector_cpu_per_request is None and "connector_cpu_per_request" not in json.loads(dumps(older))
     assert measure([], phase, 32).connector_cpu_per_request is None
