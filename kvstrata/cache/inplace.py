@@ -14,6 +14,7 @@ can be cancelled before it writes anything the caller reads.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping
 
 from kvstrata.cache.results import LoadHandle, LoadResult
@@ -42,13 +43,10 @@ def load_in_place(manager: BlockManager, tiers: Mapping[Medium, Tier], match: Ma
                         lambda keys: manager.complete_get(plan, [None] * len(plan.sources)))
     handle._plan(match.keys, tuple(range(len(views))))
     handle._layers_done(range(layout.num_layers))
-    bytes_from: dict[Medium, int] = {}
-    paths: dict[Route, int] = {}
-    for p in plan.sources:  # the route the caller's copy takes: from where the block lies to its device
-        bytes_from[p.slot.medium] = bytes_from.get(p.slot.medium, 0) + layout.block_bytes
-        route = (Medium.DEVICE,) if p.slot.medium is Medium.DEVICE else (p.slot.medium, Medium.DEVICE)
-        paths[route] = paths.get(route, 0) + 1
-    restored = sum(p.slot.medium is not Medium.DEVICE for p in plan.sources) * layout.block_bytes
-    handle._finish(LoadResult(match.blocks, match.tokens, bytes_from, time.perf_counter() - start, None, restored,
-                              paths))
+    media = Counter(p.slot.medium for p in plan.sources)
+    # the route the caller's copy takes: from where each block lies to its device
+    paths: dict[Route, int] = {(m,) if m is Medium.DEVICE else (m, Medium.DEVICE): n for m, n in media.items()}
+    restored = (match.blocks - media[Medium.DEVICE]) * layout.block_bytes
+    handle._finish(LoadResult(match.blocks, match.tokens, {m: n * layout.block_bytes for m, n in media.items()},
+                              time.perf_counter() - start, None, restored, paths))
     return handle

@@ -68,8 +68,9 @@ class TieredCache:
         self._worker = TransferWorker(self._tiers, config.workers)
         # Into a CPU device a load's one copy runs in load(): it takes the caller's cores either
         # way, and a worker adds two thread wake-ups (~1 ms on a busy 2-core host).
-        self._on_cpu = self._tiers[Medium.DEVICE].device.type == "cpu"
-        self._copy_in_load = not self.manager.config.layer_ranges and self._tiers[Medium.DEVICE].device.type != "cuda"
+        device = self._tiers[Medium.DEVICE].device.type
+        self._on_cpu = device == "cpu"
+        self._copy_in_load = not self.manager.config.layer_ranges and device != "cuda"
         self._outcomes = Outcomes(self.manager, self.metrics)
         self._direct = Direct(self.manager, self._worker, self._outcomes, self._carry_out)
         self._pool_view = (PoolView(self.manager, self._worker, self.metrics, self._carry_out, lambda: self.remote_error)

@@ -28,13 +28,9 @@ class StepVerdicts:
         self._known: dict[int, bool] = {}  # step -> every load arrived on every rank, not yet sent
 
     def track(self, step: int, req_ids: Iterable[str]) -> None:
-        """Step ``step`` loads for ``req_ids`` and saves: its saves wait for their outcomes."""
-        waiting = set(req_ids)
-        if not waiting:
-            self._known[step] = True
-            return
-        self._waiting[step] = waiting
-        for req_id in waiting:
+        """Step ``step`` loads for ``req_ids`` (at least one) and saves: its saves wait for their outcomes."""
+        self._waiting[step] = set(req_ids)
+        for req_id in self._waiting[step]:
             self._step_of[req_id] = step
 
     def reported(self, req_id: str, ok: bool) -> None:
@@ -55,8 +51,3 @@ class StepVerdicts:
         """The verdicts known since the last call: step -> its saves may be stored."""
         known, self._known = self._known, {}
         return known
-
-    @property
-    def waiting(self) -> int:
-        """Steps whose verdict is not known yet."""
-        return len(self._waiting)
