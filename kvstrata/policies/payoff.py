@@ -28,13 +28,20 @@ it was measured, or was never measured (the first load from a capped disk), cost
 most about three times the prefill of its hit, not whatever the tier takes; and the failure it
 reports tells the decision the tier no longer pays.
 
+Off the step. A grant that waits for a tier below memory (a disk, the pool) runs off vLLM's step
+(``Grant.off_step``: vLLM's asynchronous load, the request waiting while other requests' steps
+go on) unless it is predicted to end within one step: its load measured and no longer than the
+recent steps' compute (``step_s``, a moving average). Held in the step, such a load would stretch
+the step of every request in the batch (their TPOT); off it, it costs only its own request a
+step or two of waiting. A load from memory takes a copy: in the step.
+
 No clocks are read here: callers pass ``now_s``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstrata.media import Medium
 
@@ -45,6 +52,8 @@ PROBE_MAX_S = 60.0
 MARGIN = 1.25  # a grant must save this many times what it costs (estimates are noisy)
 BUDGET_FACTOR = 2.0  # a load may hold the step up this many times the prefill it saves
 BUDGET_MIN_S = 0.005  # ... and never less: a stalled thread or a page fault is not a slow tier
+STEP_WEIGHT = 0.2  # the weight of each new step in the steps' moving average (``step_s``)
+_IN_MEMORY = frozenset((Medium.DEVICE, Medium.HOST))  # a load from these is a copy: in the step
 
 
 @dataclass
@@ -104,8 +113,11 @@ class Grant:
         load_s: predicted time to load the granted blocks (None: not measured yet).
         saved_s: predicted prefill time those blocks save (None: not measured yet).
         probe: the grant is one block from a tier that stopped paying, to measure it again.
-        budget_s: how long the load may hold the step up before it is given up and its blocks
-            computed (None: the prefill not measured yet, no budget).
+        budget_s: how long the load may hold the step up (off the step: keep its request
+            waiting) before it is given up and its blocks computed (None: the prefill not
+            measured yet, no budget).
+        off_step: the load runs off vLLM's step (asynchronously): it waits for a tier below
+            memory and is not predicted to end within a step.
     """
 
     blocks: int
@@ -114,6 +126,7 @@ class Grant:
     saved_s: float | None = None
     probe: Medium | None = None
     budget_s: float | None = None
+    off_step: bool = False
 
 
 @dataclass
@@ -136,6 +149,7 @@ class LoadOrRecompute:
     _declined_since: dict[Medium, float] = field(default_factory=dict)
     _probed_at: dict[Medium, float] = field(default_factory=dict)
     _probe_wait_s: dict[Medium, float] = field(default_factory=dict)  # per declined tier, until its next probe
+    step_s: float | None = None  # the recent steps' compute, a moving average (None: none measured)
 
     # --- measurements ----------------------------------------------------------------------------
 
@@ -143,6 +157,7 @@ class LoadOrRecompute:
         """A forward step computed ``tokens`` tokens in ``seconds`` (loads excluded)."""
         if tokens > 0 and seconds > 0:
             self.prefill.add(tokens, seconds)
+            self.step_s = seconds if self.step_s is None else self.step_s + STEP_WEIGHT * (seconds - self.step_s)
 
     def loaded(self, medium: Medium, blocks: int, seconds: float) -> None:
         """A load of ``blocks`` blocks that waited for ``medium`` (its slowest tier) took ``seconds``."""
@@ -183,8 +198,21 @@ class LoadOrRecompute:
     # --- the decision ------------------------------------------------------------------------------
 
     def grant(self, tiers: tuple[Medium, ...], now_s: float, whole: bool = False) -> Grant:
-        """How many of a hit's blocks (``tiers[i]``: block i's tier) to load. ``whole``: all or
-        none (a model with sliding-window groups stores their windows only where a hit may end)."""
+        """How many of a hit's blocks (``tiers[i]``: block i's tier) to load, and whether off the
+        step. ``whole``: all or none (a model with sliding-window groups stores their windows
+        only where a hit may end)."""
+        grant = self._grant(tiers, now_s, whole)
+        return replace(grant, off_step=self._off_step(tiers[: grant.blocks])) if grant.blocks else grant
+
+    def _off_step(self, granted: tuple[Medium, ...]) -> bool:
+        """Whether a load of ``granted`` runs off the step: it waits for a tier below memory, and
+        is not predicted to end within a step."""
+        if _IN_MEMORY.issuperset(granted):
+            return False
+        load = self.load_s(_count(granted))
+        return load is None or self.step_s is None or load > self.step_s
+
+    def _grant(self, tiers: tuple[Medium, ...], now_s: float, whole: bool) -> Grant:
         if not tiers:
             return Grant(0)
         per_token = self.per_token_s

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorTransferResults,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -116,7 +117,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()
-        if meta.loads:
+        if meta.loads or meta.async_loads:
             with self._worker.hook():
                 self._worker.start_load_kv(meta)
 
@@ -145,6 +146,15 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads off the step that ended (the failed ones too: vLLM recomputes their requests)."""
+        worker = self._worker
+        if not worker.receiving:
+            return KVConnectorTransferResults()
+        with worker.hook():
+            finished, failed = worker.get_finished(finished_req_ids, idle=self._metadata().scheduled_tokens == 0)
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     # --- scheduler side ---------------------------------------------------------------------------
 

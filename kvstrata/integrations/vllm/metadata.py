@@ -37,7 +37,7 @@ class LoadSpec:
     tokens: list[int]  # the prefix up to the end of the hit (full blocks)
     external_tokens: int  # tokens of the hit beyond vLLM's own prefix-cache hit
     groups: list[GroupBlocks]
-    budget_s: float | None = None  # how long it may hold the step up, then its blocks are computed (None: no limit)
+    budget_s: float | None = None  # how long it may hold the step (async: its request) up, then its blocks are computed
 
     @property
     def block_ids(self) -> list[int]:
@@ -57,9 +57,12 @@ class SaveSpec:
 
 @dataclass
 class KVStrataMetadata(KVConnectorMetadata):
-    """One step's loads and saves, for every worker."""
+    """One step's loads and saves, for every worker. ``loads`` feed this step's forward (each
+    layer waits for its copy); ``async_loads`` run off the step, their requests waiting in vLLM
+    until the workers report them finished (``get_finished``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
+    async_loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     scheduled_tokens: int = 0  # tokens the step computes, every request's (the prefill's measure)
     step: int = 0  # the scheduler's count of steps: names a step whose saves wait for a verdict

@@ -83,6 +83,8 @@ MOVED_BYTES = _counter("moved_bytes", ("src", "dst"), "Bytes moved between kvstr
 TRANSFER_SECONDS = _counter("transfer_seconds", ("src", "dst"), "Seconds the transfers of moved_bytes took "
                             "(each transfer's own time, summed: bytes / seconds is the achieved GB/s)")
 LOADS = _counter("loads", (), "Requests whose hit kvstrata loaded")
+ASYNC_LOADS = _counter("async_loads", (), "Loads run off vLLM's step (vLLM's asynchronous loads, from a disk or "
+                       "the pool): their requests waited for them, no step did")
 LOAD_SECONDS = _counter("load_seconds", (), "kvstrata's own load time (to its device tier), summed")
 STORES = _counter("stores", (), "Saves done: a request's full prompt blocks of a step, stored in every KV cache group")
 STORED_BLOCKS = _counter("stored_blocks", (), "New blocks stored (not held before), over every KV cache group")
@@ -107,7 +109,7 @@ TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUG
                              "A tier's configured capacity in this instance's caches")
 
 METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOADED_BLOCKS, LOADED_BYTES, SAVED_BYTES, MOVED_BYTES,
-           TRANSFER_SECONDS, LOADS, LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
+           TRANSFER_SECONDS, LOADS, ASYNC_LOADS, LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
            CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -278,6 +280,7 @@ class WorkerReporter:
         totals = stats.totals()
         if self._rank == "0":
             add(counters, LOADS, totals.load_requests)
+            add(counters, ASYNC_LOADS, totals.async_loads)
             add(counters, LOAD_SECONDS, totals.load_seconds)
             add(counters, STORES, totals.store_requests)
             add(counters, STORED_BLOCKS, totals.new_blocks)

@@ -27,6 +27,13 @@ blocks held but not granted are counted (``declined_blocks``). A grant's load ca
 a multiple of the prefill of its tokens (:class:`LoadSpec` ``budget_s``): a load that holds the
 step up longer is given up by the workers and its blocks are computed.
 
+Off the step. A grant that waits for a disk or the pool and is not predicted to end within a
+step (``Grant.off_step``) is vLLM's asynchronous load: vLLM allocates its blocks and keeps the
+request waiting while other requests' steps go on; the load rides in ``async_loads`` and the
+workers report it through ``get_finished`` (a failed one as ``failed_recving``: vLLM recomputes
+the request, which is then not offered the same load again). Its budget bounds how long its
+request waits.
+
 Save or skip. A store costs the workers CPU, on a CPU server taken from the forward; it pays
 only where its blocks come back as kvstrata hits. Where this server can see that (it loads what
 it stores, with no pool other servers read), the scheduler stores a request's prompt blocks only
@@ -89,11 +96,12 @@ class _Lookup:
 @dataclass(frozen=True)
 class _Granted:
     """A request's grant: the tier its load waits for (the slowest of its blocks'), its blocks,
-    and how long the load may hold a step up (None: no budget)."""
+    how long the load may hold a step up (None: no budget), and whether it runs off the step."""
 
     medium: Medium
     blocks: int
     budget_s: float | None
+    off_step: bool = False
 
 
 class KVStrataConnectorScheduler:
@@ -123,6 +131,8 @@ class KVStrataConnectorScheduler:
         self._saves_enabled = saves_enabled
         self._requests: dict[str, Request] = {}
         self._to_load: dict[str, int] = {}  # req_id -> external tokens granted this step
+        self._to_fetch: dict[str, int] = {}  # req_id -> external tokens of a load off the step, to send
+        self._no_reload: set[str] = set()  # requests whose load off the step failed: recomputed, not loaded again
         self._saved_blocks: dict[str, int] = {}  # req_id -> prompt blocks already sent to save
         self._lookups: dict[str, _Lookup] = {}  # req_id -> its last lookup, until vLLM admits it
         self._sources: dict[str, dict[Medium, int]] = {}  # req_id -> its admitted hit's tokens by tier
@@ -138,9 +148,9 @@ class KVStrataConnectorScheduler:
         self._verdicts = StepVerdicts() if ranks > 1 else None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``; never
-        loaded asynchronously."""
-        if not self._loads_enabled:
+        """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``, and
+        whether they load off the step (asynchronously)."""
+        if not self._loads_enabled or request.request_id in self._no_reload:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         # vLLM computes at least the last prompt token itself: look up full blocks before it.
@@ -154,17 +164,20 @@ class KVStrataConnectorScheduler:
         grant = self.decision.grant(tiers[own:], time.monotonic(), whole=self._windowed)
         lookup = _Lookup(tiers[: own + grant.blocks], num_computed_tokens, usable, grant.declined)
         self._lookups[request.request_id] = lookup
+        off_step = grant.off_step
         if grant.blocks:
             granted = tiers[own : own + grant.blocks]
             self._granted[request.request_id] = _Granted(max(granted, key=lambda m: m.value), grant.blocks,
-                                                         grant.budget_s)
-        return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), False
+                                                         grant.budget_s, off_step)
+        return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), off_step
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """Remember the request, and its grant when vLLM allocated blocks for one; count its lookup."""
         self._requests[request.request_id] = request
         if num_external_tokens > 0:
-            self._to_load[request.request_id] = num_external_tokens
+            granted = self._granted.get(request.request_id)
+            pending = self._to_fetch if granted is not None and granted.off_step else self._to_load
+            pending[request.request_id] = num_external_tokens
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None or request.num_preemptions > 0:
             return
@@ -206,6 +219,8 @@ class KVStrataConnectorScheduler:
                 self.decision.loaded(granted.medium, granted.blocks, timing.seconds)
             else:
                 self.decision.failed(granted.medium, granted.blocks, timing.seconds)
+                if granted.off_step and timing.req_id in self._requests:  # vLLM looks it up again: recompute it
+                    self._no_reload.add(timing.req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
@@ -234,6 +249,12 @@ class KVStrataConnectorScheduler:
             if save:
                 meta.saves.append(self._save_spec(req_id, prompt, block_ids, end, null))
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
+        for req_id, external in self._to_fetch.items():  # vLLM set its computed tokens to the hit's end
+            request = self._requests[req_id]
+            meta.async_loads.append(self._load_spec(req_id, list(request.prompt_token_ids or []),
+                                                    kv_cache_manager.get_block_ids(req_id),
+                                                    request.num_computed_tokens, external, null))
+        self._to_fetch.clear()
         if self._verdicts is not None and meta.loads and meta.saves:
             self._verdicts.track(self._step, [spec.req_id for spec in meta.loads])
         return meta
@@ -278,10 +299,13 @@ class KVStrataConnectorScheduler:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; vLLM may free its blocks now (nothing here holds them)."""
         # Saves are copied out of vLLM's blocks within the step that computed them: nothing
-        # here holds the blocks, so vLLM may free them now.
+        # here holds the blocks, so vLLM may free them now. A load off the step still in flight
+        # holds its request's blocks until the workers report it (vLLM waits for that itself).
         self._requests.pop(request.request_id, None)
         self._saved_blocks.pop(request.request_id, None)
         self._to_load.pop(request.request_id, None)
+        self._to_fetch.pop(request.request_id, None)
+        self._no_reload.discard(request.request_id)
         self._lookups.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
         self._granted.pop(request.request_id, None)

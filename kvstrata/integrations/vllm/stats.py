@@ -75,6 +75,7 @@ class LoadStoreTotals:
     recomputed_blocks: int
     dropped_blocks: int
     saved_bytes: int = 0  # this rank's bytes copied out of vLLM's KV for saves (every block offered to the caches)
+    async_loads: int = 0  # loads run off vLLM's step, ended
 
 
 @dataclass
@@ -96,6 +97,7 @@ class WorkerStats:
     recomputed_blocks: int = 0  # failed blocks vLLM was told to recompute (kv_load_failure_policy "recompute")
     dropped_blocks: int = 0  # blocks of saves dropped: the stores in flight held save_backlog_bytes, or its load failed
     late_loads: int = 0  # loads given up past their budget (the prefill of their tokens): computed instead
+    async_loads: int = 0  # loads run off vLLM's step (its asynchronous loads), ended: arrived, failed or given up
     last_failure: str | None = None
     remote_error: str | None = None
     tp: list[int] = field(default_factory=lambda: [0, 1])  # this worker's TP rank and size
@@ -147,6 +149,10 @@ class WorkerStats:
         with self._lock:
             self.dropped_blocks += blocks
 
+    def off_step(self) -> None:
+        with self._lock:
+            self.async_loads += 1
+
     def recomputed(self, blocks: int) -> None:
         with self._lock:
             self.recomputed_blocks += blocks
@@ -156,7 +162,7 @@ class WorkerStats:
             return LoadStoreTotals(self.load_requests, self.load_seconds, dict(self._loaded_blocks),
                                    dict(self._loaded_bytes), self.store_requests, self.new_blocks, self.store_seconds,
                                    self.failed_blocks, self.recomputed_blocks, self.dropped_blocks,
-                                   sum(g.stored_blocks * g.block_bytes for g in self.groups))
+                                   sum(g.stored_blocks * g.block_bytes for g in self.groups), self.async_loads)
 
     def to_json(self, caches: tuple[TieredCache, ...]) -> dict[str, Any]:
         with self._lock:

@@ -20,6 +20,12 @@ step up past its budget, a multiple of the prefill of its tokens: :class:`LoadSp
 it writes reported through ``get_block_ids_with_load_errors``; vLLM recomputes them
 (``kv_load_failure_policy="recompute"``) or fails the request, and never reads them as valid KV.
 
+Loads off the step (``async_loads``: vLLM's asynchronous loads, from a disk or the pool where a
+load would outlast a step, and every load of a hybrid model) start after the forward and are
+polled in ``get_finished``: one that arrived is copied into vLLM's blocks there, whole, and
+reported finished; one that failed, ran past its budget or whose request ended is given up
+(released once it ends) and reported, a failure as ``failed_recving`` (vLLM recomputes it).
+
 Saves. Each layer's hook, after the layer's attention, copies that layer of the blocks to save
 into its group's staging tensor; ``wait_for_save`` takes any layer no hook ran for and stores
 each group's blocks in its cache under their keys (a windowed group's run starts at its window:
@@ -73,6 +79,7 @@ _VLLM_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 
 _log = logging.getLogger("kvstrata.integrations.vllm")
 MAX_HELD_STEPS = 8  # steps whose saves wait for their loads' verdict at most (TP > 1)
+IDLE_WAIT_S = 0.002  # a step with nothing to compute waits this long for a load off the step to end
 
 
 @dataclass
@@ -91,6 +98,8 @@ class _ActiveLoad:
     layers_done: list[int]  # per group, layers copied
     failed: bool = False
     held_s: float = 0.0  # how long it has held vLLM's step up (waiting for it, copying it)
+    started: float = 0.0  # perf_counter when it started (off the step: its time is from here to its end)
+    off_step: bool = False  # vLLM's asynchronous load: reported through get_finished, not in the step
 
 
 class _CountingSaver(ThreadPoolExecutor):
@@ -134,6 +143,7 @@ class KVStrataConnectorWorker:
         self._server: LookupServer | None = None
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, layer within the group)
         self._active: list[_ActiveLoad] = []
+        self._recving: dict[str, _ActiveLoad] = {}  # req -> its load off the step, until reported
         self._abandoned: list[Any] = []  # loads given up while in flight: released once they end, never waited for
         self._staged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]] = {}  # (req, group) -> kv, staged
         self._taken: dict[str, bool] = {}  # req -> whether this step stores its save (the backlog's room)
@@ -154,6 +164,12 @@ class KVStrataConnectorWorker:
         self._threads_cpu = (0.0, -1.0)  # the connector's own threads' CPU seconds, and when read
         transfer = vllm_config.kv_transfer_config
         self._recomputes = transfer is not None and transfer.kv_load_failure_policy == "recompute"
+
+    @property
+    def receiving(self) -> bool:
+        """Loads off the step are in flight, or loads given up are yet to end (``get_finished``
+        reports the ones, releases the others)."""
+        return bool(self._recving or self._abandoned)
 
     @property
     def _caches(self) -> tuple[TieredCache, ...]:
@@ -245,25 +261,32 @@ class KVStrataConnectorWorker:
     # --- loads ----------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVStrataMetadata) -> None:
-        """Start this step's loads (before the forward): per spec, one per group with blocks to fill."""
+        """Start this step's loads: per spec, one per group with blocks to fill. Those for the
+        forward (``loads``: before it) hold the step up from here; those off the step
+        (``async_loads``) are reported once they end (``get_finished``)."""
         for spec in meta.loads:
-            started = time.perf_counter()
-            active = _ActiveLoad(spec, [], [0] * len(self._groups))
+            active = self._start_load(spec)
             self._active.append(active)
-            for group, blocks in zip(self._groups, spec.groups):
-                if not blocks.block_ids:
-                    active.handles.append(None)
-                    continue
-                # only the blocks vLLM asks for: not those before a window, nor its own prefix hit
-                keys = group.keys(spec.tokens)[blocks.first_block : blocks.end_block]
-                load = group.load(keys)
-                if load is None:  # left since the lookup, or (TP > 1) this rank's slices were never there
-                    self._fail_load(active, f"group {group.spec.index}'s blocks left kvstrata after the "
-                                    "scheduler's lookup")
-                    break
-                active.handles.append(load)
-            active.held_s = time.perf_counter() - started
+            active.held_s = time.perf_counter() - active.started
             self.clock.charge(spec.req_id, active.held_s)
+        for spec in meta.async_loads:
+            self._recving[spec.req_id] = self._start_load(spec, off_step=True)
+
+    def _start_load(self, spec: LoadSpec, off_step: bool = False) -> _ActiveLoad:
+        active = _ActiveLoad(spec, [], [0] * len(self._groups), started=time.perf_counter(), off_step=off_step)
+        for group, blocks in zip(self._groups, spec.groups):
+            if not blocks.block_ids:
+                active.handles.append(None)
+                continue
+            # only the blocks vLLM asks for: not those before a window, nor its own prefix hit
+            keys = group.keys(spec.tokens)[blocks.first_block : blocks.end_block]
+            load = group.load(keys)
+            if load is None:  # left since the lookup, or (TP > 1) this rank's slices were never there
+                self._fail_load(active, f"group {group.spec.index}'s blocks left kvstrata after the "
+                                "scheduler's lookup")
+                break
+            active.handles.append(load)
+        return active
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before layer ``layer_name``'s attention: copy that layer of every load into vLLM's blocks."""
@@ -312,27 +335,101 @@ class KVStrataConnectorWorker:
         self._abandoned = [h for h in self._abandoned if not _released_if_done(h)]
         failed = False
         for active in self._active:
-            results = []
-            for g, handle in enumerate(active.handles):
-                if handle is None:
-                    continue
-                if active.failed and not handle.done():
-                    self._abandoned.append(handle)
-                    continue
-                try:
-                    results.append((g, len(active.spec.groups[g].block_ids), handle.wait()))
-                except Exception as exc:  # noqa: BLE001 - reported here or in wait_for_layer_load
-                    if not active.failed:
-                        self._fail_load(active, f"load failed: {exc}")
-                if not active.failed and active.layers_done[g] < self._groups[g].spec.group.num_layers:
-                    self._fail_load(active, "not every layer was copied")
-                handle.release()
-            if not active.failed:
-                self._stats.loaded(active.spec.external_tokens, results)
+            self._finish(active)
             failed = failed or active.failed
             self.clock.load_done(active.spec.req_id, not active.failed)
         self._active.clear()
         return failed
+
+    def _finish(self, active: _ActiveLoad) -> float:
+        """Release a load's handles (a failed one's still in flight: once it ends), failing it
+        where not every layer was copied; count it if it arrived. Returns its own time (its
+        slowest group's: the tiers' reading, not waiting for a thread)."""
+        results = []
+        for g, handle in enumerate(active.handles):
+            if handle is None:
+                continue
+            if active.failed and not handle.done():
+                self._abandoned.append(handle)
+                continue
+            try:
+                results.append((g, len(active.spec.groups[g].block_ids), handle.wait()))
+            except Exception as exc:  # noqa: BLE001 - reported here or in wait_for_layer_load
+                if not active.failed:
+                    self._fail_load(active, f"load failed: {exc}")
+            if not active.failed and active.layers_done[g] < self._groups[g].spec.group.num_layers:
+                self._fail_load(active, "not every layer was copied")
+            handle.release()
+        if not active.failed:
+            self._stats.loaded(active.spec.external_tokens, results)
+        return max((result.seconds for _, _, result in results), default=0.0)
+
+    def get_finished(self, finished_req_ids: set[str], idle: bool) -> tuple[set[str], set[str]]:
+        """Loads off the step that ended since the last call: (every one, the failed ones).
+
+        One that arrived is copied into vLLM's blocks here, whole, and counted as arrived. One
+        past its budget (its request has waited longer than computing its tokens would take)
+        is given up, as is one whose request ended (vLLM frees the request's blocks once it is
+        reported); either is released once it ends, never waited for. A failed one's request
+        is recomputed (``failed_recving``). ``idle``: the step computed nothing (every request
+        waits), so wait briefly for a load to end rather than spin vLLM's loop.
+        """
+        self._abandoned = [h for h in self._abandoned if not _released_if_done(h)]
+        if not self._recving:
+            return set(), set()
+        if idle:
+            _settle(self._recving.values(), IDLE_WAIT_S)
+        finished, failed = set(), set()
+        for req_id, active in list(self._recving.items()):
+            aborted = req_id in finished_req_ids
+            if not self._ended(active, aborted):
+                continue
+            copying = time.perf_counter()
+            if not active.failed:
+                for g, group in enumerate(self._groups):
+                    for layer in range(group.spec.group.num_layers):
+                        if not active.failed:
+                            self._copy_layer(active, g, layer)
+            own = self._finish(active) + time.perf_counter() - copying
+            # the scheduler learns the tier's speed: an arrived load's own time, not the steps it waited through
+            self.clock.charge(req_id, own if not active.failed else time.perf_counter() - active.started)
+            self.clock.load_done(req_id, not active.failed)
+            del self._recving[req_id]
+            self._stats.off_step()
+            finished.add(req_id)
+            if active.failed and not aborted:
+                failed.add(req_id)
+                if self._recomputes:
+                    self._stats.recomputed(len(active.spec.block_ids))
+        if finished:
+            self._changed = True
+            self._write_stats(now=self.settings.sync_save)
+        return finished, failed
+
+    def _ended(self, active: _ActiveLoad, aborted: bool) -> bool:
+        """Whether a load off the step is to be reported now: it ended, failed, its request
+        ended (given up), or it ran past its budget (given up, failed)."""
+        if active.failed:
+            return True
+        if aborted:
+            self._cancel(active)
+            return True
+        if all(h is None or h.done() for h in active.handles):
+            return True
+        budget = active.spec.budget_s
+        if budget is None or time.perf_counter() - active.started <= budget:
+            return False
+        self._stats.late()
+        self._fail_load(active, f"its request waited past the load's budget of {budget * 1e3:.1f} ms (set from "
+                        "the prefill of its tokens): its blocks are computed")
+        return True
+
+    def _cancel(self, active: _ActiveLoad) -> None:
+        """Give up a load whose request ended: nothing to report but its end."""
+        active.failed = True
+        for handle in active.handles:
+            if handle is not None:
+                handle.cancel()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them, or fails
@@ -381,13 +478,12 @@ class KVStrataConnectorWorker:
         return self.clock.take()
 
     def _fail_load(self, active: _ActiveLoad, why: str) -> None:
-        """Every block the load writes, in every group, is reported: its KV is not all there."""
-        active.failed = True
-        for handle in active.handles:
-            if handle is not None:
-                handle.cancel()  # its bytes will not be used: what it has not started reading, it does not read
+        """Every block the load writes, in every group, is reported (a load off the step
+        reports its request instead: ``get_finished``): its KV is not all there."""
+        self._cancel(active)  # its bytes will not be used: what it has not started reading, it does not read
         block_ids = active.spec.block_ids
-        self._failed_blocks.update(block_ids)
+        if not active.off_step:
+            self._failed_blocks.update(block_ids)
         self._stats.failed(len(block_ids), why)
 
     # --- saves ----------------------------------------------------------------------------------
@@ -538,6 +634,10 @@ class KVStrataConnectorWorker:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for active in self._recving.values():  # loads off the step still in flight: never reported now
+            self._cancel(active)
+            self._abandoned += [h for h in active.handles if h is not None]
+        self._recving = {}
         for handle in self._abandoned:
             handle.release()  # waits for it to end: it writes into the caches' memory
         self._abandoned = []
@@ -565,6 +665,18 @@ class KVStrataConnectorWorker:
                 self._stats_file.write_now()
             else:
                 self._stats_file.poke()
+
+
+def _settle(loads: Any, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the first of ``loads`` still in flight to end."""
+    for active in loads:
+        for handle in active.handles:
+            if handle is not None and not handle.done():
+                try:
+                    handle.wait(timeout)
+                except Exception:  # noqa: BLE001 - a timeout, or the load's error: get_finished sees it
+                    pass
+                return
 
 
 def _released_if_done(handle: Any) -> bool:
