@@ -16,6 +16,7 @@ kvstrata's groups, a Mamba group refused, and how a load and a save read vLLM's 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def hma_runs(hybrid_model, tmp_path_factory) -> dict[str, dict]:
     disk = {"host_bytes": 16 * MiB, "disk_dir": str(tmp / "disk"), "disk_bytes": 64 * MiB}
     a = run_children({"a": spec(hybrid_model, tmp, "a", passes=[HMA_PROMPTS, HMA_PROMPTS], **disk)}, tmp)
     b = run_children({"b": spec(hybrid_model, tmp, "b", passes=[HMA_PROMPTS], **disk)}, tmp)
-    return {**a, **b}
+    return {**a, **b, "a": {**a["a"], "disk_dir": str(tmp / "disk")}}
 
 
 def groups_by_kind(stats: dict) -> dict[str, dict]:
@@ -115,6 +116,27 @@ def test_disk_tier_serves_a_fresh_engine_group_by_group(hma_runs):
         assert groups[kind]["restored_bytes"] == blocks * GROUP_BLOCK_BYTES
     assert stats["restored_bytes"] == (loaded["full"] + loaded["sliding"]) * GROUP_BLOCK_BYTES
     assert stats["new_blocks"] == 0  # every block it saved was on disk already
+
+
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_per_request(hybrid_model, hma_runs, tmp_path):
+    """vLLM takes failed blocks only from a one-group model; a hybrid model's loads run off the
+    step, so a failure is reported per request (``failed_recving``) and recomputed, never
+    crashing the engine. Engine D starts on a copy of A's disk whose every block's payload
+    has one byte flipped: each load fails its checksum, and D computes A's tokens."""
+    bad = tmp_path / "bad"
+    shutil.copytree(hma_runs["a"]["disk_dir"], bad)
+    blocks = sorted(bad.rglob("*.kvb"))
+    for path in blocks:
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    runs = run_children({"d": spec(hybrid_model, tmp_path, "d", passes=[HMA_PROMPTS], host_bytes=16 * MiB,
+                                   disk_dir=str(bad), disk_bytes=64 * MiB)}, tmp_path)
+    run = runs["d"]["passes"][0]
+    assert blocks and run["tokens"] == hma_runs["a"]["passes"][0]["tokens"]
+    stats = run["stats"]
+    assert stats["failed_blocks"] > 0 and stats["recomputed_blocks"] == stats["failed_blocks"]
+    assert stats["loaded_tokens"] == 0 and stats["async_loads"] >= 1
 
 
 def test_a_prompt_prefilled_in_chunks_stores_its_windows_and_hits(hybrid_model, hma_runs, tmp_path):

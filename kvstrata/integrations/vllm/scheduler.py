@@ -28,7 +28,8 @@ a multiple of the prefill of its tokens (:class:`LoadSpec` ``budget_s``): a load
 step up longer is given up by the workers and its blocks are computed.
 
 Off the step. A grant that waits for a disk or the pool and is not predicted to end within a
-step (``Grant.off_step``) is vLLM's asynchronous load: vLLM allocates its blocks and keeps the
+step (``Grant.off_step``), and every grant of a model with more than one KV cache group (whose
+failed loads vLLM takes only per request, as for an asynchronous load), is vLLM's asynchronous load: vLLM allocates its blocks and keeps the
 request waiting while other requests' steps go on; the load rides in ``async_loads`` and the
 workers report it through ``get_finished`` (a failed one as ``failed_recving``: vLLM recomputes
 the request, which is then not offered the same load again). Its budget bounds how long its
@@ -126,6 +127,10 @@ class KVStrataConnectorScheduler:
         self._block_size = block_size
         self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
         self._windowed = any(span is not None for span in spans)
+        # vLLM takes a failed load's blocks (invalid_block_ids) only from a model of one KV cache
+        # group (block ids are per group); a hybrid model's failure is reported per request, as
+        # vLLM allows only for a load off the step: every load of a hybrid model runs off it.
+        self._all_off_step = len(spans) > 1
         self._lookup = WorkerLookup(engine_id)
         self._loads_enabled = loads_enabled
         self._saves_enabled = saves_enabled
@@ -164,7 +169,7 @@ class KVStrataConnectorScheduler:
         grant = self.decision.grant(tiers[own:], time.monotonic(), whole=self._windowed)
         lookup = _Lookup(tiers[: own + grant.blocks], num_computed_tokens, usable, grant.declined)
         self._lookups[request.request_id] = lookup
-        off_step = grant.off_step
+        off_step = bool(grant.blocks) and (grant.off_step or self._all_off_step)
         if grant.blocks:
             granted = tiers[own : own + grant.blocks]
             self._granted[request.request_id] = _Granted(max(granted, key=lambda m: m.value), grant.blocks,
