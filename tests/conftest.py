@@ -15,6 +15,20 @@ from kvstrata.pool.config import PoolConfig, pool_from_env
 
 POOL_SEGMENT_BYTES = 256 * 1024**2
 
+# The fast loop for edits (README, "Tests"): ``pytest -m "not engine and not pool and not slow"``.
+# A test is marked by what it starts, so a new test is marked by the fixtures it takes.
+ENGINE_FIXTURES = frozenset(("tiny_model_dir", "tiny_hybrid_dirs", "tiny_mla_dir"))  # a model in a real engine
+POOL_FIXTURES = frozenset(("pool", "private_pool"))  # a Mooncake master and daemon
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        names = set(item.fixturenames)
+        if names & ENGINE_FIXTURES:
+            item.add_marker(pytest.mark.engine)
+        if names & POOL_FIXTURES or item.path.parent.name == "pool":
+            item.add_marker(pytest.mark.pool)
+
 
 @pytest.fixture(scope="session")
 def pool(tmp_path_factory) -> PoolConfig:

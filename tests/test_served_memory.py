@@ -28,6 +28,8 @@ from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool.config import read_secret
 from kvstrata.tiers.remote import STAGE_BYTES
 
+pytestmark = pytest.mark.slow  # minutes: the fast loop leaves it out (tests/conftest.py)
+
 LAYOUT = KVLayout(num_layers=2, block_tokens=16, kv_heads=2, head_dim=32, dtype=DType.BF16)  # 8 KiB a block
 B = LAYOUT.block_bytes
 D, H, R = Medium.DEVICE, Medium.HOST, Medium.REMOTE

@@ -32,6 +32,8 @@ from process_support import kill_and_reap
 
 from kvstrata.pool import embedded
 
+pytestmark = pytest.mark.slow  # minutes: the fast loop leaves it out (tests/conftest.py)
+
 WORKER = Path(__file__).with_name("soak_worker.py")
 SEED = 20261201
 SOAK_S = 60.0  # the fault phase
