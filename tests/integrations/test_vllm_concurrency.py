@@ -6,7 +6,8 @@ it from vLLM's KV). Sixteen requests then arrive at once, each the shared prefix
 its own. The prefix's blocks come from kvstrata once: the first request granted them loads them,
 and vLLM caches the blocks it allocated for that load at once, so the requests scheduled after
 it find the prefix in vLLM's own cache (a request waiting for a later step finds it there too).
-Every completion is the one a cold engine computes.
+The same with the prefix on disk only, its load running off the step: the requests sharing it
+wait for that one load. Every completion is the one a cold engine computes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict[str, dict]:
     block_bytes = load_geometry(str(model), "bfloat16").bytes_per_token * BLOCK  # the child's dtype
     specs = {
         "ours": spec(model, tmp, "ours", passes=[[SHARING[0]], FILLERS, SHARING], max_tokens=3, host_bytes=64 * MiB),
+        # the prefix on disk only, never loaded from before: its load runs off the step
+        "disk": spec(model, tmp, "disk", passes=[[SHARING[0]], FILLERS, SHARING], max_tokens=3, host_bytes=0,
+                     disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB),
         "cold": spec(model, tmp, "cold", passes=[SHARING], max_tokens=3, host_bytes=64 * MiB, role="kv_producer"),
     }
     for s in specs.values():
@@ -52,3 +56,17 @@ def test_sixteen_requests_sharing_a_prefix_load_it_once(runs):
     assert sharing["stats"]["failed_blocks"] == 0
     assert sharing["tokens"] == runs["cold"]["passes"][0]["tokens"]
     assert first["tokens"][0] == sharing["tokens"][0]
+
+
+def test_sixteen_requests_wait_for_one_load_off_the_step_of_their_prefix(runs):
+    """vLLM caches an asynchronous load's blocks only once it has arrived: the fifteen requests
+    that share the prefix are asked again until then (the scheduler knows which blocks are in
+    flight), and then find it in vLLM's own cache rather than loading it fifteen more times."""
+    _, fillers, sharing = runs["disk"]["passes"]
+    stats, before = sharing["stats"], fillers["stats"]
+    assert stats["async_loads"] - before["async_loads"] == 1  # the disk unmeasured: off the step
+    assert stats["load_requests"] - before["load_requests"] == 1
+    assert stats["loaded_tokens"] - before["loaded_tokens"] == len(PREFIX)
+    assert all(c >= len(PREFIX) for c in sharing["cached"]), sharing["cached"]
+    assert stats["failed_blocks"] == 0
+    assert sharing["tokens"] == runs["cold"]["passes"][0]["tokens"]

@@ -33,7 +33,11 @@ failed loads vLLM takes only per request, as for an asynchronous load), is vLLM'
 request waiting while other requests' steps go on; the load rides in ``async_loads`` and the
 workers report it through ``get_finished`` (a failed one as ``failed_recving``: vLLM recomputes
 the request, which is then not offered the same load again). Its budget bounds how long its
-request waits.
+request waits. vLLM caches such a load's blocks only once it has arrived, so a request whose hit
+shares a block with a load off the step still in flight is not granted a load of its own: it is
+asked again next step (``None`` to vLLM), and by then finds the blocks in vLLM's own cache (or,
+had the load failed, loads them itself). One load per block, as with loads in the step, whose
+blocks vLLM caches at once.
 
 Save or skip. A store costs the workers CPU, on a CPU server taken from the forward; it pays
 only where its blocks come back as kvstrata hits. Where this server can see that (it loads what
@@ -138,6 +142,7 @@ class KVStrataConnectorScheduler:
         self._to_load: dict[str, int] = {}  # req_id -> external tokens granted this step
         self._to_fetch: dict[str, int] = {}  # req_id -> external tokens of a load off the step, to send
         self._no_reload: set[str] = set()  # requests whose load off the step failed: recomputed, not loaded again
+        self._in_flight: dict[Any, str] = {}  # vLLM's block hash -> the request loading it off the step
         self._saved_blocks: dict[str, int] = {}  # req_id -> prompt blocks already sent to save
         self._lookups: dict[str, _Lookup] = {}  # req_id -> its last lookup, until vLLM admits it
         self._sources: dict[str, dict[Medium, int]] = {}  # req_id -> its admitted hit's tokens by tier
@@ -152,9 +157,10 @@ class KVStrataConnectorScheduler:
         # rank's loads of it are known to have arrived (verdicts.py)
         self._verdicts = StepVerdicts() if ranks > 1 else None
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``, and
-        whether they load off the step (asynchronously)."""
+        whether they load off the step (asynchronously); None: a load off the step brings some of
+        them for another request, ask again next step."""
         if not self._loads_enabled or request.request_id in self._no_reload:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
@@ -162,9 +168,11 @@ class KVStrataConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
+        own = -(-num_computed_tokens // self._block_size)  # blocks vLLM holds itself
+        if self._in_flight and any(h in self._in_flight for h in request.block_hashes[own : usable // self._block_size]):
+            return None, False
         self._granted.pop(request.request_id, None)
         tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
-        own = -(-num_computed_tokens // self._block_size)  # blocks vLLM holds itself
         # a sliding or chunked group keeps its windows only where a hit may end: all or none of it
         grant = self.decision.grant(tiers[own:], time.monotonic(), whole=self._windowed)
         lookup = _Lookup(tiers[: own + grant.blocks], num_computed_tokens, usable, grant.declined)
@@ -179,11 +187,15 @@ class KVStrataConnectorScheduler:
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """Remember the request, and its grant when vLLM allocated blocks for one; count its lookup."""
         self._requests[request.request_id] = request
+        lookup = self._lookups.pop(request.request_id, None)
         if num_external_tokens > 0:
             granted = self._granted.get(request.request_id)
-            pending = self._to_fetch if granted is not None and granted.off_step else self._to_load
-            pending[request.request_id] = num_external_tokens
-        lookup = self._lookups.pop(request.request_id, None)
+            off_step = granted is not None and granted.off_step
+            (self._to_fetch if off_step else self._to_load)[request.request_id] = num_external_tokens
+            if off_step and lookup is not None:  # vLLM caches its blocks once it arrives: others wait for it
+                end = len(lookup.tiers)
+                for block_hash in request.block_hashes[end - num_external_tokens // self._block_size : end]:
+                    self._in_flight[block_hash] = request.request_id
         if lookup is None or request.num_preemptions > 0:
             return
         bs = self._block_size
@@ -218,6 +230,8 @@ class KVStrataConnectorScheduler:
             if self._verdicts is not None:
                 self._verdicts.reported(timing.req_id, timing.ok)
             granted = self._granted.pop(timing.req_id, None)
+            if not timing.ok:  # vLLM frees its blocks: each request loads what it needs itself
+                self._landed(timing.req_id)
             if granted is None:
                 continue
             if timing.ok:
@@ -236,6 +250,7 @@ class KVStrataConnectorScheduler:
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         for req_id, hit in computed.items():  # the hit's blocks (vLLM's, kvstrata's) are stored already
             self._saved_blocks.setdefault(req_id, hit // self._block_size)
+            self._landed(req_id)  # a load off the step arrived: vLLM cached its blocks as it scheduled it
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -263,6 +278,13 @@ class KVStrataConnectorScheduler:
         if self._verdicts is not None and meta.loads and meta.saves:
             self._verdicts.track(self._step, [spec.req_id for spec in meta.loads])
         return meta
+
+    def _landed(self, req_id: str) -> None:
+        """The request's load off the step is over: its blocks are in vLLM's cache (it arrived,
+        and vLLM scheduled the request), or nowhere (it failed, or the request ended)."""
+        if self._in_flight:
+            for block_hash in [h for h, r in self._in_flight.items() if r == req_id]:
+                del self._in_flight[block_hash]
 
     def _saves_more(self, req_id: str, request: Request, end: int) -> bool:
         """Whether ``end`` completes a full prompt block not yet sent to save."""
@@ -311,6 +333,7 @@ class KVStrataConnectorScheduler:
         self._to_load.pop(request.request_id, None)
         self._to_fetch.pop(request.request_id, None)
         self._no_reload.discard(request.request_id)
+        self._landed(request.request_id)
         self._lookups.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
         self._granted.pop(request.request_id, None)
