@@ -160,7 +160,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     # Each hook's CPU is counted (``counting_cpu``).
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         with self._scheduler.counting_cpu():
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -29,9 +29,9 @@ step up longer is given up by the workers and its blocks are computed.
 
 Off the step. A grant that waits for a disk or the pool and is not predicted to end within a
 step (``Grant.off_step``), and every grant of a model with more than one KV cache group (whose
-failed loads vLLM takes only per request, as for an asynchronous load), is vLLM's asynchronous load: vLLM allocates its blocks and keeps the
-request waiting while other requests' steps go on; the load rides in ``async_loads`` and the
-workers report it through ``get_finished`` (a failed one as ``failed_recving``: vLLM recomputes
+failed loads vLLM takes only per request, as for an asynchronous load), is vLLM's asynchronous
+load: vLLM allocates its blocks and keeps the request waiting while other requests' steps go on;
+the load rides in ``async_loads`` and the workers report it through ``get_finished`` (a failed one as ``failed_recving``: vLLM recomputes
 the request, which is then not offered the same load again). Its budget bounds how long its
 request waits. vLLM caches such a load's blocks only once it has arrived, so a request whose hit
 shares a block with a load off the step still in flight is not granted a load of its own: it is
@@ -169,7 +169,8 @@ class KVStrataConnectorScheduler:
         if usable <= num_computed_tokens:
             return 0, False
         own = -(-num_computed_tokens // self._block_size)  # blocks vLLM holds itself
-        if self._in_flight and any(h in self._in_flight for h in request.block_hashes[own : usable // self._block_size]):
+        in_flight = self._in_flight
+        if in_flight and any(h in in_flight for h in request.block_hashes[own : usable // self._block_size]):
             return None, False
         self._granted.pop(request.request_id, None)
         tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
