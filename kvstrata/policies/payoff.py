@@ -28,12 +28,15 @@ it was measured, or was never measured (the first load from a capped disk), cost
 most about three times the prefill of its hit, not whatever the tier takes; and the failure it
 reports tells the decision the tier no longer pays.
 
-Off the step. A grant that waits for a tier below memory (a disk, the pool) runs off vLLM's step
-(``Grant.off_step``: vLLM's asynchronous load, the request waiting while other requests' steps
-go on) unless it is predicted to end within one step: its load measured and no longer than the
-recent steps' compute (``step_s``, a moving average). Held in the step, such a load would stretch
-the step of every request in the batch (their TPOT); off it, it costs only its own request a
-step or two of waiting. A load from memory takes a copy: in the step.
+Off the step. A grant that waits for a tier below memory (a disk, the pool) while other requests
+are running may run off vLLM's step (``Grant.off_step``: vLLM's asynchronous load, the request
+waiting while the others' steps go on). Held in the step, a load of ``L`` seconds stretches the
+step of each of the ``running`` others by up to ``L``; off it, it costs its own request about one
+step more (``step_s``, a moving average of the recent steps' compute: vLLM learns it arrived at
+the end of a step, and schedules the request in the next). So it runs off the step where
+``L * running`` exceeds a step, or where ``L`` is unknown (a tier never measured, which may be
+slow). Alone, a load stays in the step: it holds up nobody else, and its budget bounds it. A
+load from memory takes a copy: in the step.
 
 No clocks are read here: callers pass ``now_s``.
 """
@@ -197,20 +200,22 @@ class LoadOrRecompute:
 
     # --- the decision ------------------------------------------------------------------------------
 
-    def grant(self, tiers: tuple[Medium, ...], now_s: float, whole: bool = False) -> Grant:
+    def grant(self, tiers: tuple[Medium, ...], now_s: float, whole: bool = False, running: int = 0) -> Grant:
         """How many of a hit's blocks (``tiers[i]``: block i's tier) to load, and whether off the
-        step. ``whole``: all or none (a model with sliding-window groups stores their windows
-        only where a hit may end)."""
+        step, with ``running`` other requests in vLLM's batch. ``whole``: all or none (a model
+        with sliding-window groups stores their windows only where a hit may end)."""
         grant = self._grant(tiers, now_s, whole)
-        return replace(grant, off_step=self._off_step(tiers[: grant.blocks])) if grant.blocks else grant
+        if not grant.blocks:
+            return grant
+        return replace(grant, off_step=self._off_step(tiers[: grant.blocks], running))
 
-    def _off_step(self, granted: tuple[Medium, ...]) -> bool:
+    def _off_step(self, granted: tuple[Medium, ...], running: int) -> bool:
         """Whether a load of ``granted`` runs off the step: it waits for a tier below memory, and
-        is not predicted to end within a step."""
-        if _IN_MEMORY.issuperset(granted):
+        would hold the ``running`` others up longer in all than a step (or its time is unknown)."""
+        if running <= 0 or _IN_MEMORY.issuperset(granted):
             return False
         load = self.load_s(_count(granted))
-        return load is None or self.step_s is None or load > self.step_s
+        return load is None or self.step_s is None or load * running > self.step_s
 
     def _grant(self, tiers: tuple[Medium, ...], now_s: float, whole: bool) -> Grant:
         if not tiers:

@@ -3,10 +3,10 @@ its prefill, not what the disk takes.
 
 A vLLM engine (CPU, tiny random-weight Llama, prefix caching off) whose kvstrata keeps blocks on
 a disk tier capped at 0.2 MB/s, a cap the connector is not told of, stores six prompts, then is
-asked them again. The disk was never loaded from, so the first hit is granted whole and off the
-step, with a budget of twice the prefill of its tokens (the prefill measured by then); reading it
-would take seconds. The load is given up once its request has waited past its budget, its blocks
-are computed, and the failure tells the
+asked them again. The disk was never loaded from, so each hit is granted whole (the first, alone,
+in the step; those admitted beside it, off the step), with a budget of twice the prefill of its
+tokens (the prefill measured by then); reading one would take seconds. A load is given up once it
+has held the step, or its request, past its budget, its blocks are computed, and the failure tells the
 scheduler the disk does not pay: the later prompts are computed without waiting on it. Every
 completion is the one computed the first time.
 """
@@ -43,7 +43,7 @@ def test_a_load_from_a_disk_slower_than_computing_is_given_up_and_computed(run):
     assert first["stats"]["new_blocks"] > 0 and first["stats"]["load_requests"] == 0
     # the first hit was granted (never measured), ran past its budget, and was computed instead
     assert stats["late_loads"] >= 1 and "budget" in stats["last_failure"]
-    assert stats["async_loads"] >= 1  # an unmeasured disk: off the step, its request waited, no step did
+    assert stats["async_loads"] >= 1  # an unmeasured disk, requests running: off the step
     assert stats["recomputed_blocks"] >= stats["failed_blocks"] > 0
     # waiting on the disk for one prompt's hit would have taken this long; the pass took far less
     one_hit_s = min((len(p) - 1) // BLOCK for p in PROMPTS) * run["block_bytes"] / (CAP_GBPS * 1e9)

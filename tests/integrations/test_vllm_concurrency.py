@@ -26,6 +26,7 @@ _rng = random.Random(5)
 PREFIX = [_rng.randrange(10, 4000) for _ in range(8 * BLOCK)]
 SHARING = [PREFIX + [_rng.randrange(10, 4000) for _ in range(20 + i)] for i in range(16)]
 FILLERS = [[_rng.randrange(10, 4000) for _ in range(300)] for _ in range(12)]
+OTHER = [_rng.randrange(10, 4000) for _ in range(100)]  # sharing nothing
 VLLM_BLOCKS = 48  # vLLM's own KV: max_model_len (1024) and a little more; the fillers evict the prefix
 
 
@@ -36,9 +37,10 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict[str, dict]:
     block_bytes = load_geometry(str(model), "bfloat16").bytes_per_token * BLOCK  # the child's dtype
     specs = {
         "ours": spec(model, tmp, "ours", passes=[[SHARING[0]], FILLERS, SHARING], max_tokens=3, host_bytes=64 * MiB),
-        # the prefix on disk only, never loaded from before: its load runs off the step
-        "disk": spec(model, tmp, "disk", passes=[[SHARING[0]], FILLERS, SHARING], max_tokens=3, host_bytes=0,
-                     disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB),
+        # the prefix on disk only, never loaded from before, a request of its own running (OTHER): its
+        # load runs off the step
+        "disk": spec(model, tmp, "disk", passes=[[SHARING[0]], FILLERS, [OTHER, *SHARING]], max_tokens=3,
+                     host_bytes=0, disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB),
         "cold": spec(model, tmp, "cold", passes=[SHARING], max_tokens=3, host_bytes=64 * MiB, role="kv_producer"),
     }
     for s in specs.values():
@@ -59,14 +61,16 @@ def test_sixteen_requests_sharing_a_prefix_load_it_once(runs):
 
 
 def test_sixteen_requests_wait_for_one_load_off_the_step_of_their_prefix(runs):
-    """vLLM caches an asynchronous load's blocks only once it has arrived: the fifteen requests
-    that share the prefix are asked again until then (the scheduler knows which blocks are in
-    flight), and then find it in vLLM's own cache rather than loading it fifteen more times."""
+    """With another request running, the disk's first load runs off the step. vLLM caches an
+    asynchronous load's blocks only once it has arrived: the fifteen requests that share the
+    prefix are asked again until then (the scheduler knows which blocks are in flight), and then
+    find it in vLLM's own cache rather than loading it fifteen more times."""
     _, fillers, sharing = runs["disk"]["passes"]
     stats, before = sharing["stats"], fillers["stats"]
+    cached, tokens = sharing["cached"][1:], sharing["tokens"][1:]  # OTHER's first
     assert stats["async_loads"] - before["async_loads"] == 1  # the disk unmeasured: off the step
     assert stats["load_requests"] - before["load_requests"] == 1
     assert stats["loaded_tokens"] - before["loaded_tokens"] == len(PREFIX)
-    assert all(c >= len(PREFIX) for c in sharing["cached"]), sharing["cached"]
+    assert all(c >= len(PREFIX) for c in cached), cached
     assert stats["failed_blocks"] == 0
-    assert sharing["tokens"] == runs["cold"]["passes"][0]["tokens"]
+    assert tokens == runs["cold"]["passes"][0]["tokens"]

@@ -122,16 +122,20 @@ def test_a_grant_s_budget_is_the_prefill_of_its_blocks_once_the_prefill_is_measu
     assert LoadOrRecompute(BT, budget_factor=None).grant((H,), 0.0).budget_s is None  # no budget asked for
 
 
-def test_a_load_from_below_memory_runs_off_the_step_unless_it_ends_within_one() -> None:
+def test_a_load_from_below_memory_runs_off_the_step_where_it_would_hold_others_up_longer_than_a_step() -> None:
     # steps of 2 ms + 50 us a token (a block's prefill: 1.6 ms), their moving average about 10 ms
     d = _measured(host=20e-6, disk=1e-4)
     assert d.step_s is not None and 0.005 < d.step_s < 0.02
-    assert not d.grant((H, H, H), 0.0).off_step  # from memory: a copy, in the step
-    short = d.grant((H, D, D), 0.0)
-    assert short.blocks == 3 and not short.off_step  # predicted 0.3 ms: within a step
+    assert not d.grant((H, H, H), 0.0, running=8).off_step  # from memory: a copy, in the step
+    short = d.grant((H, D, D), 0.0, running=8)
+    assert short.blocks == 3 and not short.off_step  # 0.3 ms, eight others: 2.4 ms in all, under a step
     slow = _measured(host=20e-6, disk=1e-3)  # 1 ms a disk block: 40 of them pay (40 ms against 64 ms)
-    long = slow.grant((H,) + (D,) * 40, 0.0)
-    assert long.blocks == 41 and long.load_s > slow.step_s and long.off_step  # ... but take four steps
-    assert LoadOrRecompute(BT).grant((H, D), 0.0).off_step  # a disk never measured: off the step
-    assert not LoadOrRecompute(BT).grant((H, H), 0.0).off_step
-    assert slow.grant((D,) * 40, 0.0).off_step and not slow.grant((H,) * 40, 0.0).off_step
+    long = slow.grant((H,) + (D,) * 40, 0.0, running=1)
+    assert long.blocks == 41 and long.load_s > slow.step_s and long.off_step  # one other held up 4 steps
+    assert not slow.grant((H,) + (D,) * 40, 0.0).off_step  # alone: it holds nobody up, in the step
+    assert slow.grant((D,) * 5, 0.0, running=4).off_step  # 5 ms x 4 others: two steps' worth
+    assert not slow.grant((D,) * 5, 0.0, running=1).off_step  # 5 ms x 1: half a step
+    # a disk never measured may be slow: off the step when others run, in it alone
+    assert LoadOrRecompute(BT).grant((H, D), 0.0, running=1).off_step
+    assert not LoadOrRecompute(BT).grant((H, D), 0.0).off_step
+    assert not LoadOrRecompute(BT).grant((H, H), 0.0, running=1).off_step

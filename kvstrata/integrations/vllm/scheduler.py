@@ -27,8 +27,9 @@ blocks held but not granted are counted (``declined_blocks``). A grant's load ca
 a multiple of the prefill of its tokens (:class:`LoadSpec` ``budget_s``): a load that holds the
 step up longer is given up by the workers and its blocks are computed.
 
-Off the step. A grant that waits for a disk or the pool and is not predicted to end within a
-step (``Grant.off_step``), and every grant of a model with more than one KV cache group (whose
+Off the step. A grant that waits for a disk or the pool, where holding the other running
+requests' steps up would cost more than its own request waiting a step (``Grant.off_step``),
+and every grant of a model with more than one KV cache group (whose
 failed loads vLLM takes only per request, as for an asynchronous load), is vLLM's asynchronous
 load: vLLM allocates its blocks and keeps the request waiting while other requests' steps go on;
 the load rides in ``async_loads`` and the workers report it through ``get_finished`` (a failed one as ``failed_recving``: vLLM recomputes
@@ -175,7 +176,8 @@ class KVStrataConnectorScheduler:
         self._granted.pop(request.request_id, None)
         tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
         # a sliding or chunked group keeps its windows only where a hit may end: all or none of it
-        grant = self.decision.grant(tiers[own:], time.monotonic(), whole=self._windowed)
+        # the requests vLLM holds (self._requests): those a load in the step would hold up
+        grant = self.decision.grant(tiers[own:], time.monotonic(), whole=self._windowed, running=len(self._requests))
         lookup = _Lookup(tiers[: own + grant.blocks], num_computed_tokens, usable, grant.declined)
         self._lookups[request.request_id] = lookup
         off_step = bool(grant.blocks) and (grant.off_step or self._all_off_step)
