@@ -83,8 +83,9 @@ MOVED_BYTES = _counter("moved_bytes", ("src", "dst"), "Bytes moved between kvstr
 TRANSFER_SECONDS = _counter("transfer_seconds", ("src", "dst"), "Seconds the transfers of moved_bytes took "
                             "(each transfer's own time, summed: bytes / seconds is the achieved GB/s)")
 LOADS = _counter("loads", (), "Requests whose hit kvstrata loaded")
-ASYNC_LOADS = _counter("async_loads", (), "Loads run off vLLM's step (vLLM's asynchronous loads, from a disk or "
-                       "the pool): their requests waited for them, no step did")
+ASYNC_LOADS = _counter("async_loads", (), "Loads run off vLLM's step (vLLM's asynchronous loads: from a disk or "
+                       "the pool while other requests run, and every load of a hybrid model): their requests "
+                       "waited for them, no step did")
 LOAD_SECONDS = _counter("load_seconds", (), "kvstrata's own load time (to its device tier), summed")
 STORES = _counter("stores", (), "Saves done: a request's full prompt blocks of a step, stored in every KV cache group")
 STORED_BLOCKS = _counter("stored_blocks", (), "New blocks stored (not held before), over every KV cache group")

@@ -20,8 +20,9 @@ step up past its budget, a multiple of the prefill of its tokens: :class:`LoadSp
 it writes reported through ``get_block_ids_with_load_errors``; vLLM recomputes them
 (``kv_load_failure_policy="recompute"``) or fails the request, and never reads them as valid KV.
 
-Loads off the step (``async_loads``: vLLM's asynchronous loads, from a disk or the pool where a
-load would outlast a step, and every load of a hybrid model) start after the forward and are
+Loads off the step (``async_loads``: vLLM's asynchronous loads, from a disk or the pool where
+holding the running requests up would cost more than a step, and every load of a hybrid model:
+the scheduler decides) start with the step's other loads and are
 polled in ``get_finished``: one that arrived is copied into vLLM's blocks there, whole, and
 reported finished; one that failed, ran past its budget or whose request ended is given up
 (released once it ends) and reported, a failure as ``failed_recving`` (vLLM recomputes it).
