@@ -120,7 +120,7 @@ class Grant:
             waiting) before it is given up and its blocks computed (None: the prefill not
             measured yet, no budget).
         off_step: the load runs off vLLM's step (asynchronously): it waits for a tier below
-            memory and is not predicted to end within a step.
+            memory while others run, and would hold them up longer in all than a step.
     """
 
     blocks: int
