@@ -35,8 +35,9 @@ class Listener:
         return ipaddress.ip_address(self.address).is_unspecified
 
 
-def listening(pid: int) -> list[Listener]:
-    """The TCP sockets process ``pid`` listens on (IPv4 and IPv6)."""
+def listening(pid: int, network: str | None = None) -> list[Listener]:
+    """The TCP sockets process ``pid`` listens on (IPv4 and IPv6), in its own network or in
+    the pool network ``network`` (where a pool client's threads open theirs)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -47,7 +48,7 @@ def listening(pid: int) -> list[Listener]:
             inodes.add(target[len("socket:[") : -1])
     out = []
     for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+        for line in _table(pid, table, network).splitlines()[1:]:
             fields = line.split()
             if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
                 continue
@@ -59,9 +60,22 @@ def listening(pid: int) -> list[Listener]:
     return out
 
 
-def segment_descriptor(port: int, host: str = "127.0.0.1", timeout_s: float = 5.0) -> dict | None:
-    """The segment descriptor the handshake port ``port`` gives anyone who asks; None when the
-    port does not answer as a handshake port."""
+def _table(pid: int, table: str, network: str | None) -> str:
+    if network is None:
+        return Path(f"/proc/{pid}/net/{table}").read_text()
+    from kvstrata.pool import network as netns
+
+    return netns.run_in(network, Path(f"/proc/thread-self/net/{table}").read_text)
+
+
+def segment_descriptor(port: int, host: str = "127.0.0.1", timeout_s: float = 5.0,
+                       network: str | None = None) -> dict | None:
+    """The segment descriptor the handshake port ``port`` gives anyone who asks (in the pool
+    network ``network``, where given); None when the port does not answer as a handshake port."""
+    if network is not None:
+        from kvstrata.pool import network as netns
+
+        return netns.run_in(network, segment_descriptor, port, host, timeout_s)
     body = b"{}"
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as conn:
@@ -94,7 +108,11 @@ def _read(conn: socket.socket, n: int) -> bytes:
 
 
 _ATTACKER = r"""
-import encodings.idna, json, os, pwd, sys  # idna: socket loads it lazily, from under /root
+import ctypes, encodings.idna, json, os, pwd, sys  # idna: socket loads it lazily, from under /root
+if sys.argv[4]:  # into the pool's network, while root: a hostile client that can reach the pool
+    fd = os.open("/run/netns/" + sys.argv[4], os.O_RDONLY)
+    assert ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) == 0
+    os.close(fd)
 from mooncake.engine import TransferEngine
 sys.path.insert(0, sys.argv[2])
 from engine_support import segment_descriptor
@@ -120,11 +138,14 @@ print(json.dumps(out))
 """
 
 
-def attack(port: int, timeout_s: float = 60.0) -> list[dict]:
+def attack(port: int, timeout_s: float = 60.0, network: str | None = None) -> list[dict]:
     """As ``nobody``: open the segment behind handshake port ``port`` with a transfer engine of
     its own, read each registered buffer, then overwrite it with ``SCRIBBLE``. Per buffer: its
-    address, length, and the read's and the write's return codes (0: done)."""
-    done = subprocess.run([sys.executable, "-c", _ATTACKER, str(port), str(Path(__file__).parent), str(SCRIBBLE)],
+    address, length, and the read's and the write's return codes (0: done). ``network``: the
+    pool network the port is in, which the attacker enters (as root, before it becomes
+    ``nobody``: a hostile process that can reach the pool, as on a pool's shared network)."""
+    done = subprocess.run([sys.executable, "-c", _ATTACKER, str(port), str(Path(__file__).parent), str(SCRIBBLE),
+                           network or ""],
                           cwd="/", capture_output=True, text=True,
                           timeout=timeout_s, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/"})
     assert done.returncode == 0, done.stderr[-2000:]

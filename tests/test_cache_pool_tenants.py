@@ -5,7 +5,10 @@ Everything is real: the embedded pool (a Mooncake master and pool daemon), the c
 attacker: a raw Mooncake client, in a process that runs as ``nobody`` (it becomes ``nobody``
 after loading Mooncake, as the interpreter lives where ``nobody`` cannot read), with nothing but
 what Mooncake offers every client: the master's HTTP port (which lists every object's name and
-address to anyone), joining with no credentials, reads of any object, and ``remove_all``.
+address to anyone), joining with no credentials, reads of any object, and ``remove_all``. A pool
+started by root runs in a network of its own that ``nobody`` cannot reach
+(tests/pool/test_listeners.py); the attacker is let in here, as a hostile process on a pool's
+shared network would be.
 """
 
 from __future__ import annotations
@@ -143,9 +146,12 @@ def test_opting_out_leaves_payloads_readable_by_any_client_sealed(pool, caches):
 
 # Runs as root until Mooncake is loaded, then as the uid and gid given; prints one JSON line.
 ATTACKER = r"""
-import encodings.idna, json, os, sys, urllib.request  # every module loaded while root (see the docstring)
+import ctypes, encodings.idna, json, os, sys, urllib.request  # every module loaded while root (see the docstring)
 from mooncake.store import MooncakeDistributedStore
-uid, gid, master, admin = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+uid, gid, master, admin, network = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+if network:  # into the pool's network while root: a hostile process that can reach the pool
+    fd = os.open("/run/netns/" + network, os.O_RDONLY)
+    assert ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) == 0
 os.setgroups([]); os.setgid(gid); os.setuid(uid)
 def listing():
     return urllib.request.urlopen(f"http://{admin}/get_all_keys", timeout=5).read().decode().split()
@@ -166,7 +172,7 @@ def attack_as_nobody(state) -> dict:
     nobody = pwd.getpwnam("nobody")
     env = os.environ | {"MC_LOG_DIR": "/tmp", "HOME": "/tmp"}
     run = subprocess.run([sys.executable, "-c", ATTACKER, str(nobody.pw_uid), str(nobody.pw_gid), state.config.master,
-                          f"127.0.0.1:{state.metrics_port}"], capture_output=True, text=True, timeout=60, env=env,
+                          f"127.0.0.1:{state.metrics_port}", state.config.network or ""], capture_output=True, text=True, timeout=60, env=env,
                          cwd="/tmp", check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])

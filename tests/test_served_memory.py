@@ -5,7 +5,9 @@ Mooncake's handshake port gives any client the address of every buffer registere
 engine, and a transfer-engine client may then read and write them. Here the pool is real (an
 embedded pool of the test's own), and so is the attacker: a transfer engine of its own, run as
 ``nobody``, that asks the cache process's handshake port for its segment and reads, then
-overwrites, every buffer it lists. What it can reach is the remote tier's own staging; a value
+overwrites, every buffer it lists. A pool started by root runs in a network of its own, which
+``nobody`` cannot reach (tests/pool/test_listeners.py); the attacker here is let in, as a
+hostile process on a pool's shared network would be. What it can reach is the remote tier's own staging; a value
 changed there after it landed is a miss, counted, never served.
 """
 
@@ -54,15 +56,15 @@ def served(cache: TieredCache) -> list[tuple[str, torch.Tensor]]:
     return [(medium.label, cache.tier(medium).buffer) for medium in (D, H)]
 
 
-def engine_segments() -> dict[int, dict]:
-    """{handshake port: the segment it hands out} of every transfer engine in this process (a
-    pool client parks its store for reuse: earlier tests' engines live on)."""
+def engine_segments(network: str | None) -> dict[int, dict]:
+    """{handshake port: the segment it hands out} of every transfer engine in this process, in
+    the pool's network (a pool client parks its store for reuse: earlier tests' engines live on)."""
     found = {}
-    for listener in listening(os.getpid()):
-        segment = segment_descriptor(listener.port)
+    for listener in listening(os.getpid(), network):
+        segment = segment_descriptor(listener.port, network=network)
         if segment is not None and "buffers" in segment:
             found[listener.port] = segment
-    assert found, f"no handshake port answers among this process's listeners {listening(os.getpid())}"
+    assert found, f"no handshake port answers among this process's listeners {listening(os.getpid(), network)}"
     return found
 
 
@@ -87,7 +89,8 @@ def stored_and_loaded_through_the_pool(cache: TieredCache, seq: int) -> list[int
 
 def test_no_memory_a_cache_serves_from_is_registered_with_the_transfer_engine(cache):
     stored_and_loaded_through_the_pool(cache, 1)
-    listed = [(b["addr"], b["length"]) for segment in engine_segments().values() for b in segment["buffers"]]
+    segments = engine_segments(cache.config.pool.network).values()
+    listed = [(b["addr"], b["length"]) for segment in segments for b in segment["buffers"]]
     registered = listed + [(lo, hi - lo) for lo, hi in cache.tier(R)._client._ranges]
     exposed = [(label, hex(a), n) for label, memory in served(cache) for a, n in registered if overlaps(memory, a, n)]
     assert exposed == [], f"served memory registered with the transfer engine: {exposed}"
@@ -101,7 +104,8 @@ def test_another_user_who_overwrites_every_registered_buffer_changes_no_byte_the
     cache.store(toks, kv_for(cache, toks)).result(timeout=WAIT_S)  # back in the host tier (and device)
     assert cache.lookup(toks).media == (D,) * 4
     before = {label: memory.clone() for label, memory in served(cache)}
-    hits = [hit for port in engine_segments() for hit in attack(port)]  # as nobody: every buffer read, overwritten
+    network = cache.config.pool.network  # the attacker, as nobody, inside it: every buffer read, overwritten
+    hits = [hit for port in engine_segments(network) for hit in attack(port, network=network)]
     assert hits and all(h["read"] == 0 and h["wrote"] == 0 for h in hits), hits  # the attack itself worked
     assert all(torch.equal(memory, before[label]) for label, memory in served(cache)), "served memory changed"
     for drop in ((), (D,), (D, H)):  # served from the device tier, the host tier, then the pool

@@ -204,7 +204,7 @@ def _run_mode(
             stores = [("ours.store", ours.store_s), ("raw.store", raw.put_s), ("plain.store", plain.store_s),
                       ("encrypted.store", encrypted.store_s)]
             for name, step in rotated(stores, r):
-                kept.add(name, _counted(step, loopback, name) if r == 0 else step())
+                kept.add(name, _counted(step, loopback, name, base.pool.network) if r == 0 else step())
             progress.step(f"{label}: store")
             restores: list[Step] = [
                 ("ours.restore", ours.restore_s),
@@ -215,7 +215,7 @@ def _run_mode(
                 ("cache.staged", staged.restore_s),
             ]
             for name, step in rotated(restores, r):
-                kept.add(name, _counted(step, loopback, name) if r == 0 else step())
+                kept.add(name, _counted(step, loopback, name, base.pool.network) if r == 0 else step())
             progress.step(f"{label}: restore")
             one_block: list[Step] = [("ours.ttfb", lambda: ours.restore_s(1)), ("raw.ttfb", lambda: raw.get_s(1))]
             lookups: list[Step] = [("cache.lookup", direct.lookup_s), ("raw.exists", raw.exists_s)]
@@ -228,10 +228,19 @@ def _run_mode(
     return rounds, verified, faulted, loopback
 
 
-def _loopback_bytes() -> int | None:
-    """Bytes received on the loopback interface so far (Linux), or None."""
+def _loopback_bytes(network: str | None = None) -> int | None:
+    """Bytes received on the loopback interface of the pool's network so far (Linux), or None."""
+    from kvstrata.pool.network import NetworkError, run_in
+
     try:
-        with open("/proc/net/dev") as f:
+        return run_in(network, _lo_received)
+    except NetworkError:
+        return None
+
+
+def _lo_received() -> int | None:
+    try:
+        with open("/proc/thread-self/net/dev") as f:  # this thread's network
             for line in f:
                 name, _, counters = line.partition(":")
                 if name.strip() == "lo":
@@ -241,13 +250,13 @@ def _loopback_bytes() -> int | None:
     return None
 
 
-def _counted(step: Callable[[], float], into: dict[str, int], name: str) -> float:
+def _counted(step: Callable[[], float], into: dict[str, int], name: str, network: str | None) -> float:
     """Run ``step``, recording the bytes that crossed the loopback interface meanwhile: the
     evidence that TCP mode moves every byte over sockets (and SHM mode none). Other traffic
     on the host counts too: an upper bound."""
-    before = _loopback_bytes()
+    before = _loopback_bytes(network)
     seconds = step()
-    after = _loopback_bytes()
+    after = _loopback_bytes(network)
     if before is not None and after is not None:
         into[name] = after - before
     return seconds

@@ -277,6 +277,7 @@ def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, pro
     """kvstrata as the pool's deployment has it and, where that deployment seals values (a
     secret), also without the seal (the raw client's guarantees), beside the raw client and
     SGLang's own Mooncake backend."""
+    from kvstrata.pool.network import Runner
     from kvstrata.pool.raw import RawPool
 
     h = pages.harness
@@ -303,10 +304,14 @@ def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, pro
             extra = {"master_server_address": pool.master, "protocol": pool.protocol, "global_segment_size": 0,
                      "metadata_server": pool.metadata_server, "local_hostname": pool.local_hostname,
                      "check_server": False}  # no segment of its own: its pages live in the pool's daemon, as ours
-            theirs = h.create_backend(h.storage_config(pages.host, extra, model_name=f"bench-sglang-{run}"),
-                                      pages.host, backend="mooncake")
-            stack.callback(theirs.close)
-            backends[Subject.SGLANG_MOONCAKE] = (theirs, h.Controller(theirs, pages.host, True))
+            # SGLang's client calls Mooncake on the caller's thread: in a pool of a network of its
+            # own, every one of its calls runs on one thread that has entered it (timed there).
+            net = Runner(pool.network)
+            stack.callback(net.close)
+            theirs = net.run(h.create_backend, h.storage_config(pages.host, extra, model_name=f"bench-sglang-{run}"),
+                             pages.host, "mooncake")
+            stack.callback(net.run, theirs.close)
+            backends[Subject.SGLANG_MOONCAKE] = (theirs, h.Controller(theirs, pages.host, True), net.run)
         return _rounds(config, pages, backends, PHASES[Side.POOL], progress, "pool", lambda: [])
 
 
@@ -320,20 +325,30 @@ def _rounds(config: SGLangBenchConfig, pages: _Pages, backends: dict, phases: tu
         keys = pages.harness.page_keys(config.pages, p, seed=1000 + r)  # fresh: a set writes every page
         for phase in phases:
             for subject in rotated(subjects, r):
-                backend, controller = backends[subject]
-                seconds = _step(phase, subject, backend, controller, keys, pages, files)
+                backend, controller, run = _entry(backends[subject])
+                seconds = run(_step, phase, subject, backend, controller, keys, pages, files)
                 if phase is not Phase.SET:
                     verified += pages.verify(subject)
                 if r:
                     rounds.add(f"{subject.name}.{phase.name}", seconds)
             progress.step(f"{side}: {phase.value}, " + (f"round {r}/{config.repeats}" if r else "warm-up"))
         for subject in subjects:
-            backend, controller = backends[subject]
+            backend, controller, run = _entry(backends[subject])
             if subject is Subject.SGLANG_MOONCAKE:  # its own clear() removes every object in the pool
-                backend.store.remove_by_regex(f"^{re.escape(backend.config_prefix)}_", True)
+                run(backend.store.remove_by_regex, f"^{re.escape(backend.config_prefix)}_", True)
             elif controller is not None:
                 backend.clear()
     return rounds, verified
+
+
+def _entry(entry: tuple) -> tuple[Any, Any, Callable[..., Any]]:
+    """(backend, controller, how to call it): a backend's calls run where its entry says (the
+    pool's network, for SGLang's own client), else on this thread."""
+    return entry if len(entry) == 3 else (*entry, _here)
+
+
+def _here(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def _step(phase: Phase, subject: Subject, backend: Any, controller: Any, keys: list[str], pages: _Pages,

@@ -18,6 +18,7 @@ from kvstrata.cli.units import format_size, size_arg
 from kvstrata.pool import embedded
 from kvstrata.pool.config import ENV as POOL_ENV
 from kvstrata.pool.config import load_pool_config
+from kvstrata.pool.network import PoolNetwork
 
 DEFAULT_SEGMENT_BYTES = 2 * 10**9  # 2 GB of DRAM served by the daemon (decimal, as every size here)
 PROCESSES = ("master", "daemon")
@@ -32,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
                        help="the deployment secret clients seal pool values with (64 hex digits, 0600, yours); "
                             "default: the run directory's pool.key, made if absent")
+    start.add_argument("--network", choices=[n.value for n in PoolNetwork], default=PoolNetwork.AUTO.value,
+                       help="where the pool listens: private, a network namespace of its own (root only; nothing "
+                            "on the host's network, where Mooncake's transfer ports would be on every interface); "
+                            "host, the host's loopback; auto (default), private where this user can make it")
     for q in (start, actions.add_parser("stop", help="stop the embedded pool"),
               actions.add_parser("status", help="is the pool up?")):
         q.add_argument("--dir", type=Path, default=None, help="run directory (default $KVSTRATA_POOL_DIR or ~/.cache)")
@@ -59,6 +64,9 @@ def status_notes(doc: dict[str, Any]) -> list[str]:
     notes = []
     if "segment_bytes" in doc:
         notes.append(f"segment: {format_size(doc['segment_bytes'])} ({doc['segment_bytes']} bytes)")
+    if "network" in doc:
+        notes.append("network: " + ("the host's loopback (Mooncake's transfer ports on every interface)"
+                                    if doc["network"] == "host" else f"namespace {doc['network']} (root only)"))
     if "config" in doc:
         c = doc["config"]
         notes.append(f"protocol: {c['protocol']}, metadata: {c['metadata_server']}, "
@@ -85,14 +93,15 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "libs":
         return run_libs()
     if args.action == "start":
-        state = embedded.start(args.segment_size, args.dir, args.secret_file)
+        state = embedded.start(args.segment_size, args.dir, args.secret_file, PoolNetwork(args.network))
         doc = state.to_json() | {"state_file": str(Path(state.run_dir) / embedded.STATE)}
         if args.json:
             print(json.dumps(doc, indent=2))
         else:
             cli.console().print(
-                f"pool up: master {state.config.master}, daemon {state.config.daemon}, "
-                f"{format_size(state.segment_bytes)} segment; use it with {POOL_ENV}={doc['state_file']}",
+                f"pool up: master {state.config.master}, daemon {state.config.daemon}"
+                + (f" in network namespace {state.config.network}" if state.config.network else " on the host's loopback")
+                + f", {format_size(state.segment_bytes)} segment; use it with {POOL_ENV}={doc['state_file']}",
                 highlight=False,
             )
         return 0
@@ -113,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         # Each process must answer, not only accept (a stopped one still accepts); the daemon
         # too where the config names one: objects live there, and the master answers without it.
         named = {"master": config.master} | ({"daemon": config.daemon} if config.daemon else {})
-        doc = {name: {"address": address, "up": embedded.answers(address, 2.0)} for name, address in named.items()}
+        doc = {name: {"address": address, "up": embedded.answers_in(config.network, address, 2.0)}
+               for name, address in named.items()}
         doc = {"running": all(p["up"] for p in doc.values())} | doc | {"config": config.to_json()}
         where = f"configured by {config.config_file}"
     else:

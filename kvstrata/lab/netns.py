@@ -17,24 +17,22 @@ cannot be built here, for callers that skip rather than fail.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstrata.lab.spec import LAB_MTU, LabSpec, LinkShape
+from kvstrata.pool import network
 from kvstrata.pool.embedded import process_alive
 
 PREFIX = "kvlab-"
-CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
 
 
@@ -287,26 +285,7 @@ class Lab:
 def run_in_namespace(ns: str, fn: Callable[[], T]) -> T:
     """``fn()`` on a new thread inside network namespace ``ns`` (``setns`` moves only the calling
     thread; the thread is discarded after)."""
-    result: list = []
-    error: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise LabError(f"cannot enter namespace {ns}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            result.append(fn())
-        except BaseException as exc:  # handed to the caller
-            error.append(exc)
-
-    thread = threading.Thread(target=body, name=f"in-{ns}", daemon=True)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    try:
+        return network.run_in(ns, fn)
+    except network.NetworkError as error:
+        raise LabError(f"cannot enter namespace {ns}: {error}") from None

@@ -21,6 +21,11 @@ A circuit breaker, two states:
 
 The log (``kvstrata.pool``) says when and why the pool went down, and when it came back, where.
 
+A pool in a network of its own (``PoolConfig.network``, ``kvstrata.pool.network``): every worker
+enters it before each call, and the socket checks run on a thread that has entered it; the
+caller's thread never moves. A process that set up a store for a pool in one network is refused
+one in another, at once (Mooncake's RPC threads stay where its first store started them).
+
 A call that timed out may still be running, and may still read or write the memory it was
 given, at any later time: the caller must treat that memory as lost (never reuse it) unless it
 can wait for the call itself (``on_late``).
@@ -77,7 +82,7 @@ from kvstrata.pool.config import (
     check_budgets,
     load_pool_config,
 )
-from kvstrata.pool import libs, native_log
+from kvstrata.pool import libs, native_log, network
 from kvstrata.pool.embedded import accepts, answers
 from kvstrata.pool.workers import Workers
 from kvstrata.transfer.placement import io_thread_started
@@ -228,7 +233,8 @@ class PoolClient:
         self.backoff_max_s = backoff_max_s
         self._on_up = on_up
         self._lock = threading.Lock()
-        self._workers = Workers("kvstrata-pool")
+        self._where = _Where(pool.network)  # where the workers' calls run (kvstrata.pool.network)
+        self._workers = Workers("kvstrata-pool", self._where.enter)
         self._inflight: set[Future] = set()
         self._ranges: tuple[tuple[int, int], ...] = ()  # [start, end) byte addresses registered with the store
         self._memory: list[torch.Tensor] = []  # memory kept alive as long as the client (registered, or to be)
@@ -355,7 +361,7 @@ class PoolClient:
         Raises:
             PoolUnavailable: not now.
         """
-        why = unreachable(pool, self.mode, self.op_timeout_s)
+        why = self._unreachable(pool, self.op_timeout_s)
         if why is not None:
             raise PoolUnavailable(why)
         with self._lock:
@@ -363,6 +369,13 @@ class PoolClient:
         if store is not None and same and self._answers_calls(store):
             return store, False
         return self._connect(pool, self.connect_timeout_s), True
+
+    def _unreachable(self, pool: PoolConfig, timeout_s: float) -> str | None:
+        """``unreachable``, asked from inside ``pool``'s network."""
+        try:
+            return network.run_in(pool.network, unreachable, pool, self.mode, timeout_s)
+        except network.NetworkError as error:
+            return str(error)
 
     def _answers_calls(self, store: Any) -> bool:
         try:
@@ -445,9 +458,10 @@ class PoolClient:
         what = f"pool {'daemon' if self.mode is RemoteMode.SHM else 'master'} at {self._address(pool)}"
         deadline = time.monotonic() + timeout_s
         # Mooncake's setup retries for a minute or more, holding the GIL: look first.
-        why = unreachable(pool, self.mode, timeout_s)
+        why = self._unreachable(pool, timeout_s)
         if why is not None:
             raise PoolUnavailable(why)
+        self._where.network = pool.network  # a pool restarted elsewhere: its store is set up, and used, there
         store = _unpark((pool, self.mode))
         if store is not None:
             try:
@@ -456,6 +470,9 @@ class PoolClient:
             except FutureTimeout:
                 pass
             _keep_open(store)  # parked, then the pool failed: closing could stall every thread
+        why = network.joined(pool.network)  # a store set up elsewhere would retry for 90 s, holding the GIL
+        if why is not None:
+            raise PoolUnavailable(why)
         store = store_class()
         if self.mode is RemoteMode.SHM:
             args = (0, LOCAL_BUFFER_BYTES, pool.daemon)
@@ -675,6 +692,20 @@ def unreachable(pool: PoolConfig, mode: RemoteMode, timeout_s: float) -> str | N
         if not answers(address, max(1e-3, deadline - time.monotonic())):
             return f"pool {name} at {address} accepts connections but does not answer within {timeout_s:g} s (hung?)"
     return None
+
+
+class _Where:
+    """The network a client's workers run their calls in (held apart from the client: its
+    daemon workers must not keep the client alive)."""
+
+    def __init__(self, name: str | None) -> None:
+        self.network = name
+
+    def enter(self) -> None:
+        try:
+            network.enter(self.network)
+        except network.NetworkError as error:
+            raise PoolUnavailable(str(error)) from None
 
 
 def _probe_until_up(ref: weakref.ref, wake: threading.Event) -> None:

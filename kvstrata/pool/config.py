@@ -23,6 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from kvstrata import trust
+from kvstrata.pool.network import check_name
 from kvstrata.report import OMIT
 from kvstrata.trust import Untrusted
 
@@ -87,6 +88,10 @@ class PoolConfig:
             daemon's NIC port at once; empty: the master places each object (measured: 32
             objects 13/19 over two daemons). A preference only: the master places an object
             elsewhere when that segment is full or unknown. Read as a list from TOML or JSON.
+        network: the network namespace the pool runs in (``kvstrata.pool.network``): a
+            client's threads that talk to the pool enter it (root only); None: the pool is
+            reached from this process's own network. An embedded pool started by root runs in
+            one, so nothing of the pool's, nor of its clients', listens on the host's network.
         config_file: the file this was read from (a TOML or a ``pool.json``), read again when
             the pool is lost; None: built in code, never re-read. Not part of the pool's
             identity (equality, hashing) nor of its JSON.
@@ -100,6 +105,7 @@ class PoolConfig:
     rdma_devices: str = ""
     secret_file: str | None = None
     segments: tuple[str, ...] = ()
+    network: str | None = None
     config_file: Path | None = field(default=None, compare=False, metadata=OMIT)
 
     def __post_init__(self) -> None:
@@ -116,6 +122,8 @@ class PoolConfig:
         object.__setattr__(self, "segments", tuple(self.segments))  # a list from TOML or JSON; hashable
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"pool protocol must be tcp or rdma, got {self.protocol!r}")
+        if self.network is not None:
+            check_name(self.network)
         if self.config_file is not None and not isinstance(self.config_file, Path):
             raise ValueError(f"pool config_file must be a pathlib.Path, got {self.config_file!r}")
 

@@ -6,8 +6,13 @@ connections, and writes ``pool.json`` in the run directory (whole, by a rename: 
 lost the pool read it again); ``stop`` ends them; ``status`` checks them (alive and answering). Inference processes join with segment size 0, so objects live in the daemon and
 survive any inference process exiting.
 
-Security: both listen on 127.0.0.1 here, but Mooncake clients also open transfer ports on all
-interfaces at random ports; run pools only on trusted networks. The run directory, which holds
+Security: the master and the daemon listen on 127.0.0.1, but every Mooncake process (the daemon
+and each client) also opens its transfer engine's handshake and data ports on the wildcard
+address, which no option moves. So a pool started by root runs in a network namespace of its
+own (``kvstrata.pool.network``): every listener of the pool's and of its clients' is inside it,
+where only root reaches, and nothing listens on the host's network. Without root (or with
+``network=PoolNetwork.HOST``) the pool is on the host's loopback and those ports are open on
+every interface: run such pools only on trusted hosts and networks. The run directory, which holds
 the deployment secret (``pool.key``) and names the processes ``stop`` signals, is trusted only
 if it is this user's (``kvstrata.trust``): one another user made, or a symlink, is refused in one
 line, and its state, key and logs are never followed through a symlink. A recorded pid is
@@ -40,6 +45,8 @@ from pathlib import Path
 
 from kvstrata import trust
 from kvstrata.pool import libs, native_log
+from kvstrata.pool import network as netns
+from kvstrata.pool.network import PoolNetwork
 from kvstrata.pool.config import PoolConfig, json_error, make_secret, secret_at
 from kvstrata.pool.started import TOKEN_ENV, ProcessStamp, carries, carrying, new_token
 
@@ -221,15 +228,29 @@ def status(run_dir: Path | None = None) -> dict:
     state = read_state(run_dir)
     if state is None:
         return {"running": False, "reason": "no embedded pool started in " + str(run_dir or default_run_dir())}
-    master_up = _ours(state.master_pid, state.master_stamp) and answers(state.config.master)
-    daemon_up = _ours(state.daemon_pid, state.daemon_stamp) and answers(state.config.daemon)
+    master_up = _ours(state.master_pid, state.master_stamp) and answers_in(state.config.network, state.config.master)
+    daemon_up = _ours(state.daemon_pid, state.daemon_stamp) and answers_in(state.config.network, state.config.daemon)
     return {
         "running": master_up and daemon_up,
+        "network": state.config.network or "host",
         "master": {"address": state.config.master, "pid": state.master_pid, "up": master_up},
         "daemon": {"address": state.config.daemon, "pid": state.daemon_pid, "up": daemon_up},
         "segment_bytes": state.segment_bytes,
         "state_file": str(Path(state.run_dir) / STATE),
     }
+
+
+def answers_in(network: str | None, address: str, timeout_s: float = 0.5) -> bool:
+    """``answers(address)`` asked from inside the pool's network (False: it cannot be entered)."""
+    try:
+        return netns.run_in(network, answers, address, timeout_s)
+    except netns.NetworkError:
+        return False
+
+
+def accepts_in(network: str | None) -> Callable[[str, float], bool]:
+    """``accepts``, asked from inside the pool's network (for ``wait_for``)."""
+    return lambda address, timeout_s: netns.run_in(network, accepts, address, timeout_s)
 
 
 # How long the master keeps a pool daemon (and every object in its segment) after its last
@@ -239,20 +260,23 @@ def status(run_dir: Path | None = None) -> dict:
 CLIENT_TTL_S = 60
 
 
-def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_file: Path | None = None) -> PoolState:
+def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_file: Path | None = None,
+          network: PoolNetwork = PoolNetwork.AUTO) -> PoolState:
     """Start a master and a pool daemon on loopback (or return the running one). The state's
     config names ``pool.json`` as its file, so clients built on it follow a restarted pool.
 
     Args:
         secret_file: the deployment secret the state names for clients (``pool.config.secret_at``
             checks it); None: the run directory's ``pool.key``, made (0600) unless it holds one.
+        network: where the pool listens: PRIVATE, a network namespace of its own (root
+            only); HOST, the host's loopback; AUTO, PRIVATE where this process can make one.
 
     Raises:
         Untrusted: ``run_dir`` (made 0700 if missing) is another user's or a symlink, or a
             file in it that ``start`` reads or writes is, or ``secret_file`` is.
         ValueError: ``secret_file`` is no secret (missing, readable by others, too short), or
             a pool runs in ``run_dir`` with another secret.
-        PoolError: a process did not start.
+        PoolError: a process did not start, or (PRIVATE) its network could not be made.
     """
     # Its logs, state and secret: the owner's only; and who else could plant a pool.json
     # naming processes to kill, or a pool.key they know?
@@ -263,12 +287,12 @@ def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_
     lock = trust.open_private(run_dir / START_LOCK, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when this process dies
-        return _start(segment_bytes, run_dir, secret_file)
+        return _start(segment_bytes, run_dir, secret_file, network)
     finally:
         os.close(lock)
 
 
-def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None) -> PoolState:
+def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None, network: PoolNetwork) -> PoolState:
     """``start`` in ``run_dir``, its lock held."""
     current = status(run_dir)
     if current["running"]:
@@ -287,17 +311,20 @@ def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None) -> PoolS
     _write_json(run_dir / STARTING, {"token": token})  # before any process: a kill at any point leaves it
     master_port, metrics_port = free_port(), free_port()
     master = f"127.0.0.1:{master_port}"
+    ns = None
     try:
-        master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log", token=token)
-        wait_for(master, master_proc, run_dir / "master.log")
+        ns = network_for(network)
+        prefix, accepting = (netns.exec_prefix(ns), accepts_in(ns)) if ns else ((), accepts)
+        master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log", prefix, token)
+        wait_for(master, master_proc, run_dir / "master.log", accepting)
         master_stamp = _stamp(master_proc, run_dir / "master.log")
         for attempt in range(DAEMON_ATTEMPTS):
             daemon_port = free_port()
             daemon = f"127.0.0.1:{daemon_port}"
             daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log",
-                                        token=token)
+                                        prefix, token)
             try:
-                wait_for(daemon, daemon_proc, run_dir / "daemon.log")
+                wait_for(daemon, daemon_proc, run_dir / "daemon.log", accepting)
                 daemon_stamp = _stamp(daemon_proc, run_dir / "daemon.log")
                 break
             except PoolError:
@@ -307,7 +334,8 @@ def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None) -> PoolS
         if secret is None:
             secret = run_dir / SECRET
             make_secret(secret)  # kept across restarts: values sealed with it, names keyed (tiers/poolvalue.py)
-        config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret), config_file=run_dir / STATE)
+        config = PoolConfig(master=master, daemon=daemon, secret_file=str(secret), network=ns,
+                            config_file=run_dir / STATE)
         state = PoolState(config, master_proc.pid, daemon_proc.pid, metrics_port, segment_bytes, str(run_dir),
                           master_stamp, daemon_stamp)
         _write_json(run_dir / STATE, state.to_json())
@@ -317,6 +345,26 @@ def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None) -> PoolS
         raise
     (run_dir / STARTING).unlink()  # pool.json names them now (a kill before this: stop ends them anyway)
     return state
+
+
+def network_for(network: PoolNetwork) -> str | None:
+    """The namespace the pool runs in (made if missing); None: the host's network.
+
+    Raises:
+        PoolError: PRIVATE, and it cannot be made (one line saying why).
+    """
+    why = netns.unavailable()
+    if network is PoolNetwork.HOST or (network is PoolNetwork.AUTO and why is not None):
+        if network is PoolNetwork.AUTO:
+            _log.info("pool network: the host's loopback (%s); Mooncake's transfer ports listen on every "
+                      "interface: run this pool on a trusted host", why)
+        return None
+    name = netns.name_for_user()  # kept when the pool stops: its clients' Mooncake threads stay in it
+    try:
+        netns.create(name)
+    except netns.NetworkError as error:
+        raise PoolError(f"the pool's private network could not be made: {error}") from None
+    return name
 
 
 def _write_json(path: Path, doc: dict) -> None:

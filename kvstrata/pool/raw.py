@@ -21,6 +21,7 @@ import torch
 
 from kvstrata.pool.client import LOCAL_BUFFER_BYTES
 from kvstrata.pool.config import PoolConfig, RemoteMode
+from kvstrata.pool.network import Runner, joined
 from kvstrata.tiers.remote import OBJECT_NOT_FOUND
 from kvstrata.timing import VerificationError
 
@@ -47,8 +48,20 @@ class RawPool:
         self.mode = mode
         self.names = names
         self.value_bytes = values.shape[1]
+        self._net = Runner(pool.network)  # a pool in a network of its own: every call from a thread there
         self._store = store_class()()
-        if mode is RemoteMode.SHM:
+        try:
+            self._net.run(self._setup, pool, values)
+        except BaseException:
+            self._net.close()
+            raise
+        self.verified_bytes = 0
+
+    def _setup(self, pool: PoolConfig, values: torch.Tensor) -> None:
+        why = joined(pool.network)
+        if why is not None:
+            raise RuntimeError(f"raw pool: {why}")
+        if self.mode is RemoteMode.SHM:
             rc = self._store.setup_dummy(0, LOCAL_BUFFER_BYTES, pool.daemon)
         else:
             rc = self._store.setup(
@@ -56,11 +69,10 @@ class RawPool:
                 pool.rdma_devices, pool.master,
             )
         if rc != 0:
-            raise RuntimeError(f"raw pool: Mooncake setup in {mode.value} mode failed (code {rc})")
+            raise RuntimeError(f"raw pool: Mooncake setup in {self.mode.value} mode failed (code {rc})")
         self.src = self._allocate(values.numel()).view(values.shape)  # [objects, value_bytes]
         self.src.copy_(values)
         self.dst = self._allocate(values.numel()).view(values.shape)
-        self.verified_bytes = 0
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         """Pre-faulted memory registered with the store (shared memory in SHM mode)."""
@@ -85,7 +97,10 @@ class RawPool:
     def put_s(self) -> float:
         """``batch_put_from`` of every object (removed first, untimed: a put of a name that
         exists is refused at once and would time nothing)."""
-        self.remove()
+        return self._net.run(self._put_s)
+
+    def _put_s(self) -> float:
+        self._remove()
         count = len(self.names)
         ptrs, sizes = self._ptrs(self.src, count), [self.value_bytes] * count
         start = time.perf_counter()
@@ -98,6 +113,9 @@ class RawPool:
     def get_s(self, count: int | None = None) -> float:
         """``batch_get_into`` of the first ``count`` objects (all by default) into registered
         memory zeroed first (untimed); the bytes are then compared with the values put."""
+        return self._net.run(self._get_s, count)
+
+    def _get_s(self, count: int | None) -> float:
         count = len(self.names) if count is None else count
         dst = self.dst[:count]
         dst.zero_()  # a get that moved nothing must not verify
@@ -114,6 +132,9 @@ class RawPool:
 
     def exists_s(self) -> float:
         """``batch_is_exist`` of every object (each must exist)."""
+        return self._net.run(self._exists_s)
+
+    def _exists_s(self) -> float:
         start = time.perf_counter()
         answers = self._store.batch_is_exist(self.names)
         seconds = time.perf_counter() - start
@@ -130,6 +151,9 @@ class RawPool:
         fresh pages now and then and runs several times slower (measured: 110 ms instead of
         14 ms for a 32 MiB put over loopback TCP), whichever side happens to get them.
         """
+        return self._net.run(self._prefault, total_bytes)
+
+    def _prefault(self, total_bytes: int) -> int:
         count = total_bytes // self.value_bytes
         names = [f"{self.names[0]}.fill/{i}" for i in range(count)]
         put: list[str] = []
@@ -144,6 +168,9 @@ class RawPool:
 
     def remove(self) -> None:
         """Delete every object from the pool (those absent are fine)."""
+        self._net.run(self._remove)
+
+    def _remove(self) -> None:
         codes = self._store.batch_remove(self.names, True)
         if any(rc not in (0, OBJECT_NOT_FOUND) for rc in codes):
             raise RuntimeError(f"raw pool: batch_remove answered {sorted(set(codes))}")
@@ -154,6 +181,13 @@ class RawPool:
         if store is None:
             return
         try:
-            store.batch_remove(self.names, True)
+            self._net.run(_leave, store, self.names)
         finally:
-            store.close()
+            self._net.close()
+
+
+def _leave(store: object, names: list[str]) -> None:
+    try:
+        store.batch_remove(names, True)
+    finally:
+        store.close()

@@ -16,14 +16,16 @@ from kvstrata.transfer.placement import io_thread_started
 
 
 class Workers:
-    """Daemon threads that run calls; a new one starts whenever none is idle.
+    """Daemon threads that run calls; a new one starts whenever none is idle. ``prepare``:
+    run on the worker before each call (the pool client moves it into the pool's network).
 
     Each ``submit`` either takes an idle worker or starts one, so a job never waits behind a
     call that is stuck in the pool.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, prepare: Callable[[], None] | None = None) -> None:
         self._name = name
+        self._prepare = prepare  # run on the worker before each call (a raise is the call's)
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = 0
@@ -55,6 +57,8 @@ class Workers:
             future, fn, args = job
             if future.set_running_or_notify_cancel():
                 try:
+                    if self._prepare is not None:
+                        self._prepare()
                     future.set_result(fn(*args))
                 except BaseException as error:  # noqa: BLE001 - handed to the waiter
                     future.set_exception(error)

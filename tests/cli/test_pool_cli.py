@@ -79,6 +79,31 @@ def test_start_and_status_print_decimal_sizes_and_a_table(capsys, tmp_path):
         embedded.stop(run_dir)
 
 
+@pytest.mark.parametrize("choice", ["host", "auto"])
+def test_start_says_which_network_the_pool_listens_in_and_status_says_it_again(capsys, tmp_path, choice):
+    from kvstrata.pool import network as netns
+
+    run_dir = tmp_path / "pool"
+    assert main(["pool", "start", "--segment-size", "64MB", "--dir", str(run_dir), "--network", choice]) == 0
+    try:
+        started = " ".join(capsys.readouterr().out.split())
+        private = choice == "auto" and netns.unavailable() is None  # auto: private where it can be
+        network = json.loads((run_dir / embedded.STATE).read_text())["config"]["network"]
+        assert network == (netns.name_for_user() if private else None)
+        assert (f"in network namespace {network}" if private else "on the host's loopback") in started
+        assert main(["pool", "status", "--dir", str(run_dir)]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert (f"network: namespace {network} (root only)" if private else "network: the host's loopback") in out
+    finally:
+        embedded.stop(run_dir)
+
+
+def test_a_network_that_is_no_choice_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["pool", "start", "--network", "everywhere"])
+    assert "invalid choice: 'everywhere'" in capsys.readouterr().err
+
+
 def run_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     assert main(list(argv)) == 2
     err = capsys.readouterr().err

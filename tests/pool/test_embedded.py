@@ -21,6 +21,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool import embedded
+from kvstrata.pool import network as netns
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import ENV as POOL_ENV
 from kvstrata.pool.config import load_pool_config, pool_from_env, read_secret
@@ -55,7 +56,8 @@ def test_a_stopped_process_is_not_up_and_a_dead_daemon_is_not_up_for_a_configure
         finally:
             os.kill(state.master_pid, signal.SIGCONT)
         toml = tmp_path / "pool.toml"
-        toml.write_text(f'[pool]\nmaster = "{state.config.master}"\ndaemon = "{state.config.daemon}"\n')
+        network = f'network = "{state.config.network}"\n' if state.config.network else ""
+        toml.write_text(f'[pool]\nmaster = "{state.config.master}"\ndaemon = "{state.config.daemon}"\n{network}')
         assert main(["pool", "status", "--config", str(toml), "--json"]) == 0
         capsys.readouterr()
         os.kill(state.daemon_pid, signal.SIGKILL)  # the master still answers; the objects are gone
@@ -69,7 +71,11 @@ def test_a_stopped_process_is_not_up_and_a_dead_daemon_is_not_up_for_a_configure
 
 
 def test_a_daemon_that_cannot_take_its_port_is_started_again_on_another(tmp_path, monkeypatch):
-    taken = socket.socket()  # bound, not listening: the daemon cannot bind it, and nothing accepts on it
+    # Bound, not listening, where the pool will run: the daemon cannot bind it, and nothing accepts on it.
+    network = None if netns.unavailable() else netns.name_for_user()
+    if network:
+        netns.create(network)
+    taken = netns.run_in(network, socket.socket)
     taken.bind(("127.0.0.1", 0))
     ports = iter([embedded.free_port(), embedded.free_port(), taken.getsockname()[1]])
     chooser = embedded.free_port

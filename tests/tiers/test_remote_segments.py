@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from kvstrata.pool import embedded
+from kvstrata.pool import network as netns
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
+from kvstrata.pool.network import PoolNetwork
 from kvstrata.tiers.remote import PoolUnavailable, RemoteMode, RemoteTier, fresh_tag
 from tests.process_support import stop_process, wait_until
 from tests.tiers.test_remote import LAYOUT, MODES, SLACK_S, content, make_key, timed
@@ -51,18 +53,20 @@ def segmented(tmp_path_factory):
     run = tmp_path_factory.mktemp("segments")
     master_port = embedded.free_port()
     master = f"127.0.0.1:{master_port}"
-    procs = [embedded.launch_master("127.0.0.1", master_port, embedded.free_port(), run / "master.log")]
+    network = embedded.network_for(PoolNetwork.AUTO)  # where an embedded pool runs (a process joins one network)
+    prefix, accepting = (netns.exec_prefix(network) if network else ()), embedded.accepts_in(network)
+    procs = [embedded.launch_master("127.0.0.1", master_port, embedded.free_port(), run / "master.log", prefix)]
     raw = None
     try:
-        embedded.wait_for(master, procs[0], run / "master.log")
+        embedded.wait_for(master, procs[0], run / "master.log", accepting)
         segments, daemons = [], []
         for n in range(2):
             segment, port = f"127.0.0.1:{embedded.free_port()}", embedded.free_port()
-            procs.append(embedded.launch_daemon(segment, port, master, SEGMENT_BYTES, run / f"daemon{n}.log"))
-            embedded.wait_for(f"127.0.0.1:{port}", procs[-1], run / f"daemon{n}.log")
+            procs.append(embedded.launch_daemon(segment, port, master, SEGMENT_BYTES, run / f"daemon{n}.log", prefix))
+            embedded.wait_for(f"127.0.0.1:{port}", procs[-1], run / f"daemon{n}.log", accepting)
             segments.append(segment)
             daemons.append(f"127.0.0.1:{port}")
-        raw = PoolClient(PoolConfig(master=master))
+        raw = PoolClient(PoolConfig(master=master, network=network))
         probe = raw.allocate(64)
         segment_at = {}
         for segment in segments:
@@ -74,7 +78,8 @@ def segmented(tmp_path_factory):
             segment_at[replica.get_memory_descriptor().buffer_descriptor.transport_endpoint] = segment
         assert len(segment_at) == 2, "the daemons' endpoints must tell them apart"
         pids = (procs[1].pid, procs[2].pid)
-        yield Segmented(PoolConfig(master=master, segments=tuple(segments)), tuple(daemons), pids, raw, segment_at)
+        yield Segmented(PoolConfig(master=master, segments=tuple(segments), network=network), tuple(daemons), pids, raw,
+                        segment_at)
     finally:
         if raw is not None:
             raw.close()
