@@ -1,4 +1,4 @@
-"""``kvstrata pool start|stop|status|libs``: the embedded Mooncake pool on loopback, or a configured one.
+"""``kvstrata pool start|stop|status|metrics|libs``: the embedded Mooncake pool on loopback, or a configured one.
 
 Sizes are decimal (``--segment-size 2GB`` is 2e9 bytes; ``2GiB`` for binary), see ``kvstrata.cli.units``.
 """
@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="where the pool listens: private, a network namespace of its own (root only; nothing "
                             "on the host's network, where Mooncake's transfer ports would be on every interface); "
                             "host, the host's loopback; auto (default), private where this user can make it")
+    metrics = actions.add_parser("metrics", help="the master's Prometheus metrics (fill, objects), fetched from "
+                                 "inside the pool's network (print them, or write them for a textfile collector)")
+    metrics.add_argument("--dir", type=Path, default=None, help="run directory (default $KVSTRATA_POOL_DIR or ~/.cache)")
     for q in (start, actions.add_parser("stop", help="stop the embedded pool"),
               actions.add_parser("status", help="is the pool up?")):
         q.add_argument("--dir", type=Path, default=None, help="run directory (default $KVSTRATA_POOL_DIR or ~/.cache)")
@@ -104,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
                 + f", {format_size(state.segment_bytes)} segment; use it with {POOL_ENV}={doc['state_file']}",
                 highlight=False,
             )
+        return 0
+    if args.action == "metrics":
+        try:
+            sys.stdout.write(embedded.master_metrics(args.dir))
+        except embedded.PoolError as error:
+            print(error, file=sys.stderr)
+            return 1
         return 0
     if args.action == "stop":
         stopped = embedded.stop(args.dir)

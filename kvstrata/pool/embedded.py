@@ -253,6 +253,31 @@ def accepts_in(network: str | None) -> Callable[[str, float], bool]:
     return lambda address, timeout_s: netns.run_in(network, accepts, address, timeout_s)
 
 
+def master_metrics(run_dir: Path | None = None, timeout_s: float = 2.0) -> str:
+    """The master's Prometheus text (``/metrics`` on its metrics port), fetched from inside the
+    pool's network, where a scraper on the host cannot reach.
+
+    Raises:
+        PoolError: no pool recorded in ``run_dir``, or the master did not answer (one line).
+    """
+    import urllib.request
+
+    state = read_state(run_dir)
+    if state is None:
+        raise PoolError(f"no embedded pool started in {run_dir or default_run_dir()}")
+    url = f"http://127.0.0.1:{state.metrics_port}/metrics"
+
+    def fetch() -> str:
+        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+            return answer.read().decode(errors="replace")
+
+    try:
+        return netns.run_in(state.config.network, fetch)
+    except (OSError, netns.NetworkError) as error:
+        where = f" in network {state.config.network}" if state.config.network else ""
+        raise PoolError(f"the pool master's metrics at {url}{where} did not answer: {error}") from None
+
+
 # How long the master keeps a pool daemon (and every object in its segment) after its last
 # heartbeat. Mooncake's default, 10 s, dropped every object of a daemon stopped for 5 s
 # (a stall, a SIGSTOP, a debugger); a dead daemon is still noticed at once by clients, whose

@@ -98,6 +98,21 @@ def test_start_says_which_network_the_pool_listens_in_and_status_says_it_again(c
         embedded.stop(run_dir)
 
 
+def test_metrics_are_the_masters_own_fetched_from_inside_its_network(capsys, tmp_path):
+    run_dir = tmp_path / "pool"
+    assert main(["pool", "metrics", "--dir", str(run_dir)]) == 1
+    assert f"no embedded pool started in {run_dir}" in capsys.readouterr().err
+    assert main(["pool", "start", "--segment-size", "64MB", "--dir", str(run_dir)]) == 0
+    try:
+        capsys.readouterr()
+        assert main(["pool", "metrics", "--dir", str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        capacity = next(line for line in out.splitlines() if line.startswith("master_total_capacity_bytes"))
+        assert float(capacity.split()[-1]) == 64_000_000  # the daemon's segment, as the master counts it
+    finally:
+        embedded.stop(run_dir)
+
+
 def test_a_network_that_is_no_choice_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["pool", "start", "--network", "everywhere"])
