@@ -136,9 +136,9 @@ def enter(name: str | None) -> None:
             _move(PROCESS, "this process's network namespace")
             _here.inode = None
         return
-    path = NAMESPACES / check_name(name)
+    path = _paths.get(name) or _path(name)
     try:
-        inode = os.stat(path).st_ino
+        inode = os.stat(path).st_ino  # on every call into the pool: a str path, no checks (~1 us)
     except FileNotFoundError:
         raise NetworkError(f"pool network {name} does not exist ({path}): is the pool running?") from None
     if getattr(_here, "inode", None) == inode:
@@ -147,7 +147,15 @@ def enter(name: str | None) -> None:
     _here.inode = inode
 
 
-def _move(path: Path, what: str) -> None:
+_paths: dict[str, str] = {}
+
+
+def _path(name: str) -> str:
+    _paths[name] = path = str(NAMESPACES / check_name(name))
+    return path
+
+
+def _move(path: Path | str, what: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         _setns(fd, what)

@@ -165,12 +165,15 @@ def test_another_user_can_neither_reach_the_pool_nor_enter_its_network(pool):
     assert len(got) >= 3 and set(got.values()) == {"ConnectionRefusedError"}, got
 
 
-def test_a_client_that_cannot_enter_the_pool_s_network_is_refused_in_one_line(pool, monkeypatch):
+def test_a_client_that_cannot_enter_the_pool_s_network_is_refused_in_one_line(pool):
+    import dataclasses
+
     from kvstrata.pool.client import PoolUnavailable
 
-    monkeypatch.setattr(netns, "NAMESPACES", netns.NAMESPACES / "missing")  # as if it were gone
-    with pytest.raises(PoolUnavailable, match=f"pool network {pool.config.network} does not exist"):
-        PoolClient(pool.config, RemoteMode.TCP, connect_timeout_s=2)
+    gone = dataclasses.replace(pool.config, network="kvstrata-gone")  # as if it had been deleted
+    with pytest.raises(PoolUnavailable, match="pool network kvstrata-gone does not exist") as caught:
+        PoolClient(gone, RemoteMode.TCP, connect_timeout_s=2)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_process_that_joined_one_pool_network_is_refused_another_at_once(pool, host_pool):
