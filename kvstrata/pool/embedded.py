@@ -334,17 +334,17 @@ def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None, network:
         raise PoolError(libs.describe(missing))
     token = new_token()
     _write_json(run_dir / STARTING, {"token": token})  # before any process: a kill at any point leaves it
-    master_port, metrics_port = free_port(), free_port()
-    master = f"127.0.0.1:{master_port}"
-    ns = None
     try:
         ns = network_for(network)
         prefix, accepting = (netns.exec_prefix(ns), accepts_in(ns)) if ns else ((), accepts)
+        port = (lambda: netns.run_in(ns, free_port)) if ns else free_port  # free where the pool listens
+        master_port, metrics_port = port(), port()
+        master = f"127.0.0.1:{master_port}"
         master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log", prefix, token)
         wait_for(master, master_proc, run_dir / "master.log", accepting)
         master_stamp = _stamp(master_proc, run_dir / "master.log")
         for attempt in range(DAEMON_ATTEMPTS):
-            daemon_port = free_port()
+            daemon_port = port()
             daemon = f"127.0.0.1:{daemon_port}"
             daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log",
                                         prefix, token)

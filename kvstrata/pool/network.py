@@ -99,7 +99,11 @@ def create(name: str) -> None:
     if why is not None:
         raise NetworkError(why)
     if not exists(name):
-        _ip("netns", "add", name)
+        try:
+            _ip("netns", "add", name)
+        except NetworkError:
+            if not exists(name):  # else another pool's start made it meanwhile
+                raise
     _ip("-n", name, "link", "set", "lo", "up")
 
 
