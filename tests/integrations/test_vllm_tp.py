@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import uuid
 from pathlib import Path
@@ -36,6 +37,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("KVSTRATA_VLLM_TP") != "1",
 
 MiB = 1024**2
 FILLER_HITS = [96, 96]
+_rng = random.Random(29)
+SLOW = [[_rng.randrange(10, 4000) for _ in range(n)] for n in (200, 260, 230, 290)]  # test_vllm_budget's, at TP=2
+CAP_GBPS = 0.0001  # 0.1 MB/s, a cap the connector is not told of
 LONGER = [p + [11 + i for i in range(64)] for p in FILLER]  # FILLER's 3 blocks, then 2 new full ones
 
 
@@ -78,6 +82,8 @@ def tp_runs(tiny_model_dir, tiny_mla_dir, pool, tmp_path_factory) -> dict:
     runs |= run_children({
         "l2_missing": {**spec(model, tmp, "l2_missing", passes=[FILLER, LONGER], model_id=f"vllm-tp-{ns}",
                               host_bytes=16 * MiB, **disk), **tp2, **fp32},
+        "l2_slow": {**spec(model, tmp, "l2_slow", passes=[SLOW, SLOW], max_tokens=4, host_bytes=0,
+                           disk_dir=str(tmp / "slow-disk"), disk_bytes=64 * MiB, disk_read_gbps=CAP_GBPS), **tp2, **fp32},
     }, tmp)
     for name, run in runs.items():
         print(f"{name}: start {run['start_s']:.1f} s, generate {sum(p['seconds'] for p in run['passes']):.1f} s")
@@ -157,3 +163,20 @@ def test_no_rank_stores_the_new_blocks_of_a_step_in_which_another_ranks_load_fai
     assert rank1["failed_blocks"] > sum(FILLER_HITS) // BLOCK  # and failed on rank 1 again
     assert rank0["dropped_blocks"] == rank1["dropped_blocks"] >= (len(LONGER[0]) - len(FILLER[0])) // BLOCK  # held, dropped
     assert rank0["stored_blocks"] == rank1["stored_blocks"]
+
+
+def test_a_load_past_its_budget_at_tp2_is_given_up_and_every_rank_computes_the_same_tokens(tp_runs):
+    """A disk capped at 0.1 MB/s behind both ranks (each its own directory): each rank gives up
+    the loads that held its step or its request past their budget, independently; vLLM
+    recomputes a request any rank failed, on every rank. The pass takes far less than reading
+    its hits would, and its tokens are the first pass's."""
+    runs, tmp = tp_runs["runs"], tp_runs["tmp"]
+    first, again = runs["l2_slow"]["passes"]
+    ranks = [rank_stats(runs["l2_slow"], tmp, "l2_slow", r) for r in (0, 1)]
+    assert first["stats"]["new_blocks"] > 0 and first["stats"]["load_requests"] == 0
+    assert all(s["late_loads"] >= 1 and s["failed_blocks"] > 0 for s in ranks), ranks
+    assert "budget" in ranks[0]["last_failure"] and ranks[0]["recomputed_blocks"] >= ranks[0]["failed_blocks"]
+    one_block_s = 4 * 2 * BLOCK * 64 * 4 / (CAP_GBPS * 1e9)  # a rank's slice (one head) of one block, fp32
+    one_hit_s = min((len(p) - 1) // BLOCK for p in SLOW) * one_block_s
+    assert one_hit_s > 1.0 and again["seconds"] < len(SLOW) * one_hit_s / 2, (again["seconds"], one_hit_s)
+    assert again["tokens"] == first["tokens"]

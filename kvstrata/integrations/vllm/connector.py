@@ -78,9 +78,10 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
                 loads_enabled=transfer.is_kv_consumer, saves_enabled=transfer.is_kv_producer,
                 spans=group_spans(kv_cache_config), horizon_blocks=kv_cache_config.num_blocks,
                 judge_saves=self.settings.pool is None,  # a pool's blocks serve other servers too: unseen here
-                # with one TP rank only: a step's saves now wait for every rank's loads (verdicts.py),
-                # but a budget given up on one rank has not been tried at TP > 1
-                load_budget=self.settings.load_budget if vllm_config.parallel_config.tensor_parallel_size == 1 else None,
+                # at any TP size: a load one rank gives up is recomputed on every rank (vLLM takes the
+                # union of the ranks' invalid blocks, and fails an off-step load any rank failed), and
+                # the step's saves wait for every rank's verdict (verdicts.py)
+                load_budget=self.settings.load_budget,
                 ranks=vllm_config.parallel_config.tensor_parallel_size,
             )
         elif role == KVConnectorRole.WORKER:
