@@ -92,6 +92,34 @@ def test_a_daemon_that_cannot_take_its_port_is_started_again_on_another(tmp_path
         taken.close()
 
 
+def test_a_daemon_that_fails_on_both_ports_is_started_again_with_a_fresh_master(tmp_path, monkeypatch):
+    # Its first two daemons are given a master that is not there, so neither serves: the start
+    # ends that master and starts a fresh master and daemon, which serve.
+    monkeypatch.setattr(embedded, "START_TIMEOUT_S", 3.0)
+    real, masters, calls = embedded.launch_daemon, [], []
+    real_master = embedded.launch_master
+
+    def master(*args, **kwargs):
+        proc = real_master(*args, **kwargs)
+        masters.append(proc)
+        return proc
+
+    def daemon(host, port, master_address, *args, **kwargs):
+        calls.append(port)
+        return real(host, port, master_address if len(calls) > 2 else "127.0.0.1:1", *args, **kwargs)
+
+    monkeypatch.setattr(embedded, "launch_master", master)
+    monkeypatch.setattr(embedded, "launch_daemon", daemon)
+    run_dir = tmp_path / "pool"
+    state = embedded.start(64 * 1024**2, run_dir)
+    try:
+        assert len(calls) == 3 and len(masters) == 2
+        assert masters[0].wait(timeout=10) is not None  # the first master was ended
+        assert state.master_pid == masters[1].pid and embedded.status(run_dir)["running"]
+    finally:
+        embedded.stop(run_dir)
+
+
 def test_stop_ends_the_processes_start_recorded_by_their_stamps(tmp_path):
     run_dir = tmp_path / "pool"
     state = embedded.start(64 * 1024**2, run_dir)
