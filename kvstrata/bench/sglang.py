@@ -264,8 +264,8 @@ def _disk_rounds(config: SGLangBenchConfig, pages: _Pages, scratch: Path, progre
         stack.callback(ours.close)
         theirs = h.create_backend(h.storage_config(pages.host, {"file_storage_path": str(file_dir)},
                                                    model_name="bench-sglang"), pages.host, backend="file")
-        backends = {Subject.OURS: (ours, h.Controller(ours, pages.host, True)),
-                    Subject.FILE: (theirs, h.Controller(theirs, pages.host, False))}
+        backends = {Subject.OURS: (ours, h.Controller(ours, pages.host, True), _here),
+                    Subject.FILE: (theirs, h.Controller(theirs, pages.host, False), _here)}
 
         def files() -> list[Path]:
             return [p for d in (ours_dir, file_dir) for p in d.rglob("*") if p.is_file() and not p.name.startswith(".")]
@@ -295,11 +295,11 @@ def _pool_rounds(config: SGLangBenchConfig, pages: _Pages, pool: PoolConfig, pro
             name = f"bench-sglang-{run}-{subject.name.lower()}"
             ours = h.create_backend(h.storage_config(pages.host, extra, model_name=name), pages.host)
             stack.callback(ours.close)
-            backends[subject] = (ours, h.Controller(ours, pages.host, True))
+            backends[subject] = (ours, h.Controller(ours, pages.host, True), _here)
         raw = RawPool(pool, RemoteMode.TCP, [f"bench-sglang-raw-{run}-{i}" for i in range(config.pages)],
                       torch.stack(pages.want))
         stack.callback(raw.remove)
-        backends[Subject.RAW] = (raw, None)
+        backends[Subject.RAW] = (raw, None, _here)
         if not (config.layout == "layer_first" and not pages.shape.is_mla):  # SGLang's refuses MHA layer_first
             extra = {"master_server_address": pool.master, "protocol": pool.protocol, "global_segment_size": 0,
                      "metadata_server": pool.metadata_server, "local_hostname": pool.local_hostname,
@@ -325,7 +325,7 @@ def _rounds(config: SGLangBenchConfig, pages: _Pages, backends: dict, phases: tu
         keys = pages.harness.page_keys(config.pages, p, seed=1000 + r)  # fresh: a set writes every page
         for phase in phases:
             for subject in rotated(subjects, r):
-                backend, controller, run = _entry(backends[subject])
+                backend, controller, run = backends[subject]
                 seconds = run(_step, phase, subject, backend, controller, keys, pages, files)
                 if phase is not Phase.SET:
                     verified += pages.verify(subject)
@@ -333,7 +333,7 @@ def _rounds(config: SGLangBenchConfig, pages: _Pages, backends: dict, phases: tu
                     rounds.add(f"{subject.name}.{phase.name}", seconds)
             progress.step(f"{side}: {phase.value}, " + (f"round {r}/{config.repeats}" if r else "warm-up"))
         for subject in subjects:
-            backend, controller, run = _entry(backends[subject])
+            backend, controller, run = backends[subject]
             if subject is Subject.SGLANG_MOONCAKE:  # its own clear() removes every object in the pool
                 run(backend.store.remove_by_regex, f"^{re.escape(backend.config_prefix)}_", True)
             elif controller is not None:
@@ -341,13 +341,8 @@ def _rounds(config: SGLangBenchConfig, pages: _Pages, backends: dict, phases: tu
     return rounds, verified
 
 
-def _entry(entry: tuple) -> tuple[Any, Any, Callable[..., Any]]:
-    """(backend, controller, how to call it): a backend's calls run where its entry says (the
-    pool's network, for SGLang's own client), else on this thread."""
-    return entry if len(entry) == 3 else (*entry, _here)
-
-
 def _here(fn: Callable[..., Any], *args: Any) -> Any:
+    """How a backend's calls run when nothing says where: on this thread."""
     return fn(*args)
 
 

@@ -340,8 +340,10 @@ def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None, network:
     _write_json(run_dir / STARTING, {"token": token})  # before any process: a kill at any point leaves it
     try:
         ns = network_for(network)
-        prefix, accepting = (netns.exec_prefix(ns), accepts_in(ns)) if ns else ((), accepts)
-        port = (lambda: netns.run_in(ns, free_port)) if ns else free_port  # free where the pool listens
+        prefix, accepting = netns.exec_prefix(ns) if ns else (), accepts_in(ns)
+        def port() -> int:  # free where the pool listens
+            return netns.run_in(ns, free_port)
+
         for attempt in range(START_ATTEMPTS):
             try:
                 master, metrics_port, daemon = _launch_pool(run_dir, segment_bytes, port, prefix, accepting, token)
