@@ -292,6 +292,42 @@ def test_write_back_eviction_of_more_blocks_than_the_host_holds_cascades_to_disk
     assert load_released(cache, seq).blocks == 8
 
 
+def test_closing_a_write_back_cache_writes_its_memory_only_blocks_down_and_a_reopen_serves_them(tmp_path, caches):
+    """A graceful stop keeps what write-back held in memory: every block only the device or the
+    host had is written to disk at close, once each, and the disk reopened serves them all,
+    byte for byte. Blocks already on disk are not written again."""
+    cache = TieredCache(make_config(tmp_path, device=2, host=3, disk=16, write=WritePolicy.WRITE_BACK))
+    seqs = [tokens(i, 1) for i in range(1, 8)]
+    for seq in seqs:
+        store(cache, seq)
+    before = moved(cache)
+    assert before.get((H, K)) == 2 * B  # 7 blocks through 2 + 3 slots: two went down on eviction
+    cache.close()
+    assert moved(cache)[(H, K)] - before[(H, K)] == 3 * B  # the host's three
+    assert moved(cache)[(D, K)] == 2 * B  # the device's two (nowhere else)
+    reopened = caches(make_config(tmp_path, device=2, host=3, disk=16, write=WritePolicy.WRITE_BACK))
+    assert [media(reopened, s) for s in seqs] == [(K,)] * 7
+    for seq in seqs:
+        load_released(reopened, seq)
+
+
+def test_closing_with_no_flush_budget_or_written_through_writes_nothing_more(tmp_path, caches):
+    back = TieredCache(dataclasses.replace(make_config(tmp_path / "back", device=2, host=3, disk=16),
+                                           write_back_flush_s=0))
+    through = TieredCache(make_config(tmp_path / "through", device=2, host=3, disk=16,
+                                      write=WritePolicy.WRITE_THROUGH))
+    for cache in (back, through):
+        for i in range(1, 6):
+            store(cache, tokens(i, 1))
+        before = moved(cache)
+        cache.close()
+        assert moved(cache) == before
+    reopened = caches(make_config(tmp_path / "back", device=2, host=3, disk=16))
+    assert [media(reopened, tokens(i, 1)) for i in range(1, 6)] == [()] * 5  # nothing was ever below the host
+    with pytest.raises(ValueError, match="write_back_flush_s must be a number of seconds >= 0"):
+        dataclasses.replace(make_config(tmp_path, device=2, host=3), write_back_flush_s=-1)
+
+
 def test_selective_writes_a_block_down_on_its_nth_hit_and_drops_cold_blocks(tmp_path, caches):
     cache = caches(make_config(tmp_path, device=2, host=4, disk=8, write=WritePolicy.SELECTIVE, selective_hits=2))
     hot, cold = tokens(1, 1), tokens(2, 1)

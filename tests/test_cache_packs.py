@@ -9,6 +9,7 @@ Mooncake pool; every restore compared byte for byte with the heads stored.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
@@ -59,6 +60,10 @@ def test_rank_configs_give_its_own_tiers_the_packs_and_the_pool_the_slices(tmp_p
     assert packs.namespace() != slices.namespace()
     packs_only, none = rank_configs(config(tmp_path, "m"), SLICING, 2, 1)
     assert none is None and packs_only.disk_bytes > 0
+    # the packs follow the config's write policy; other instances read the slices at once
+    back = dataclasses.replace(config(tmp_path, "m", pool), write=WriteRule(WritePolicy.WRITE_BACK))
+    packs, slices = rank_configs(back, SLICING, 2, 1)
+    assert (packs.write.policy, slices.write.policy) == (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH)
 
 
 def test_a_rank_restores_its_own_packs_one_object_a_block_and_other_tps_the_pools_slices(tmp_path, pool):

@@ -38,6 +38,9 @@ class CacheConfig:
     disk_bytes: int = 0
     disk_dir: Path | None = None
     write: WriteRule = field(default_factory=WriteRule)
+    # Closing a write-back cache writes the blocks only its memory tiers hold down to the tier
+    # below, for at most this many seconds (a graceful stop keeps them; a crash loses them).
+    write_back_flush_s: float = 30.0
     eviction: Eviction = Eviction.LRU
     workers: int = 2
     tp_rank: int = 0
@@ -108,6 +111,9 @@ class CacheConfig:
             raise ValueError(f"cache layer_ranges must be True, False or None, got {self.layer_ranges!r}")
         if self.small_load_bytes < 0:
             raise ValueError(f"cache small_load_bytes must be >= 0, got {self.small_load_bytes}")
+        if isinstance(self.write_back_flush_s, bool) or not isinstance(self.write_back_flush_s, (int, float)) \
+                or not self.write_back_flush_s >= 0:
+            raise ValueError(f"cache write_back_flush_s must be a number of seconds >= 0, got {self.write_back_flush_s!r}")
         if self.disk_read_gbps is not None and not self.disk_read_gbps > 0:
             raise ValueError(f"cache disk_read_gbps must be positive, got {self.disk_read_gbps}")
         check_budgets("cache", pool_timeout_s=self.pool_timeout_s, pool_connect_timeout_s=self.pool_connect_timeout_s,

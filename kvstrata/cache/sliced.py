@@ -41,6 +41,7 @@ from kvstrata.cache.tiered import TieredCache
 from kvstrata.index.keys import BlockKey, Namespace, block_keys, pack_keys, slice_keys, token_array
 from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
+from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.tensors import check_kv
 
 __all__ = ["SlicedLoad", "SlicedMatch", "SlicedRank", "instance_matches", "rank_configs"]
@@ -56,14 +57,15 @@ def rank_configs(config: CacheConfig, slicing: HeadSlicing, tp_size: int,
                  tp_rank: int) -> tuple[CacheConfig, CacheConfig | None]:
     """``config`` (of a slice layout) split for one rank: its packs (the device, host and disk
     tiers) and the slices (the pool, with a device tier and a host tier as big as the device's
-    to stage through; None without a pool)."""
+    to stage through, written through: other instances read the slices at once; None without a
+    pool). The packs follow ``config``'s write policy."""
     layout = pack_layout(config.layout, len(slicing.rank_heads(tp_size, tp_rank)))
     packs = dataclasses.replace(config, layout=layout, pool=None, remote_bytes=0, pool_encrypt=False,
                                 device_bytes=max(config.device_bytes, layout.block_bytes))
     if config.pool is None:
         return packs, None
     return packs, dataclasses.replace(config, host_bytes=min(config.host_bytes, config.device_bytes), disk_bytes=0,
-                                      disk_dir=None)
+                                      disk_dir=None, write=WriteRule(WritePolicy.WRITE_THROUGH))
 
 
 class SlicedRank:

@@ -304,8 +304,13 @@ class TransferWorker:
         """Run ``tasks``, each on its pool (``pools``, in step; default: the byte movers)."""
         if len(tasks) <= 1:
             return [task() for task in tasks]
-        futures = [(pools[i] if pools else self._movers).submit(task) for i, task in enumerate(tasks)]
-        return [future.result() for future in futures]
+        futures: list[Future[T] | Callable[[], T]] = []
+        for i, task in enumerate(tasks):
+            try:
+                futures.append((pools[i] if pools else self._movers).submit(task))
+            except RuntimeError:  # the interpreter is exiting (a cache closed from atexit): the rest run here
+                futures.append(task)
+        return [f.result() if isinstance(f, Future) else f() for f in futures]
 
     def _run_handler(self, legs: Sequence[Leg], layers: slice, ready: Any) -> tuple[list, TransferResult | None]:
         """One handler call for legs of one medium pair: per leg its error (or None), and what moved."""

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 from kvstrata.integrations.vllm import ConnectorSettings, KVSharing  # noqa: E402
 from kvstrata.kv.geometry import DType  # noqa: E402
 from kvstrata.kv.layout import KVLayout  # noqa: E402
+from kvstrata.policies.write import WritePolicy  # noqa: E402
 from kvstrata.pool.config import RemoteMode  # noqa: E402
 from kvstrata.transfer.placement import io_cpus_for  # noqa: E402
 
@@ -76,6 +77,8 @@ def test_empty_strings_mean_not_given():
         ({"save_backlog_bytes": -5}, "save_backlog_bytes must be a number of bytes >= 0"),
         ({"load_budget": 0}, "load_budget must be a number > 0 \\(times the prefill\\) or null, got 0"),
         ({"load_budget": "2x"}, "load_budget must be a number > 0"),
+        ({"write": "back"}, "write must be one of \\['write-through', 'write-back', 'selective'\\], got 'back'"),
+        ({"write_back_flush_s": -1}, "write_back_flush_s must be a number of seconds >= 0, got -1"),
     ],
 )
 def test_a_bad_key_or_value_is_one_line_naming_it(extra, named):
@@ -101,6 +104,20 @@ def test_the_cache_config_carries_the_settings(tmp_path):
     assert config.disk_read_gbps is None
     slow = ConnectorSettings.from_extra({"disk_read_gbps": 0.2, "disk_dir": str(tmp_path), "disk_bytes": MiB})
     assert slow.cache_config(layout, "vllm-model", "cpu", 0, 1).disk_read_gbps == 0.2  # the disk tier's read cap
+
+
+def test_blocks_go_below_the_host_on_eviction_unless_a_tp_matched_pool_shares_them(tmp_path):
+    """Write-back by default: a block served from the host never costs a disk write. Other
+    instances read a TP-matched cache's pool at once, so it writes through; head-sliced slices
+    have a cache of their own, written through (``rank_configs``), so the packs write back."""
+    layout = KVLayout(4, 32, 2, 64, DType.BF16, name="vllm-cpu opaque")
+    assert ConnectorSettings().write_policy is WritePolicy.WRITE_BACK
+    assert ConnectorSettings(pool="/p.json").write_policy is WritePolicy.WRITE_BACK  # head-sliced
+    assert ConnectorSettings(pool="/p.json", kv_sharing=KVSharing.MATCHED).write_policy is WritePolicy.WRITE_THROUGH
+    chosen = ConnectorSettings.from_extra({"write": "write-through", "write_back_flush_s": 2.5})
+    config = chosen.cache_config(layout, "vllm-model", "cpu", 0, 1)
+    assert (config.write.policy, config.write_back_flush_s) == (WritePolicy.WRITE_THROUGH, 2.5)
+    assert ConnectorSettings().cache_config(layout, "m", "cpu", 0, 1).write.policy is WritePolicy.WRITE_BACK
 
 
 def test_a_pool_from_an_unset_environment_is_refused(monkeypatch):

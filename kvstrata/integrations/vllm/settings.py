@@ -19,6 +19,7 @@ from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_n
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.payoff import BUDGET_FACTOR
+from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.transfer.placement import parse_cpu_list
 from kvstrata.pool.config import (
     BACKOFF_MAX_S,
@@ -70,6 +71,16 @@ class ConnectorSettings:
         load_budget: a granted load may hold a step up this many times the prefill of its tokens
             (:data:`~kvstrata.policies.payoff.BUDGET_FACTOR` by default), then it is given up and
             its blocks are computed; None: no budget (every granted load is waited for).
+        write: when a stored block goes below the host tier (``"write-back"``, ``"write-through"``
+            or ``"selective"`` in the extra config). None, the default: write-back, except for a
+            TP-matched cache with a pool (write-through: other instances read the pool at once).
+            Write-back writes a block to disk only when the host tier evicts it, so a block
+            served from the host, the usual hit, never costs a disk write; on a CPU server a
+            write is CPU taken from the forward. A graceful stop writes the host's blocks down
+            (``write_back_flush_s``); a crash loses them. Head-sliced slices go to the pool at
+            once whatever this says.
+        write_back_flush_s: how long a graceful stop may spend writing the host tier's blocks
+            down to disk (write-back).
     """
 
     device_bytes: int = 64 * MiB
@@ -91,6 +102,8 @@ class ConnectorSettings:
     kv_sharing: KVSharing = KVSharing.SLICED
     disk_read_gbps: float | None = None
     load_budget: float | None = BUDGET_FACTOR
+    write: WritePolicy | None = None
+    write_back_flush_s: float = 30.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -126,6 +139,12 @@ class ConnectorSettings:
                 self.load_budget, (int, float)) or not self.load_budget > 0):
             raise ValueError(f"{_PREFIX} load_budget must be a number > 0 (times the prefill) or null, "
                              f"got {self.load_budget!r}")
+        if self.write is not None and not isinstance(self.write, WritePolicy):
+            raise ValueError(f"{_PREFIX} write must be a WritePolicy or None, got {self.write!r}")
+        if isinstance(self.write_back_flush_s, bool) or not isinstance(self.write_back_flush_s, (int, float)) \
+                or not self.write_back_flush_s >= 0:
+            raise ValueError(f"{_PREFIX} write_back_flush_s must be a number of seconds >= 0, "
+                             f"got {self.write_back_flush_s!r}")
         if not isinstance(self.sync_save, bool):
             raise ValueError(f"{_PREFIX} sync_save must be true or false, got {self.sync_save!r}")
         if self.disk_read_gbps is not None and (isinstance(self.disk_read_gbps, bool)
@@ -136,6 +155,14 @@ class ConnectorSettings:
         if not isinstance(self.io_cpus, str) or (self.io_cpus not in ("auto", "none") and not _cpu_list(self.io_cpus)):
             raise ValueError(f"{_PREFIX} io_cpus must be \"auto\", \"none\" or a CPU list such as \"6-7\", "
                              f"got {self.io_cpus!r}")
+
+    @property
+    def write_policy(self) -> WritePolicy:
+        """``write``, or where it is None, what it defaults to (see the class)."""
+        if self.write is not None:
+            return self.write
+        shared = self.pool is not None and self.kv_sharing is not KVSharing.SLICED
+        return WritePolicy.WRITE_THROUGH if shared else WritePolicy.WRITE_BACK
 
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""
@@ -173,6 +200,8 @@ class ConnectorSettings:
             remote_mode=self.remote_mode,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            write=WriteRule(self.write_policy),
+            write_back_flush_s=self.write_back_flush_s,
             **pool_budgets(self),
         )
 
@@ -194,5 +223,6 @@ _PARSERS: dict[str, Parser] = {
     "stats_path": path(f"{_PREFIX} "),
     "remote_mode": choice(RemoteMode, f"{_PREFIX} "),
     "kv_sharing": choice(KVSharing, f"{_PREFIX} "),
+    "write": choice(WritePolicy, f"{_PREFIX} "),
     "model_id": empty_is_none,  # empty: vLLM's model name, as when it is not given
 }
