@@ -59,3 +59,17 @@ def test_a_store_s_cpu_from_the_save_thread_comes_with_a_later_step_and_ranks_ke
     merged = KVStrataWorkerMeta(saved_blocks=9, save_cpu_s=0.004).aggregate(KVStrataWorkerMeta(saved_blocks=9,
                                                                                               save_cpu_s=0.006))
     assert (merged.saved_blocks, merged.save_cpu_s) == (9, 0.006)
+
+
+def test_whether_the_caches_started_empty_is_said_once_and_ranks_merge_as_all_of_them():
+    clock = StepClock()
+    clock.started(empty=True)
+    first = clock.take()  # said even with nothing measured yet
+    assert first is not None and first.caches_started_empty is True
+    assert clock.take() is None
+    clock.saved(1)
+    assert clock.take().caches_started_empty is None  # not said again
+    said, kept, unsaid = (KVStrataWorkerMeta(caches_started_empty=True), KVStrataWorkerMeta(caches_started_empty=False),
+                          KVStrataWorkerMeta())
+    assert said.aggregate(kept).caches_started_empty is False  # one rank recovered blocks from its disk
+    assert said.aggregate(unsaid).caches_started_empty is True and unsaid.aggregate(unsaid).caches_started_empty is None

@@ -102,6 +102,16 @@ def test_a_host_hit_is_counted_loaded_and_moved(served):
     assert value(samples, "vllm:prompt_tokens_cached_by_source_total", source="host") == hits["host"] * 32
 
 
+def test_a_prompt_whose_first_block_was_never_stored_is_a_miss_the_scheduler_answers(served):
+    """Seeds 0, 0, 1, 2, 3, 4, 0: the first 0 is asked of the worker (no report yet says its
+    caches started empty), the second is vLLM's own hit (nothing asked), 1 to 4 were never
+    stored (the scheduler's misses, no round trip), the last 0 was: the worker answers it."""
+    samples, _ = served
+    lookups = {dict(k[1])["answered_by"]: v for k, v in samples.items() if k[0] == "kvstrata_connector_lookups_total"}
+    assert lookups == {"scheduler": 4, "worker": 2}
+    assert value(samples, "kvstrata_connector_lookup_miss_blocks_total") == 5 * 18  # counted as before
+
+
 def test_the_tier_gauges_are_the_configured_capacities_and_what_is_stored(served):
     samples, stats = served
     capacity = tier_sum(samples, "kvstrata_connector_tier_capacity_bytes")

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
-from kvstrata.integrations.vllm.groups import group_spans
+from kvstrata.integrations.vllm.groups import group_spans, rank_block_bytes
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata
 from kvstrata.integrations.vllm.prom import KVStrataPromMetrics, KVStrataStats, stats_of
 from kvstrata.integrations.vllm.scheduler import KVStrataConnectorScheduler
@@ -83,6 +83,9 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
                 # the step's saves wait for every rank's verdict (verdicts.py)
                 load_budget=self.settings.load_budget,
                 ranks=vllm_config.parallel_config.tensor_parallel_size,
+                # no pool: the caches hold what this server stores, and what a disk kept (the workers say)
+                own_blocks_only=self.settings.pool is None,
+                held_blocks=self.settings.held_blocks(rank_block_bytes(kv_cache_config)),
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStrataConnectorWorker(

@@ -43,13 +43,15 @@ class LoadTiming:
 @dataclass
 class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
     """A step's measurements: the forward's compute (tokens, seconds), each load's time, and the
-    stores': blocks sent to store, and the CPU seconds stores took since the last report."""
+    stores': blocks sent to store, and the CPU seconds stores took since the last report. The
+    first report also says whether the caches started empty (None: not said in this one)."""
 
     computed_tokens: int = 0
     compute_s: float = 0.0
     loads: list[LoadTiming] = field(default_factory=list)
     saved_blocks: int = 0
     save_cpu_s: float = 0.0
+    caches_started_empty: bool | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVStrataWorkerMeta):
@@ -58,9 +60,11 @@ class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
         for t in other.loads:
             mine = loads.get(t.req_id)
             loads[t.req_id] = t if mine is None else LoadTiming(t.req_id, max(t.seconds, mine.seconds), t.ok and mine.ok)
+        said = [m.caches_started_empty for m in (self, other) if m.caches_started_empty is not None]
         return KVStrataWorkerMeta(max(self.computed_tokens, other.computed_tokens),
                                   max(self.compute_s, other.compute_s), list(loads.values()),
-                                  max(self.saved_blocks, other.saved_blocks), max(self.save_cpu_s, other.save_cpu_s))
+                                  max(self.saved_blocks, other.saved_blocks), max(self.save_cpu_s, other.save_cpu_s),
+                                  all(said) if said else None)
 
 
 class StepClock:
@@ -106,6 +110,10 @@ class StepClock:
     def saved(self, blocks: int) -> None:
         self._pending.saved_blocks += blocks
 
+    def started(self, empty: bool) -> None:
+        """The caches are open; ``empty``: they held no block (the next report says so)."""
+        self._pending.caches_started_empty = empty
+
     def save_cpu(self, seconds: float) -> None:
         with self._save_lock:
             self._save_cpu_s += seconds
@@ -114,7 +122,8 @@ class StepClock:
         meta = self._pending
         with self._save_lock:
             meta.save_cpu_s, self._save_cpu_s = meta.save_cpu_s + self._save_cpu_s, 0.0
-        if not meta.loads and not meta.computed_tokens and not meta.saved_blocks and not meta.save_cpu_s:
+        if (not meta.loads and not meta.computed_tokens and not meta.saved_blocks and not meta.save_cpu_s
+                and meta.caches_started_empty is None):
             return None
         self._pending = KVStrataWorkerMeta()
         return meta

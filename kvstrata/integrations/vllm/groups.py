@@ -132,6 +132,11 @@ def group_spans(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]:
     return tuple(spans)
 
 
+def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """A block's bytes in one rank's paged KV over every group's layers (what its tiers keep of a block)."""
+    return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+
+
 def hit_tiers(match: GroupedMatch) -> tuple[Medium, ...]:
     """Per block of a usable hit, the tier its load waits for: the slowest of the groups' copies
     of it; a block no group needs (before every window) takes the next needed block's."""

@@ -75,6 +75,9 @@ LOOKUP_HIT_BLOCKS = _counter("lookup_hit_blocks", ("tier",), "Prompt blocks beyo
                              "kvstrata held when vLLM admitted the request, by the fastest tier holding them")
 LOOKUP_MISS_BLOCKS = _counter("lookup_miss_blocks", (), "Full prompt blocks beyond vLLM's own prefix hit "
                               "that no kvstrata tier held when vLLM admitted the request")
+LOOKUPS = _counter("lookups", ("answered_by",), "Lookups of prompts vLLM asked for, by who answered: the "
+                   "scheduler (a prompt whose first block this server never stored: a miss, no question to the "
+                   "workers) or the worker (rank 0's caches, across processes)")
 LOADED_BLOCKS = _counter("loaded_blocks", ("tier",), "vLLM blocks restored into vLLM's KV, by source tier")
 LOADED_BYTES = _counter("loaded_bytes", ("tier",), "Bytes restored into vLLM's KV, by source tier")
 SAVED_BYTES = _counter("saved_bytes", (), "Bytes copied out of vLLM's KV for saves (every block offered to "
@@ -109,7 +112,7 @@ TIER_USED_BYTES = Metric("kvstrata_connector_tier_used_bytes", Kind.GAUGE, ("tie
 TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUGE, ("tier",),
                              "A tier's configured capacity in this instance's caches")
 
-METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOADED_BLOCKS, LOADED_BYTES, SAVED_BYTES, MOVED_BYTES,
+METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOOKUPS, LOADED_BLOCKS, LOADED_BYTES, SAVED_BYTES, MOVED_BYTES,
            TRANSFER_SECONDS, LOADS, ASYNC_LOADS, LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
            CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
@@ -327,6 +330,12 @@ class LookupCounts:
         for medium, n in (declined or {}).items():
             stats.add(DECLINED_BLOCKS, n, (medium.label,))
         self.stats = None if stats.is_empty() else stats
+
+    def answered(self, by_scheduler: bool) -> None:
+        """A lookup, answered by the scheduler (a miss it knew of) or the workers."""
+        stats = self.stats if self.stats is not None else KVStrataStats()
+        stats.add(LOOKUPS, 1, ("scheduler" if by_scheduler else "worker",))
+        self.stats = stats
 
     def skipped(self, blocks: int) -> None:
         """A request's ``blocks`` new prompt blocks were not stored: stores did not pay."""

@@ -48,6 +48,15 @@ stored block's measured CPU (:class:`~kvstrata.policies.saving.SaveOrSkip`, fed 
 worker metadata); otherwise one request in 16, and the rest are counted (``save_skipped_blocks``).
 It decides once per request, at its first full block.
 
+Misses answered here. A lookup crosses to the workers' process and waits for their caches (on
+this 2-core host about 0.8 ms a request, the scheduler loop held up, and a thread of the worker's
+taking the interpreter lock from its forward). Every cached block is keyed from its prompt's
+first block's tokens on, and where the caches hold only what this scheduler stored (no pool, and
+the workers' first report says they started empty: no blocks recovered from a disk), a prompt
+whose first block it never sent to store can have none: that miss is answered here
+(:class:`~kvstrata.index.stored.StoredFirstBlocks`), the rest by the workers. Every prompt of a
+workload with no reuse is such a miss.
+
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
 
@@ -66,6 +75,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.index.stored import StoredFirstBlocks
 from kvstrata.integrations.vllm.channel import WorkerLookup
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
@@ -124,11 +134,16 @@ class KVStrataConnectorScheduler:
             seen here).
         load_budget: a grant's budget in prefills of its tokens (None: none; ``ConnectorSettings``).
         ranks: the TP size (more than one: a step's saves wait for its loads' verdict).
+        own_blocks_only: the caches can hold only blocks this server stores (no pool): a
+            lookup of a prompt whose first block it never stored is a miss it answers itself,
+            once the workers report their caches started empty.
+        held_blocks: how many blocks the tiers hold at most (that many first blocks are remembered).
     """
 
     def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool,
                  spans: tuple[int | None, ...] = (None,), horizon_blocks: int = 0, judge_saves: bool = False,
-                 load_budget: float | None = BUDGET_FACTOR, ranks: int = 1) -> None:
+                 load_budget: float | None = BUDGET_FACTOR, ranks: int = 1, own_blocks_only: bool = False,
+                 held_blocks: int = 0) -> None:
         self._block_size = block_size
         self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
         self._windowed = any(span is not None for span in spans)
@@ -157,6 +172,12 @@ class KVStrataConnectorScheduler:
         # TP > 1: a step that loads and saves has its saves held by the workers until every
         # rank's loads of it are known to have arrived (verdicts.py)
         self._verdicts = StepVerdicts() if ranks > 1 else None
+        # The misses it can answer itself: where it loads what it stores and the caches hold
+        # nothing else (no pool other servers fill; they started empty, as the workers' first
+        # report says: until then every lookup is the workers').
+        self._firsts = (StoredFirstBlocks(block_size, held_blocks)
+                        if own_blocks_only and loads_enabled and saves_enabled and held_blocks > 0 else None)
+        self._caches_own_only = False
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``, and
@@ -174,7 +195,7 @@ class KVStrataConnectorScheduler:
         if in_flight and any(h in in_flight for h in request.block_hashes[own : usable // self._block_size]):
             return None, False
         self._granted.pop(request.request_id, None)
-        tiers = self._lookup.hit_tiers(prompt[:usable], self._block_size)
+        tiers = self._hit_tiers(prompt[:usable])
         # a sliding or chunked group keeps its windows only where a hit may end: all or none of it
         # the requests vLLM holds (self._requests): those a load in the step would hold up
         grant = self.decision.grant(tiers[own:], time.monotonic(), whole=self._windowed, running=len(self._requests))
@@ -186,6 +207,17 @@ class KVStrataConnectorScheduler:
             self._granted[request.request_id] = _Granted(max(granted, key=lambda m: m.value), grant.blocks,
                                                          grant.budget_s, off_step)
         return max(0, len(lookup.tiers) * self._block_size - num_computed_tokens), off_step
+
+    def _hit_tiers(self, tokens: list[int]) -> tuple[Medium, ...]:
+        """The tier of each block of the usable hit: a miss the scheduler knows of is answered
+        here (no block of a prompt whose first block it never sent to store can be cached, where
+        the caches hold only what it stored), any other lookup by the workers."""
+        firsts = self._firsts
+        if firsts is not None and self._caches_own_only and not firsts.may_hold(tokens):
+            self._counts.answered(by_scheduler=True)
+            return ()
+        self._counts.answered(by_scheduler=False)
+        return self._lookup.hit_tiers(tokens, self._block_size)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """Remember the request, and its grant when vLLM allocated blocks for one; count its lookup."""
@@ -227,6 +259,8 @@ class KVStrataConnectorScheduler:
 
     def measured(self, meta: KVStrataWorkerMeta) -> None:
         """A step's measurements from the workers: the prefill's rate and each granted load's time."""
+        if meta.caches_started_empty is not None:  # said once, by the first report
+            self._caches_own_only = meta.caches_started_empty
         self.decision.step_computed(meta.computed_tokens, meta.compute_s)
         self.saving.stored_cost(meta.saved_blocks, meta.save_cpu_s)
         for timing in meta.loads:
@@ -323,6 +357,8 @@ class KVStrataConnectorScheduler:
         bs = self._block_size
         full = min(end, len(prompt)) // bs
         self._saved_blocks[req_id] = full
+        if self._firsts is not None:  # every block it stores is keyed from its first block's tokens on
+            self._firsts.stored(prompt)
         return SaveSpec(req_id, prompt[: full * bs], [_saved(ids[:full], span, bs, null)
                                                       for ids, span in zip(block_ids, self._spans)])
 

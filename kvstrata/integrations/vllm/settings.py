@@ -164,6 +164,10 @@ class ConnectorSettings:
         shared = self.pool is not None and self.kv_sharing is not KVSharing.SLICED
         return WritePolicy.WRITE_THROUGH if shared else WritePolicy.WRITE_BACK
 
+    def held_blocks(self, block_bytes: int) -> int:
+        """How many blocks of ``block_bytes`` the tiers (device, host, disk) hold at most."""
+        return (self.device_bytes + self.host_bytes + self.disk_bytes) // block_bytes if block_bytes > 0 else 0
+
     def pool_config(self) -> PoolConfig | None:
         """The pool to reach (reads the pool's file or ``$KVSTRATA_POOL``); None: no remote tier."""
         return pool_of(self.pool, f"{_PREFIX} ")

@@ -233,6 +233,8 @@ class KVStrataConnectorWorker:
         # blocks as load errors (start_load_kv), and vLLM recomputes them.
         if tp_rank == 0:
             self._server = LookupServer(self._engine_id, self.hit_tiers)
+        # the scheduler answers misses itself only where the caches hold nothing it did not store
+        self.clock.started(all(c.manager.indexed_blocks() == 0 for c in self._caches))
         if self._stats_path is not None:
             self._stats_file = StatsFile(self._stats_path, self._stats, lambda: self._caches)
             self._stats_file.write_now()
