@@ -18,7 +18,6 @@ Integrity: a block is readable only once READY in a tier; one failing verificati
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ import torch
 from kvstrata.cache.build import block_manager, build_tiers, check_tiers, remote_error
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.direct import Direct
+from kvstrata.cache.writeback import write_down
 from kvstrata.cache.inplace import load_in_place
 from kvstrata.cache.outcomes import Outcomes
 from kvstrata.cache.poolview import PoolView
@@ -40,15 +40,11 @@ from kvstrata.manager.plans import CopyPlan, LoadPlan, Room, Step, StorePlan
 from kvstrata.media import Medium
 from kvstrata.metrics import CacheMetrics
 from kvstrata.policies.prefetch import PrefetchPolicy, PrefetchRule
-from kvstrata.policies.write import WritePolicy
 from kvstrata.plan.loadtime import promotion_s
 from kvstrata.tensors import block_tensor, check_kv
 from kvstrata.timing import collector_paused
 from kvstrata.tiers.base import Pieces, Tier
 from kvstrata.transfer.worker import TransferResult, TransferWorker
-
-_log = logging.getLogger("kvstrata.cache")
-_WRITE_DOWN_BATCH = 64  # blocks written down per plan at close (a deadline is checked between)
 
 
 class TieredCache:
@@ -295,8 +291,7 @@ class TieredCache:
         predicted = self.predict_promotion_s(match) if deadline else None  # None: nothing says how late
         future = PrefetchFuture(rule.timing(time.monotonic(), deadline_s, predicted))
         future.begin(lambda: self._worker.submit(self._run_prefetch, match), self._worker.at)
-        wait_s = rule.wait_s()
-        if wait_s != 0:
+        if (wait_s := rule.wait_s()) != 0:
             wait([future], timeout=wait_s)
         return future
 
@@ -318,38 +313,11 @@ class TieredCache:
     def closed(self) -> bool:
         return self._closed
 
-    def write_down(self, budget_s: float) -> int:
-        """Write the blocks that only the memory tiers (device, host) hold down to the first
-        tier below them, in the order they came in (a smaller tier below keeps the latest), a batch
-        at a time, for at most ``budget_s`` seconds (a batch begun ends). How many landed. With write-through, every block is there already."""
-        below = [m for m in self.manager.media if m.value > Medium.HOST.value]
-        if not below:
-            return 0
-        end, landed = time.monotonic() + budget_s, 0
-        memory = [m for m in self.manager.media if m.value <= Medium.HOST.value]
-        seen: set[BlockKey] = set()
-        only = []
-        for medium in reversed(memory):  # the host's first: the device's are mostly there too
-            for key in self.manager.ready_keys(medium):
-                if key not in seen and not any(m in below for m in self.manager.where(key)):
-                    seen.add(key)
-                    only.append(key)
-        for start in range(0, len(only), _WRITE_DOWN_BATCH):
-            if time.monotonic() >= end:
-                break
-            landed += self._copy(self.manager.prepare_copies(only[start : start + _WRITE_DOWN_BATCH], below[:1]))
-        return landed
-
     def close(self) -> None:
-        """Cancel deadline prefetches not begun, finish what is under way, write a write-back
-        cache's memory-only blocks down (``write_back_flush_s``), close the tiers. Idempotent."""
+        """Cancel deadline prefetches not begun, finish what is under way, write back, close the tiers. Idempotent."""
         if self._closed:
             return
-        if self.config.write.policy is WritePolicy.WRITE_BACK and self.config.write_back_flush_s > 0:
-            try:
-                self.write_down(self.config.write_back_flush_s)
-            except Exception as exc:  # noqa: BLE001 - a cache that cannot write down still closes
-                _log.warning("closing the cache: writing its memory-only blocks down failed: %s", exc)
+        write_down(self.manager, self._copy, self.config)  # a write-back cache's memory-only blocks
         self._closed = True
         self._worker.close()
         for tier in self._tiers.values():

@@ -109,6 +109,8 @@ class BlockManager:
         self._lock = threading.Lock()
         self._below = {m: tuple(x for x in self.media if x.value > m.value) for m in self.media}  # slower media
         self._copy_ranges: dict[int, tuple[range, ...]] = {}  # blocks -> layer ranges (a pure function of it)
+        self._unwritten: frozenset[Medium] = frozenset()  # tiers nothing is written down to now
+        self._skipped: dict[Medium, int] = {}  # per tier, blocks not written down to it (unwritten)
 
     # --- looking ---------------------------------------------------------------------------------
 
@@ -131,6 +133,25 @@ class BlockManager:
 
     def indexed_blocks(self) -> int:
         return len(self._index)
+
+    def skip_writes(self, media: Iterable[Medium]) -> None:
+        """Write nothing down to ``media`` from now on (a tier whose loads do not pay: its
+        blocks would never be read), until called again without them: an evicted block the
+        write policy would send there is dropped, a put leaves them out. Loads from them, and
+        blocks already there, are untouched."""
+        with self._lock:
+            self._unwritten = frozenset(media)
+
+    def skipped_writes(self) -> dict[Medium, int]:
+        """Per tier, the blocks not written down to it while it was skipped (a running total)."""
+        with self._lock:
+            return dict(self._skipped)
+
+    def _writes_to(self, medium: Medium) -> bool:
+        if medium in self._unwritten:
+            self._skipped[medium] = self._skipped.get(medium, 0) + 1
+            return False
+        return True
 
     def pin(self, medium: Medium, key: BlockKey, hit: bool = False) -> int | None:
         """Pin a READY block where it is (a reader outside any plan); its slot, or None."""
@@ -367,7 +388,7 @@ class BlockManager:
                 if source is None:
                     continue
                 for medium in targets:
-                    if medium is source.medium:
+                    if medium is source.medium or (key not in self._tables[medium] and not self._writes_to(medium)):
                         continue
                     try:
                         reservation = self._reserve(medium, key, victims)
@@ -406,6 +427,8 @@ class BlockManager:
         with self._lock:
             for i, key in enumerate(keys):
                 for medium in targets:
+                    if medium is not targets[0] and not self._writes_to(medium):  # the first tier is the store itself
+                        continue
                     try:
                         reservation = self._reserve(medium, key, victims)
                     except TierFull:
@@ -466,7 +489,8 @@ class BlockManager:
         with self._lock:
             chosen = table.choose_victims(blocks)
             for n, victim in enumerate(chosen):
-                sent_down = lower is not None and self.config.write.on_evict(table.hits(victim.key))
+                sent_down = (lower is not None and lower not in self._unwritten
+                             and self.config.write.on_evict(table.hits(victim.key)))
                 there = sent_down and victim.key in self._tables[lower]
                 self._index.discard(victim.key, medium)
                 demotion = self._demotion(medium, victim.key, victim.slot, victims)
@@ -536,6 +560,8 @@ class BlockManager:
         lower = next(iter(self._below[medium]), None)
         if lower is None or not self.config.write.on_evict(self._tables[medium].hits(key)):
             return None
+        if key not in self._tables[lower] and not self._writes_to(lower):
+            return None  # a tier whose loads do not pay: dropped
         try:
             reservation = self._reserve(lower, key, victims)
         except TierFull:

@@ -18,7 +18,8 @@ loaded from in the hit, the whole hit is granted (that load measures it). A tier
 size only is predicted flat above it (a cold first load is no slope). A tier that stops paying
 (a capped disk, a pool that times out) is not used again until, ``probe_every_s`` later, one
 request may load one block from it: a bounded cost that tells whether it recovered. Each probe
-that finds it still slow doubles the wait, up to ``PROBE_MAX_S``.
+that finds it still slow doubles the wait, up to ``PROBE_MAX_S``. Until a probe is due, nothing
+needs writing to it either (:meth:`LoadOrRecompute.declined_tiers`).
 
 A grant carries a budget once the prefill is measured: ``BUDGET_FACTOR`` times the time computing
 its tokens would take, at least ``BUDGET_MIN_S`` (a grant is predicted to take well under its
@@ -172,12 +173,15 @@ class LoadOrRecompute:
             fit = self.loads[medium] = DecayingFit(0.7)  # new, or recovered: the old samples no longer hold
         fit.add(blocks, seconds)
 
-    def failed(self, medium: Medium, blocks: int, seconds: float) -> None:
+    def failed(self, medium: Medium, blocks: int, seconds: float, now_s: float | None = None) -> None:
         """A load from ``medium`` failed after ``seconds``: it cost that and saved nothing, so it
-        counts as a load as slow as the prefill of its blocks twice over (or as measured, if slower)."""
+        counts as a load as slow as the prefill of its blocks twice over (or as measured, if
+        slower), and, ``now_s`` given, the tier counts as declined from then (its probe waits)."""
         per_token = self.per_token_s
         worst = 2 * blocks * self.block_tokens * per_token if per_token is not None else 0.0
         self.loaded(medium, blocks, max(seconds, worst))
+        if now_s is not None:
+            self._declined_since.setdefault(medium, now_s)
 
     @property
     def per_token_s(self) -> float | None:
@@ -247,6 +251,18 @@ class LoadOrRecompute:
             return Grant(probe, _count(tiers[probe:]), probe=tiers[0], budget_s=self._budget(probe, per_token))
         return Grant(best, declined, best_load, best * self.block_tokens * per_token,
                      budget_s=self._budget(best, per_token) if best else None)
+
+    def declined_tiers(self, now_s: float) -> frozenset[Medium]:
+        """The tiers whose loads do not pay now: declined, their next probe not due yet. A block
+        written down to one would not be loaded while that lasts. From when a probe is due until
+        it is taken (a request with a hit there), a tier is not among them: blocks go down again,
+        so that it has blocks to be probed with."""
+        out = []
+        for medium, since in self._declined_since.items():
+            last = self._probed_at.get(medium, since)
+            if now_s - last < self._probe_wait_s.get(medium, self.probe_every_s):
+                out.append(medium)
+        return frozenset(out)
 
     def _budget(self, blocks: int, per_token: float | None) -> float | None:
         """``budget_factor`` times the prefill of ``blocks`` blocks (at least ``BUDGET_MIN_S``);

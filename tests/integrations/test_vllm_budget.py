@@ -25,20 +25,24 @@ from tests.integrations.test_vllm import BLOCK, MiB, run_children, spec  # noqa:
 
 _rng = random.Random(23)
 PROMPTS = [[_rng.randrange(10, 4000) for _ in range(n)] for n in (200, 260, 230, 290, 250, 270)]
+NEW = [[_rng.randrange(10, 4000) for _ in range(n)] for n in (220, 240)]  # asked once the disk is declined
 CAP_GBPS = 0.0002  # 0.2 MB/s
+HOST_BLOCKS = 8
 
 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("budget")
     model = Path(tiny_model_dir)
-    s = spec(model, tmp, "slow", passes=[PROMPTS, PROMPTS], max_tokens=4, host_bytes=0, disk_dir=str(tmp / "disk"),
-             disk_bytes=64 * MiB, disk_read_gbps=CAP_GBPS)
-    return run_children({"slow": s}, tmp)["slow"] | {"block_bytes": load_geometry(str(model), "bfloat16").bytes_per_token * BLOCK}
+    block_bytes = load_geometry(str(model), "bfloat16").bytes_per_token * BLOCK
+    # a host tier of eight blocks: written back, the rest go down to the disk as the host evicts them
+    s = spec(model, tmp, "slow", passes=[PROMPTS, PROMPTS, NEW], max_tokens=4, host_bytes=HOST_BLOCKS * block_bytes,
+             disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB, disk_read_gbps=CAP_GBPS)
+    return run_children({"slow": s}, tmp)["slow"] | {"block_bytes": block_bytes}
 
 
 def test_a_load_from_a_disk_slower_than_computing_is_given_up_and_computed(run):
-    first, again = run["passes"]
+    first, again, _ = run["passes"]
     stats = again["stats"]
     assert first["stats"]["new_blocks"] > 0 and first["stats"]["load_requests"] == 0
     # the first hit was granted (never measured), ran past its budget, and was computed instead
@@ -49,3 +53,16 @@ def test_a_load_from_a_disk_slower_than_computing_is_given_up_and_computed(run):
     one_hit_s = min((len(p) - 1) // BLOCK for p in PROMPTS) * run["block_bytes"] / (CAP_GBPS * 1e9)
     assert one_hit_s > 1.5 and again["seconds"] < one_hit_s / 2, (again["seconds"], one_hit_s)
     assert again["tokens"] == first["tokens"]
+
+
+def test_a_disk_whose_loads_are_declined_is_not_written_to_until_its_probe_is_due(run):
+    """Once the disk no longer pays (its loads were given up), the new prompts' blocks the host
+    evicts are dropped, not written to it (counted): they would not be loaded. The probe is not
+    due for 5 s, longer than the passes take here."""
+    first, again, new = run["passes"]
+    assert first["stats"]["unwritten_blocks"] == {}  # the disk was never declined: written back as usual
+    assert first["stats"]["stored_bytes"] > 0
+    unwritten = new["stats"]["unwritten_blocks"].get("disk", 0) - again["stats"]["unwritten_blocks"].get("disk", 0)
+    stored = new["stats"]["new_blocks"] - again["stats"]["new_blocks"]
+    assert stored > 0 and unwritten >= stored - HOST_BLOCKS  # all but what the host still holds
+    assert new["cached"] == [0, 0] and new["stats"]["failed_blocks"] == again["stats"]["failed_blocks"]

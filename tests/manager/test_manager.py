@@ -322,6 +322,36 @@ def test_write_back_makes_room_down_the_tiers_in_one_plan_carried_out_deepest_fi
     check(m, tiers)
 
 
+def test_a_tier_skipped_gets_no_write_down_its_evictions_drop_and_it_is_written_again_once_not():
+    """A disk whose loads do not pay: write-back's evictions drop what they would have sent
+    there, write-through's puts and copies leave it out, each counted; blocks already on it stay.
+    Once it is no longer skipped, it is written as before."""
+    m, tiers = manager({D: 1, H: 1, K: 4}), Bytes()
+    a, b, c, d = (keys_of(40 + i, 1) for i in range(4))
+    stored(m, tiers, a)
+    stored(m, tiers, b)  # a -> host
+    stored(m, tiers, c)  # a -> disk, b -> host
+    assert m.where(a[0]) == (K,)
+    m.skip_writes((K,))
+    room = m.prepare_store(d).room  # b leaves the host: dropped, not sent down
+    assert [(v.key, v.demotion is None) for v in room.victims] == [(b[0], True), (c[0], False)]
+    m.complete_room(room, tiers.carry_out(room, [None] * len(room.victims)))
+    assert (m.where(a[0]), m.where(b[0])) == ((K,), ())  # the disk's block stays, servable
+    assert m.skipped_writes() == {K: 1}
+    put = m.prepare_put(keys_of(50, 1), (H, K))  # write-through's put: the host only
+    # c makes room in the host (dropped, not sent down), and the put's own disk copy is left out
+    assert [p.slot.medium for p in put.placements] == [H] and m.skipped_writes() == {K: 3}
+    m.complete_room(put.room, tiers.carry_out(put.room, [None] * len(put.room.victims)))
+    tiers.write(H, put.placements[0].slot.index, put.placements[0].key, put.placements[0].key)
+    m.complete_put(put, [None])
+    assert m.prepare_copies(keys_of(50, 1), (K,)).legs == () and m.skipped_writes() == {K: 4}
+    m.skip_writes(())
+    copies = m.prepare_copies(keys_of(50, 1), (K,))
+    assert [leg.dst.medium for leg in copies.legs] == [K] and m.skipped_writes() == {K: 4}
+    m.complete_copies(copies, tiers.move(copies.legs, [None]))
+    check(m, tiers)
+
+
 def test_a_reservation_undone_before_its_room_ran_leaves_the_victims_slot_to_the_victim():
     m, tiers = manager({D: 1, H: 2, K: 2}), Bytes()
     new, old, blocker, late = (keys_of(11 + i, 1) for i in range(4))

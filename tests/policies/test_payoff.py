@@ -87,6 +87,24 @@ def test_a_tier_that_stopped_paying_is_probed_with_one_block_and_returns() -> No
     assert d.grant((D, D, D), 3 * PROBE_EVERY_S + 0.3).blocks == 3
 
 
+def test_a_tier_whose_loads_are_declined_is_not_written_until_its_probe_is_due() -> None:
+    """Nothing written down to a declined tier would be loaded before its next probe; from when
+    the probe is due until it is taken, it is written again (so there is something to probe)."""
+    d = _measured(host=1e-5, disk=0.5)
+    assert d.declined_tiers(0.0) == frozenset()  # nothing declined yet
+    assert d.grant((H, D, D), 0.0).blocks == 1  # the host block pays, the disk's do not
+    assert d.declined_tiers(0.1) == {D}
+    assert d.declined_tiers(PROBE_EVERY_S + 0.1) == frozenset()  # the probe is due: write again
+    assert d.grant((D, D), PROBE_EVERY_S + 0.1).probe is D
+    assert d.declined_tiers(PROBE_EVERY_S + 0.2) == {D}  # taken: the next in twice the wait
+    assert d.declined_tiers(3 * PROBE_EVERY_S + 0.2) == frozenset()
+    d.loaded(D, 1, 2e-5)  # the probe was fast
+    assert d.grant((D, D), 3 * PROBE_EVERY_S + 0.3).blocks == 2
+    assert d.declined_tiers(3 * PROBE_EVERY_S + 0.4) == frozenset()  # granted: written as before
+    d.failed(D, 2, 0.5, now_s=100.0)  # a load given up past its budget: declined from then, no request needed
+    assert d.declined_tiers(100.1) == {D} and d.declined_tiers(100.0 + PROBE_EVERY_S + 0.1) == frozenset()
+
+
 def test_failures_count_as_loads_that_saved_nothing() -> None:
     d = _measured(host=1e-5, remote=1e-5)
     assert d.grant((R, R), 0.0).blocks == 2

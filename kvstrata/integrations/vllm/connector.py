@@ -118,6 +118,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self.connector_worker is not None and isinstance(connector_metadata, KVStrataMetadata):
             self.connector_worker.clock.begin(connector_metadata.scheduled_tokens)  # the forward starts
+            self.connector_worker.skip_writes(connector_metadata.unwritten)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstrata.media import Medium
+
 
 @dataclass
 class GroupBlocks:
@@ -69,3 +71,6 @@ class KVStrataMetadata(KVConnectorMetadata):
     # earlier steps' verdicts (TP > 1): step -> its loads arrived on every rank, so the saves
     # the workers hold for it are stored (False: dropped; :mod:`~kvstrata.integrations.vllm.verdicts`)
     verdicts: dict[int, bool] = field(default_factory=dict)
+    # tiers nothing is written down to now: a local disk whose loads the scheduler declines (its
+    # blocks would not be read); the workers' caches drop what they would have sent there
+    unwritten: frozenset[Medium] = frozenset()

@@ -107,6 +107,8 @@ SAVE_DROPPED_BLOCKS = _counter("save_dropped_blocks", (), "Blocks of saves dropp
 SAVE_SKIPPED_BLOCKS = _counter("save_skipped_blocks", (), "Prompt blocks not stored because stores did not pay: "
                                "too few stored blocks came back as hits for what a store costs (one request in "
                                f"{SAMPLE_EVERY} is stored anyway, to see whether reuse returns)")
+UNWRITTEN_BLOCKS = _counter("unwritten_blocks", ("tier",), "Blocks not written down to a tier whose loads "
+                            "do not pay (a disk the scheduler declines to load from, until its next probe is due)")
 TIER_USED_BYTES = Metric("kvstrata_connector_tier_used_bytes", Kind.GAUGE, ("tier",),
                          "Bytes of a tier's slots in use, as this instance's caches track them")
 TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUGE, ("tier",),
@@ -114,7 +116,7 @@ TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUG
 
 METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOOKUPS, LOADED_BLOCKS, LOADED_BYTES, SAVED_BYTES, MOVED_BYTES,
            TRANSFER_SECONDS, LOADS, ASYNC_LOADS, LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
-           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
+           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, UNWRITTEN_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
 
@@ -302,6 +304,8 @@ class WorkerReporter:
             for (src, dst), path in cache.metrics.paths().items():
                 add(counters, MOVED_BYTES, path.bytes, src.label, dst.label)
                 add(counters, TRANSFER_SECONDS, path.seconds, src.label, dst.label)
+            for medium, blocks in cache.manager.skipped_writes().items():
+                add(counters, UNWRITTEN_BLOCKS, blocks, medium.label)
             for medium, counts in cache.manager.counts().items():
                 tier = cache.tier(medium)
                 add(counters, EVICTED_BLOCKS, counts.evicted_blocks, medium.label)

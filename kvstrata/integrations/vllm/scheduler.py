@@ -57,6 +57,12 @@ whose first block it never sent to store can have none: that miss is answered he
 (:class:`~kvstrata.index.stored.StoredFirstBlocks`), the rest by the workers. Every prompt of a
 workload with no reuse is such a miss.
 
+Writes that cannot pay. A block written down to a disk whose loads are declined would not be
+read while they are: each step's metadata names such tiers (``unwritten``: the disk, while the
+decision declines it and its next probe is not due), and the workers' caches drop what they would
+have written there (counted, ``unwritten_blocks``). From when a probe is due, blocks go down again,
+so the disk has blocks to be probed with, and once a probe finds it fast, it is written as before.
+
 A hit never reaches the prompt's last token: vLLM must compute at least one, to give the next
 token's logits. Only full blocks of prompt tokens are looked up and saved.
 
@@ -89,6 +95,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+_LOCAL_ONLY = frozenset((Medium.DISK,))  # tiers only this server reads (a disk directory is one process's)
 
 
 @dataclass(frozen=True)
@@ -274,7 +283,7 @@ class KVStrataConnectorScheduler:
             if timing.ok:
                 self.decision.loaded(granted.medium, granted.blocks, timing.seconds)
             else:
-                self.decision.failed(granted.medium, granted.blocks, timing.seconds)
+                self.decision.failed(granted.medium, granted.blocks, timing.seconds, time.monotonic())
                 if granted.off_step and timing.req_id in self._requests:  # vLLM looks it up again: recompute it
                     self._no_reload.add(timing.req_id)
 
@@ -282,7 +291,8 @@ class KVStrataConnectorScheduler:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
         self._step += 1
         meta = KVStrataMetadata(scheduled_tokens=scheduler_output.total_num_scheduled_tokens, step=self._step,
-                                verdicts=self._verdicts.take() if self._verdicts is not None else {})
+                                verdicts=self._verdicts.take() if self._verdicts is not None else {},
+                                unwritten=self._unwritten())
         null = kv_cache_manager.block_pool.null_block.block_id
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         for req_id, hit in computed.items():  # the hit's blocks (vLLM's, kvstrata's) are stored already
@@ -315,6 +325,13 @@ class KVStrataConnectorScheduler:
         if self._verdicts is not None and meta.loads and meta.saves:
             self._verdicts.track(self._step, [spec.req_id for spec in meta.loads])
         return meta
+
+    def _unwritten(self) -> frozenset[Medium]:
+        """The tiers nothing is written down to this step: a local disk whose loads are declined
+        (only this server reads it; a pool serves others, so it is always written)."""
+        if not self._saves_enabled:
+            return frozenset()
+        return self.decision.declined_tiers(time.monotonic()) & _LOCAL_ONLY
 
     def _landed(self, req_id: str) -> None:
         """The request's load off the step is over: its blocks are in vLLM's cache (it arrived,

@@ -175,6 +175,10 @@ class WorkerStats:
             data["media"] = [m.label for m in sorted({m for c in caches for m in c.media}, key=lambda m: m.value)]
             errors = [c.remote_error for c in caches if c.remote_error is not None]
             data["remote_error"] = errors[0] if errors else None  # now: the pool may have gone down, or come back
+            unwritten: Counter = Counter()  # blocks not written down to a tier whose loads did not pay
+            for cache in caches:
+                unwritten.update({m.label: n for m, n in cache.manager.skipped_writes().items()})
+            data["unwritten_blocks"] = dict(unwritten)
         return data
 
     def write(self, path: Path, caches: tuple[TieredCache, ...]) -> None:

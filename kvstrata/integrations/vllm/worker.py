@@ -151,6 +151,7 @@ class KVStrataConnectorWorker:
         self._held: dict[int, list[_StagedSave]] = {}  # step -> its saves, until the verdict on its loads (TP > 1)
         self._holds = False  # TP > 1: set once the caches are registered
         self._failed_blocks: set[int] = set()
+        self._unwritten: frozenset[Medium] = frozenset()  # tiers the caches write nothing down to now
         self._stats = WorkerStats()
         self._stats_path = settings.stats_path
         self._stats_file: StatsFile | None = None
@@ -224,8 +225,7 @@ class KVStrataConnectorWorker:
         self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
                                          g.layout.block_bytes) for g in self._groups]
         self._stats.tp, self._holds = [tp_rank, tp_size], tp_size > 1
-        self._reporter = WorkerReporter(tp_rank)
-        self._stats.writes = all(g.writes for g in self._groups)
+        self._reporter, self._stats.writes = WorkerReporter(tp_rank), all(g.writes for g in self._groups)
         if tp_rank > 0 and self._stats_path is not None:  # each rank its own file: rank 0's is stats_path
             self._stats_path = self._stats_path.with_name(f"{self._stats_path.stem}.rank{tp_rank}{self._stats_path.suffix}")
         # The scheduler asks rank 0: every rank caches the same token blocks (head-sliced: its own
@@ -233,8 +233,7 @@ class KVStrataConnectorWorker:
         # blocks as load errors (start_load_kv), and vLLM recomputes them.
         if tp_rank == 0:
             self._server = LookupServer(self._engine_id, self.hit_tiers)
-        # the scheduler answers misses itself only where the caches hold nothing it did not store
-        self.clock.started(all(c.manager.indexed_blocks() == 0 for c in self._caches))
+        self.clock.started(all(c.manager.indexed_blocks() == 0 for c in self._caches))  # the scheduler's own misses
         if self._stats_path is not None:
             self._stats_file = StatsFile(self._stats_path, self._stats, lambda: self._caches)
             self._stats_file.write_now()
@@ -526,6 +525,14 @@ class KVStrataConnectorWorker:
             self._saving_blocks -= blocks
         self._changed = True
         self._write_stats()  # the store's counts, off the step
+
+    def skip_writes(self, media: frozenset[Medium]) -> None:
+        """The scheduler's tiers to write nothing down to (a disk whose loads it declines), to
+        every cache; told again only when they change."""
+        if media != self._unwritten:
+            self._unwritten = media
+            for cache in self._caches:
+                cache.manager.skip_writes(media)
 
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
         """End of the step: finish the loads, start storing the staged blocks (the cache's
