@@ -427,8 +427,8 @@ class BlockManager:
         with self._lock:
             for i, key in enumerate(keys):
                 for medium in targets:
-                    if medium is not targets[0] and not self._writes_to(medium):  # the first tier is the store itself
-                        continue
+                    if medium is not targets[0] and key not in self._tables[medium] and not self._writes_to(medium):
+                        continue  # a tier nothing is written down to (the first is the store itself)
                     try:
                         reservation = self._reserve(medium, key, victims)
                     except TierFull:
