@@ -147,8 +147,9 @@ class BlockManager:
         with self._lock:
             return dict(self._skipped)
 
-    def _writes_to(self, medium: Medium) -> bool:
-        if medium in self._unwritten:
+    def _writes_to(self, medium: Medium, key: BlockKey) -> bool:
+        """Whether ``key`` may be written to ``medium``: not to a skipped tier that lacks it (counted)."""
+        if medium in self._unwritten and key not in self._tables[medium]:
             self._skipped[medium] = self._skipped.get(medium, 0) + 1
             return False
         return True
@@ -388,7 +389,7 @@ class BlockManager:
                 if source is None:
                     continue
                 for medium in targets:
-                    if medium is source.medium or (key not in self._tables[medium] and not self._writes_to(medium)):
+                    if medium is source.medium or not self._writes_to(medium, key):
                         continue
                     try:
                         reservation = self._reserve(medium, key, victims)
@@ -427,7 +428,7 @@ class BlockManager:
         with self._lock:
             for i, key in enumerate(keys):
                 for medium in targets:
-                    if medium is not targets[0] and key not in self._tables[medium] and not self._writes_to(medium):
+                    if medium is not targets[0] and not self._writes_to(medium, key):
                         continue  # a tier nothing is written down to (the first is the store itself)
                     try:
                         reservation = self._reserve(medium, key, victims)
@@ -560,7 +561,7 @@ class BlockManager:
         lower = next(iter(self._below[medium]), None)
         if lower is None or not self.config.write.on_evict(self._tables[medium].hits(key)):
             return None
-        if key not in self._tables[lower] and not self._writes_to(lower):
+        if not self._writes_to(lower, key):
             return None  # a tier whose loads do not pay: dropped
         try:
             reservation = self._reserve(lower, key, victims)
