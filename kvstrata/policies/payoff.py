@@ -21,8 +21,16 @@ request may load one block from it: a bounded cost that tells whether it recover
 that finds it still slow doubles the wait, up to ``PROBE_MAX_S``. Until a probe is due, nothing
 needs writing to it either (:meth:`LoadOrRecompute.declined_tiers`).
 
-A grant carries a budget once the prefill is measured: ``BUDGET_FACTOR`` times the time computing
-its tokens would take, at least ``BUDGET_MIN_S`` (a grant is predicted to take well under its
+A tier whose last load failed (given up past its budget, or an error) is *failing*: a hit is
+granted only up to its first block there, however the rest of the hit was measured, until a load
+from it (its probe) arrives. A failure's time is only a lower bound on what that load would have
+taken, so no line fitted through it may price a larger load (predicted flat above one size, a
+failed 4-block load would price 11 blocks at the same time and grant them), and an unmeasured
+tier elsewhere in the hit is no reason to load from it again.
+
+A grant carries a budget once any step was measured: ``BUDGET_FACTOR`` times the time computing
+its tokens would take, at least ``BUDGET_MIN_S`` (before the fit is trusted, the steps' seconds
+per token as measured so far, fixed costs and all: a generous estimate, but a bound) (a grant is predicted to take well under its
 prefill, so a load past twice that is a tier gone slow, not a noisy host). A load that holds the
 step up longer is given up and its blocks are computed instead, so a tier that turned slow since
 it was measured, or was never measured (the first load from a capped disk), costs a request at
@@ -77,6 +85,11 @@ class DecayingFit:
     samples: int = 0
     lo: float = math.inf
     hi: float = -math.inf
+
+    @property
+    def ratio(self) -> float | None:
+        """``y / x`` over the samples (fixed cost and all; None before any sample with ``x > 0``)."""
+        return self.sy / self.sx if self.sx > 0 else None
 
     def add(self, x: float, y: float) -> None:
         d = self.decay
@@ -153,6 +166,7 @@ class LoadOrRecompute:
     _declined_since: dict[Medium, float] = field(default_factory=dict)
     _probed_at: dict[Medium, float] = field(default_factory=dict)
     _probe_wait_s: dict[Medium, float] = field(default_factory=dict)  # per declined tier, until its next probe
+    _failing: set[Medium] = field(default_factory=set)  # tiers whose last load failed (see the module text)
     step_s: float | None = None  # the recent steps' compute, a moving average (None: none measured)
 
     # --- measurements ----------------------------------------------------------------------------
@@ -164,9 +178,13 @@ class LoadOrRecompute:
             self.step_s = seconds if self.step_s is None else self.step_s + STEP_WEIGHT * (seconds - self.step_s)
 
     def loaded(self, medium: Medium, blocks: int, seconds: float) -> None:
-        """A load of ``blocks`` blocks that waited for ``medium`` (its slowest tier) took ``seconds``."""
+        """A load of ``blocks`` blocks that waited for ``medium`` (its slowest tier) arrived in ``seconds``."""
         if blocks <= 0 or seconds < 0:
             return
+        self._failing.discard(medium)
+        self._sample(medium, blocks, seconds)
+
+    def _sample(self, medium: Medium, blocks: int, seconds: float) -> None:
         fit = self.loads.get(medium)
         expected = fit.predict(blocks) if fit is not None else None
         if fit is None or (expected is not None and seconds < expected / 4):
@@ -179,7 +197,9 @@ class LoadOrRecompute:
         slower), and, ``now_s`` given, the tier counts as declined from then (its probe waits)."""
         per_token = self.per_token_s
         worst = 2 * blocks * self.block_tokens * per_token if per_token is not None else 0.0
-        self.loaded(medium, blocks, max(seconds, worst))
+        if blocks > 0 and seconds >= 0:
+            self._sample(medium, blocks, max(seconds, worst))
+        self._failing.add(medium)
         if now_s is not None:
             self._declined_since.setdefault(medium, now_s)
 
@@ -225,19 +245,24 @@ class LoadOrRecompute:
         if not tiers:
             return Grant(0)
         per_token = self.per_token_s
-        if per_token is None or any(m not in self.loads for m in tiers):
-            # not measured yet: loading it is how it gets measured (within the prefill's time, once known)
-            return Grant(len(tiers), budget_s=self._budget(len(tiers), per_token))
+        # up to the first block on a failing tier (all or none: nothing past one)
+        cut = next((i for i, m in enumerate(tiers) if m in self._failing), len(tiers))
+        if whole and cut < len(tiers):
+            cut = 0
         best, best_gain, best_load = 0, 0.0, 0.0
-        by_tier: dict[Medium, int] = {}
-        for k, medium in enumerate(tiers, 1):
-            by_tier[medium] = by_tier.get(medium, 0) + 1
-            if whole and k < len(tiers):
-                continue
-            load = self.load_s(by_tier) or 0.0
-            gain = k * self.block_tokens * per_token - self.margin * load
-            if gain > best_gain:
-                best, best_gain, best_load = k, gain, load
+        measured = per_token is not None and all(m in self.loads for m in tiers[:cut])
+        if not measured:
+            best = cut  # not measured yet: loading it is how it gets measured (within the prefill's time, once known)
+        else:
+            by_tier: dict[Medium, int] = {}
+            for k, medium in enumerate(tiers[:cut], 1):
+                by_tier[medium] = by_tier.get(medium, 0) + 1
+                if whole and k < len(tiers):
+                    continue
+                load = self.load_s(by_tier) or 0.0
+                gain = k * self.block_tokens * per_token - self.margin * load
+                if gain > best_gain:
+                    best, best_gain, best_load = k, gain, load
         declined = _count(tiers[best:])
         granted = _count(tiers[:best])
         for medium in declined.keys() - granted.keys():
@@ -246,11 +271,13 @@ class LoadOrRecompute:
             self._declined_since.pop(medium, None)
             self._probe_wait_s.pop(medium, None)
             self._probed_at.pop(medium, None)
-        if best == 0 and self._probe(tiers[0], now_s):
-            probe = len(tiers) if whole else 1
-            return Grant(probe, _count(tiers[probe:]), probe=tiers[0], budget_s=self._budget(probe, per_token))
-        return Grant(best, declined, best_load, best * self.block_tokens * per_token,
-                     budget_s=self._budget(best, per_token) if best else None)
+        if best < len(tiers) and best in (0, cut) and self._probe(tiers[best], now_s):
+            probe = len(tiers) if whole else best + 1  # the blocks that pay and one from the tier probed
+            return Grant(probe, _count(tiers[probe:]), probe=tiers[best], budget_s=self._budget(probe, per_token))
+        budget = self._budget(best, per_token) if best else None
+        if not measured or per_token is None:
+            return Grant(best, declined, budget_s=budget)
+        return Grant(best, declined, best_load, best * self.block_tokens * per_token, budget_s=budget)
 
     def declined_tiers(self, now_s: float) -> frozenset[Medium]:
         """The tiers whose loads do not pay now: declined, their next probe not due yet. A block
@@ -266,7 +293,9 @@ class LoadOrRecompute:
 
     def _budget(self, blocks: int, per_token: float | None) -> float | None:
         """``budget_factor`` times the prefill of ``blocks`` blocks (at least ``BUDGET_MIN_S``);
-        None before the prefill is measured."""
+        before the fit is trusted, at the steps' seconds per token so far; None before any step."""
+        if per_token is None:
+            per_token = self.prefill.ratio
         if per_token is None or self.budget_factor is None:
             return None
         return max(BUDGET_MIN_S, self.budget_factor * blocks * self.block_tokens * per_token)

@@ -157,3 +157,43 @@ def test_a_load_from_below_memory_runs_off_the_step_where_it_would_hold_others_u
     assert LoadOrRecompute(BT).grant((H, D), 0.0, running=1).off_step
     assert not LoadOrRecompute(BT).grant((H, D), 0.0).off_step
     assert not LoadOrRecompute(BT).grant((H, H), 0.0, running=1).off_step
+
+
+def test_a_failing_tier_is_not_loaded_again_until_a_load_from_it_arrives() -> None:
+    """What a capped disk did under vLLM: its first load, 4 blocks, ran out its budget; one size
+    seen, the fit priced an 11-block load at the same time and granted it, and a hit that also
+    held an unmeasured tier was granted whole. A failing tier now ends the grant at its first block."""
+    d = _measured(host=1e-5)
+    first = d.grant((D,) * 4, 0.0)
+    assert first.blocks == 4 and first.budget_s is not None  # never measured: its load measures it
+    d.failed(D, 4, first.budget_s, now_s=0.01)
+    assert d.grant((D,) * 11, 1.0).blocks == 0  # the failure is no price for 11 blocks
+    mixed = d.grant((Medium.DEVICE,) * 3 + (D,) * 4, 1.5)  # the device tier never measured
+    assert (mixed.blocks, mixed.declined) == (3, {D: 4})
+    assert d.grant((H, H, D, D), 2.0).blocks == 2
+    assert d.grant((H, H, D, D), 2.0, whole=True).blocks == 0  # all or none: none
+    probe = d.grant((H, H, D, D), PROBE_EVERY_S + 0.1)  # due: the blocks that pay and one from the disk
+    assert (probe.blocks, probe.probe, probe.declined) == (3, D, {D: 1})
+    assert d.grant((D, D), PROBE_EVERY_S + 0.2).blocks == 0  # one probe per period
+    d.loaded(D, 3, 2e-4)  # it arrived, fast: the disk is judged by its loads again
+    assert d.grant((D,) * 6, PROBE_EVERY_S + 0.3).blocks == 6
+
+
+def test_a_failed_probe_keeps_the_tier_failing_and_doubles_its_wait() -> None:
+    d = _measured(host=1e-5)
+    d.failed(D, 2, 0.01, now_s=0.0)
+    assert d.grant((D, D), PROBE_EVERY_S + 0.1).probe is D
+    d.failed(D, 1, 0.01, now_s=PROBE_EVERY_S + 0.2)
+    assert d.grant((D, D), 2 * PROBE_EVERY_S + 0.2).blocks == 0
+    assert d.grant((D, D), 3 * PROBE_EVERY_S + 0.2).probe is D
+
+
+def test_a_grant_has_a_budget_from_the_first_measured_step() -> None:
+    """Before the prefill's line is trusted (a few steps of spread sizes), the steps' seconds per
+    token so far set the budget: a load from a tier never measured (a server just restarted on a
+    capped disk) is bounded from the second request on, not waited for however long it takes."""
+    d = LoadOrRecompute(BT)
+    assert d.grant((D,) * 10, 0.0).budget_s is None  # no step yet: nothing to judge by
+    d.step_computed(320, 0.032)  # one step: 0.1 ms a token
+    assert d.per_token_s is None
+    assert d.grant((D,) * 10, 0.0).budget_s == pytest.approx(BUDGET_FACTOR * 10 * BT * 1e-4)
