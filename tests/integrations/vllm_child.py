@@ -4,7 +4,9 @@ Usage: ``python vllm_child.py SPEC.json``. SPEC: model (a model directory), kv_r
 extra (kv_connector_extra_config), passes (a list of prompt batches, each a list of token id
 lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
 multiprocessing (vLLM's engine core and worker in processes of their own; default true),
-max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks),
+max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks), max_model_len
+(default 1024), copy_delay_s (each copy of saves out of vLLM's blocks starts this late), pause_s
+(a pause between passes),
 dtype (default bfloat16), max_num_seqs (default 4), kv_cache_bytes (vLLM's KV memory; default 64 MiB), block_size (default 32; vLLM's CPU MLA forces 16), attention_backend
 (a vLLM attention backend by name; default: vLLM's choice), tensor_parallel_size (default 1; more runs
 vLLM's CPU workers over gloo/shm, one process each, their OpenMP threads left unbound: the
@@ -32,6 +34,8 @@ def main(spec: dict) -> dict:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     from vllm import LLM, SamplingParams
 
+    if spec.get("copy_delay_s"):  # test_vllm_copy_out.py: saves copied out late, the next forward must wait
+        _slow_copies(spec["copy_delay_s"])
     start = time.perf_counter()
     # e.g. "CPU_MLA": a backend named, not vLLM's choice for this CPU (test_vllm_mla.py says why)
     named = {"attention_config": {"backend": spec["attention_backend"]}} if "attention_backend" in spec else {}
@@ -43,7 +47,7 @@ def main(spec: dict) -> dict:
         block_size=spec.get("block_size", 32),  # the CPU attention backend needs a multiple of 32
         tensor_parallel_size=tp,
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 * 1024**2),  # else vLLM sizes it from host RAM
-        max_model_len=1024,
+        max_model_len=spec.get("max_model_len", 1024),
         max_num_seqs=spec.get("max_num_seqs", 4),
         # fewer tokens per step than a prompt: vLLM prefills it in chunks (None: vLLM's default)
         max_num_batched_tokens=spec.get("max_num_batched_tokens"),
@@ -62,7 +66,9 @@ def main(spec: dict) -> dict:
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     passes = []
-    for batch in spec["passes"]:
+    for n, batch in enumerate(spec["passes"]):
+        if n and spec.get("pause_s"):  # between passes: stores in flight end
+            time.sleep(spec["pause_s"])
         t0 = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         passes.append(
@@ -74,6 +80,20 @@ def main(spec: dict) -> dict:
             }
         )
     return {"start_s": started, "passes": passes}
+
+
+def _slow_copies(delay_s: float) -> None:
+    """Each copy of saves out of vLLM's blocks starts ``delay_s`` late (the worker runs in this
+    process: ``multiprocessing`` false)."""
+    from kvstrata.integrations.vllm.worker import KVStrataConnectorWorker
+
+    copy_out = KVStrataConnectorWorker._copy_out
+
+    def late(self, specs):
+        time.sleep(delay_s)
+        return copy_out(self, specs)
+
+    KVStrataConnectorWorker._copy_out = late
 
 
 def _stats(spec: dict) -> dict | None:

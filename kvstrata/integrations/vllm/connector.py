@@ -114,6 +114,12 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     # A step with nothing to load or save costs the per-layer hooks one check each: no timing.
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward writes into any block (vLLM calls it first in every step): the last
+        steps' saves are copied out of vLLM's blocks, so blocks freed since may be overwritten."""
+        if self.connector_worker is not None:
+            self.connector_worker.fence()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.connector_worker is not None and isinstance(connector_metadata, KVStrataMetadata):
@@ -135,7 +141,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
         meta = self._metadata()
-        if meta.saves:
+        if meta.saves and self._worker.stages_layers:
             with self._worker.hook(saving=True):
                 self._worker.save_kv_layer(layer_name, kv_layer, meta)
 

@@ -85,6 +85,7 @@ class StepClock:
         self._pending = KVStrataWorkerMeta()
         self._save_lock = threading.Lock()
         self._save_cpu_s = 0.0
+        self._saved_blocks = 0
 
     def begin(self, tokens: int) -> None:
         self._begin, self._hooks_s, self._tokens = time.perf_counter(), 0.0, tokens
@@ -108,7 +109,8 @@ class StepClock:
         self._pending.loads.append(LoadTiming(req_id, self._load_s.pop(req_id, 0.0), ok))
 
     def saved(self, blocks: int) -> None:
-        self._pending.saved_blocks += blocks
+        with self._save_lock:  # the copy thread's saves too
+            self._saved_blocks += blocks
 
     def started(self, empty: bool) -> None:
         """The caches are open; ``empty``: they held no block (the next report says so)."""
@@ -122,6 +124,7 @@ class StepClock:
         meta = self._pending
         with self._save_lock:
             meta.save_cpu_s, self._save_cpu_s = meta.save_cpu_s + self._save_cpu_s, 0.0
+            meta.saved_blocks, self._saved_blocks = meta.saved_blocks + self._saved_blocks, 0
         if (not meta.loads and not meta.computed_tokens and not meta.saved_blocks and not meta.save_cpu_s
                 and meta.caches_started_empty is None):
             return None

@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -104,10 +104,10 @@ class _ActiveLoad:
 
 
 class _CountingSaver(ThreadPoolExecutor):
-    """The connector's save thread: each task's thread CPU goes to ``on_cpu`` (a store's cost)."""
+    """One of the connector's save threads: each task's thread CPU goes to ``on_cpu`` (a store's cost)."""
 
-    def __init__(self, on_cpu: Callable[[float], None]) -> None:
-        super().__init__(1, thread_name_prefix="kvstrata-save", initializer=io_thread_started)
+    def __init__(self, on_cpu: Callable[[float], None], name: str = "kvstrata-save") -> None:
+        super().__init__(1, thread_name_prefix=name, initializer=io_thread_started)
         self._on_cpu = on_cpu
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
@@ -163,9 +163,20 @@ class KVStrataConnectorWorker:
         self._changed = True  # anything to report since the last report (a load, a save, a store done)
         # the saves' puts into the tiers, one at a time, in step order, on the I/O CPUs
         self._saver = _CountingSaver(self.clock.save_cpu)
+        # vLLM's blocks in CPU memory: a step's saves are copied out of them after the step, on a
+        # thread of their own, and the next step's forward waits for those copies first (``fence``)
+        self._copier = _CountingSaver(self.clock.save_cpu, "kvstrata-copy")
+        self._copies_off_step = False  # set once the caches are registered
+        self._copying: list[Future] = []  # copies out of vLLM's blocks not yet fenced
         self._threads_cpu = (0.0, -1.0)  # the connector's own threads' CPU seconds, and when read
         transfer = vllm_config.kv_transfer_config
         self._recomputes = transfer is not None and transfer.kv_load_failure_policy == "recompute"
+
+    @property
+    def stages_layers(self) -> bool:
+        """Saves are staged layer by layer in the forward (``save_kv_layer``): vLLM's blocks on a
+        GPU (a gather in the forward's stream), or ``sync_save``."""
+        return self._saves_enabled and not self._copies_off_step
 
     @property
     def receiving(self) -> bool:
@@ -225,6 +236,7 @@ class KVStrataConnectorWorker:
         self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
                                          g.layout.block_bytes) for g in self._groups]
         self._stats.tp, self._holds = [tp_rank, tp_size], tp_size > 1
+        self._copies_off_step = not paged[0][0].is_cuda and not self.settings.sync_save
         self._reporter, self._stats.writes = WorkerReporter(tp_rank), all(g.writes for g in self._groups)
         if tp_rank > 0 and self._stats_path is not None:  # each rank its own file: rank 0's is stats_path
             self._stats_path = self._stats_path.with_name(f"{self._stats_path.stem}.rank{tp_rank}{self._stats_path.suffix}")
@@ -494,7 +506,7 @@ class KVStrataConnectorWorker:
         """Stage this layer of every block to save; called after the layer's attention, when
         its KV (the new tokens' too) is in the paged cache."""
         where = self._layer_of.get(layer_name)
-        if where is None or not self._saves_enabled:
+        if where is None or not self.stages_layers:
             return
         group, layer = where
         if not self._groups[group].writes:  # an earlier rank stores these heads
@@ -502,7 +514,7 @@ class KVStrataConnectorWorker:
         for spec in meta.saves:
             block_ids = spec.groups[group].block_ids
             if block_ids and self._taking(spec):
-                kv, staged = self._staging(spec, group)
+                kv, staged = self._staging(spec, group, self._staged)
                 self._groups[group].stage_layer(kv, layer, block_ids)  # kv_layer: the paged KV registered
                 staged[layer] = True
 
@@ -535,14 +547,16 @@ class KVStrataConnectorWorker:
                 cache.manager.skip_writes(media)
 
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
-        """End of the step: finish the loads, start storing the staged blocks (the cache's
-        threads store them and write them down; ``sync_save``: wait for that here). With TP > 1
-        a step that loaded holds its staged saves until the scheduler's verdict on its loads
+        """End of the step: finish the loads, start storing the blocks to save (the cache's
+        threads store them and write them down; ``sync_save``: wait for that here). From vLLM's
+        blocks in CPU memory, the copy out of them runs after the step too, on the copy thread,
+        and the next forward waits for it (:meth:`fence`). With TP > 1 a step that loaded holds
+        its staged saves until the scheduler's verdict on its loads
         (:mod:`~kvstrata.integrations.vllm.verdicts`); earlier steps' verdicts are applied here."""
         failed = self._finish_loads()
         cpu = time.thread_time()
         pending = self._judged(meta.verdicts)
-        staged: list[_StagedSave] = []
+        taken: list[SaveSpec] = []
         for spec in meta.saves if self._saves_enabled else ():
             if failed:
                 # A load failed this step: its request, and any other that found the same blocks
@@ -552,18 +566,29 @@ class KVStrataConnectorWorker:
                 self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
                 continue
             if self._taking(spec):
-                save = self._staged_save(spec)
-                if save.stores:
-                    staged.append(save)
+                taken.append(spec)
+        hold = bool(meta.loads) and self._holds  # another rank's load may have failed: wait for the verdict
+        staged: list[_StagedSave] = []
+        if taken and self._copies_off_step and not hold:
+            self._copying.append(self._copier.submit(self._copy_out, taken))
+        else:
+            staged = [save for save in (self._staged_save(spec, self._staged) for spec in taken) if save.stores]
         self._staged.clear()
         self._taken.clear()
-        if staged and meta.loads and self._holds:  # another rank's load may have failed: wait for the verdict
+        if staged and hold:
             self._held[meta.step] = staged
             self._drop_stale_holds()
         else:
             pending += self._store(staged)
         if meta.saves or pending:
             self.clock.save_cpu(time.thread_time() - cpu)
+        self._settle(pending)
+        if meta.loads or meta.saves or pending:
+            self._changed = True
+            self._write_stats(now=self.settings.sync_save)  # a pass's reader expects its saves there
+
+    def _settle(self, pending: list[tuple[PendingSave, list[tuple[int, Future]]]]) -> None:
+        """Count each store as it ends (``sync_save``: wait for it here)."""
         for save, futures in pending:
             for g, future in futures:
                 if self.settings.sync_save:
@@ -571,18 +596,38 @@ class KVStrataConnectorWorker:
                     future.result()  # a failed store fails the step, as it always has with sync_save
                 else:
                     future.add_done_callback(lambda f, s=save, g=g: s.done(g, f))
-        if meta.loads or meta.saves or pending:
-            self._changed = True
-            self._write_stats(now=self.settings.sync_save)  # a pass's reader expects its saves there
 
-    def _staged_save(self, spec: SaveSpec) -> _StagedSave:
-        """A save's every group staged (layers no per-layer hook took are taken now, the forward over)."""
+    def _copy_out(self, specs: list[SaveSpec]) -> None:
+        """On the copy thread, after the step: copy the saves out of vLLM's blocks and hand them to
+        the caches. Never raises: a save that cannot be copied is dropped and counted."""
+        try:
+            staged = [save for save in (self._staged_save(spec, {}) for spec in specs) if save.stores]
+        except Exception as error:  # noqa: BLE001 - the step has moved on: count it, never raise into vLLM
+            for spec in specs:
+                self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
+            self._changed = True
+            _log.warning("KVStrataConnector: a save could not be copied out of vLLM's blocks (%s); dropped", error)
+            return
+        self._settle(self._store(staged))
+
+    def fence(self) -> None:
+        """Before a forward (vLLM's ``handle_preemptions``): the copies out of vLLM's blocks that
+        the last steps started have ended, so a block vLLM freed since (a request finished or
+        preempted) may be written again."""
+        copying, self._copying = self._copying, []
+        if copying:
+            wait(copying)
+
+    def _staged_save(self, spec: SaveSpec, prestaged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]]
+                     ) -> _StagedSave:
+        """A save's every group staged (the layers not in ``prestaged``, staged by the per-layer
+        hook, are taken now, the forward over)."""
         save = _StagedSave(time.perf_counter(), len(spec.groups[0].block_ids) if spec.groups else 0, [])
         for g, group in enumerate(self._groups):
             block_ids = spec.groups[g].block_ids
             if not block_ids or not group.writes:
                 continue
-            kv, staged = self._staging(spec, g)
+            kv, staged = self._staging(spec, g, prestaged)
             for layer, done in enumerate(staged):
                 if not done:
                     group.stage_layer(kv, layer, block_ids)
@@ -627,14 +672,15 @@ class KVStrataConnectorWorker:
                 self._stats.dropped(save.blocks)
             _log.warning("KVStrataConnector: no verdict on the loads of step %d; its saves are dropped", step)
 
-    def _staging(self, spec: SaveSpec, group: int) -> tuple[torch.Tensor, list[bool]]:
-        staged = self._staged.get((spec.req_id, group))
+    def _staging(self, spec: SaveSpec, group: int, prestaged: dict[tuple[str, int], tuple[torch.Tensor, list[bool]]]
+                 ) -> tuple[torch.Tensor, list[bool]]:
+        staged = prestaged.get((spec.req_id, group))
         if staged is None:
             layout = self._groups[group].layout
             # [blocks, layers, kv, block_tokens, this rank's kv_heads, head_dim] on vLLM's device:
             # a GPU gathers device to device in the forward's stream, never a host copy inside it
             kv = staging(layout, len(spec.groups[group].block_ids), self._groups[group].layers[0])
-            staged = self._staged[(spec.req_id, group)] = (kv, [False] * layout.num_layers)
+            staged = prestaged[(spec.req_id, group)] = (kv, [False] * layout.num_layers)
         return staged
 
     # --- lifetime -------------------------------------------------------------------------------
@@ -663,6 +709,7 @@ class KVStrataConnectorWorker:
             self._groups = []
 
     def _close_caches(self) -> None:
+        self._copier.shutdown(wait=True)  # the copies in flight hand their saves to the saver first
         self._saver.shutdown(wait=True)  # the puts in flight end first: they write into the caches
         for group in self._groups:
             for cache in group.caches:
