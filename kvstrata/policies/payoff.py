@@ -21,12 +21,14 @@ request may load one block from it: a bounded cost that tells whether it recover
 that finds it still slow doubles the wait, up to ``PROBE_MAX_S``. Until a probe is due, nothing
 needs writing to it either (:meth:`LoadOrRecompute.declined_tiers`).
 
-A tier whose last load failed (given up past its budget, or an error) is *failing*: a hit is
-granted only up to its first block there, however the rest of the hit was measured, until a load
+A tier below memory whose last load failed (given up past its budget, or an error) is
+*failing*: a hit is granted only up to its first block there, however the rest of the hit was measured, until a load
 from it (its probe) arrives. A failure's time is only a lower bound on what that load would have
 taken, so no line fitted through it may price a larger load (predicted flat above one size, a
 failed 4-block load would price 11 blocks at the same time and grant them), and an unmeasured
-tier elsewhere in the hit is no reason to load from it again.
+tier elsewhere in the hit is no reason to load from it again. A load from memory is a copy: one
+that fails (a thread stalled past the budget's floor, blocks evicted since the lookup) says the
+host had a hiccup, not that memory turned slow, and counts only as a slow sample.
 
 A grant carries a budget once any step was measured: ``BUDGET_FACTOR`` times the time computing
 its tokens would take, at least ``BUDGET_MIN_S`` (before the fit is trusted, the steps' seconds
@@ -199,7 +201,8 @@ class LoadOrRecompute:
         worst = 2 * blocks * self.block_tokens * per_token if per_token is not None else 0.0
         if blocks > 0 and seconds >= 0:
             self._sample(medium, blocks, max(seconds, worst))
-        self._failing.add(medium)
+        if medium not in _IN_MEMORY:
+            self._failing.add(medium)
         if now_s is not None:
             self._declined_since.setdefault(medium, now_s)
 

@@ -197,3 +197,11 @@ def test_a_grant_has_a_budget_from_the_first_measured_step() -> None:
     d.step_computed(320, 0.032)  # one step: 0.1 ms a token
     assert d.per_token_s is None
     assert d.grant((D,) * 10, 0.0).budget_s == pytest.approx(BUDGET_FACTOR * 10 * BT * 1e-4)
+
+
+def test_a_failed_copy_from_memory_is_a_slow_sample_not_a_failing_tier() -> None:
+    """A load from the host that fails (a stalled thread past the budget's floor, blocks evicted
+    since the lookup) is a hiccup: the host's next hits are judged by its measured loads."""
+    d = _measured(host=1e-5)
+    d.failed(H, 4, 0.006, now_s=0.0)
+    assert d.grant((H,) * 8, 0.1).blocks == 8
