@@ -143,3 +143,23 @@ def test_a_put_or_get_of_the_wrong_number_of_blocks_is_refused_in_one_line(make,
     device_only = make()
     with pytest.raises(ValueError, match="no tier below the device"):
         device_only.put(keys, pieces(caller_memory(2), 2))
+
+
+def test_a_probe_reads_one_block_held_only_in_the_tier_at_the_tier_s_speed(make, tmp_path):
+    """A probe of a tier (how a scheduler learns that a capped disk recovered) reads a block only
+    that tier holds, at that tier's speed, and changes nothing; a tier holding none has nothing to probe."""
+    cap_gbps = LAYOUT.block_bytes / 0.05 / 1e9  # a block in 50 ms
+    cache = make(host_bytes=8 * LAYOUT.block_bytes, disk_bytes=8 * LAYOUT.block_bytes, disk_dir=tmp_path,
+                 disk_read_gbps=cap_gbps)
+    keys = cache.keys(tokens(3, 4))
+    cache.put(keys, pieces(caller_memory(4), 4))
+    assert cache.probe_read(Medium.DISK) is None  # every block is on the host too: a read would come from there
+    assert cache.probe_read(Medium.HOST) is not None
+    cache.evict(Medium.HOST, 2)  # two blocks now only on the disk
+    only_disk = [k for k in keys if cache.manager.where(k) == (Medium.DISK,)]
+    assert len(only_disk) == 2
+    seconds = cache.probe_read(Medium.DISK)
+    assert seconds is not None and seconds >= 0.04  # the cap: the read came from the disk
+    assert [cache.manager.where(k) for k in keys if k in only_disk] == [(Medium.DISK,)] * 2  # nothing moved
+    assert cache.get_into(keys, pieces(torch.zeros(4 * LAYOUT.block_bytes, dtype=torch.uint8), 4)) == 4
+    assert_quiescent(cache)

@@ -183,6 +183,15 @@ class BlockManager:
             self._index.add_many(adopted.new, medium)
             return adopted.known
 
+    def held_only_in(self, medium: Medium) -> BlockKey | None:
+        """A block READY in ``medium`` and in no faster tier (None: none): a read of it is a read
+        from ``medium`` (a probe of that tier's speed)."""
+        with self._lock:
+            for key in self._tables[medium].iter_ready():
+                if self._index.media(key)[:1] == (medium,):
+                    return key
+        return None
+
     def ready_keys(self, medium: Medium) -> list[BlockKey]:
         """The keys READY in a tier now (a snapshot, safe while other threads plan)."""
         with self._lock:

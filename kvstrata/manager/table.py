@@ -32,7 +32,7 @@ The table takes no lock: the block manager that owns it serializes every call.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstrata.index.keys import BlockKey
@@ -329,6 +329,10 @@ class BlockTable:
 
     def ready_keys(self) -> list[BlockKey]:
         return [k for k, e in self._entries.items() if e.state is BlockState.READY]
+
+    def iter_ready(self) -> Iterator[BlockKey]:
+        """The READY keys, lazily (no list of a large tier's every key); not while it changes."""
+        return (k for k, e in self._entries.items() if e.state is BlockState.READY)
 
     def pinned(self) -> dict[BlockKey, int]:
         """Pins per pinned block."""

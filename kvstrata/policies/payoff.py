@@ -26,7 +26,13 @@ A tier below memory whose last load failed (given up past its budget, or an erro
 from it (its probe) arrives. A failure's time is only a lower bound on what that load would have
 taken, so no line fitted through it may price a larger load (predicted flat above one size, a
 failed 4-block load would price 11 blocks at the same time and grant them), and an unmeasured
-tier elsewhere in the hit is no reason to load from it again. A load from memory is a copy: one
+tier elsewhere in the hit is no reason to load from it again. A failing tier's probe needs no
+request: when it falls due the workers read one block only it holds, off the step
+(:meth:`LoadOrRecompute.probes_due`), and the read's time is judged as a one-block load's
+(:meth:`~LoadOrRecompute.probed`): within the budget that load would have had, the tier is judged
+by its loads again; past it, or failed, it is still failing. A tier holding no such block
+(:meth:`~LoadOrRecompute.unprobed`) is written again, so that it has one.
+A load from memory is a copy: one
 that fails (a thread stalled past the budget's floor, blocks evicted since the lookup) says the
 host had a hiccup, not that memory turned slow, and counts only as a slow sample.
 
@@ -54,6 +60,7 @@ No clocks are read here: callers pass ``now_s``.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, replace
 
@@ -68,6 +75,15 @@ BUDGET_FACTOR = 2.0  # a load may hold the step up this many times the prefill i
 BUDGET_MIN_S = 0.005  # ... and never less: a stalled thread or a page fault is not a slow tier
 STEP_WEIGHT = 0.2  # the weight of each new step in the steps' moving average (``step_s``)
 _IN_MEMORY = frozenset((Medium.DEVICE, Medium.HOST))  # a load from these is a copy: in the step
+
+
+class ProbeOutcome(enum.Enum):
+    """What a probe read of a failing tier told (:meth:`LoadOrRecompute.probed`)."""
+
+    PAYS = "pays"  # within a one-block load's budget: the tier is judged by its loads again
+    SLOW = "slow"  # arrived past that budget: still failing
+    FAILED = "failed"  # did not arrive: still failing
+    EMPTY = "empty"  # the tier held no block only it holds: written again (:meth:`LoadOrRecompute.unprobed`)
 
 
 @dataclass
@@ -169,6 +185,7 @@ class LoadOrRecompute:
     _probed_at: dict[Medium, float] = field(default_factory=dict)
     _probe_wait_s: dict[Medium, float] = field(default_factory=dict)  # per declined tier, until its next probe
     _failing: set[Medium] = field(default_factory=set)  # tiers whose last load failed (see the module text)
+    _unprobed: set[Medium] = field(default_factory=set)  # failing tiers with no block to probe: written again
     step_s: float | None = None  # the recent steps' compute, a moving average (None: none measured)
 
     # --- measurements ----------------------------------------------------------------------------
@@ -184,6 +201,7 @@ class LoadOrRecompute:
         if blocks <= 0 or seconds < 0:
             return
         self._failing.discard(medium)
+        self._unprobed.discard(medium)
         self._sample(medium, blocks, seconds)
 
     def _sample(self, medium: Medium, blocks: int, seconds: float) -> None:
@@ -203,6 +221,7 @@ class LoadOrRecompute:
             self._sample(medium, blocks, max(seconds, worst))
         if medium not in _IN_MEMORY:
             self._failing.add(medium)
+            self._unprobed.discard(medium)
         if now_s is not None:
             self._declined_since.setdefault(medium, now_s)
 
@@ -289,10 +308,36 @@ class LoadOrRecompute:
         so that it has blocks to be probed with."""
         out = []
         for medium, since in self._declined_since.items():
+            if medium in self._unprobed:  # nothing there to probe with: written again
+                continue
             last = self._probed_at.get(medium, since)
             if now_s - last < self._probe_wait_s.get(medium, self.probe_every_s):
                 out.append(medium)
         return frozenset(out)
+
+    def probes_due(self, now_s: float) -> tuple[Medium, ...]:
+        """The failing tiers whose probe is due, each taken now (the next waits twice as long):
+        the workers read a block of each off the step, and no request waits on it. Its time
+        comes back through :meth:`loaded` (or :meth:`failed`, or :meth:`unprobed`)."""
+        return tuple(m for m in sorted(self._failing, key=lambda m: m.value) if self._probe(m, now_s))
+
+    def probed(self, medium: Medium, seconds: float, ok: bool, now_s: float) -> ProbeOutcome:
+        """A probe read of one block from ``medium`` took ``seconds`` (``ok``: it arrived): a
+        load, if within the budget a one-block load would have had (no budget yet: arrived);
+        else a failure."""
+        budget = self._budget(1, self.per_token_s)
+        if ok and (budget is None or seconds <= budget):
+            self.loaded(medium, 1, seconds)
+            return ProbeOutcome.PAYS
+        self.failed(medium, 1, seconds, now_s)
+        return ProbeOutcome.SLOW if ok else ProbeOutcome.FAILED
+
+    def unprobed(self, medium: Medium) -> ProbeOutcome:
+        """A probe found no block held only in ``medium``: it is written again (not declined)
+        until a load or probe from it comes back; a probe of a request's hit can take it meanwhile."""
+        if medium in self._failing:
+            self._unprobed.add(medium)
+        return ProbeOutcome.EMPTY
 
     def _budget(self, blocks: int, per_token: float | None) -> float | None:
         """``budget_factor`` times the prefill of ``blocks`` blocks (at least ``BUDGET_MIN_S``);

@@ -35,7 +35,7 @@ def run(tiny_model_dir, tmp_path_factory) -> dict:
     model = Path(tiny_model_dir)
     child = spec(model, tmp, "copy", passes=[PROMPTS, PROMPTS], host_bytes=64 * MiB, sync_save=False)
     child |= {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 1, "copy_delay_s": COPY_DELAY_S,
-              "pause_s": 2 * len(PROMPTS) * COPY_DELAY_S,  # every copy has ended before the second pass
+              "pauses": {"1": 2 * len(PROMPTS) * COPY_DELAY_S},  # every copy has ended before the second pass
               "kv_cache_bytes": VLLM_BLOCKS * load_geometry(str(model), "bfloat16").bytes_per_token * BLOCK}
     return run_children({"copy": child}, tmp)["copy"]
 

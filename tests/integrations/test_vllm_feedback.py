@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadTiming, StepClock  # noqa: E402
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadTiming, ProbeTiming, StepClock  # noqa: E402
+from kvstrata.media import Medium  # noqa: E402
 
 
 def test_a_step_s_compute_leaves_out_what_the_hooks_took():
@@ -73,3 +74,17 @@ def test_whether_the_caches_started_empty_is_said_once_and_ranks_merge_as_all_of
                           KVStrataWorkerMeta())
     assert said.aggregate(kept).caches_started_empty is False  # one rank recovered blocks from its disk
     assert said.aggregate(unsaid).caches_started_empty is True and unsaid.aggregate(unsaid).caches_started_empty is None
+
+
+def test_a_probe_read_from_the_probe_thread_comes_with_a_later_step_and_ranks_merge_as_the_worse():
+    clock = StepClock()
+    clock.probed(ProbeTiming(Medium.DISK, 0.002, True))  # the probe thread, between steps
+    meta = clock.take()
+    assert meta is not None and meta.probes == [ProbeTiming(Medium.DISK, 0.002, True)]
+    assert clock.take() is None  # reported once
+    fast_probe = ProbeTiming(Medium.DISK, 0.002, True)
+    fast, slow = KVStrataWorkerMeta(probes=[fast_probe]), KVStrataWorkerMeta(probes=[ProbeTiming(Medium.DISK, 0.09, False)])
+    assert fast.aggregate(slow).probes == [ProbeTiming(Medium.DISK, 0.09, False)]
+    none_there = KVStrataWorkerMeta(probes=[ProbeTiming(Medium.DISK, 0.0, False, read=False)])
+    assert fast.aggregate(none_there).probes[0].read is False
+    assert fast.aggregate(KVStrataWorkerMeta()).probes == [fast_probe]

@@ -5,8 +5,8 @@ extra (kv_connector_extra_config), passes (a list of prompt batches, each a list
 lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
 multiprocessing (vLLM's engine core and worker in processes of their own; default true),
 max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks), max_model_len
-(default 1024), copy_delay_s (each copy of saves out of vLLM's blocks starts this late), pause_s
-(a pause between passes),
+(default 1024), copy_delay_s (each copy of saves out of vLLM's blocks starts this late), pauses
+(pass index as text -> seconds to wait before it),
 dtype (default bfloat16), max_num_seqs (default 4), kv_cache_bytes (vLLM's KV memory; default 64 MiB), block_size (default 32; vLLM's CPU MLA forces 16), attention_backend
 (a vLLM attention backend by name; default: vLLM's choice), tensor_parallel_size (default 1; more runs
 vLLM's CPU workers over gloo/shm, one process each, their OpenMP threads left unbound: the
@@ -67,8 +67,7 @@ def main(spec: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     passes = []
     for n, batch in enumerate(spec["passes"]):
-        if n and spec.get("pause_s"):  # between passes: stores in flight end
-            time.sleep(spec["pause_s"])
+        time.sleep(spec.get("pauses", {}).get(str(n), 0.0))  # before this pass: stores in flight end, probes fall due
         t0 = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         passes.append(

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.media import Medium
-from kvstrata.policies.payoff import BUDGET_FACTOR, BUDGET_MIN_S, PROBE_EVERY_S, DecayingFit, LoadOrRecompute
+from kvstrata.policies.payoff import BUDGET_FACTOR, BUDGET_MIN_S, PROBE_EVERY_S, DecayingFit, LoadOrRecompute, ProbeOutcome
 
 H, D, R = Medium.HOST, Medium.DISK, Medium.REMOTE
 BT = 32
@@ -205,3 +205,33 @@ def test_a_failed_copy_from_memory_is_a_slow_sample_not_a_failing_tier() -> None
     d = _measured(host=1e-5)
     d.failed(H, 4, 0.006, now_s=0.0)
     assert d.grant((H,) * 8, 0.1).blocks == 8
+
+
+def test_a_failing_tier_is_probed_off_the_step_when_its_probe_falls_due() -> None:
+    """No request need hit a failing tier for it to be probed: when the probe falls due the
+    workers read one of its blocks, and the read's time judges it like a load's."""
+    d = _measured(host=1e-5)
+    d.failed(D, 4, 0.02, now_s=0.0)
+    assert d.probes_due(1.0) == ()
+    assert d.probes_due(PROBE_EVERY_S + 0.1) == (D,)
+    assert d.probes_due(PROBE_EVERY_S + 0.2) == ()  # taken: the next in twice the wait
+    assert d.grant((D, D), PROBE_EVERY_S + 0.3).blocks == 0  # nor a request's probe meanwhile
+    assert d.declined_tiers(PROBE_EVERY_S + 0.3) == {D}  # and nothing written to it
+    assert d.probed(D, 0.06, True, now_s=PROBE_EVERY_S + 0.4) is ProbeOutcome.SLOW  # past a block's budget: still failing
+    assert d.probes_due(2 * PROBE_EVERY_S + 0.2) == ()
+    assert d.probes_due(3 * PROBE_EVERY_S + 0.2) == (D,)
+    assert d.probed(D, 2e-5, True, now_s=3 * PROBE_EVERY_S + 0.25) is ProbeOutcome.PAYS  # the cap was lifted
+    assert d.probes_due(10 * PROBE_EVERY_S) == ()
+    assert d.grant((D,) * 6, 3 * PROBE_EVERY_S + 0.3).blocks == 6
+
+
+def test_a_failing_tier_with_no_block_to_probe_is_written_again() -> None:
+    d = _measured(host=1e-5)
+    d.failed(D, 4, 0.02, now_s=0.0)
+    assert d.probes_due(PROBE_EVERY_S + 0.1) == (D,)
+    assert d.unprobed(D) is ProbeOutcome.EMPTY  # every block it held is on the host too, or it held none
+    assert d.declined_tiers(PROBE_EVERY_S + 0.2) == frozenset()  # written again: something to probe next time
+    assert d.grant((D, D), PROBE_EVERY_S + 0.3).blocks == 0  # still failing: not loaded from
+    assert d.probes_due(3 * PROBE_EVERY_S + 0.2) == (D,)
+    assert d.probed(D, 0.06, False, now_s=3 * PROBE_EVERY_S + 0.3) is ProbeOutcome.FAILED  # the read failed
+    assert d.declined_tiers(3 * PROBE_EVERY_S + 0.4) == {D}

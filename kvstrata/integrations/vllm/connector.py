@@ -125,6 +125,8 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_worker is not None and isinstance(connector_metadata, KVStrataMetadata):
             self.connector_worker.clock.begin(connector_metadata.scheduled_tokens)  # the forward starts
             self.connector_worker.skip_writes(connector_metadata.unwritten)
+            if connector_metadata.probes:
+                self.connector_worker.probe(connector_metadata.probes)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()

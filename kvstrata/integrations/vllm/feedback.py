@@ -15,6 +15,10 @@ it (in ``start_load_kv`` and each layer's wait): with layer-wise copies, the for
 layers in between are compute, not load. The ranks of one step wait for each other, so the
 merge keeps the slower rank's figures.
 
+A probe of a tier the scheduler stopped loading from (a capped disk) is a read of one block it
+alone holds, on a thread of the worker's own, off the step: its time comes back as a
+:class:`ProbeTiming` (``read`` False: the tier held no such block).
+
 A store's cost is the CPU it took: staging its layers in the step, and the put on the connector's
 save thread (which finishes after the step; its CPU arrives with a later step's metadata). The
 scheduler weighs it against what the stored blocks later save
@@ -30,6 +34,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from kvstrata.media import Medium
+
 
 @dataclass(frozen=True)
 class LoadTiming:
@@ -38,6 +44,22 @@ class LoadTiming:
     req_id: str
     seconds: float
     ok: bool
+
+
+@dataclass(frozen=True)
+class ProbeTiming:
+    """A probe read of one block from ``medium``: ``seconds`` it took; ``ok``: it arrived,
+    verified; ``read``: there was a block to read (False: the tier held none only it holds)."""
+
+    medium: Medium
+    seconds: float
+    ok: bool
+    read: bool = True
+
+    def worse(self, other: ProbeTiming) -> ProbeTiming:
+        """Two ranks' probes of one tier as one: the slower, failed if either failed."""
+        return ProbeTiming(self.medium, max(self.seconds, other.seconds), self.ok and other.ok,
+                           self.read and other.read)
 
 
 @dataclass
@@ -52,6 +74,7 @@ class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
     saved_blocks: int = 0
     save_cpu_s: float = 0.0
     caches_started_empty: bool | None = None
+    probes: list[ProbeTiming] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVStrataWorkerMeta):
@@ -61,10 +84,13 @@ class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
             mine = loads.get(t.req_id)
             loads[t.req_id] = t if mine is None else LoadTiming(t.req_id, max(t.seconds, mine.seconds), t.ok and mine.ok)
         said = [m.caches_started_empty for m in (self, other) if m.caches_started_empty is not None]
+        probes = {p.medium: p for p in self.probes}
+        for p in other.probes:
+            probes[p.medium] = p.worse(probes[p.medium]) if p.medium in probes else p
         return KVStrataWorkerMeta(max(self.computed_tokens, other.computed_tokens),
                                   max(self.compute_s, other.compute_s), list(loads.values()),
                                   max(self.saved_blocks, other.saved_blocks), max(self.save_cpu_s, other.save_cpu_s),
-                                  all(said) if said else None)
+                                  all(said) if said else None, list(probes.values()))
 
 
 class StepClock:
@@ -86,6 +112,7 @@ class StepClock:
         self._save_lock = threading.Lock()
         self._save_cpu_s = 0.0
         self._saved_blocks = 0
+        self._probes: list[ProbeTiming] = []
 
     def begin(self, tokens: int) -> None:
         self._begin, self._hooks_s, self._tokens = time.perf_counter(), 0.0, tokens
@@ -116,6 +143,11 @@ class StepClock:
         """The caches are open; ``empty``: they held no block (the next report says so)."""
         self._pending.caches_started_empty = empty
 
+    def probed(self, timing: ProbeTiming) -> None:
+        """A probe read ended (on the probe thread)."""
+        with self._save_lock:
+            self._probes.append(timing)
+
     def save_cpu(self, seconds: float) -> None:
         with self._save_lock:
             self._save_cpu_s += seconds
@@ -125,8 +157,9 @@ class StepClock:
         with self._save_lock:
             meta.save_cpu_s, self._save_cpu_s = meta.save_cpu_s + self._save_cpu_s, 0.0
             meta.saved_blocks, self._saved_blocks = meta.saved_blocks + self._saved_blocks, 0
+            meta.probes, self._probes = meta.probes + self._probes, []
         if (not meta.loads and not meta.computed_tokens and not meta.saved_blocks and not meta.save_cpu_s
-                and meta.caches_started_empty is None):
+                and meta.caches_started_empty is None and not meta.probes):
             return None
         self._pending = KVStrataWorkerMeta()
         return meta

@@ -74,3 +74,6 @@ class KVStrataMetadata(KVConnectorMetadata):
     # tiers nothing is written down to now: a local disk whose loads the scheduler declines (its
     # blocks would not be read); the workers' caches drop what they would have sent there
     unwritten: frozenset[Medium] = frozenset()
+    # tiers whose loads failed and whose probe is due: each worker reads one block of each off
+    # the step and reports the time (feedback.ProbeTiming); no request waits on it
+    probes: tuple[Medium, ...] = ()

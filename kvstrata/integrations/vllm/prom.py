@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvstrata.media import Medium
+from kvstrata.policies.payoff import ProbeOutcome
 from kvstrata.policies.saving import SAMPLE_EVERY
 
 if TYPE_CHECKING:
@@ -109,6 +110,10 @@ SAVE_SKIPPED_BLOCKS = _counter("save_skipped_blocks", (), "Prompt blocks not sto
                                f"{SAMPLE_EVERY} is stored anyway, to see whether reuse returns)")
 UNWRITTEN_BLOCKS = _counter("unwritten_blocks", ("tier",), "Blocks not written down to a tier whose loads "
                             "do not pay (a disk the scheduler declines to load from, until its next probe is due)")
+PROBES = _counter("probes", ("tier", "outcome"), "Probe reads of one block from a tier whose loads failed, off the "
+                  "step (no request waits on them), by outcome: pays (within a one-block load's budget: the tier "
+                  "is loaded from again where its measured loads pay), slow (past that budget), failed (the read "
+                  "did not arrive), empty (the tier held no block only it holds: it is written again)")
 TIER_USED_BYTES = Metric("kvstrata_connector_tier_used_bytes", Kind.GAUGE, ("tier",),
                          "Bytes of a tier's slots in use, as this instance's caches track them")
 TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUGE, ("tier",),
@@ -116,7 +121,7 @@ TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUG
 
 METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOOKUPS, LOADED_BLOCKS, LOADED_BYTES, SAVED_BYTES, MOVED_BYTES,
            TRANSFER_SECONDS, LOADS, ASYNC_LOADS, LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
-           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, UNWRITTEN_BLOCKS, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
+           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, UNWRITTEN_BLOCKS, PROBES, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
 
@@ -339,6 +344,12 @@ class LookupCounts:
         """A lookup, answered by the scheduler (a miss it knew of) or the workers."""
         stats = self.stats if self.stats is not None else KVStrataStats()
         stats.add(LOOKUPS, 1, ("scheduler" if by_scheduler else "worker",))
+        self.stats = stats
+
+    def probed(self, medium: Medium, outcome: ProbeOutcome) -> None:
+        """A probe read of ``medium`` ended, with ``outcome``."""
+        stats = self.stats if self.stats is not None else KVStrataStats()
+        stats.add(PROBES, 1, (medium.label, outcome.value))
         self.stats = stats
 
     def skipped(self, blocks: int) -> None:

@@ -272,6 +272,10 @@ class KVStrataConnectorScheduler:
             self._caches_own_only = meta.caches_started_empty
         self.decision.step_computed(meta.computed_tokens, meta.compute_s)
         self.saving.stored_cost(meta.saved_blocks, meta.save_cpu_s)
+        for probe in meta.probes:
+            outcome = (self.decision.probed(probe.medium, probe.seconds, probe.ok, time.monotonic()) if probe.read
+                       else self.decision.unprobed(probe.medium))
+            self._counts.probed(probe.medium, outcome)
         for timing in meta.loads:
             if self._verdicts is not None:
                 self._verdicts.reported(timing.req_id, timing.ok)
@@ -290,9 +294,11 @@ class KVStrataConnectorScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""
         self._step += 1
+        # a due probe is taken first: the workers read a block the tier holds, nothing need go down to it
+        probes = self.decision.probes_due(time.monotonic()) if self._loads_enabled else ()
         meta = KVStrataMetadata(scheduled_tokens=scheduler_output.total_num_scheduled_tokens, step=self._step,
                                 verdicts=self._verdicts.take() if self._verdicts is not None else {},
-                                unwritten=self._unwritten())
+                                unwritten=self._unwritten(), probes=probes)
         null = kv_cache_manager.block_pool.null_block.block_id
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         for req_id, hit in computed.items():  # the hit's blocks (vLLM's, kvstrata's) are stored already

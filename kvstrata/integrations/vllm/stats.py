@@ -98,6 +98,8 @@ class WorkerStats:
     dropped_blocks: int = 0  # blocks of saves dropped: the stores in flight held save_backlog_bytes, or its load failed
     late_loads: int = 0  # loads given up past their budget (the prefill of their tokens): computed instead
     async_loads: int = 0  # loads run off vLLM's step (its asynchronous loads), ended: arrived, failed or given up
+    probe_reads: Counter = field(default_factory=Counter)  # by tier label: probe reads of a failing tier, off the step
+    probe_seconds: float = 0.0  # their time, summed
     last_failure: str | None = None
     remote_error: str | None = None
     tp: list[int] = field(default_factory=lambda: [0, 1])  # this worker's TP rank and size
@@ -149,6 +151,12 @@ class WorkerStats:
         with self._lock:
             self.dropped_blocks += blocks
 
+    def probed(self, medium: Medium, seconds: float) -> None:
+        """A probe read of ``medium`` ended after ``seconds`` (arrived or not)."""
+        with self._lock:
+            self.probe_reads[medium.label] += 1
+            self.probe_seconds += seconds
+
     def off_step(self) -> None:
         with self._lock:
             self.async_loads += 1
@@ -168,6 +176,7 @@ class WorkerStats:
         with self._lock:
             data = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
             data["load_paths"] = {route_text(r): n for r, n in self.load_paths.items()}
+            data["probe_reads"] = dict(self.probe_reads)
             data["groups"] = [g.to_json() for g in self.groups]
         data["stored_bytes"] = sum(g["stored_bytes"] for g in data["groups"])
         if caches:

@@ -57,7 +57,7 @@ from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, Save
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup, staging
 from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
 from kvstrata.integrations.vllm.channel import LookupServer
-from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, StepClock
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, ProbeTiming, StepClock
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.kv.heads import KVSharing
 from kvstrata.integrations.vllm.stats import GroupStats, PendingSave, StatsFile, WorkerStats
@@ -168,6 +168,9 @@ class KVStrataConnectorWorker:
         self._copier = _CountingSaver(self.clock.save_cpu, "kvstrata-copy")
         self._copies_off_step = False  # set once the caches are registered
         self._copying: list[Future] = []  # copies out of vLLM's blocks not yet fenced
+        # probe reads of tiers the scheduler stopped loading from, one at a time, never on the step
+        self._prober = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-probe", initializer=io_thread_started)
+        self._probing: set[Medium] = set()  # tiers whose probe read is in flight
         self._threads_cpu = (0.0, -1.0)  # the connector's own threads' CPU seconds, and when read
         transfer = vllm_config.kv_transfer_config
         self._recomputes = transfer is not None and transfer.kv_load_failure_policy == "recompute"
@@ -546,6 +549,35 @@ class KVStrataConnectorWorker:
             for cache in self._caches:
                 cache.manager.skip_writes(media)
 
+    def probe(self, media: tuple[Medium, ...]) -> None:
+        """Read one block of each tier in ``media`` (the scheduler's due probes) off the step, on
+        the probe thread; the time goes back with a later step's metadata. A tier whose last
+        probe is still reading is not read again."""
+        for medium in media:
+            if medium not in self._probing and any(medium in c.media for c in self._caches):
+                self._probing.add(medium)
+                self._prober.submit(self._probe_read, medium)
+
+    def _probe_read(self, medium: Medium) -> None:
+        start = time.perf_counter()
+        timing = ProbeTiming(medium, 0.0, False, False)
+        try:
+            for cache in self._caches:
+                if medium in cache.media:
+                    seconds = cache.probe_read(medium)
+                    if seconds is not None:
+                        timing = ProbeTiming(medium, seconds, True)
+                        break
+        except Exception:  # noqa: BLE001 - a failed read is the probe's answer: the tier still fails
+            timing = ProbeTiming(medium, time.perf_counter() - start, False)
+        finally:
+            self._probing.discard(medium)
+        self.clock.probed(timing)
+        if timing.read:
+            self._stats.probed(medium, timing.seconds)
+            self._changed = True
+            self._write_stats()
+
     def wait_for_save(self, meta: KVStrataMetadata) -> None:
         """End of the step: finish the loads, start storing the blocks to save (the cache's
         threads store them and write them down; ``sync_save``: wait for that here). From vLLM's
@@ -709,6 +741,7 @@ class KVStrataConnectorWorker:
             self._groups = []
 
     def _close_caches(self) -> None:
+        self._prober.shutdown(wait=True)  # a probe read in flight reads from the caches
         self._copier.shutdown(wait=True)  # the copies in flight hand their saves to the saver first
         self._saver.shutdown(wait=True)  # the puts in flight end first: they write into the caches
         for group in self._groups:
