@@ -32,7 +32,3 @@ class TransferAbandoned(TierUnavailable):
     def __init__(self, *args: object, settled=None) -> None:
         super().__init__(*args)
         self.settled = settled
-
-
-class ProbeFailed(RuntimeError):
-    """A probe read of a tier (one block, its speed measured) did not arrive."""

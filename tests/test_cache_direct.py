@@ -7,6 +7,7 @@ The caller's memory here is one buffer holding many blocks "piece j of every blo
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -145,21 +146,23 @@ def test_a_put_or_get_of_the_wrong_number_of_blocks_is_refused_in_one_line(make,
         device_only.put(keys, pieces(caller_memory(2), 2))
 
 
-def test_a_probe_reads_one_block_held_only_in_the_tier_at_the_tier_s_speed(make, tmp_path):
-    """A probe of a tier (how a scheduler learns that a capped disk recovered) reads a block only
-    that tier holds, at that tier's speed, and changes nothing; a tier holding none has nothing to probe."""
+def test_a_block_held_only_in_a_tier_reads_from_it_at_the_tier_s_speed(make, tmp_path):
+    """How a scheduler learns that a capped disk recovered: a block only that tier holds
+    (``held_only_in``) read into the caller's memory comes from that tier, at its speed, and
+    nothing moves; a tier holding no such block has none to offer."""
     cap_gbps = LAYOUT.block_bytes / 0.05 / 1e9  # a block in 50 ms
     cache = make(host_bytes=8 * LAYOUT.block_bytes, disk_bytes=8 * LAYOUT.block_bytes, disk_dir=tmp_path,
                  disk_read_gbps=cap_gbps)
     keys = cache.keys(tokens(3, 4))
     cache.put(keys, pieces(caller_memory(4), 4))
-    assert cache.probe_read(Medium.DISK) is None  # every block is on the host too: a read would come from there
-    assert cache.probe_read(Medium.HOST) is not None
+    assert cache.manager.held_only_in(Medium.DISK) is None  # every block is on the host too
+    assert cache.manager.held_only_in(Medium.HOST) in keys
     cache.evict(Medium.HOST, 2)  # two blocks now only on the disk
     only_disk = [k for k in keys if cache.manager.where(k) == (Medium.DISK,)]
-    assert len(only_disk) == 2
-    seconds = cache.probe_read(Medium.DISK)
-    assert seconds is not None and seconds >= 0.04  # the cap: the read came from the disk
-    assert [cache.manager.where(k) for k in keys if k in only_disk] == [(Medium.DISK,)] * 2  # nothing moved
-    assert cache.get_into(keys, pieces(torch.zeros(4 * LAYOUT.block_bytes, dtype=torch.uint8), 4)) == 4
+    key = cache.manager.held_only_in(Medium.DISK)
+    assert len(only_disk) == 2 and key in only_disk
+    start = time.perf_counter()
+    assert cache.get_into([key], [[torch.zeros(LAYOUT.block_bytes, dtype=torch.uint8)]]) == 1
+    assert time.perf_counter() - start >= 0.04  # the cap: the read came from the disk
+    assert [cache.manager.where(k) for k in only_disk] == [(Medium.DISK,)] * 2  # nothing moved
     assert_quiescent(cache)

@@ -30,7 +30,6 @@ from kvstrata.cache.build import block_manager, build_tiers, check_tiers, remote
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.direct import Direct
 from kvstrata.cache.writeback import write_down
-from kvstrata.errors import ProbeFailed
 from kvstrata.cache.inplace import load_in_place
 from kvstrata.cache.outcomes import Outcomes
 from kvstrata.cache.poolview import PoolView
@@ -255,23 +254,6 @@ class TieredCache:
         """Read the leading run of ``keys`` (others' pool blocks too: ``match``) straight into the caller's
         memory (block i into ``blocks[i]``, its pieces): how many blocks, from the first, landed verified."""
         return self._direct.get(keys, blocks) if self.match(keys, lookup=False).blocks else 0
-
-    def probe_read(self, medium: Medium) -> float | None:
-        """Seconds to read one block held only in ``medium`` into memory of its own, verified, as
-        a load from it would (a probe of a tier that turned slow: no device slot, no caller's
-        memory, nothing else changes); None when ``medium`` holds no such block.
-
-        Raises:
-            ProbeFailed: the block did not arrive (a failed or unverified read, or it left meanwhile).
-        """
-        self._check_open()
-        key = self.manager.held_only_in(medium)
-        if key is None:
-            return None
-        start = time.perf_counter()
-        if not self._direct.get([key], [[torch.empty(self.layout.block_bytes, dtype=torch.uint8)]]):
-            raise ProbeFailed(f"a probe read from the {medium.label} tier did not arrive")
-        return time.perf_counter() - start
 
     def evict(self, medium: Medium, blocks: int) -> int:
         """Evict up to ``blocks`` unpinned blocks from a tier (demoting per the write policy), in

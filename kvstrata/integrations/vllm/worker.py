@@ -232,15 +232,9 @@ class KVStrataConnectorWorker:
             raise
         self._layer_of = {name: (g, i) for g, group in enumerate(self._groups)
                           for i, name in enumerate(group.spec.layer_names)}
-        errors = [c.remote_error for c in self._caches if c.remote_error is not None]
-        self._stats.remote_error = errors[0] if errors else None
-        self._stats.block_bytes = sum(g.layout.block_bytes for g in self._groups)  # this rank's share of a block
-        self._stats.vllm_block_shape = list(paged[0][0].shape[1:])
-        self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
-                                         g.layout.block_bytes) for g in self._groups]
-        self._stats.tp, self._holds = [tp_rank, tp_size], tp_size > 1
+        self._describe(paged[0][0], tp_rank, tp_size)
+        self._holds = tp_size > 1
         self._copies_off_step = not paged[0][0].is_cuda and not self.settings.sync_save
-        self._reporter, self._stats.writes = WorkerReporter(tp_rank), all(g.writes for g in self._groups)
         if tp_rank > 0 and self._stats_path is not None:  # each rank its own file: rank 0's is stats_path
             self._stats_path = self._stats_path.with_name(f"{self._stats_path.stem}.rank{tp_rank}{self._stats_path.suffix}")
         # The scheduler asks rank 0: every rank caches the same token blocks (head-sliced: its own
@@ -252,6 +246,17 @@ class KVStrataConnectorWorker:
         if self._stats_path is not None:
             self._stats_file = StatsFile(self._stats_path, self._stats, lambda: self._caches)
             self._stats_file.write_now()
+
+    def _describe(self, paged: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+        """The stats' account of the caches just opened (``paged``: one layer of vLLM's KV)."""
+        errors = [c.remote_error for c in self._caches if c.remote_error is not None]
+        self._stats.remote_error = errors[0] if errors else None
+        self._stats.block_bytes = sum(g.layout.block_bytes for g in self._groups)  # this rank's share of a block
+        self._stats.vllm_block_shape = list(paged.shape[1:])
+        self._stats.groups = [GroupStats(g.spec.namespace, g.spec.kind.value, g.spec.group.span, g.spec.group.num_layers,
+                                         g.layout.block_bytes) for g in self._groups]
+        self._stats.tp = [tp_rank, tp_size]
+        self._reporter, self._stats.writes = WorkerReporter(tp_rank), all(g.writes for g in self._groups)
 
     def hit_tiers(self, tokens: list[int]) -> tuple[Medium, ...]:
         """The tier of each block of ``tokens`` every group's cache serves: the scheduler's
@@ -559,15 +564,18 @@ class KVStrataConnectorWorker:
                 self._prober.submit(self._probe_read, medium)
 
     def _probe_read(self, medium: Medium) -> None:
+        """Read a block only ``medium`` holds (so the read is from it) into memory of its own,
+        verified, as a load would; nothing else changes. No such block: nothing read."""
         start = time.perf_counter()
         timing = ProbeTiming(medium, 0.0, False, False)
         try:
             for cache in self._caches:
-                if medium in cache.media:
-                    seconds = cache.probe_read(medium)
-                    if seconds is not None:
-                        timing = ProbeTiming(medium, seconds, True)
-                        break
+                key = cache.manager.held_only_in(medium) if medium in cache.media else None
+                if key is not None:
+                    start = time.perf_counter()
+                    read = cache.get_into([key], [[torch.empty(cache.layout.block_bytes, dtype=torch.uint8)]])
+                    timing = ProbeTiming(medium, time.perf_counter() - start, read == 1)
+                    break
         except Exception:  # noqa: BLE001 - a failed read is the probe's answer: the tier still fails
             timing = ProbeTiming(medium, time.perf_counter() - start, False)
         finally:
