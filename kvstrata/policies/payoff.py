@@ -22,24 +22,25 @@ that finds it still slow doubles the wait, up to ``PROBE_MAX_S``. Until a probe 
 needs writing to it either (:meth:`LoadOrRecompute.declined_tiers`).
 
 A tier below memory whose last load failed (given up past its budget, or an error) is
-*failing*: a hit is granted only up to its first block there, however the rest of the hit was measured, until a load
-from it (its probe) arrives. A failure's time is only a lower bound on what that load would have
-taken, so no line fitted through it may price a larger load (predicted flat above one size, a
-failed 4-block load would price 11 blocks at the same time and grant them), and an unmeasured
-tier elsewhere in the hit is no reason to load from it again. A failing tier's probe needs no
-request: when it falls due the workers read one block only it holds, off the step
-(:meth:`LoadOrRecompute.probes_due`), and the read's time is judged as a one-block load's
-(:meth:`~LoadOrRecompute.probed`): within the budget that load would have had, the tier is judged
-by its loads again; past it, or failed, it is still failing. A tier holding no such block
-(:meth:`~LoadOrRecompute.unprobed`) is written again, so that it has one.
-A load from memory is a copy: one
-that fails (a thread stalled past the budget's floor, blocks evicted since the lookup) says the
-host had a hiccup, not that memory turned slow, and counts only as a slow sample.
+*failing*: a hit is granted only up to its first block there, however the rest of the hit was
+measured, until a load from it (its probe) arrives. A failure's time is only a lower bound on
+what that load would have taken, so no line fitted through it may price a larger load (predicted
+flat above one size, a failed 4-block load would price 11 blocks at the same time and grant
+them), and an unmeasured tier elsewhere in the hit is no reason to load from it again. A failing
+tier's probe needs no request: when it falls due the workers read one block only it holds, off
+the step (:meth:`LoadOrRecompute.probes_due`), and the read's time is judged as a one-block
+load's (:meth:`~LoadOrRecompute.probed`): within the budget that load would have had, the tier is
+judged by its loads again (and written to again); past it, or failed, it is still failing. A tier
+holding no such block (:meth:`~LoadOrRecompute.unprobed`) is written again, so that it has one.
+A load from memory is a copy: one that fails (a thread stalled past the budget's floor, blocks
+evicted since the lookup) says the host had a hiccup, not that memory turned slow, and counts
+only as a slow sample.
 
 A grant carries a budget once any step was measured: ``BUDGET_FACTOR`` times the time computing
-its tokens would take, at least ``BUDGET_MIN_S`` (before the fit is trusted, the steps' seconds
-per token as measured so far, fixed costs and all: a generous estimate, but a bound) (a grant is predicted to take well under its
-prefill, so a load past twice that is a tier gone slow, not a noisy host). A load that holds the
+its tokens would take, at least ``BUDGET_MIN_S``; before the prefill's line is trusted, at the
+steps' seconds per token so far, fixed costs and all (a generous estimate, but a bound). A grant
+is predicted to take well under its prefill, so a load past twice that is a tier gone slow, not
+a noisy host. A load that holds the
 step up longer is given up and its blocks are computed instead, so a tier that turned slow since
 it was measured, or was never measured (the first load from a capped disk), costs a request at
 most about three times the prefill of its hit, not whatever the tier takes; and the failure it
@@ -290,9 +291,7 @@ class LoadOrRecompute:
         for medium in declined.keys() - granted.keys():
             self._declined_since.setdefault(medium, now_s)
         for medium in granted:
-            self._declined_since.pop(medium, None)
-            self._probe_wait_s.pop(medium, None)
-            self._probed_at.pop(medium, None)
+            self._recovered(medium)
         if best < len(tiers) and best in (0, cut) and self._probe(tiers[best], now_s):
             probe = len(tiers) if whole else best + 1  # the blocks that pay and one from the tier probed
             return Grant(probe, _count(tiers[probe:]), probe=tiers[best], budget_s=self._budget(probe, per_token))
@@ -328,9 +327,16 @@ class LoadOrRecompute:
         budget = self._budget(1, self.per_token_s)
         if ok and (budget is None or seconds <= budget):
             self.loaded(medium, 1, seconds)
+            self._recovered(medium)
             return ProbeOutcome.PAYS
         self.failed(medium, 1, seconds, now_s)
         return ProbeOutcome.SLOW if ok else ProbeOutcome.FAILED
+
+    def _recovered(self, medium: Medium) -> None:
+        """``medium`` is loaded from again: not declined (written to as before), no probe pending."""
+        self._declined_since.pop(medium, None)
+        self._probe_wait_s.pop(medium, None)
+        self._probed_at.pop(medium, None)
 
     def unprobed(self, medium: Medium) -> ProbeOutcome:
         """A probe found no block held only in ``medium``: it is written again (not declined)

@@ -221,6 +221,7 @@ def test_a_failing_tier_is_probed_off_the_step_when_its_probe_falls_due() -> Non
     assert d.probes_due(2 * PROBE_EVERY_S + 0.2) == ()
     assert d.probes_due(3 * PROBE_EVERY_S + 0.2) == (D,)
     assert d.probed(D, 2e-5, True, now_s=3 * PROBE_EVERY_S + 0.25) is ProbeOutcome.PAYS  # the cap was lifted
+    assert d.declined_tiers(3 * PROBE_EVERY_S + 0.26) == frozenset()  # written to again at once
     assert d.probes_due(10 * PROBE_EVERY_S) == ()
     assert d.grant((D,) * 6, 3 * PROBE_EVERY_S + 0.3).blocks == 6
 
