@@ -122,7 +122,10 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_per_request(hybrid_model,
     """vLLM takes failed blocks only from a one-group model; a hybrid model's loads run off the
     step, so a failure is reported per request (``failed_recving``) and recomputed, never
     crashing the engine. Engine D starts on a copy of A's disk whose every block's payload
-    has one byte flipped: each load fails its checksum, and D computes A's tokens."""
+    has one byte flipped: each load fails its checksum, and D computes the tokens engine E
+    computes cold. Both are sent one prompt at a time: in bfloat16 a request's tokens depend on
+    what it is batched with (the tiny model's prompt 0, computed alone, differs from A's batch
+    of three at its sixth token), and where each failed load is reported decides D's batches."""
     bad = tmp_path / "bad"
     shutil.copytree(hma_runs["a"]["disk_dir"], bad)
     blocks = sorted(bad.rglob("*.kvb"))
@@ -130,10 +133,15 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_per_request(hybrid_model,
         data = bytearray(path.read_bytes())
         data[-100] ^= 0xFF
         path.write_bytes(bytes(data))
-    runs = run_children({"d": spec(hybrid_model, tmp_path, "d", passes=[HMA_PROMPTS], host_bytes=16 * MiB,
-                                   disk_dir=str(bad), disk_bytes=64 * MiB)}, tmp_path)
-    run = runs["d"]["passes"][0]
-    assert blocks and run["tokens"] == hma_runs["a"]["passes"][0]["tokens"]
+    one_by_one = [[prompt] for prompt in HMA_PROMPTS]
+    runs = run_children({"d": spec(hybrid_model, tmp_path, "d", passes=one_by_one, host_bytes=16 * MiB,
+                                   disk_dir=str(bad), disk_bytes=64 * MiB),
+                         "e": spec(hybrid_model, tmp_path, "e", passes=one_by_one, host_bytes=16 * MiB,
+                                   disk_dir=str(tmp_path / "empty"), disk_bytes=64 * MiB)}, tmp_path)
+    d = [p["tokens"][0] for p in runs["d"]["passes"]]
+    e = [p["tokens"][0] for p in runs["e"]["passes"]]
+    assert blocks and d == e
+    run = runs["d"]["passes"][-1]
     stats = run["stats"]
     assert stats["failed_blocks"] > 0 and stats["recomputed_blocks"] == stats["failed_blocks"]
     assert stats["loaded_tokens"] == 0 and stats["async_loads"] >= 1
