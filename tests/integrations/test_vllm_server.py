@@ -23,6 +23,8 @@ def test_the_command_line_is_vllms_server_with_the_connector():
     assert transfer["kv_connector"] == "KVStrataConnector" and transfer["kv_role"] == "kv_both"
     assert transfer["kv_connector_extra_config"] == {"host_bytes": 1 << 26}
     assert "--enable-prefix-caching" in argv
+    # vLLM's default stop kills its workers at once: a connector server is given time to close its caches
+    assert int(argv[argv.index("--shutdown-timeout") + 1]) > 0
     plain = ServerSpec("/models/m", prefix_caching=False).argv(1)
     assert "--kv-transfer-config" not in plain and "--no-enable-prefix-caching" in plain
 

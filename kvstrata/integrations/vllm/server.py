@@ -31,6 +31,10 @@ from typing import Any
 
 START_TIMEOUT_S = 300.0  # a cold vLLM start on a 2-core CPU host takes 20-60 s; compiled kernels, longer
 STOP_TIMEOUT_S = 30.0
+# vLLM's own stop (``--shutdown-timeout``) is 0 by default: its API server kills the engine and its
+# workers at once on SIGTERM, a crash to the connector. Given time, a connector server's workers
+# close their caches (a write-back host tier goes down to disk: a restarted server finds it).
+SHUTDOWN_TIMEOUT_S = 10
 
 
 class ServerFailed(RuntimeError):
@@ -93,7 +97,8 @@ class ServerSpec:
         ]
         args.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
         if self.connector is not None:
-            args += ["--kv-transfer-config", json.dumps(self.transfer_config())]
+            args += ["--kv-transfer-config", json.dumps(self.transfer_config()),
+                     "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
         return args + list(self.extra_args)
 
     def transfer_config(self) -> dict[str, Any]:
