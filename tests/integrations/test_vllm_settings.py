@@ -124,3 +124,15 @@ def test_a_pool_from_an_unset_environment_is_refused(monkeypatch):
     monkeypatch.delenv("KVSTRATA_POOL", raising=False)
     with pytest.raises(ValueError, match="pool='env' but \\$KVSTRATA_POOL is not set"):
         ConnectorSettings.from_extra({"pool": "env"}).pool_config()
+
+
+def test_a_stop_that_would_lose_the_host_tier_is_said_once_where_it_would():
+    """vLLM's default stop (``--shutdown-timeout 0``) kills the workers before a write-back host
+    tier goes down to disk: said for such a server, not where nothing would be lost."""
+    disk = ConnectorSettings(disk_dir=Path("/d"), disk_bytes=1 << 30)
+    said = disk.stop_loses_host(0)
+    assert said is not None and "--shutdown-timeout 10" in said and "\n" not in said
+    assert disk.stop_loses_host(10) is None  # given time, the cache closes and writes down
+    assert ConnectorSettings().stop_loses_host(0) is None  # no disk: nothing to write down
+    assert ConnectorSettings(disk_dir=Path("/d"), disk_bytes=1 << 30,
+                             write=WritePolicy.WRITE_THROUGH).stop_loses_host(0) is None  # already down

@@ -18,6 +18,7 @@ Its counters go to vLLM's own ``/metrics`` through vLLM's connector-stats hooks
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+_log = logging.getLogger("kvstrata.integrations.vllm")
+
 # kvstrata's tiers as vLLM's cache-hit sources (vLLM's "device" is local HBM: kvstrata's device
 # tier is; the shared pool is no peer instance, so not "p2p").
 _SOURCES = {Medium.DEVICE: CacheHitSource.DEVICE, Medium.HOST: CacheHitSource.HOST, Medium.DISK: CacheHitSource.DISK,
@@ -73,6 +76,8 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_scheduler: KVStrataConnectorScheduler | None = None
         self.connector_worker: KVStrataConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if (lost := self.settings.stop_loses_host(getattr(vllm_config, "shutdown_timeout", 0))) is not None:
+                _log.warning("%s", lost)
             self.connector_scheduler = KVStrataConnectorScheduler(
                 vllm_config.cache_config.block_size, transfer.engine_id,
                 loads_enabled=transfer.is_kv_consumer, saves_enabled=transfer.is_kv_producer,

@@ -164,6 +164,17 @@ class ConnectorSettings:
         shared = self.pool is not None and self.kv_sharing is not KVSharing.SLICED
         return WritePolicy.WRITE_THROUGH if shared else WritePolicy.WRITE_BACK
 
+    def stop_loses_host(self, shutdown_timeout_s: float) -> str | None:
+        """Why a stop under vLLM's ``--shutdown-timeout`` (``shutdown_timeout_s``) loses the
+        blocks only the host tier holds (None: it does not). At 0, vLLM's default, vLLM kills
+        its workers on SIGTERM before the connector can write a write-back host tier down."""
+        if shutdown_timeout_s > 0 or self.disk_dir is None or self.disk_bytes <= 0 \
+                or self.write_policy is not WritePolicy.WRITE_BACK:
+            return None
+        return ("vLLM's --shutdown-timeout is 0, so a stop kills this server's workers before "
+                "kvstrata writes its host tier down to disk (a restart finds only what the host evicted); "
+                "start vllm serve with --shutdown-timeout 10 to keep it")
+
     def held_blocks(self, block_bytes: int) -> int:
         """How many blocks of ``block_bytes`` the tiers (device, host, disk) hold at most."""
         return (self.device_bytes + self.host_bytes + self.disk_bytes) // block_bytes if block_bytes > 0 else 0
