@@ -10,7 +10,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadTiming, ProbeTiming, StepClock  # noqa: E402
+from kvstrata.integrations.vllm.feedback import (  # noqa: E402
+    KVStrataWorkerMeta,
+    LoadOutcome,
+    LoadTiming,
+    ProbeTiming,
+    StepClock,
+)
 from kvstrata.media import Medium  # noqa: E402
 
 
@@ -23,11 +29,11 @@ def test_a_step_s_compute_leaves_out_what_the_hooks_took():
     clock.charge("r1", 0.01)
     clock.charge("r1", 0.02)
     clock.end()
-    clock.load_done("r1", ok=True)
+    clock.load_done("r1", LoadOutcome.ARRIVED)
     meta = clock.take()
     assert meta.computed_tokens == 300
     assert 0.015 <= meta.compute_s < 0.045
-    assert meta.loads == [LoadTiming("r1", pytest.approx(0.03), True)]
+    assert meta.loads == [LoadTiming("r1", pytest.approx(0.03), LoadOutcome.ARRIVED)]
     assert clock.take() is None  # handed over once
 
 
@@ -39,11 +45,15 @@ def test_a_step_with_no_tokens_measures_no_compute():
 
 
 def test_tp_ranks_merge_as_the_slower_and_a_load_failed_on_any_rank_failed():
-    a = KVStrataWorkerMeta(64, 0.010, [LoadTiming("r1", 0.002, True), LoadTiming("r2", 0.004, True)])
-    b = KVStrataWorkerMeta(64, 0.012, [LoadTiming("r1", 0.003, False)])
+    arrived, left, failed = LoadOutcome.ARRIVED, LoadOutcome.LEFT, LoadOutcome.FAILED
+    a = KVStrataWorkerMeta(64, 0.010, [LoadTiming("r1", 0.002, arrived), LoadTiming("r2", 0.004, arrived),
+                                       LoadTiming("r3", 0.001, failed)])
+    b = KVStrataWorkerMeta(64, 0.012, [LoadTiming("r1", 0.003, left), LoadTiming("r3", 0.001, left)])
     merged = a.aggregate(b)
     assert (merged.computed_tokens, merged.compute_s) == (64, 0.012)
-    assert sorted(merged.loads, key=lambda t: t.req_id) == [LoadTiming("r1", 0.003, False), LoadTiming("r2", 0.004, True)]
+    assert sorted(merged.loads, key=lambda t: t.req_id) == [
+        LoadTiming("r1", 0.003, left), LoadTiming("r2", 0.004, arrived), LoadTiming("r3", 0.001, failed)]
+    assert [t.ok for t in sorted(merged.loads, key=lambda t: t.req_id)] == [False, True, False]
 
 
 def test_a_store_s_cpu_from_the_save_thread_comes_with_a_later_step_and_ranks_keep_the_costlier():

@@ -15,6 +15,9 @@ it (in ``start_load_kv`` and each layer's wait): with layer-wise copies, the for
 layers in between are compute, not load. The ranks of one step wait for each other, so the
 merge keeps the slower rank's figures.
 
+A load whose blocks left kvstrata between the scheduler's lookup and the load (evicted meanwhile)
+comes back as :attr:`LoadOutcome.LEFT`: recomputed, and no verdict on its tier's speed.
+
 A probe of a tier the scheduler stopped loading from (a capped disk) is a read of one block it
 alone holds, on a thread of the worker's own, off the step: its time comes back as a
 :class:`ProbeTiming` (``read`` False: the tier held no such block).
@@ -28,6 +31,7 @@ costlier rank's.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,13 +41,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from kvstrata.media import Medium
 
 
+class LoadOutcome(enum.Enum):
+    """How a load ended, as the scheduler judges its tier by it (``value`` orders them: two TP
+    ranks' outcomes merge as the worse)."""
+
+    ARRIVED = 0  # every block is in vLLM's blocks: a sample of the tier's speed
+    LEFT = 1  # its blocks left kvstrata after the lookup (evicted meanwhile): recomputed, no verdict on the tier
+    FAILED = 2  # given up past its budget, or an error: its tier counts as failing
+
+
 @dataclass(frozen=True)
 class LoadTiming:
-    """One request's load: ``seconds`` it held the step up; ``ok``: every block arrived."""
+    """One request's load: ``seconds`` it held the step up, and how it ended."""
 
     req_id: str
     seconds: float
-    ok: bool
+    outcome: LoadOutcome
+
+    @property
+    def ok(self) -> bool:
+        """Every block arrived."""
+        return self.outcome is LoadOutcome.ARRIVED
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,8 @@ class KVStrataWorkerMeta(KVConnectorWorkerMetadata):
         loads = {t.req_id: t for t in self.loads}
         for t in other.loads:
             mine = loads.get(t.req_id)
-            loads[t.req_id] = t if mine is None else LoadTiming(t.req_id, max(t.seconds, mine.seconds), t.ok and mine.ok)
+            loads[t.req_id] = t if mine is None else LoadTiming(t.req_id, max(t.seconds, mine.seconds),
+                                                                max(t.outcome, mine.outcome, key=lambda o: o.value))
         said = [m.caches_started_empty for m in (self, other) if m.caches_started_empty is not None]
         probes = {p.medium: p for p in self.probes}
         for p in other.probes:
@@ -132,8 +151,8 @@ class StepClock:
     def charge(self, req_id: str, seconds: float) -> None:
         self._load_s[req_id] = self._load_s.get(req_id, 0.0) + seconds
 
-    def load_done(self, req_id: str, ok: bool) -> None:
-        self._pending.loads.append(LoadTiming(req_id, self._load_s.pop(req_id, 0.0), ok))
+    def load_done(self, req_id: str, outcome: LoadOutcome) -> None:
+        self._pending.loads.append(LoadTiming(req_id, self._load_s.pop(req_id, 0.0), outcome))
 
     def saved(self, blocks: int) -> None:
         with self._save_lock:  # the copy thread's saves too

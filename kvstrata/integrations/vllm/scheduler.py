@@ -23,7 +23,9 @@ weighs each tier's measured loads against the prefill's measured rate
 (:class:`~kvstrata.policies.payoff.LoadOrRecompute`, fed by the workers' measurements through
 ``update_connector_output``: :mod:`~kvstrata.integrations.vllm.feedback`), so a slow or failing
 tier stops being used without a restart, and is tried again with one block now and then. The
-blocks held but not granted are counted (``declined_blocks``). A grant's load carries a budget,
+blocks held but not granted are counted (``declined_blocks``). A load whose blocks left
+kvstrata between the lookup and the load (evicted meanwhile) is recomputed and says nothing of
+its tier (``LoadOutcome.LEFT``): only a load given up or failed counts against it. A grant's load carries a budget,
 a multiple of the prefill of its tokens (:class:`LoadSpec` ``budget_s``): a load that holds the
 step up longer is given up by the workers and its blocks are computed.
 
@@ -83,7 +85,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.index.stored import StoredFirstBlocks
 from kvstrata.integrations.vllm.channel import WorkerLookup
-from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadOutcome
 from kvstrata.integrations.vllm.metadata import GroupBlocks, KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
 from kvstrata.integrations.vllm.verdicts import StepVerdicts
@@ -284,12 +286,13 @@ class KVStrataConnectorScheduler:
                 self._landed(timing.req_id)
             if granted is None:
                 continue
-            if timing.ok:
+            if timing.outcome is LoadOutcome.ARRIVED:
                 self.decision.loaded(granted.medium, granted.blocks, timing.seconds)
-            else:
+                continue
+            if timing.outcome is LoadOutcome.FAILED:  # LEFT (evicted since the lookup) says nothing of the tier
                 self.decision.failed(granted.medium, granted.blocks, timing.seconds, time.monotonic())
-                if granted.off_step and timing.req_id in self._requests:  # vLLM looks it up again: recompute it
-                    self._no_reload.add(timing.req_id)
+            if granted.off_step and timing.req_id in self._requests:  # vLLM looks it up again: recompute it
+                self._no_reload.add(timing.req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVStrataMetadata:
         """This step's loads (the grants) and saves (prompt blocks completed by this step)."""

@@ -57,7 +57,7 @@ from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, Save
 from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup, staging
 from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
 from kvstrata.integrations.vllm.channel import LookupServer
-from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, ProbeTiming, StepClock
+from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadOutcome, ProbeTiming, StepClock
 from kvstrata.integrations.vllm.settings import ConnectorSettings
 from kvstrata.kv.heads import KVSharing
 from kvstrata.integrations.vllm.stats import GroupStats, PendingSave, StatsFile, WorkerStats
@@ -98,9 +98,16 @@ class _ActiveLoad:
     handles: list[Any]  # per group, a LoadHandle or SlicedLoad; None: the group fills no blocks
     layers_done: list[int]  # per group, layers copied
     failed: bool = False
+    left: bool = False  # failed because its blocks left kvstrata after the scheduler's lookup
     held_s: float = 0.0  # how long it has held vLLM's step up (waiting for it, copying it)
     started: float = 0.0  # perf_counter when it started (off the step: its time is from here to its end)
     off_step: bool = False  # vLLM's asynchronous load: reported through get_finished, not in the step
+
+    @property
+    def outcome(self) -> LoadOutcome:
+        if not self.failed:
+            return LoadOutcome.ARRIVED
+        return LoadOutcome.LEFT if self.left else LoadOutcome.FAILED
 
 
 class _CountingSaver(ThreadPoolExecutor):
@@ -306,6 +313,7 @@ class KVStrataConnectorWorker:
             if load is None:  # left since the lookup, or (TP > 1) this rank's slices were never there
                 self._fail_load(active, f"group {group.spec.index}'s blocks left kvstrata after the "
                                 "scheduler's lookup")
+                active.left = True
                 break
             active.handles.append(load)
         return active
@@ -359,7 +367,7 @@ class KVStrataConnectorWorker:
         for active in self._active:
             self._finish(active)
             failed = failed or active.failed
-            self.clock.load_done(active.spec.req_id, not active.failed)
+            self.clock.load_done(active.spec.req_id, active.outcome)
         self._active.clear()
         return failed
 
@@ -415,7 +423,7 @@ class KVStrataConnectorWorker:
             own = self._finish(active) + time.perf_counter() - copying
             # the scheduler learns the tier's speed: an arrived load's own time, not the steps it waited through
             self.clock.charge(req_id, own if not active.failed else time.perf_counter() - active.started)
-            self.clock.load_done(req_id, not active.failed)
+            self.clock.load_done(req_id, active.outcome)
             del self._recving[req_id]
             self._stats.off_step()
             finished.add(req_id)
