@@ -328,7 +328,7 @@ class BlockTable:
         return entry.hits if entry else 0
 
     def ready_keys(self) -> list[BlockKey]:
-        return [k for k, e in self._entries.items() if e.state is BlockState.READY]
+        return list(self.iter_ready())
 
     def iter_ready(self) -> Iterator[BlockKey]:
         """The READY keys, lazily (no list of a large tier's every key); not while it changes."""

@@ -296,7 +296,7 @@ class LoadOrRecompute:
             probe = len(tiers) if whole else best + 1  # the blocks that pay and one from the tier probed
             return Grant(probe, _count(tiers[probe:]), probe=tiers[best], budget_s=self._budget(probe, per_token))
         budget = self._budget(best, per_token) if best else None
-        if not measured or per_token is None:
+        if not measured:
             return Grant(best, declined, budget_s=budget)
         return Grant(best, declined, best_load, best * self.block_tokens * per_token, budget_s=budget)
 

@@ -128,7 +128,7 @@ class StepClock:
         self._tokens = 0
         self._load_s: dict[str, float] = {}
         self._pending = KVStrataWorkerMeta()
-        self._save_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._save_cpu_s = 0.0
         self._saved_blocks = 0
         self._probes: list[ProbeTiming] = []
@@ -155,7 +155,7 @@ class StepClock:
         self._pending.loads.append(LoadTiming(req_id, self._load_s.pop(req_id, 0.0), outcome))
 
     def saved(self, blocks: int) -> None:
-        with self._save_lock:  # the copy thread's saves too
+        with self._lock:  # the copy thread's saves too
             self._saved_blocks += blocks
 
     def started(self, empty: bool) -> None:
@@ -164,16 +164,16 @@ class StepClock:
 
     def probed(self, timing: ProbeTiming) -> None:
         """A probe read ended (on the probe thread)."""
-        with self._save_lock:
+        with self._lock:
             self._probes.append(timing)
 
     def save_cpu(self, seconds: float) -> None:
-        with self._save_lock:
+        with self._lock:
             self._save_cpu_s += seconds
 
     def take(self) -> KVStrataWorkerMeta | None:
         meta = self._pending
-        with self._save_lock:
+        with self._lock:
             meta.save_cpu_s, self._save_cpu_s = meta.save_cpu_s + self._save_cpu_s, 0.0
             meta.saved_blocks, self._saved_blocks = meta.saved_blocks + self._saved_blocks, 0
             meta.probes, self._probes = meta.probes + self._probes, []

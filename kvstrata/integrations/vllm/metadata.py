@@ -56,6 +56,11 @@ class SaveSpec:
     tokens: list[int]
     groups: list[GroupBlocks]
 
+    @property
+    def blocks(self) -> int:
+        """The prompt blocks it stores (its first group's: every group stores the same prefix)."""
+        return len(self.groups[0].block_ids) if self.groups else 0
+
 
 @dataclass
 class KVStrataMetadata(KVConnectorMetadata):

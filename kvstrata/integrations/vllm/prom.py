@@ -326,10 +326,16 @@ class LookupCounts:
 
     stats: KVStrataStats | None = None
 
+    def _open(self) -> KVStrataStats:
+        """The counts since the last report (begun if none)."""
+        if self.stats is None:
+            self.stats = KVStrataStats()
+        return self.stats
+
     def admitted(self, tiers: tuple[Medium, ...], missed: int, declined: dict[Medium, int] | None = None) -> None:
         """A request's lookup: the tier of each block kvstrata grants, the blocks it lacked, and
         those it held but declined to load (slower than recomputing them)."""
-        stats = self.stats if self.stats is not None else KVStrataStats()
+        stats = self._open()
         for medium in Medium:
             n = tiers.count(medium)
             if n:
@@ -342,29 +348,21 @@ class LookupCounts:
 
     def answered(self, by_scheduler: bool) -> None:
         """A lookup, answered by the scheduler (a miss it knew of) or the workers."""
-        stats = self.stats if self.stats is not None else KVStrataStats()
-        stats.add(LOOKUPS, 1, ("scheduler" if by_scheduler else "worker",))
-        self.stats = stats
+        self._open().add(LOOKUPS, 1, ("scheduler" if by_scheduler else "worker",))
 
     def probed(self, medium: Medium, outcome: ProbeOutcome) -> None:
         """A probe read of ``medium`` ended, with ``outcome``."""
-        stats = self.stats if self.stats is not None else KVStrataStats()
-        stats.add(PROBES, 1, (medium.label, outcome.value))
-        self.stats = stats
+        self._open().add(PROBES, 1, (medium.label, outcome.value))
 
     def skipped(self, blocks: int) -> None:
         """A request's ``blocks`` new prompt blocks were not stored: stores did not pay."""
         if blocks > 0:
-            stats = self.stats if self.stats is not None else KVStrataStats()
-            stats.add(SAVE_SKIPPED_BLOCKS, blocks)
-            self.stats = stats
+            self._open().add(SAVE_SKIPPED_BLOCKS, blocks)
 
     def used_cpu(self, seconds: float) -> None:
         """The scheduler side's hooks used ``seconds`` of CPU."""
         if seconds > 0:
-            stats = self.stats if self.stats is not None else KVStrataStats()
-            stats.add(CPU_SECONDS, seconds, ("scheduler",))
-            self.stats = stats
+            self._open().add(CPU_SECONDS, seconds, ("scheduler",))
 
     def report(self) -> KVStrataStats | None:
         stats, self.stats = self.stats, None

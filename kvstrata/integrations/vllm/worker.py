@@ -545,7 +545,7 @@ class KVStrataConnectorWorker:
                 taking = self._saving_blocks * self._stats.block_bytes < self.settings.save_backlog_bytes
             self._taken[spec.req_id] = taking
             if not taking:
-                self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
+                self._stats.dropped(spec.blocks)
         return taking
 
     def _saved(self, blocks: int) -> None:
@@ -611,7 +611,7 @@ class KVStrataConnectorWorker:
                 # in vLLM's prefix cache this step, computed over KV that is not all there; their
                 # new blocks' later layers are wrong (vLLM recomputes them). Which requests read
                 # those blocks is vLLM's to know: no save of the step is stored.
-                self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
+                self._stats.dropped(spec.blocks)
                 continue
             if self._taking(spec):
                 taken.append(spec)
@@ -652,7 +652,7 @@ class KVStrataConnectorWorker:
             staged = [save for save in (self._staged_save(spec, {}) for spec in specs) if save.stores]
         except Exception as error:  # noqa: BLE001 - the step has moved on: count it, never raise into vLLM
             for spec in specs:
-                self._stats.dropped(len(spec.groups[0].block_ids) if spec.groups else 0)
+                self._stats.dropped(spec.blocks)
             self._changed = True
             _log.warning("KVStrataConnector: a save could not be copied out of vLLM's blocks (%s); dropped", error)
             return
@@ -670,7 +670,7 @@ class KVStrataConnectorWorker:
                      ) -> _StagedSave:
         """A save's every group staged (the layers not in ``prestaged``, staged by the per-layer
         hook, are taken now, the forward over)."""
-        save = _StagedSave(time.perf_counter(), len(spec.groups[0].block_ids) if spec.groups else 0, [])
+        save = _StagedSave(time.perf_counter(), spec.blocks, [])
         for g, group in enumerate(self._groups):
             block_ids = spec.groups[g].block_ids
             if not block_ids or not group.writes:
