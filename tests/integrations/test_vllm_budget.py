@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstrata.kv.presets import load_geometry  # noqa: E402
-from kvstrata.policies.payoff import PROBE_EVERY_S  # noqa: E402
+from kvstrata.policies.payoff import BUDGET_FACTOR, PROBE_EVERY_S  # noqa: E402
 from tests.integrations.test_vllm import BLOCK, MiB, run_children, spec  # noqa: E402
 
 _rng = random.Random(23)
@@ -43,7 +43,7 @@ def run(tiny_model_dir, tmp_path_factory) -> dict:
     # a host tier of eight blocks: written back, the rest go down to the disk as the host evicts them
     s = spec(model, tmp, "slow", passes=[PROMPTS, PROMPTS, NEW, LATER, LAST], max_tokens=4,
              host_bytes=HOST_BLOCKS * block_bytes, disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB,
-             disk_read_gbps=CAP_GBPS)
+             disk_read_gbps=CAP_GBPS, load_budget=BUDGET_FACTOR)
     read_s = block_bytes / (CAP_GBPS * 1e9)  # one block through the cap
     s["pauses"] = {"3": PROBE_EVERY_S + 0.5, "4": read_s + 1.0}
     return run_children({"slow": s}, tmp)["slow"] | {"block_bytes": block_bytes}

@@ -28,6 +28,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvstrata.policies.payoff import BUDGET_FACTOR  # noqa: E402
 from tests.integrations.test_vllm import BLOCK, FILLER, HIT_TOKENS, PROMPTS, run_children, spec  # noqa: E402
 from tests.integrations.test_vllm_mla import ENGINE as MLA_ENGINE  # noqa: E402
 from tests.integrations.test_vllm_mla import MLA_BLOCK  # noqa: E402
@@ -83,7 +84,8 @@ def tp_runs(tiny_model_dir, tiny_mla_dir, pool, tmp_path_factory) -> dict:
         "l2_missing": {**spec(model, tmp, "l2_missing", passes=[FILLER, LONGER], model_id=f"vllm-tp-{ns}",
                               host_bytes=16 * MiB, **disk), **tp2, **fp32},
         "l2_slow": {**spec(model, tmp, "l2_slow", passes=[SLOW, SLOW], max_tokens=4, host_bytes=0,
-                           disk_dir=str(tmp / "slow-disk"), disk_bytes=64 * MiB, disk_read_gbps=CAP_GBPS), **tp2, **fp32},
+                           disk_dir=str(tmp / "slow-disk"), disk_bytes=64 * MiB, disk_read_gbps=CAP_GBPS,
+                           load_budget=BUDGET_FACTOR), **tp2, **fp32},
     }, tmp)
     for name, run in runs.items():
         print(f"{name}: start {run['start_s']:.1f} s, generate {sum(p['seconds'] for p in run['passes']):.1f} s")
