@@ -9,6 +9,13 @@ connector reserves a core per NUMA node for KV transfer, a process may name I/O 
 (:func:`io_thread_started`, the initializer of the transfer worker's pools and the first call of
 every other thread kvstrata starts). Without a placement nothing moves.
 
+Wherever they run, kvstrata's threads compute alone: each runs its torch ops on one OpenMP
+thread (:func:`io_thread_started` sets the calling thread's OpenMP limit, nobody else's). A
+thread that runs a parallel torch op (a copy of a block's 32K elements or more is one) starts an
+OpenMP team of its own beside the forward pass's; GNU OpenMP, seeing more of its threads than
+CPUs, stops spinning between parallel regions, and the forward's many short regions then wait on
+their workers' wake-ups: on 2 vCPUs, vLLM's step took twice as long with a save thread beside it.
+
 The same hook records each thread's native id, so the CPU time kvstrata's threads used can be
 read back from ``/proc`` (:func:`io_threads_cpu_s`): what the connector cost, apart from the
 compute it sits beside.
@@ -17,6 +24,7 @@ compute it sits beside.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 _lock = threading.Lock()
@@ -77,7 +85,9 @@ def place_io_threads(cpus: frozenset[int] | None) -> None:
 
 
 def io_thread_started() -> None:
-    """First call of every kvstrata thread: move to the I/O CPUs (if placed), be counted."""
+    """First call of every kvstrata thread: move to the I/O CPUs (if placed), compute alone (one
+    OpenMP thread for its torch ops), be counted."""
+    _compute_alone()
     with _lock:
         _threads.add(threading.get_native_id())
         cpus = _io_cpus
@@ -86,6 +96,18 @@ def io_thread_started() -> None:
             os.sched_setaffinity(0, cpus)  # 0: this thread (Linux)
         except OSError:
             pass  # a CPU outside this process's cgroup: stay where it started
+
+
+def _compute_alone() -> None:
+    """This thread's torch ops on this thread only (its OpenMP limit 1; other threads' untouched:
+    ``torch.set_num_threads`` would also lower every thread started after it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # nothing here computes with torch
+        return
+    from threadpoolctl import threadpool_limits
+
+    torch.get_num_threads()  # torch's own per-thread set-up first: it would set the process's count over ours
+    threadpool_limits(1, user_api="openmp")
 
 
 def io_threads_cpu_s() -> float:

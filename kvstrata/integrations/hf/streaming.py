@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvstrata.integrations.hf.cache import RestoringLayer
+from kvstrata.transfer.placement import io_thread_started
 
 
 class StreamingLayer(RestoringLayer):
@@ -61,7 +62,7 @@ class StreamedKV:
         self.lengths = [0] * layers
         self.fetched: dict[int, Any] = {}  # layer -> (Future | (event, tensor), length)
         self.bytes_moved = 0
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-stream")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-stream", initializer=io_thread_started)
         self._cuda_stream = None
 
     def layer(self, index: int) -> StreamingLayer:
