@@ -156,7 +156,7 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
         pool_file = _pool_file(source, work)
         fleet = stack.enter_context(_Fleet(
             server_specs(config, work, pool_file, f"bench-serve-{uuid.uuid4().hex[:8]}", _server_env(),
-                         cpu_halves(sorted(os.sched_getaffinity(0)))),
+                         cpu_halves(sorted(os.sched_getaffinity(0)), config.server_cpus)),
             config, work, progress))
         stack.callback(_ignore_sigint)  # unwinds first: nothing interrupts the stops below
         run = _Run(config, fleet, progress)

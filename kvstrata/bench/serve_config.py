@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstrata.bench.serve_plan import ServeWorkload
+from kvstrata.transfer.placement import parse_cpu_list
 
 if TYPE_CHECKING:
     from kvstrata.integrations.vllm.server import ServerSpec
@@ -81,6 +82,9 @@ class ServeBenchConfig:
         pool: run the pool's parts (the pool tier, two servers on one pool, P/D).
         directory: where disk tiers, stats and logs go (None: a temporary directory, removed).
         start_timeout_s: how long a server may take to answer ``/health``.
+        server_cpus: the CPUs (a vLLM CPU list, ``"0-3"``) the compute of vLLM alone and kvstrata's
+            server is bound to in the rounds; None: half the host's (``CPU_HALF``). The servers
+            that run beside another keep the other half.
     """
 
     workload: ServeWorkload
@@ -100,8 +104,15 @@ class ServeBenchConfig:
     pool: bool = True
     directory: Path | None = None
     start_timeout_s: float = 300.0
+    server_cpus: str | None = None
 
     def __post_init__(self) -> None:
+        if self.server_cpus is not None:
+            try:
+                parse_cpu_list(self.server_cpus)
+            except ValueError:
+                raise ValueError(f"bench serve: server_cpus must be a CPU list such as \"0-3\" or \"0,2\", "
+                                 f"got {self.server_cpus!r}") from None
         for name in ("rounds", "kv_blocks", "max_num_seqs", "block_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -150,13 +161,15 @@ def server_specs(config: ServeBenchConfig, work_dir: Path, pool_file: Path | Non
     return {i: spec(i) for i in Instance if pool_file is not None or i not in pooled}
 
 
-def cpu_halves(cpus: Sequence[int]) -> tuple[str, str] | None:
-    """``cpus`` in two halves as vLLM's CPU lists, or None when there are fewer than two."""
+def cpu_halves(cpus: Sequence[int], first: str | None = None) -> tuple[str, str] | None:
+    """``cpus`` in two halves as vLLM's CPU lists, or None when there are fewer than two;
+    ``first``: the first half's list as given (``ServeBenchConfig.server_cpus``)."""
     ordered = sorted(cpus)
     if len(ordered) < 2:
-        return None
+        return None if first is None else (first, first)
     middle = len(ordered) // 2
-    return ",".join(map(str, ordered[:middle])), ",".join(map(str, ordered[middle:]))
+    halves = ",".join(map(str, ordered[:middle])), ",".join(map(str, ordered[middle:]))
+    return halves if first is None else (first, halves[1])
 
 
 def _env(env: dict[str, str], instance: Instance, halves: tuple[str, str] | None) -> dict[str, str]:

@@ -66,6 +66,9 @@ def register(bench: BenchParser) -> None:
                         "it measures its loads and recomputes what a slow tier cannot bring back faster)")
     p.add_argument("--connector-extra", metavar="JSON", help="more kv_connector_extra_config for the kvstrata servers, "
                                                              "e.g. '{\"sync_save\": true}'")
+    p.add_argument("--server-cpus", metavar="LIST",
+                   help="bind vLLM alone's and kvstrata's server compute to these CPUs (a vLLM CPU list, e.g. "
+                        "'0-3'; default: half the host's, the client and the pool keeping the rest)")
     p.add_argument("--remote-mib", type=int, default=128, help="the pool each server tracks, MiB (default: 128)")
     p.add_argument("--seed", type=int, default=0, help="the prompts' (and a generated trace's) seed (default: 0)")
     cli.add_pool_arg(p, "an embedded pool for the run")
@@ -112,6 +115,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for flag in ("host_mib", "disk_mib", "remote_mib"):
         if getattr(args, flag) < 1:
             raise cli.CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.server_cpus is not None:
+        _check_server_cpus(args.server_cpus)
     calibration = None
     if args.profile:
         from kvstrata.calibrate import load_calibration
@@ -134,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, dtype=args.dtype, host_bytes=args.host_mib * MiB, disk_bytes=args.disk_mib * MiB,
         remote_bytes=args.remote_mib * MiB, pool=use_pool, disk_read_gbps=args.disk_read_gbps,
         connector_extra=tuple(_connector_extra(args.connector_extra).items()),
-        directory=Path(args.dir) if args.dir else None,
+        directory=Path(args.dir) if args.dir else None, server_cpus=args.server_cpus,
     )
     if args.trace is not None:  # a bad line, or fewer requests than conversations: one line, before any server
         from kvstrata.bench.serve import load_trace
@@ -161,6 +166,22 @@ def run_serve(args: argparse.Namespace) -> int:
         Console(stderr=True).print("[bold red]completions differ from the cold reference's (see the table)[/]")
         return 1
     return code
+
+
+def _check_server_cpus(text: str) -> None:
+    """``--server-cpus``: a CPU list of CPUs this process may run on."""
+    from kvstrata.transfer.placement import parse_cpu_list
+
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError:
+        cpus = frozenset()
+    if not cpus:
+        raise cli.CliError(f"--server-cpus must be a CPU list such as '0-3' or '0,2', got {text!r}")
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise cli.CliError(f"--server-cpus {text}: CPU {min(cpus - allowed)} is not among this host's CPUs for "
+                           f"this process ({', '.join(map(str, sorted(allowed)))})")
 
 
 def _pool(args: argparse.Namespace) -> tuple[object, bool, str | None]:

@@ -153,6 +153,14 @@ def test_the_report_checks_every_run_and_splits_the_two_servers_turns():
 def test_concurrent_servers_get_halves_of_the_cpus():
     assert cpu_halves([0]) is None
     assert cpu_halves([3, 0, 1, 2]) == ("0,1", "2,3")
+    # --server-cpus: the rounds' servers on the CPUs named, the servers beside them keep their half
+    assert cpu_halves([3, 0, 1, 2], "0-3") == ("0-3", "2,3") and cpu_halves([0], "0") == ("0", "0")
+    config = ServeBenchConfig(ServeWorkload(), Path("/m"), VOCAB, 65536, server_cpus="0-3")
+    specs = server_specs(config, Path("/w"), None, "ns", {}, cpu_halves([0, 1, 2, 3], config.server_cpus))
+    assert specs[Instance.BASELINE].env["VLLM_CPU_OMP_THREADS_BIND"] == specs[Instance.OURS].env[
+        "VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    with pytest.raises(ValueError, match="server_cpus must be a CPU list"):
+        ServeBenchConfig(ServeWorkload(), Path("/m"), VOCAB, 65536, server_cpus="3-1")
 
 
 def test_a_no_reuse_report_has_the_rounds_alone_and_says_why_the_rest_was_skipped():

@@ -37,6 +37,8 @@ def refused(capsys, argv: list[str]) -> str:
     (["--turns", "40"], "40 turns of 16 answer + 48 user tokens leave no room"),
     (["--trace", "/no/such/trace.jsonl"], "--trace /no/such/trace.jsonl: no such file"),
     (["--host-mib", "0"], "--host-mib must be >= 1, got 0"),
+    (["--server-cpus", "1-0"], "--server-cpus must be a CPU list such as '0-3' or '0,2', got '1-0'"),
+    (["--server-cpus", "0,4095"], "--server-cpus 0,4095: CPU 4095 is not among this host's CPUs"),
 ])
 def test_bad_flags_are_one_line_before_anything_starts(capsys, argv, named):
     assert named in refused(capsys, argv)
