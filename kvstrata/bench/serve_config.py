@@ -22,6 +22,7 @@ objects from earlier runs are never hits.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
@@ -109,10 +110,9 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         if self.server_cpus is not None:
             try:
-                parse_cpu_list(self.server_cpus)
-            except ValueError:
-                raise ValueError(f"bench serve: server_cpus must be a CPU list such as \"0-3\" or \"0,2\", "
-                                 f"got {self.server_cpus!r}") from None
+                server_cpu_set(self.server_cpus)
+            except ValueError as error:
+                raise ValueError(f"bench serve: server_cpus {error}") from None
         for name in ("rounds", "kv_blocks", "max_num_seqs", "block_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -159,6 +159,25 @@ def server_specs(config: ServeBenchConfig, work_dir: Path, pool_file: Path | Non
 
     pooled = (Instance.SECOND, Instance.PREFILL, Instance.DECODE)
     return {i: spec(i) for i in Instance if pool_file is not None or i not in pooled}
+
+
+def server_cpu_set(text: str) -> frozenset[int]:
+    """The CPUs of the list ``text`` (``"0-3"``), every one this process may run on.
+
+    Raises:
+        ValueError: not such a list, or a CPU outside this process's affinity.
+    """
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError:
+        cpus = frozenset()
+    if not cpus:
+        raise ValueError(f"must be a CPU list such as '0-3' or '0,2', got {text!r}")
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"{text}: CPU {min(cpus - allowed)} is not among this host's CPUs for this process "
+                         f"({', '.join(map(str, sorted(allowed)))})")
+    return cpus
 
 
 def cpu_halves(cpus: Sequence[int], first: str | None = None) -> tuple[str, str] | None:

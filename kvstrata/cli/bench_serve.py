@@ -116,7 +116,12 @@ def run_serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise cli.CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.server_cpus is not None:
-        _check_server_cpus(args.server_cpus)
+        from kvstrata.bench.serve_config import server_cpu_set
+
+        try:
+            server_cpu_set(args.server_cpus)
+        except ValueError as error:
+            raise cli.CliError(f"--server-cpus {error}") from None
     calibration = None
     if args.profile:
         from kvstrata.calibrate import load_calibration
@@ -166,22 +171,6 @@ def run_serve(args: argparse.Namespace) -> int:
         Console(stderr=True).print("[bold red]completions differ from the cold reference's (see the table)[/]")
         return 1
     return code
-
-
-def _check_server_cpus(text: str) -> None:
-    """``--server-cpus``: a CPU list of CPUs this process may run on."""
-    from kvstrata.transfer.placement import parse_cpu_list
-
-    try:
-        cpus = parse_cpu_list(text)
-    except ValueError:
-        cpus = frozenset()
-    if not cpus:
-        raise cli.CliError(f"--server-cpus must be a CPU list such as '0-3' or '0,2', got {text!r}")
-    allowed = os.sched_getaffinity(0)
-    if not cpus <= allowed:
-        raise cli.CliError(f"--server-cpus {text}: CPU {min(cpus - allowed)} is not among this host's CPUs for "
-                           f"this process ({', '.join(map(str, sorted(allowed)))})")
 
 
 def _pool(args: argparse.Namespace) -> tuple[object, bool, str | None]:

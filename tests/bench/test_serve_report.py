@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -155,11 +156,14 @@ def test_concurrent_servers_get_halves_of_the_cpus():
     assert cpu_halves([3, 0, 1, 2]) == ("0,1", "2,3")
     # --server-cpus: the rounds' servers on the CPUs named, the servers beside them keep their half
     assert cpu_halves([3, 0, 1, 2], "0-3") == ("0-3", "2,3") and cpu_halves([0], "0") == ("0", "0")
-    config = ServeBenchConfig(ServeWorkload(), Path("/m"), VOCAB, 65536, server_cpus="0-3")
+    mine = str(min(os.sched_getaffinity(0)))  # a CPU this process may use (the config checks)
+    config = ServeBenchConfig(ServeWorkload(), Path("/m"), VOCAB, 65536, server_cpus=mine)
     specs = server_specs(config, Path("/w"), None, "ns", {}, cpu_halves([0, 1, 2, 3], config.server_cpus))
     assert specs[Instance.BASELINE].env["VLLM_CPU_OMP_THREADS_BIND"] == specs[Instance.OURS].env[
-        "VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
-    with pytest.raises(ValueError, match="server_cpus must be a CPU list"):
+        "VLLM_CPU_OMP_THREADS_BIND"] == mine
+    with pytest.raises(ValueError, match="CPU 4095 is not among this host's CPUs"):
+        ServeBenchConfig(ServeWorkload(), Path("/m"), VOCAB, 65536, server_cpus="4095")
+    with pytest.raises(ValueError, match="server_cpus must be a CPU list such as '0-3'"):
         ServeBenchConfig(ServeWorkload(), Path("/m"), VOCAB, 65536, server_cpus="3-1")
 
 

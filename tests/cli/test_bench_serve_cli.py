@@ -38,7 +38,7 @@ def refused(capsys, argv: list[str]) -> str:
     (["--trace", "/no/such/trace.jsonl"], "--trace /no/such/trace.jsonl: no such file"),
     (["--host-mib", "0"], "--host-mib must be >= 1, got 0"),
     (["--server-cpus", "1-0"], "--server-cpus must be a CPU list such as '0-3' or '0,2', got '1-0'"),
-    (["--server-cpus", "0,4095"], "--server-cpus 0,4095: CPU 4095 is not among this host's CPUs"),
+    (["--server-cpus", "0,4095"], "--server-cpus 0,4095: CPU 4095 is not among this host's CPUs for this process"),
 ])
 def test_bad_flags_are_one_line_before_anything_starts(capsys, argv, named):
     assert named in refused(capsys, argv)
