@@ -167,7 +167,7 @@ class _Scratch:
         return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
 
     def disk_readers(self, count: int) -> ThreadPoolExecutor:
-        """``count`` threads to read disk blocks on, as a load reads a disk tier (``Tier.readers``)."""
+        """``count`` threads to read disk blocks on, as a load reads a disk tier (``TierCapabilities.readers``)."""
         if count not in self._readers:
             self._readers[count] = ThreadPoolExecutor(max_workers=count, thread_name_prefix="kvstrata-calibrate-read")
         return self._readers[count]
@@ -306,7 +306,7 @@ def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, layout: KVLayout) -> Call
     once to a ``DiskTier`` of their own, each read back with the tier's own ``read_into`` (the
     header read and verified, the payload in READ_CHUNK_BYTES pieces, each layer's xxh3 checked
     as it lands), the blocks spread over as many threads as a load reads a disk tier on
-    (``DiskTier.readers``, beside the N byte movers).
+    (``DiskTier.capabilities.readers``, beside the N byte movers).
 
     The tier's own code, not a copy of it: measured on the loaded 2-core VM, a plain loop of
     preadv + one xxh3 per piece ran ~25% faster than the tier's read of the same bytes, which
@@ -332,7 +332,7 @@ def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, layout: KVLayout) -> Call
             drop_page_cache(sorted(directory.rglob(f"*{SUFFIX}")))
         return elapsed_s(lambda: list(readers.map(one, range(count))))
 
-    readers = s.disk_readers(DiskTier.readers or s.threads)
+    readers = s.disk_readers(DiskTier.capabilities.readers or s.threads)
     return run
 
 
