@@ -24,12 +24,12 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from kvstrata.kv import families
 from kvstrata.kv.dtypes import DType
 from kvstrata.kv.fields import GeometryError, check_int, get_int, require_int
 from kvstrata.kv.groups import GroupKind, KVGroup, check_groups, heads_per_rank
+from kvstrata.kv.layerkinds import LayerKind, LayerTypes
 from kvstrata.kv.params import count_params
 
 
@@ -283,8 +283,6 @@ _RECURRENT_MODEL_TYPES = frozenset({
     "jamba", "zamba", "zamba2", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid",
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "minimax", "kimi_linear", "olmo_hybrid",
 })
-# Per-layer kinds that keep per-token K and V of the one shape: all the shape reader accepts.
-_PER_TOKEN_KINDS = frozenset({families.FULL, families.SLIDING, families.CHUNKED})
 # Sub-configs of a multimodal wrapper whose weights the count leaves out (the decoder's are counted).
 _NOT_DECODER_CONFIGS = frozenset({"text_config", "quantization_config"})
 
@@ -305,7 +303,7 @@ class KVShape:
     qk_rope_head_dim: int | None = None
 
 
-def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
+def kv_shape_from_config(config: Mapping[str, object]) -> KVShape:
     """Read a Hugging Face decoder config's per-token KV shape: layers, heads, head width.
 
     This is the one reading of those fields; :func:`geometry_from_config` builds on it. Unlike
@@ -333,7 +331,7 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
         )
     shape = _shape(section)
     types = families.layer_types(section, shape.num_layers)
-    other = sorted(set(types.kinds) - _PER_TOKEN_KINDS)
+    other = sorted({kind.value for kind in types.kinds if not kind.per_token})
     if other:
         raise GeometryError(
             f"config field {types.field!r} declares {other} layers, whose cache is not per-token "
@@ -344,7 +342,7 @@ def kv_shape_from_config(config: Mapping[str, Any]) -> KVShape:
 
 
 def geometry_from_config(
-    config: Mapping[str, Any], *, name: str = "model", dtype: DType | str | None = None
+    config: Mapping[str, object], *, name: str = "model", dtype: DType | str | None = None
 ) -> KVGeometry:
     """Derive a model's KV geometry (its KV groups) and parameter counts from its Hugging Face config.
 
@@ -376,7 +374,6 @@ def geometry_from_config(
     _reject_unmodelled(section)
     shape = _shape(section)
     types = families.layer_types(section, shape.num_layers)
-    families.check_modelled(types, section.get("model_type"))
     kv_dtype = _resolve_dtype(dtype, section, config)
     groups = _groups(section, shape, types, kv_dtype, _resolve_dtype(None, section, config))
     params = count_params(section, shape, types.kinds)
@@ -399,13 +396,13 @@ def geometry_from_config(
     )
 
 
-def _checked_mapping(config: Any) -> Mapping[str, Any]:
+def _checked_mapping(config: object) -> Mapping[str, object]:
     if not isinstance(config, Mapping):
         raise GeometryError(f"config must be a JSON object, got {type(config).__name__}")
     return config
 
 
-def _decoder(config: Mapping[str, Any]) -> dict[str, Any]:
+def _decoder(config: Mapping[str, object]) -> dict[str, object]:
     """The decoder's fields over its family's defaults, its model type resolved (a wrapper's
     ``text_config`` that names none takes the wrapper's text model type)."""
     section = _decoder_section(config)
@@ -413,14 +410,14 @@ def _decoder(config: Mapping[str, Any]) -> dict[str, Any]:
     return families.with_defaults(section, families.TEXT_MODEL_TYPES.get(model_type, model_type))
 
 
-def _decoder_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
+def _decoder_section(config: Mapping[str, object]) -> Mapping[str, object]:
     text_config = config.get("text_config")
     if any(key in config for key in _LAYER_KEYS) or not isinstance(text_config, Mapping):
         return config
     return text_config
 
 
-def _reject_unmodelled(section: Mapping[str, Any]) -> None:
+def _reject_unmodelled(section: Mapping[str, object]) -> None:
     model_type = section.get("model_type")
     if model_type in families.PURE_RECURRENT_MODEL_TYPES:
         raise GeometryError(
@@ -434,7 +431,7 @@ def _reject_unmodelled(section: Mapping[str, Any]) -> None:
         )
 
 
-def _shape(section: Mapping[str, Any]) -> KVShape:
+def _shape(section: Mapping[str, object]) -> KVShape:
     layers = families.derived_layer_count(section) or require_int(section, *_LAYER_KEYS)
     heads = require_int(section, "num_attention_heads")
     hidden = require_int(section, "hidden_size")
@@ -450,14 +447,14 @@ def _shape(section: Mapping[str, Any]) -> KVShape:
 
 
 def _groups(
-    section: Mapping[str, Any], shape: KVShape, types: families.LayerTypes, kv_dtype: DType, model_dtype: DType
+    section: Mapping[str, object], shape: KVShape, types: LayerTypes, kv_dtype: DType, model_dtype: DType
 ) -> tuple[KVGroup, ...]:
     """The layers' KV groups: one per attention kind (FULL or MLA, SLIDING, CHUNKED) and one for
     the layers with a state, in the order their first layers come. A hybrid layer is in an
     attention group and in the state group."""
-    attention_kind = {families.FULL: GroupKind.FULL, families.HYBRID: GroupKind.FULL,
-                      families.SLIDING: GroupKind.SLIDING, families.HYBRID_SLIDING: GroupKind.SLIDING,
-                      families.CHUNKED: GroupKind.CHUNKED}
+    attention_kind = {LayerKind.FULL: GroupKind.FULL, LayerKind.HYBRID: GroupKind.FULL,
+                      LayerKind.SLIDING: GroupKind.SLIDING, LayerKind.HYBRID_SLIDING: GroupKind.SLIDING,
+                      LayerKind.CHUNKED: GroupKind.CHUNKED}
     mla = shape.attention is Attention.MLA
     members: dict[GroupKind, list[int]] = {}
     labels: dict[GroupKind, str] = {}
@@ -465,7 +462,7 @@ def _groups(
         parts = []
         if kind in attention_kind:
             parts.append(attention_kind[kind])
-        if kind in families.STATE_KINDS:
+        if kind.has_state:
             parts.append(GroupKind.STATE)
         for part in parts:
             members.setdefault(part, []).append(index)
@@ -501,7 +498,7 @@ def _groups(
     return tuple(groups)
 
 
-def _other_towers(config: Mapping[str, Any]) -> tuple[str, ...]:
+def _other_towers(config: Mapping[str, object]) -> tuple[str, ...]:
     """A multimodal wrapper's other sub-configs (a vision tower, an audio encoder): their weights
     are not counted."""
     if _decoder_section(config) is config:
@@ -511,7 +508,7 @@ def _other_towers(config: Mapping[str, Any]) -> tuple[str, ...]:
                         and isinstance(value, Mapping)))
 
 
-def _weight_dtype(section: Mapping[str, Any], config: Mapping[str, Any]) -> DType:
+def _weight_dtype(section: Mapping[str, object], config: Mapping[str, object]) -> DType:
     """The weights' element type: fp8 under an fp8 ``quantization_config`` (DeepSeek-V3 ships
     so), else the config's own dtype. A KV dtype override never changes it."""
     quant = config.get("quantization_config") or section.get("quantization_config")
@@ -530,7 +527,7 @@ def _head_dim_from_hidden(hidden: int, heads: int) -> int:
 
 
 def _resolve_dtype(
-    dtype: DType | str | None, section: Mapping[str, Any], config: Mapping[str, Any]
+    dtype: DType | str | None, section: Mapping[str, object], config: Mapping[str, object]
 ) -> DType:
     if isinstance(dtype, DType):
         return dtype
