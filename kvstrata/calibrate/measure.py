@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstrata.media import Medium
 from kvstrata.plan import host as h
 from kvstrata.pool.config import PoolConfig
 from kvstrata.progress import NoProgress, Progress
@@ -105,7 +106,7 @@ class CalibrateConfig:
 class Measurement:
     """One path at one size: the timed runs (seconds)."""
 
-    path: str
+    path: h.CalPath
     size_bytes: int
     runs_s: tuple[float, ...]
 
@@ -129,7 +130,7 @@ class CalibrationRun:
 
     calibration: h.HostCalibration
     measurements: list[Measurement] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # path -> why
+    skipped: dict[h.CalPath, str] = field(default_factory=dict)  # path -> why
     seconds: float = 0.0
 
 
@@ -458,7 +459,7 @@ def restore_fixed(device: torch.device, workers: int, repeats: int, directory: P
     from kvstrata.calibrate.restores import TINY_BLOCKS, TINY_LAYOUT, CacheRestores
 
     out: list[Measurement] = []
-    benches = [(("host", "disk"), None)] + ([(("remote",), pool)] if pool is not None else [])
+    benches = [((Medium.HOST, Medium.DISK), None)] + ([((Medium.REMOTE,), pool)] if pool is not None else [])
     for tiers, where in benches:
         with CacheRestores(TINY_LAYOUT, TINY_BLOCKS, workers, directory, pool=where, small_load_bytes=0,
                            device=str(device)) as bench:
@@ -488,14 +489,14 @@ class Prober:
         self._steps: dict[tuple[str, int], Callable[[], float]] = {}
         self._raws: list = []
 
-    def step(self, path: str, nbytes: int) -> Callable[[], float]:
+    def step(self, path: h.CalPath, nbytes: int) -> Callable[[], float]:
         """One timed run of ``path`` over ``nbytes`` (made once, then reused)."""
         key = (path, nbytes)
         if key not in self._steps:
             self._steps[key] = self._make(path, nbytes)
         return self._steps[key]
 
-    def _make(self, path: str, nbytes: int) -> Callable[[], float]:
+    def _make(self, path: h.CalPath, nbytes: int) -> Callable[[], float]:
         s = self._scratch
         if path == h.MEMCPY_1T:
             return _memcpy_1t(s, nbytes)
@@ -511,7 +512,7 @@ class Prober:
             return _device_copy(nbytes, self._device, True, True)
         if path == h.POOL_GET and self._pool is not None:
             return self._pool_get(nbytes, self._layout.block_bytes)
-        raise ValueError(f"no probe for path {path!r} here")
+        raise ValueError(f"no probe for path {path.label!r} here")
 
     def _pool_get(self, nbytes: int, block_bytes: int) -> Callable[[], float]:
         from kvstrata.pool.config import RemoteMode
@@ -574,10 +575,10 @@ def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measureme
     return out
 
 
-def fit_paths(measurements: list[Measurement]) -> dict[str, h.PathFit]:
+def fit_paths(measurements: list[Measurement]) -> dict[h.CalPath, h.PathFit]:
     """One fit per path, on relative error (every size predicted as well as the others); the
     paths a restore's bytes move along as a rate alone (``RATE_PATHS``)."""
-    by_path: dict[str, list[Measurement]] = {}
+    by_path: dict[h.CalPath, list[Measurement]] = {}
     for m in measurements:
         by_path.setdefault(m.path, []).append(m)
     return {path: h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms),
