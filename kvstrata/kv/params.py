@@ -35,7 +35,7 @@ from kvstrata.kv.states import Section, StateKind, mamba2_dims
 from kvstrata.kv.fields import GeometryError, get_int
 
 if TYPE_CHECKING:  # geometry imports this module; the shape is only read here
-    from kvstrata.kv.geometry import KVShape
+    from kvstrata.kv.readconfig import KVShape
 
 # A gated-SiLU MLP holds three hidden x intermediate matrices: gate, up and down.
 _MLP_MATRICES = 3
