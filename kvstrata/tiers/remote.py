@@ -75,7 +75,7 @@ from kvstrata.media import Medium
 from kvstrata.pool.client import CallTimedOut, PendingCall, PoolClient, PoolUnavailable, Reconnected
 from kvstrata.pool.config import BACKOFF_MAX_S, BACKOFF_S, CONNECT_TIMEOUT_S, OP_TIMEOUT_S, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
-from kvstrata.tiers.base import Pieces, Tier, split_like
+from kvstrata.tiers.base import Pieces, Tier, TierCapabilities, split_like
 
 __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier"]
 
@@ -161,8 +161,7 @@ class RemoteTier(Tier):
 
     medium = Medium.REMOTE
     shared = True
-    batched_reads = True
-    pipelined = True
+    capabilities = TierCapabilities(batched_reads=True, pipelined=True)
 
     def __init__(
         self,

@@ -223,7 +223,7 @@ def _calibrated(calibration: HostCalibration, tier: Medium, loads: tuple[tuple[i
     if tier is Medium.DEVICE:
         return 0.0
     try:
-        return sum(calibration.restore_s(tier.label, nbytes, blocks, workers=CacheConfig.workers) for nbytes, blocks in loads)
+        return sum(calibration.restore_s(tier, nbytes, blocks, workers=CacheConfig.workers) for nbytes, blocks in loads)
     except KeyError:
         return None
 
