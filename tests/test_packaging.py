@@ -113,10 +113,10 @@ def test_the_core_commands_run_without_any_optional_package(tmp_path):
     assert sim.returncode == 0, sim.stderr
 
 
-def test_plan_imports_no_optional_package_even_where_installed():
+def test_plan_imports_no_optional_package_nor_torch_even_where_installed():
     probe = subprocess.run(
         [sys.executable, "-c", "import sys\nfrom kvstrata.cli import main\nmain(['plan'])\n"
-         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(EXTRAS)!r})))"],
+         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(EXTRAS) + ['torch']!r})))"],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120, check=False)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.splitlines()[-1] == "[]"
