@@ -9,6 +9,7 @@ library code that wants the same line in its own words imports through :func:`re
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 # Top-level module -> (the extra that installs it, what else installs it where the extra does not fit).
@@ -32,12 +33,20 @@ class MissingExtra(ModuleNotFoundError):
 
 def install_line(module: str, what: str) -> str | None:
     """``what needs the 'plots' extra (matplotlib): pip install 'kvstrata[plots]'``, or None when
-    ``module`` is not one an extra provides."""
+    ``module`` is not one an extra provides, or its package is installed (a module missing
+    inside an installed package is a broken install, not a missing extra: its own error says more)."""
     top = module.split(".")[0]
-    if top not in EXTRAS:
+    if top not in EXTRAS or _installed(top):
         return None
     extra, otherwise = EXTRAS[top]
     return f"{what} needs the '{extra}' extra ({top}): pip install 'kvstrata[{extra}]'{otherwise}"
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ModuleNotFoundError, ValueError):  # a finder refusing it; a module without a spec
+        return False
 
 
 def missing_extra(exc: ModuleNotFoundError, what: str) -> str | None:
@@ -51,7 +60,7 @@ def require(module: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        line = install_line(module, what)
-        if line is None or (exc.name or "").split(".")[0] != module.split(".")[0]:
-            raise  # not an optional package, or it is there and failed on another import
-        raise MissingExtra(line, name=module) from None
+        line = install_line(exc.name or module, what)
+        if line is None:
+            raise  # not an optional package's absence: a broken install, or another import failing
+        raise MissingExtra(line, name=exc.name) from None

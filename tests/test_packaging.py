@@ -136,7 +136,8 @@ def test_a_command_missing_its_extra_says_which_in_one_line(tmp_path, argv, modu
     assert not (tmp_path / "restore.png").exists()
 
 
-def test_the_pool_engine_line_says_what_a_gpu_host_installs():
+def test_the_pool_engine_line_says_what_a_gpu_host_installs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as if not installed
     assert install_line("mooncake.store", "kvstrata pool") == (
         "kvstrata pool needs the 'remote' extra (mooncake): pip install 'kvstrata[remote]'; "
         "a GPU host installs mooncake-transfer-engine instead")
@@ -151,6 +152,16 @@ def test_require_names_the_extra_and_leaves_other_failures_alone(monkeypatch):
     with pytest.raises(ModuleNotFoundError) as other:
         require("no_such_package_at_all", "anything")
     assert not isinstance(other.value, MissingExtra)
+
+
+def test_a_module_missing_inside_an_installed_package_is_not_called_a_missing_extra():
+    as_if_optional = {**EXTRAS, "xxhash": ("plots", "")}  # installed here (a core dependency)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("kvstrata.extras.EXTRAS", as_if_optional)
+        assert install_line("xxhash", "x") is None
+        with pytest.raises(ModuleNotFoundError) as broken:
+            require("xxhash.no_such_submodule", "x")
+    assert not isinstance(broken.value, MissingExtra)
 
 
 def test_the_cache_counts_without_prometheus_and_its_exposition_names_the_extra(monkeypatch):
