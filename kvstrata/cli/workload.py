@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstrata import cli
@@ -146,7 +147,7 @@ def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
     console.print(t)
     for tier, r in report.tiers.items():
         if r.skipped:
-            console.print(f"[yellow]{tier.label} skipped:[/] {r.skipped}", highlight=False)
+            console.print(f"[yellow]{tier.label} skipped:[/] {escape(r.skipped)}", highlight=False)
     note = error_note(report)
     if note:
         console.print(note, highlight=False)

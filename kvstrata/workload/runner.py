@@ -39,7 +39,7 @@ from kvstrata.workload.report import Tally, TierReport, TurnFigures, WorkloadRep
 from kvstrata.workload.spec import TIERS, Texts, Workload
 
 ALONE_REPEATS = 3  # restores alone per turn, after a warm-up: their median is reported
-NO_POOL = "no pool (start one with `kvstrata pool start`, or install mooncake)"
+NO_POOL = "no pool (start one with `kvstrata pool start`; the pool engine: pip install 'kvstrata[remote]')"
 
 
 def _above(tier: Medium) -> tuple[Medium, ...]:
