@@ -10,16 +10,20 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstrata import cli
 from kvstrata.media import Medium, route_text
 from kvstrata.pool.config import PoolConfig
-from kvstrata.workload import TIERS, Workload, WorkloadReport, run_e2e
-from kvstrata.workload.report import TierReport
-from kvstrata.workload.runner import ALONE_REPEATS, Beside
+from kvstrata.workload.report import TierReport, WorkloadReport
+from kvstrata.workload.spec import TIERS, Workload
+
+if TYPE_CHECKING:  # the runner loads the cache and torch: imported where a workload runs
+    from kvstrata.workload.runner import Beside
 
 POOL_SEGMENT_BYTES = 512 << 20  # an embedded pool's, for the workload's few MiB of KV
 
@@ -93,6 +97,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
 def run_workload(args: argparse.Namespace, beside: Beside | None = None) -> WorkloadReport:
     """The workload of ``args`` through its tiers, under a progress bar on stderr (``beside``:
     another system's turns, interleaved with ours; see :func:`kvstrata.workload.runner.run_tier`)."""
+    from kvstrata.workload.runner import run_e2e
+
     tiers = parse_tiers(args.tiers)
     workload = workload_of(args)
     model_dir = model_dir_of(args)
@@ -141,7 +147,7 @@ def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
     console.print(t)
     for tier, r in report.tiers.items():
         if r.skipped:
-            console.print(f"[yellow]{tier.label} skipped:[/] {r.skipped}", highlight=False)
+            console.print(f"[yellow]{tier.label} skipped:[/] {escape(r.skipped)}", highlight=False)
     note = error_note(report)
     if note:
         console.print(note, highlight=False)
@@ -166,6 +172,8 @@ def prediction_error(r: TierReport) -> float | None:
 
 def error_note(report: WorkloadReport) -> str | None:
     """Why a prediction is far off, said once (None: every one within OFF_BY)."""
+    from kvstrata.workload.runner import ALONE_REPEATS
+
     off = [r for r in report.tiers.values() if not r.skipped and abs(prediction_error(r) or 0.0) > OFF_BY]
     if not off:
         return None
