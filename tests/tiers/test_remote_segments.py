@@ -22,6 +22,7 @@ from tests.process_support import stop_process, wait_until
 from tests.tiers.test_remote import LAYOUT, MODES, SLACK_S, content, make_key, timed
 
 pytest.importorskip("mooncake.store", reason="the pool engine is not installed")
+pytestmark = pytest.mark.pool  # a master and two daemons of this module's own
 
 SEGMENT_BYTES = 16 * 1024**2
 
