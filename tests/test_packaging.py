@@ -105,7 +105,7 @@ def test_the_core_commands_run_without_any_optional_package(tmp_path):
     assert help_.returncode == 0 and "plan" in help_.stdout, help_.stderr
     plan = run_cli("plan")
     assert plan.returncode == 0, plan.stderr
-    assert "KV restore of the cached prefix" in plan.stdout
+    assert "KV restore per path" in plan.stdout
     trace = tmp_path / "t.jsonl"
     write_trace(trace, generate(SyntheticConfig(requests=20, rate=2.0, seed=1)))
     sim = run_cli("simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b",

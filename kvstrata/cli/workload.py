@@ -20,7 +20,7 @@ from kvstrata import cli
 from kvstrata.media import Medium, route_text
 from kvstrata.pool.config import PoolConfig
 from kvstrata.workload.report import TierReport, WorkloadReport
-from kvstrata.workload.spec import TIERS, Workload
+from kvstrata.workload.spec import ALONE_REPEATS, TIERS, Workload
 
 if TYPE_CHECKING:  # the runner loads the cache and torch: imported where a workload runs
     from kvstrata.workload.runner import Beside
@@ -188,7 +188,6 @@ def prediction_error(r: TierReport) -> float | None:
 
 def error_note(report: WorkloadReport) -> str | None:
     """Why a prediction is far off, said once (None: every one within OFF_BY)."""
-    from kvstrata.workload.runner import ALONE_REPEATS
 
     off = [r for r in report.tiers.values() if not r.skipped and abs(prediction_error(r) or 0.0) > OFF_BY]
     if not off:

@@ -36,9 +36,8 @@ from kvstrata.media import Medium
 from kvstrata.plan.host import POOL_GET, HostCalibration
 from kvstrata.pool.config import PoolConfig
 from kvstrata.workload.report import Tally, TierReport, TurnFigures, WorkloadReport
-from kvstrata.workload.spec import TIERS, Texts, Workload
+from kvstrata.workload.spec import ALONE_REPEATS, TIERS, Texts, Workload
 
-ALONE_REPEATS = 3  # restores alone per turn, after a warm-up: their median is reported
 NO_POOL = "no pool (start one with `kvstrata pool start`; the pool engine: pip install 'kvstrata[remote]')"
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from kvstrata.media import Medium
 
 TIERS: tuple[Medium, ...] = tuple(Medium)  # the tiers a workload runs through by default, fastest first
+ALONE_REPEATS = 3  # restores alone per turn, after a warm-up: their median is reported
 
 _WORDS = (
     "cache block restore path prefix hit layer token memory device host disk pool network link "
