@@ -26,8 +26,11 @@ at each request's admission (``observed``), from when the engine could have drop
 (``MATURE_HORIZONS`` horizons of computed blocks since the start). As this evidence flows whether
 or not anything is stored, a skip it causes by mistake is undone by the next repeats, and it is
 taken as an estimate rather than a 95% bound: the repeats seen plus ``REPEAT_PRIOR_REQUESTS``
-request of them, by Laplace's rule of succession. A workload whose prompts share nothing stops
-storing after about ``saving / cost`` requests instead of ``3 * saving / cost`` matured ones.
+request of them, by Laplace's rule of succession, over a longer memory than the hits'
+(``REPEAT_HALF_LIFE_REQUESTS``: the hits' half-life would floor the estimate at 1 in 93 requests,
+and a store that costs less than that share of a hit's saving would never stop). A workload
+whose prompts share nothing stops storing after about ``saving / cost`` requests instead of
+``3 * saving / cost`` matured ones.
 The reuse weighed is the lower of the two.
 
 While stores do not pay, one request in ``sample_every`` is still stored: a return of reuse
@@ -52,6 +55,10 @@ HALF_LIFE_REQUESTS = 64.0  # matured requests over which the evidence halves
 _KEEP = 0.5 ** (1.0 / HALF_LIFE_REQUESTS)  # what one more matured request leaves of the evidence
 SAMPLE_EVERY = 16  # while stores do not pay, one request in this many is still stored
 REPEAT_PRIOR_REQUESTS = 1.0  # the repeat estimate's prior: one request whose blocks all repeat (Laplace)
+# the repeats' evidence halves over this many requests: longer than the hits' (it costs no store to
+# gather, so it is not worn away while stores are skipped), as a 1-in-R reuse takes ~R requests to rule out
+REPEAT_HALF_LIFE_REQUESTS = 512.0
+_KEEP_REPEATS = 0.5 ** (1.0 / REPEAT_HALF_LIFE_REQUESTS)
 COST_DECAY = 0.9  # each new cost measurement multiplies the older ones' weight by this
 
 
@@ -115,9 +122,9 @@ class SaveOrSkip:
         which an earlier prompt had (the engine's own hit and kvstrata's included)."""
         if blocks <= 0 or self._computed < MATURE_HORIZONS * self.horizon_blocks:
             return  # a block the engine still holds is never asked of kvstrata: too early to tell
-        self._seen_requests = self._seen_requests * _KEEP + 1
-        self._seen_blocks = self._seen_blocks * _KEEP + blocks
-        self._repeated_blocks = self._repeated_blocks * _KEEP + min(repeated, blocks)
+        self._seen_requests = self._seen_requests * _KEEP_REPEATS + 1
+        self._seen_blocks = self._seen_blocks * _KEEP_REPEATS + blocks
+        self._repeated_blocks = self._repeated_blocks * _KEEP_REPEATS + min(repeated, blocks)
 
     def stored_cost(self, blocks: int, cpu_s: float) -> None:
         """The workers sent ``blocks`` blocks to store, and stores took ``cpu_s`` CPU seconds,

@@ -153,8 +153,22 @@ def test_the_repeats_follow_a_change_of_workload() -> None:
     policy = SaveOrSkip(BT, horizon_blocks=16)
     assert not all(_observed_run(policy, 200))
     low = policy.repeat_share()
-    _observed_run(policy, 64, repeated=8)  # a half-life of prompts that repeat whole
-    assert low is not None and low < 0.05 < 0.45 < policy.repeat_share()
+    _observed_run(policy, 64, repeated=8)  # 64 prompts that repeat whole
+    assert low is not None and low < 0.01 < 0.2 < policy.repeat_share()
+
+
+def test_a_store_far_cheaper_than_a_hit_still_stops_when_nothing_repeats() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    cheap = COST_S / 50  # a hit saves 320 stores' cost: beyond what the hits' half-life could ever rule out
+    decisions = []
+    for _ in range(1500):
+        policy.observed(8, 0)
+        store = policy.save(PER_TOKEN_S)
+        decisions.append(store)
+        policy.computed(8, stored=store)
+        if store:
+            policy.stored_cost(8, 8 * cheap)
+    assert decisions[-SAMPLE_EVERY * 10:].count(True) == 10
 
 
 def test_no_repeat_is_judged_before_the_engine_could_have_dropped_a_block() -> None:
