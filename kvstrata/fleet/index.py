@@ -56,6 +56,8 @@ class Applied:
 class FleetIndex:
     """Per server, block hash -> the tiers holding it; the pool's blocks, one map for all.
 
+    Not thread-safe: one owner applies events and asks (a router's event loop).
+
     Args:
         servers: the fleet's server ids (more may be added with :meth:`add_server`).
     """

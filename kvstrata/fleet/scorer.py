@@ -21,6 +21,7 @@ server listed first, so a choice depends only on its inputs (and a round robin's
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -145,6 +146,11 @@ class OverlapWeights:
     weights: Mapping[Medium, float]
     load_weight: float = 1.0
 
+    def __post_init__(self) -> None:
+        if any(not w >= 0 for w in self.weights.values()) or not self.load_weight >= 0:
+            raise ValueError(f"{self.name}: weights must be >= 0, got {dict(self.weights)}, load {self.load_weight}")
+        object.__setattr__(self, "weights", types.MappingProxyType(dict(self.weights)))
+
     def choose(self, request: Request, servers: Sequence[ServerState], index: FleetIndex) -> Choice:
         _check(servers, index)
         scores = []
@@ -156,8 +162,8 @@ class OverlapWeights:
                     break
                 reached += 1
                 overlap += max(self.weights.get(m, 0.0) for m in held)
-            block_tokens = state.cost.block_tokens
-            cost = request.prompt_tokens / block_tokens - overlap + self.load_weight * state.queued_tokens / block_tokens
+            queued = state.queued_tokens / state.cost.block_tokens
+            cost = request.prompt_tokens / state.cost.block_tokens - overlap + self.load_weight * queued
             scores.append(Score(state.server, cost, reached))
         return _lowest(scores)
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-from kvstrata.fleet.events import OWNERSHIP, Batch, BlockHash, Cleared, KVEvent, Removed, Stored, event_medium, medium_of
+from kvstrata.fleet.events import (OWNERSHIP, Batch, BlockHash, Cleared, KVEvent, Removed, Stored, event_medium,
+                                   medium_of)
 
 SEQ_BYTES = 8  # vLLM's seq frame: big-endian, 8 bytes
 

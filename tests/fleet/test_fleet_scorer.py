@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from kvstrata.fleet.cost import RestoreLine, ServerCost
 from kvstrata.fleet.events import Batch, Stored
 from kvstrata.fleet.index import FleetIndex, UnknownServer
-from kvstrata.fleet.scorer import DYNAMO, LLM_D, PredictedTTFT, Request, RoundRobin, ServerState, predict
+from kvstrata.fleet.scorer import (DYNAMO, LLM_D, OverlapWeights, PredictedTTFT, Request, RoundRobin, ServerState,
+                                   predict)
 from kvstrata.media import Medium
 from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, MEMCPY_1T, HostCalibration, PathFit, PrefillFit
 from kvstrata.plan.loadtime import calibrated_load_time
@@ -175,3 +176,8 @@ def test_the_cost_from_a_calibration_is_the_planners_load_time():
     assert cost.load_s({H: 1, S: 2}) == pytest.approx(planner(3))
     with pytest.raises(ValueError, match="no prefill calibrated for 'other'"):
         ServerCost.from_calibration(calibration, "other", B, block_bytes)
+
+
+def test_fixed_weights_refuse_a_negative_weight():
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        OverlapWeights("bad", {H: -0.5})
