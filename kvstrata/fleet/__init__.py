@@ -5,6 +5,7 @@
 * :mod:`~kvstrata.fleet.recorder`: a server's stores and drops per tier, gathered as batches (pure).
 * :mod:`~kvstrata.fleet.publisher`: published over ZMQ as vLLM publishes its own (edge).
 * :mod:`~kvstrata.fleet.feed`: received messages into the index, a bad one one line (edge).
+* :mod:`~kvstrata.fleet.hashes`: a prompt's vLLM block hashes, as a router computes them (edge: vLLM).
 * :mod:`~kvstrata.fleet.index`: a per-server map of block hash -> tiers held, from the events (pure).
 * :mod:`~kvstrata.fleet.cost`: one server's predicted restore and prefill, the connector's model (pure).
 * :mod:`~kvstrata.fleet.scorer`: routing policies behind one Protocol (pure).
