@@ -134,7 +134,10 @@ class OverlapWeights:
 
     ``cost = (prompt_blocks - overlap) + load_weight * queued_tokens / block_tokens``, ``overlap``
     the sum over the prefix's blocks of the best weight among the tiers holding each (a tier not
-    weighted counts 0; the prefix ends at the first block the server does not reach).
+    weighted counts 0; the prefix ends at the first block the server does not reach). Dynamo's
+    router's cost is its blocks left to prefill (times ``--kv-overlap-score-weight``, 1 by
+    default) plus the worker's active blocks; here the server's queued prefill, in blocks, stands
+    for its load, the one measure of load every policy here is given.
 
     Attributes:
         name: the policy's name.
@@ -171,7 +174,7 @@ class OverlapWeights:
 # The pool's events say medium CPU, locality REMOTE (kvstrata.fleet.events): a router that reads
 # the medium alone credits a pool block as host memory, so the baselines do too.
 DYNAMO = OverlapWeights("dynamo", {Medium.DEVICE: 1.0, Medium.HOST: 0.75, Medium.DISK: 0.25, Medium.REMOTE: 0.75})
-"""Dynamo's KV router's tier weights (``lib/kv-router``, scheduling/selector.rs)."""
+"""Dynamo's KV router's tier weights, as issue 39 cites them (``lib/kv-router``, scheduling/selector.rs)."""
 LLM_D = OverlapWeights("llm-d", {Medium.DEVICE: 1.0, Medium.HOST: 0.8, Medium.REMOTE: 0.8})
 """llm-d's KV-cache scorer's default weights (gpu 1.0, cpu 0.8; no storage tier)."""
 
