@@ -21,6 +21,7 @@ server listed first, so a choice depends only on its inputs (and a round robin's
 
 from __future__ import annotations
 
+import enum
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ def predict(request: Request, state: ServerState, index: FleetIndex) -> Predicte
 class PredictedTTFT:
     """kvstrata's policy: the least predicted time to the first token."""
 
-    name = "ttft"
+    name = "predicted-ttft"
 
     def choose(self, request: Request, servers: Sequence[ServerState], index: FleetIndex) -> Choice:
         _check(servers, index)
@@ -194,6 +195,34 @@ class RoundRobin:
         self._turn += 1
         return Choice(servers[pick].server,
                       tuple(Score(s.server, float((i - pick) % n)) for i, s in enumerate(servers)))
+
+
+class Policy(enum.Enum):
+    """The policies by name, as a command line gives them."""
+
+    PREDICTED_TTFT = "predicted-ttft"
+    DYNAMO = "dynamo"
+    LLM_D = "llm-d"
+    ROUND_ROBIN = "round-robin"
+
+    @classmethod
+    def parse(cls, name: str) -> Policy:
+        """The policy named ``name``. Raises ValueError naming the known ones."""
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown routing policy {name!r} (known: {known})") from None
+
+    def make(self) -> RoutingPolicy:
+        """A new instance (a round robin's turn is its own)."""
+        if self is Policy.PREDICTED_TTFT:
+            return PredictedTTFT()
+        if self is Policy.DYNAMO:
+            return DYNAMO
+        if self is Policy.LLM_D:
+            return LLM_D
+        return RoundRobin()
 
 
 def _check(servers: Sequence[ServerState], index: FleetIndex) -> None:
