@@ -28,6 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hash-algo", default="sha256", help="the servers' --prefix-caching-hash-algo (default sha256)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
                    help="each server's prefill rate, for predicted TTFT (default 10000)")
+    p.add_argument("--calibration", default=None, metavar="PROFILE.toml",
+                   help="a host profile from kvstrata calibrate, with --model-dir: the servers' prefill and their "
+                        "tiers' restores priced as the connector prices them (else --prefill-tokens-per-s, device only)")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="the served model's directory (its KV bytes per block, and its prefill's key in --calibration)")
     p.add_argument("--max-inflight-per-server", type=int, default=Limits.per_server,
                    help=f"requests in flight per server; beyond, others, then 429 (default {Limits.per_server})")
     p.add_argument("--max-inflight", type=int, default=Limits.total,
@@ -66,7 +71,23 @@ def config(args: argparse.Namespace):
 
     return FrontConfig(upstreams(args), Policy.parse(args.policy), args.block_size, args.hash_algo,
                        Limits(args.max_inflight_per_server, args.max_inflight), args.prefill_tokens_per_s,
-                       args.health_interval)
+                       args.health_interval, server_cost=calibrated_cost(args))
+
+
+def calibrated_cost(args: argparse.Namespace):
+    """``--calibration`` with ``--model-dir``: the servers' costs on this host; None without them."""
+    if args.calibration is None:
+        return None
+    if args.model_dir is None:
+        raise cli.CliError("--calibration needs --model-dir: the model's KV bytes and its prefill's name")
+    from kvstrata.calibrate import load_calibration
+    from kvstrata.fleet.cost import ServerCost
+    from kvstrata.kv.presets import load_geometry
+
+    model = cli.model_dir(args.model_dir)
+    block_bytes = load_geometry(str(model)).bytes_per_token * args.block_size
+    return ServerCost.from_calibration(load_calibration(args.calibration), model.resolve().name, args.block_size,
+                                       block_bytes)
 
 
 def run_route(args: argparse.Namespace) -> int:
@@ -76,7 +97,7 @@ def run_route(args: argparse.Namespace) -> int:
 
     setting = config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    print(f"kvstrata route: {setting.policy.value} over {len(setting.upstreams)} servers on "
+    print(f"kvstrata route: {setting.policy.value} over {len(setting.upstreams)} server(s) on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     web.run_app(make_app(setting), host=args.host, port=args.port, print=None)
     return 0

@@ -73,10 +73,13 @@ class FrontConfig:
         block_size: the servers' tokens per block (their ``--block-size``), for the hashes.
         hash_algo: the servers' ``--prefix-caching-hash-algo``.
         limits: in-flight bounds (:class:`~kvstrata.fleet.router.Limits`).
-        prefill_tokens_per_s: each server's prefill rate, for the cost model.
+        prefill_tokens_per_s: each server's prefill rate, for the cost model (without ``server_cost``).
         health_interval_s: how often every ``/health`` is asked.
         health_timeout_s: how long a ``/health`` may take.
         connect_timeout_s: how long connecting to a server may take before it counts as down.
+        server_cost: every server's cost model, e.g. from a host's calibration (its prefill and its
+            tiers' restores: :meth:`ServerCost.from_calibration`); None: ``prefill_tokens_per_s``
+            and no tier priced but the device's.
     """
 
     upstreams: tuple[Upstream, ...]
@@ -88,6 +91,7 @@ class FrontConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 3.0
+    server_cost: ServerCost | None = None
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -95,6 +99,9 @@ class FrontConfig:
         urls = [u.url for u in self.upstreams]
         if len(set(urls)) != len(urls):
             raise ValueError(f"a server is listed twice: {', '.join(urls)}")
+        if self.server_cost is not None and self.server_cost.block_tokens != self.block_size:
+            raise ValueError(f"the cost model's blocks of {self.server_cost.block_tokens} tokens are not the servers' "
+                             f"{self.block_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.prefill_tokens_per_s > 0:
@@ -109,7 +116,10 @@ class FrontConfig:
         return any(u.events for u in self.upstreams)
 
     def cost(self) -> ServerCost:
-        """Every server's cost model: its prefill rate; no restore line (only device blocks are priced)."""
+        """Every server's cost model: ``server_cost``, else its prefill rate and no restore line
+        (only device blocks are priced)."""
+        if self.server_cost is not None:
+            return self.server_cost
         return ServerCost(self.block_size, 1.0 / self.prefill_tokens_per_s, {})
 
 
@@ -137,7 +147,9 @@ def make_app(config: FrontConfig) -> web.Application:
 async def _watchers(app: web.Application):
     config, router = app[CONFIG], app[ROUTER]
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
-    app[SESSION] = session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+    # connections: every request in flight and a health check per server (aiohttp's default is 100)
+    connector = aiohttp.TCPConnector(limit=config.limits.total + len(config.upstreams))
+    app[SESSION] = session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
     if config.hashes:
         from kvstrata.fleet.hashes import prompt_block_hashes
 

@@ -5,6 +5,7 @@ ports nothing listens on (no engine needed to refuse a body)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -78,3 +79,65 @@ def test_a_bad_command_line_is_one_line(argv, line, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert line in err and err.count("\n") == 1
+
+
+def test_a_calibrated_host_prices_the_servers(tmp_path):
+    """``--calibration`` with ``--model-dir``: the model's prefill fit on this host is every server's
+    per-token cost, its KV bytes size a block; without ``--model-dir``, one line."""
+    import json
+
+    from kvstrata.calibrate import profile_text
+    from kvstrata.cli.route import calibrated_cost, register
+    from kvstrata.hardware.profile import builtin_text
+    from kvstrata.plan import host as h
+
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 1000,
+        "torch_dtype": "bfloat16", "max_position_embeddings": 2048}))
+    cal = h.HostCalibration("box", "cpu", 2, {h.MEMCPY_1T: h.PathFit(0.0, 10.0)}, {"my-model": h.PrefillFit(0.01, 2e4)})
+    profile = tmp_path / "p.toml"
+    profile.write_text(profile_text(cal, builtin_text("workstation")))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["route", "--server", "http://127.0.0.1:9", "--calibration", str(profile),
+                              "--model-dir", str(model), "--block-size", "32"])
+    cost = calibrated_cost(args)
+    assert cost.per_token_s == pytest.approx(1 / 2e4) and cost.block_tokens == 32
+    args.model_dir = None
+    with pytest.raises(cli.CliError, match="--calibration needs --model-dir"):
+        calibrated_cost(args)
+
+
+def test_the_command_serves_until_stopped(tmp_path):
+    """``kvstrata route`` as a process: it listens, says which server is down, and stops on SIGTERM."""
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    port, nobody = free_port(), free_port()
+    code = ("import sys; from kvstrata.cli import main; "
+            f"sys.exit(main(['route', '--server', 'http://127.0.0.1:{nobody}', '--port', '{port}']))")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline, answer = time.monotonic() + 60, None
+        while answer is None and time.monotonic() < deadline and process.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            except urllib.error.HTTPError as e:
+                answer = (e.code, json.loads(e.read()))
+            except OSError:
+                time.sleep(0.2)
+        assert answer is not None, process.stdout.read().decode() if process.poll() is not None else "no answer"
+        assert answer[0] == 503 and answer[1]["servers"][0]["health"] == "down"
+    finally:
+        process.terminate()
+        out = process.communicate(timeout=30)[0].decode()
+    assert "kvstrata route: predicted-ttft over 1 server(s)" in out
+    assert process.returncode == 0, out
