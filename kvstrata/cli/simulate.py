@@ -92,6 +92,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         sizing = _sizing(geometry, profile, args)
         config = SimConfig(geometry, profile, sizing.gpus_per_instance, sizing.instances, **extra)
         setting = sizing_text(sizing)
+    if policies:
+        setting = setting.replace(f"; routing: {config.routing.value}", "")
+        setting += f"; routed by {', '.join(p.value for p in policies)} (one run each)"
     load = offered_load(requests, config) if trace_span_s(requests) > 0 else None
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, int] = {}
