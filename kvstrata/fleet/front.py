@@ -275,7 +275,10 @@ async def _tokenize(app: web.Application, ask: AskServer) -> Tokens | web.Respon
             continue
         try:
             async with session.post(f"{server}/tokenize", json=ask.body) as answer:
-                if 400 <= answer.status < 500:
+                if answer.status in (404, 405):  # no /tokenize there (not vLLM): ask another
+                    last = f"{server} has no /tokenize (HTTP {answer.status})"
+                    continue
+                if 400 <= answer.status < 500:  # the prompt itself refused: the client's error
                     return web.Response(status=answer.status, body=await answer.read(),
                                         content_type=answer.content_type)
                 if answer.status == 200:

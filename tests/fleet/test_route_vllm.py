@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvstrata.fleet.front import ROUTER, FrontConfig, Upstream, make_app
-from kvstrata.fleet.router import Health
+from kvstrata.fleet.router import Health, Limits
 from kvstrata.fleet.scorer import Policy
 from kvstrata.integrations.vllm.server import ServerSpec, VllmServer, free_port, start_together
 from kvstrata.media import Medium
@@ -188,6 +188,30 @@ def test_a_server_answering_500_costs_a_retry_not_a_request(servers):
         assert status == 200 and text_of(path, raw) == text_of(path, own)
     assert f'kvstrata_route_retries_total{{reason="5xx",server="{bad}"}} 4.0' in metrics
     assert f'kvstrata_route_requests_total{{code="200",policy="round-robin",server="{a.url}"}} 4.0' in metrics
+
+
+def test_beyond_the_in_flight_limit_a_request_is_refused_at_once(servers):
+    """One request in flight through the router at most: a second sent while the first is in
+    flight is a 429 saying so; the first is answered in full."""
+    a, _, _ = servers
+
+    async def scenario(client, direct):
+        name = await model_name(direct, a.url)
+        body = {"model": name, "prompt": list(range(100, 140)), "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True}
+        first = asyncio.create_task(ask(client, "", "/v1/completions", body))
+        router = client.server.app[ROUTER]
+        while router.inflight == 0:
+            await asyncio.sleep(0.005)
+        second = await ask(client, "", "/v1/completions", body)
+        in_flight = router.inflight
+        return in_flight, second, await first
+
+    limited = replace(config([Upstream(a.url)]), limits=Limits(per_server=1, total=1))
+    in_flight, (status, raw), (first_status, first_raw) = around(limited, scenario)
+    assert in_flight == 1 and status == 429
+    assert "1 requests in flight, the router's limit (1): retry later" in json.loads(raw)["error"]["message"]
+    assert first_status == 200 and json.loads(first_raw)["usage"]["completion_tokens"] == 400
 
 
 def test_a_killed_server_loses_no_request(servers):
