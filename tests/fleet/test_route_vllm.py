@@ -4,7 +4,7 @@ a loopback port, its answers compared with the servers' own.
 The servers share one model directory and greedy decoding, so either gives the same answer: a
 routed request must be answered exactly as asking a server directly. Server ``a`` publishes
 vLLM's own KV events (``--kv-events-config``), which the router's index takes in. The test that
-kills a server runs last (the module's servers are shared).
+kills a server, and the one that starts it again, run last (the module's servers are shared).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_a_killed_server_loses_no_request(servers):
     """Round robin over both; ``b`` is killed (SIGKILL, no goodbye): every request after is
     answered by ``a``, ``b`` is marked down by the request that could not connect to it (the
     health checks are slowed here so that no check does it first), and ``/health`` says so.
-    Runs last: ``b`` stays down."""
+    ``b`` stays down for the next test."""
     a, b, _ = servers
 
     async def scenario(client, direct):
@@ -241,3 +241,30 @@ def test_a_killed_server_loses_no_request(servers):
     assert [s["health"] for s in health["servers"]] == ["up", "down"]
     assert f'kvstrata_route_retries_total{{reason="connect",server="{b.url}"}} 1.0' in metrics
     assert f'kvstrata_route_server_up{{server="{b.url}"}} 0.0' in metrics
+
+
+def test_a_server_that_returns_is_routed_to_again(servers):
+    """After the test above: ``b`` is started again on its port while the router runs; its health
+    check marks it up (holding nothing in the index), and round robin sends it requests again,
+    answered as ``a`` answers them."""
+    a, b, _ = servers
+
+    async def scenario(client, direct):
+        name = await model_name(direct, a.url)
+        path, body = bodies(name)[0]
+        router = client.server.app[ROUTER]
+        await ask(client, "", path, body)  # b is down: a answers
+        assert router.health(b.url) is Health.DOWN
+        await asyncio.to_thread(b.start)
+        deadline = time.monotonic() + 30
+        while router.health(b.url) is Health.DOWN and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        answers = [await ask(client, "", path, body) for _ in range(2)]
+        own = await ask(direct, a.url, path, body)
+        return path, answers, own, router.health(b.url), await (await client.get("/metrics")).text()
+
+    path, answers, own, b_health, metrics = around(config([Upstream(a.url), Upstream(b.url)]), scenario)
+    assert b_health is Health.UP
+    assert [s for s, _ in answers] == [200, 200]
+    assert {text_of(path, raw) for _, raw in answers} == {text_of(path, own[1])}
+    assert f'kvstrata_route_requests_total{{code="200",policy="round-robin",server="{b.url}"}} 1.0' in metrics
