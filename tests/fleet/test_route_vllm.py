@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvstrata.fleet.hashes import prompt_block_hashes
 from kvstrata.fleet.front import ROUTER, FrontConfig, Upstream, make_app
 from kvstrata.fleet.router import Health, Limits
 from kvstrata.fleet.scorer import Policy
@@ -116,19 +117,22 @@ def test_answers_through_the_router_are_the_servers_own_and_the_index_takes_vllm
             own = [await ask(direct, s.url, path, body) for s in (a, b)]
             out.append((path, routed, own))
         router = client.server.app[ROUTER]
+        async with direct.post(f"{a.url}/tokenize", json={"model": name, "prompt": PROMPT}) as answer:
+            hashes = prompt_block_hashes((await answer.json())["tokens"], BLOCK)
         deadline = time.monotonic() + 20
-        while router.index.count(a.url, Medium.DEVICE) == 0 and time.monotonic() < deadline:
+        while len(router.index.reach(a.url, hashes)) < len(hashes) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         models = await client.get("/v1/models")
-        return out, router.index.count(a.url, Medium.DEVICE), models.status, await models.json()
+        return out, hashes, router.index.reach(a.url, hashes), models.status, await models.json()
 
-    out, device_blocks, models_status, models = around(
+    out, hashes, reach, models_status, models = around(
         config([Upstream(a.url, events), Upstream(b.url)], Policy.PREDICTED_TTFT), scenario)
     for path, (status, raw), own in out:
         assert status == 200, raw
         assert [s for s, _ in own] == [200, 200]
         assert text_of(path, raw) == text_of(path, own[0][1]) == text_of(path, own[1][1])
-    assert device_blocks >= 2  # vLLM's own BlockStored events, under the hashes the router computes
+    # vLLM's own BlockStored events name the prompt's blocks by the hashes the router computes
+    assert len(hashes) >= 2 and reach == (Medium.DEVICE,) * len(hashes)
     assert models_status == 200 and models["data"]
 
 
