@@ -9,6 +9,11 @@
 * :mod:`~kvstrata.fleet.index`: a per-server map of block hash -> tiers held, from the events (pure).
 * :mod:`~kvstrata.fleet.cost`: one server's predicted restore and prefill, the connector's model (pure).
 * :mod:`~kvstrata.fleet.scorer`: routing policies behind one Protocol (pure).
+* :mod:`~kvstrata.fleet.router`: the router's fleet state: queues, in-flight limits, health (pure).
+* :mod:`~kvstrata.fleet.prompt`: what of an OpenAI request to tokenize, and how to ask a server (pure).
+* :mod:`~kvstrata.fleet.front`: ``kvstrata route``, the OpenAI-compatible HTTP front (edge: aiohttp).
+* :mod:`~kvstrata.fleet.health`: servers' ``/health`` polled, their KV events subscribed (edge).
+* :mod:`~kvstrata.fleet.metrics`: the router's Prometheus series (edge: prometheus_client).
 
 This package's ``__init__`` imports nothing: the pure modules load without msgspec or zmq.
 """
