@@ -23,7 +23,7 @@ from kvstrata.pool.config import ENV as POOL_ENV
 from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
 
 # Modules under kvstrata.cli that each register one or more sub-commands, in help order.
-_COMMAND_MODULES = ("plan", "demo", "hardware", "kv", "model", "pool", "bench", "trace", "simulate", "calibrate", "doctor", "lab")
+_COMMAND_MODULES = ("plan", "demo", "hardware", "kv", "model", "pool", "bench", "trace", "simulate", "route", "calibrate", "doctor", "lab")
 
 
 def console() -> Console:

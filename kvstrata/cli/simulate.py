@@ -13,6 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstrata import cli
+from kvstrata.fleet.scorer import Policy
 from kvstrata.cli.plan import checked_gpus, parse_fleet_tp, resolve_profile, sizing_text
 from kvstrata.kv.presets import load_geometry
 from kvstrata.media import Medium
@@ -51,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--route", choices=tuple(r.value for r in Routing), default=Routing.SESSION.value,
                    help="session: hash_ids[0] mod instances (requests sharing a first block meet on one instance); "
                         "round-robin: arrival order")
+    p.add_argument("--policy", default=None, metavar="POLICY",
+                   help=f"route by a fleet policy, the router's own ({', '.join(x.value for x in Policy)}), or "
+                        "'all' to run each on the same trace, a TTFT table per policy; instead of --route")
     p.add_argument("--pool-tokens", type=int, default=None, help="the pool's capacity in tokens (default: the profile's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here (ttft_cdf.png, tpot_cdf.png)")
@@ -78,6 +82,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise cli.CliError(f"--restore-slots must be at least 1, got {args.restore_slots}")
     geometry, profile = load_geometry(args.model), resolve_profile(args.hardware)
     sharings = _sharings(args)
+    policies = _policies(args.policy)
     extra = {"tier_tokens": _pool_tokens(args), "routing": Routing(args.route), "restore_slots": args.restore_slots}
     if args.fleet_tp is not None:
         sizing, fleet = None, _fleet(geometry, profile, args)
@@ -87,6 +92,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         sizing = _sizing(geometry, profile, args)
         config = SimConfig(geometry, profile, sizing.gpus_per_instance, sizing.instances, **extra)
         setting = sizing_text(sizing)
+    if policies:
+        setting = setting.replace(f"; routing: {config.routing.value}", "")
+        setting += f"; routed by {', '.join(p.value for p in policies)} (one run each)"
     load = offered_load(requests, config) if trace_span_s(requests) > 0 else None
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, int] = {}
@@ -96,19 +104,24 @@ def run_simulate(args: argparse.Namespace) -> int:
                 tasks[a] = bar.add_task(f"simulating {a}", total=total)
             bar.update(tasks[a], completed=done)
 
-        summaries, outcomes = simulate(requests, config, archs, step, write=WRITE_NAMES[args.write], sharings=sharings)
+        summaries, outcomes = simulate(requests, config, archs, step, write=WRITE_NAMES[args.write], sharings=sharings,
+                                       policies=policies)
     if args.json:
         doc = {"gpus_per_instance": config.gpus_per_instance, "instances": config.instance_count,
                "gpus_basis": sizing.basis.value if sizing else "fleet", "offered_load": load}
         if sharings:
             doc |= {"fleet_tp": list(config.instance_tps), "routing": config.routing.value,
                     "kv_sharing": [m.value for m in sharings]}
+        if policies:
+            doc["policies"] = [p.value for p in policies]
         doc["architectures"] = [s.to_json(pool=bool(sharings)) for s in summaries]
         print(json.dumps(doc, indent=2))
     else:
         render(cli.console(), requests, summaries, load, setting, config.instance_count)
         if sharings:
             render_pool(cli.console(), summaries)
+        if policies:
+            render_policies(cli.console(), summaries)
     if args.plot or args.html:
         _pictures(args, config, requests, summaries, outcomes, load, setting, bool(sharings))
     return 0
@@ -120,6 +133,30 @@ def _sharings(args: argparse.Namespace) -> list[KVSharing]:
     if args.kv_sharing == "both" or (args.kv_sharing is None and args.fleet_tp is not None):
         return list(KVSharing)
     return [KVSharing(args.kv_sharing)] if args.kv_sharing else []
+
+
+def _policies(name: str | None) -> list[Policy]:
+    """``--policy``: none, one, or every policy for ``all``."""
+    if name is None:
+        return []
+    return list(Policy) if name == "all" else [Policy.parse(name)]
+
+
+def render_policies(out: Console | HtmlPage, summaries) -> None:
+    """TTFT per architecture and routing policy (labelled ``arch / policy``), each against round
+    robin's on the same architecture where it ran."""
+    t = Table(title="TTFT per routing policy (the router's own policies, fed by the instances' caches)")
+    for col in ("arch / policy", "TTFT p50 s", "TTFT p90 s", "p90 / round robin", "hit rate", "SLO"):
+        t.add_column(col, justify="left" if col == "arch / policy" else "right")
+    arch_of = lambda s: s.arch.rsplit(" / ", 1)[0]  # noqa: E731
+    rr = {arch_of(s): s.ttft_s["p90"] for s in summaries if s.arch.endswith(f" / {Policy.ROUND_ROBIN.value}")}
+    for s in sorted(summaries, key=lambda s: (arch_of(s), s.ttft_s["p90"])):
+        base = rr.get(arch_of(s))
+        t.add_row(s.arch, f"{s.ttft_s['p50']:.3f}", f"{s.ttft_s['p90']:.3f}",
+                  f"{s.ttft_s['p90'] / base:.2f}x" if base else "-",
+                  " ".join(f"{HARDWARE_NAME[m]} {v:.0%}" for m, v in s.hit_rate.items()),
+                  "[green]yes[/]" if s.meets_slo else "[red]no[/]")
+    out.print(t)
 
 
 def _pool_tokens(args: argparse.Namespace) -> tuple[tuple[Medium, int], ...]:

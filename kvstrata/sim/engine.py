@@ -13,7 +13,9 @@ them, and the first token counts from its arrival at the decode group.
 Requests go to instance ``hash_ids[0] % instances`` (session affinity: a session's first
 block never changes), or round robin when a request has no ids; :attr:`Routing.ROUND_ROBIN`
 sends every request to the next instance in turn (so requests sharing a prefix reach several
-instances). Cache look-ups and inserts happen at arrival, in arrival order, so hits do not
+instances). A fleet policy (:attr:`SimConfig.policy`, the router's own, :mod:`kvstrata.sim.fleet`)
+instead chooses from what each instance's caches hold, its queued prefill and its costs. Cache
+look-ups and inserts happen at arrival, in arrival order, so hits do not
 depend on timing.
 
 A fleet (:attr:`SimConfig.fleet_tp`) runs instances of different TP sizes on one shared pool,
@@ -42,6 +44,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from kvstrata.fleet.scorer import Policy
 from kvstrata.hardware.flows import GB, Flow, Resource, flow_along, max_min_share
 from kvstrata.hardware.profile import HardwareProfile
 from kvstrata.hardware.topology import NodeKind
@@ -54,6 +57,7 @@ from kvstrata.plan.sharing import KVSharing, pool_bytes
 from kvstrata.plan.sizing import size_instances
 from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.batchkv import BatchKV
+from kvstrata.sim.fleet import FleetRouting, instance_cost
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.network import Network
@@ -88,6 +92,7 @@ class SimConfig:
         sharing: how pool blocks are keyed and sized; head-sliced (one copy per block id, which
             any instance hits) is what the pool modelled before fleets.
         routing: which instance each request goes to.
+        policy: a fleet routing policy (:mod:`kvstrata.sim.fleet`); when set, it routes, not ``routing``.
     """
 
     geometry: KVGeometry
@@ -101,6 +106,7 @@ class SimConfig:
     fleet_tp: tuple[int, ...] = ()
     sharing: KVSharing = KVSharing.SLICED
     routing: Routing = Routing.SESSION
+    policy: Policy | None = None
 
     def __post_init__(self) -> None:
         # A model whose weights overflow its GPUs' HBM is refused, never simulated.
@@ -215,6 +221,7 @@ class _Instance:
     restore_queue: deque = field(default_factory=deque)  # (record, jobs) waiting for a slot
     restoring: int = 0
     decode_ready: deque = field(default_factory=deque)  # pd: handed off, waiting to join
+    queued_tokens: int = 0  # prefill tokens of requests routed here and not yet prefilled
     busy: bool = False
     prefill_busy: bool = False  # pd: the prefill group
     running: list = field(default_factory=list)  # heap of (finish_step, seq, record, batch id)
@@ -289,6 +296,8 @@ class Simulation:
         self._stream_bytes: dict[str, float] = {}
         self._tier_writes: dict[Medium, int] = dict.fromkeys(arch.tiers, 0)
         self._gpus = sum(tps) * (2 if arch.pd_handoff else 1)
+        self._fleet = None if config.policy is None else FleetRouting(
+            config.policy, [instance_cost(g, i.model, i.planner, arch) for i in self.instances])
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -352,7 +361,10 @@ class Simulation:
     def _arrive(self, r: Request, index: int) -> None:
         n = len(self.instances)
         session = r.hash_ids and self.config.routing is Routing.SESSION
-        inst = self.instances[(r.hash_ids[0] if session else index) % n]
+        if self._fleet is not None:
+            inst = self.instances[self._fleet.choose(r, [i.queued_tokens for i in self.instances])]
+        else:
+            inst = self.instances[(r.hash_ids[0] if session else index) % n]
         covered, hits = 0, {}
         for tier in self.arch.tiers:
             run = inst.caches[tier].leading_run(r.hash_ids)
@@ -364,6 +376,7 @@ class Simulation:
         self._write(inst, r.hash_ids)
         self.pool.sample()
         rec = RequestRecord(r, inst.index, self.now, hits)
+        inst.queued_tokens += r.input_length - covered
         self.records.append(rec)
         jobs = self._restore_jobs(inst, hits, covered)
         if not jobs:
@@ -392,22 +405,37 @@ class Simulation:
         if self.arch.write is WritePolicy.WRITE_THROUGH:
             for tier in tiers:
                 cache = inst.caches[tier]
-                writes[tier] += sum(1 for b in ids if b not in cache)
-                cache.touch(ids)
+                fresh = [b for b in ids if b not in cache]
+                writes[tier] += len(fresh)
+                self._touch(inst, tier, ids, fresh)
             return
         # Write-back, the one other policy an ArchSpec admits.
         for tier in tiers[1:]:
             inst.caches[tier].refresh(ids)
         first = inst.caches[tiers[0]]
-        writes[tiers[0]] += sum(1 for b in ids if b not in first)
-        demoted = first.touch(ids)
+        fresh = [b for b in ids if b not in first]
+        writes[tiers[0]] += len(fresh)
+        demoted = self._touch(inst, tiers[0], ids, fresh)
         for tier in tiers[1:]:
             if not demoted:
                 break
             cache = inst.caches[tier]
             fresh = [b for b in demoted if b not in cache]
             writes[tier] += len(fresh)
-            demoted = cache.touch(fresh)
+            demoted = self._touch(inst, tier, fresh, fresh)
+
+    def _touch(self, inst: _Instance, tier: Medium, ids: Sequence[int], fresh: list[int]) -> list[int]:
+        """``inst.caches[tier].touch(ids)`` (``fresh``: those of ``ids`` it did not hold), its
+        evicted ids returned; a routing policy's index told what the tier now holds and dropped
+        (a block evicted and inserted again by the same touch: neither)."""
+        cache = inst.caches[tier]
+        evicted = cache.touch(ids)
+        if self._fleet is not None:
+            new = set(fresh)
+            stored = [b for b in fresh if b in cache]
+            removed = [b for b in evicted if b not in cache and b not in new]
+            self._fleet.changed(inst.index, tier, stored, removed, self.now)
+        return evicted
 
     def _start_restores(self, inst: _Instance) -> None:
         while inst.restore_queue and inst.restoring < self.config.restore_slots:
@@ -498,6 +526,7 @@ class Simulation:
         return inst.model.prefill_s(rec.request.input_length - cached, cached)
 
     def _prefilled(self, inst: _Instance, rec: RequestRecord) -> None:
+        inst.queued_tokens -= rec.request.input_length - sum(rec.hit_tokens.values())
         if self.arch.pd_handoff:
             inst.prefill_busy = False
             shard = request_bytes(self.config.geometry, rec.request.input_length, len(inst.gpus))

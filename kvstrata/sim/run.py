@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from kvstrata.fleet.scorer import Policy
 from kvstrata.plan.sharing import KVSharing
 from kvstrata.sim.engine import SimConfig, SimOutcome, Simulation
 from kvstrata.sim.model import TimeModel
@@ -56,9 +57,11 @@ def simulate(
     progress: Callable[[str, int, int], None] | None = None,
     write: WritePolicy = WritePolicy.WRITE_THROUGH,
     sharings: Sequence[KVSharing] = (),
+    policies: Sequence[Policy] = (),
 ) -> tuple[list[Summary], list[SimOutcome]]:
     """Run each architecture (in each of ``sharings``, labelled by it, when given; else in
-    ``config.sharing``); summaries ranked (see :func:`kvstrata.sim.results.rank`).
+    ``config.sharing``; and routed by each of ``policies``, labelled ``arch / policy``, when
+    given; else as ``config`` routes); summaries ranked (see :func:`kvstrata.sim.results.rank`).
 
     Raises:
         ValueError: no requests (their percentiles would be undefined).
@@ -67,11 +70,15 @@ def simulate(
         raise ValueError("no requests to simulate")
     outcomes = []
     for sharing in sharings or (None,):
-        setting = config if sharing is None else replace(config, sharing=sharing)
-        for name in archs:
-            spec = parse_arch(name, write)
-            if sharing is not None:
-                spec = replace(spec, name=f"{spec.name} ({sharing.value})")
-            cb = (lambda d, t, n=spec.name: progress(n, d, t)) if progress else None
-            outcomes.append(Simulation(requests, setting, spec, cb).run())
+        shared = config if sharing is None else replace(config, sharing=sharing)
+        for policy in policies or (None,):
+            setting = shared if policy is None else replace(shared, policy=policy)
+            for name in archs:
+                spec = parse_arch(name, write)
+                if sharing is not None:
+                    spec = replace(spec, name=f"{spec.name} ({sharing.value})")
+                if policy is not None:
+                    spec = replace(spec, name=f"{spec.name} / {policy.value}")
+                cb = (lambda d, t, n=spec.name: progress(n, d, t)) if progress else None
+                outcomes.append(Simulation(requests, setting, spec, cb).run())
     return rank([summarise(o) for o in outcomes]), outcomes

@@ -1,0 +1,88 @@
+"""A simulated fleet routed by the router's policies (kvstrata.sim.fleet): where a trace reuses long
+prefixes and each instance's HBM holds only some of them, the policies that see the caches keep
+each prefix on an instance and beat round robin on TTFT; the run is deterministic, and the fleet's
+index ends holding exactly what the instances' caches hold."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvstrata.fleet.scorer import Policy
+from kvstrata.hardware.profile import load_profile
+from kvstrata.kv.presets import load_geometry
+from kvstrata.media import Medium
+from kvstrata.sim.engine import SimConfig, Simulation
+from kvstrata.sim.run import simulate
+from kvstrata.sim.tiers import parse_arch
+from kvstrata.sim.trace import BLOCK_TOKENS, Request
+
+PREFIX_BLOCKS = 16
+
+
+def prefix_reuse(requests=400, prefixes=8, gap_ms=60, seed=1) -> list[Request]:
+    """Each request: one of ``prefixes`` shared prefixes of 16 blocks, then one block of its own."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(requests):
+        p = rng.randrange(prefixes)
+        ids = tuple(p * 1000 + b for b in range(PREFIX_BLOCKS)) + (10**6 + i,)
+        out.append(Request(i * gap_ms, (PREFIX_BLOCKS + 1) * BLOCK_TOKENS, 8, ids))
+    return out
+
+
+@pytest.fixture(scope="module")
+def config():
+    # 4 instances of one H200, each HBM cache holding 3 of the 8 prefixes: round robin sends every
+    # prefix everywhere and they evict each other; a policy that sees the caches spreads them.
+    return SimConfig(load_geometry("llama-3-8b"), load_profile("h200-cx7-gen5"), 1, 4,
+                     tier_tokens=((Medium.DEVICE, 3 * (PREFIX_BLOCKS + 1) * BLOCK_TOKENS),))
+
+
+def test_policies_that_see_the_caches_beat_round_robin_on_ttft(config):
+    summaries, _ = simulate(prefix_reuse(), config, ["hbm"], policies=list(Policy))
+    by = {s.arch: s for s in summaries}
+    rr = by["hbm / round-robin"]
+    for name in ("predicted-ttft", "dynamo", "llm-d"):
+        s = by[f"hbm / {name}"]
+        assert s.ttft_s["p90"] <= 0.5 * rr.ttft_s["p90"], (name, s.ttft_s, rr.ttft_s)
+        assert s.ttft_s["p50"] < rr.ttft_s["p50"]
+        assert s.hit_rate[Medium.DEVICE] > rr.hit_rate[Medium.DEVICE] + 0.1
+
+
+def test_a_policys_run_is_deterministic(config):
+    trace = prefix_reuse(requests=150)
+    runs = [simulate(trace, config, ["hbm"], policies=[Policy.PREDICTED_TTFT])[1][0] for _ in range(2)]
+    assert [(r.instance, r.first_token_s) for r in runs[0].records] == \
+        [(r.instance, r.first_token_s) for r in runs[1].records]
+
+
+def test_the_index_ends_as_the_caches_and_the_queues_empty(config):
+    from dataclasses import replace
+
+    sim = Simulation(prefix_reuse(requests=150), replace(config, policy=Policy.DYNAMO), parse_arch("hbm"))
+    sim.run()
+    for inst in sim.instances:
+        assert inst.queued_tokens == 0
+        assert sim._fleet.index.count(f"instance-{inst.index}", Medium.DEVICE) == len(inst.caches[Medium.DEVICE])
+    assert len({r.instance for r in sim.records}) == 4  # every instance was used
+
+
+def test_simulate_policy_all_prints_a_ttft_table_per_policy(tmp_path, capsys):
+    from kvstrata.cli import main
+    from kvstrata.sim.traceio import write_trace
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, prefix_reuse(requests=120))
+    argv = ["simulate", "--trace", str(trace), "--hardware", "h200-cx7-gen5", "--model", "llama-3-8b",
+            "--arch", "hbm", "--instances", "4", "--gpus-per-instance", "1"]
+    assert main([*argv, "--policy", "all", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["policies"] == [p.value for p in Policy]
+    assert {a["arch"] for a in doc["architectures"]} == {f"hbm / {p.value}" for p in Policy}
+    assert main([*argv, "--policy", "all"]) == 0
+    assert "TTFT per routing policy" in capsys.readouterr().out
+    assert main([*argv, "--policy", "fastest"]) == 2
+    assert "unknown routing policy 'fastest'" in capsys.readouterr().err
