@@ -139,7 +139,7 @@ class ServerCost:
         lines = {}
         for medium in (Medium.HOST, Medium.DISK, Medium.REMOTE):
             try:
-                one, two = (calibration.restore_s(medium.label, n * block_bytes, n, workers, cold=cold) for n in (1, 2))
+                one, two = (calibration.restore_s(medium, n * block_bytes, n, workers, cold=cold) for n in (1, 2))
             except KeyError:
                 continue
             per_block = max(0.0, two - one)
