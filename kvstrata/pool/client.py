@@ -72,16 +72,7 @@ from typing import Any
 import torch
 
 from kvstrata.errors import TierUnavailable
-from kvstrata.pool.config import (
-    BACKOFF_MAX_S,
-    BACKOFF_S,
-    CONNECT_TIMEOUT_S,
-    OP_TIMEOUT_S,
-    PoolConfig,
-    RemoteMode,
-    check_budgets,
-    load_pool_config,
-)
+from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode, check_budgets, load_pool_config
 from kvstrata.pool import libs, native_log, network
 from kvstrata.pool.embedded import accepts, answers
 from kvstrata.pool.workers import Workers
@@ -213,10 +204,10 @@ class PoolClient:
         self,
         pool: PoolConfig,
         mode: RemoteMode = RemoteMode.TCP,
-        op_timeout_s: float = OP_TIMEOUT_S,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S,
-        backoff_s: float = BACKOFF_S,
-        backoff_max_s: float = BACKOFF_MAX_S,
+        op_timeout_s: float = DEFAULT_BUDGETS.op_timeout_s,
+        connect_timeout_s: float = DEFAULT_BUDGETS.connect_timeout_s,
+        backoff_s: float = DEFAULT_BUDGETS.backoff_s,
+        backoff_max_s: float = DEFAULT_BUDGETS.backoff_max_s,
         required: bool = True,
         on_up: Callable[[Reconnected], None] | None = None,
     ) -> None:

@@ -73,7 +73,7 @@ from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.pool.client import CallTimedOut, PendingCall, PoolClient, PoolUnavailable, Reconnected
-from kvstrata.pool.config import BACKOFF_MAX_S, BACKOFF_S, CONNECT_TIMEOUT_S, OP_TIMEOUT_S, PoolConfig, RemoteMode
+from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.base import Pieces, Tier, split_like
 
@@ -171,10 +171,10 @@ class RemoteTier(Tier):
         pool: PoolConfig,
         mode: RemoteMode = RemoteMode.TCP,
         namespace_tag: str = "",
-        op_timeout_s: float = OP_TIMEOUT_S,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S,
-        backoff_s: float = BACKOFF_S,
-        backoff_max_s: float = BACKOFF_MAX_S,
+        op_timeout_s: float = DEFAULT_BUDGETS.op_timeout_s,
+        connect_timeout_s: float = DEFAULT_BUDGETS.connect_timeout_s,
+        backoff_s: float = DEFAULT_BUDGETS.backoff_s,
+        backoff_max_s: float = DEFAULT_BUDGETS.backoff_max_s,
         required: bool = True,
         secret: bytes | None = None,
         encrypt: bool = False,
