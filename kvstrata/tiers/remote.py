@@ -73,6 +73,7 @@ from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.pool.client import CallTimedOut, PendingCall, PoolClient, PoolUnavailable, Reconnected
+from kvstrata.pool import native_log
 from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.base import Pieces, Tier, split_like
@@ -397,9 +398,7 @@ class RemoteTier(Tier):
         with self._lock:
             config = self._replicas.get(segment)
             if config is None:
-                from mooncake.store import ReplicateConfig
-
-                config = ReplicateConfig()
+                config = native_log.store_module().ReplicateConfig()
                 config.replica_num, config.preferred_segment = 1, segment
                 self._replicas[segment] = config
             return config

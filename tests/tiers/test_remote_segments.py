@@ -5,6 +5,7 @@ its key says; one segment takes everything; every block reads back as written.""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 from dataclasses import dataclass, replace
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kvstrata.pool import embedded
+from kvstrata.pool import embedded, native_log
 from kvstrata.pool import network as netns
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
@@ -21,7 +22,9 @@ from kvstrata.tiers.remote import PoolUnavailable, RemoteMode, RemoteTier, fresh
 from tests.process_support import stop_process, wait_until
 from tests.tiers.test_remote import LAYOUT, MODES, SLACK_S, content, make_key, timed
 
-pytest.importorskip("mooncake.store", reason="the pool engine is not installed")
+# Not importorskip: importing mooncake.store before kvstrata.pool.native_log configures Mooncake's log
+# sends every line Mooncake logs in this process to stderr (its stores' teardown after pytest's summary).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="the pool engine is not installed")
 
 SEGMENT_BYTES = 16 * 1024**2
 
@@ -48,7 +51,7 @@ def segmented(tmp_path_factory):
     """A master and two pool daemons on loopback, each daemon's segment named ``127.0.0.1:<port>``
     (its ``--host``). The transport endpoint an object's replica names is not the segment name:
     a probe object put on each segment says which endpoint is which."""
-    from mooncake.store import ReplicateConfig
+    ReplicateConfig = native_log.store_module().ReplicateConfig  # through native_log: Mooncake's log configured
 
     run = tmp_path_factory.mktemp("segments")
     master_port = embedded.free_port()
