@@ -52,7 +52,7 @@ class PoolBudgets:
 
     Attributes:
         op_timeout_s: one call: a lookup's existence query, a load's batch get or a store's
-            batch put (up to 64 MiB and 128 blocks: kvstrata.tiers.remote.CALL_BYTES, ~0.04 s
+            batch put (up to 64 MiB and 128 blocks: kvstrata.tiers.staging.CALL_BYTES, ~0.04 s
             at loopback TCP's 1.5 GB/s). A live pool on loopback or a LAN answers in
             milliseconds; a second is ample, and is what a caller waits, once, for a pool that
             has stopped answering (then calls fail at once).

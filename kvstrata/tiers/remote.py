@@ -62,7 +62,6 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,66 +72,22 @@ from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.pool.client import CallTimedOut, PendingCall, PoolClient, PoolUnavailable, Reconnected
-from kvstrata.pool import native_log
+from kvstrata.pool import native_log, ops
+from kvstrata.pool.codes import MISSING, PUT_DONE, PUT_REFUSED, Code
 from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.base import Pieces, Tier, split_like
+from kvstrata.tiers.staging import Lane, Lanes, buffers
 
 __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier"]
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
 NAMES_KEPT = 1 << 14  # object names, and the newest write time read at each, remembered per tier (a few MB at most)
-# A lane's registered headers: two halves, one per call in flight or being checked; 128 a half, so
-# a batch of 128 blocks (SGLang's storage batch) can go in one call.
-HEADER_PAGES_BYTES = 2 * 128 * poolvalue.HEADER_BYTES
-HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
-# Payload bytes per batched pool call at most (a half of a lane's registered staging; at least one
-# block, however large): inside its time budget (1 s) at loopback TCP rates on a loaded host too
-# (64 MiB: ~0.04 s at 1.5 GB/s; one call at a time moves them).
-CALL_BYTES = 64 * 1024**2
-# A checked batch (a MAC or a checksum over every byte) is cut into calls that grow threefold from
-# 1/16 of the batch, so that the checks of all but one small call overlap a transfer: a put seals a
-# call's values before it starts, so its calls grow (the first call's seals wait alone); a get
-# checks a call's values once they land, so its calls shrink (the last call's checks wait alone).
-# Fewer, larger calls also pay the master's round trips fewer times. Sealed puts of 128 blocks of
-# 2 MiB on loopback, against a raw put in the same rounds: 64+64 0.80x, 16+48+64 0.83x, 8+24+96 0.88x.
-FIRST_CALL_SHARE, CALL_GROWTH = 16, 3
-# Buffers per call at most: Mooncake's TCP transport moves each as a slice of its own, ~20 us
-# apiece on loopback (a value is two: its header and its staging row).
-CALL_BUFFERS = 1024
-# A lane's registered staging for blocks, two halves of CALL_BYTES: one call's blocks are copied
-# out of (or into) one half while the next call's move through the other.
-STAGE_BYTES = 2 * CALL_BYTES
-
-# Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
-NO_SPACE = -200  # the pool could not place the object now
-INVALID_KEY = -400
-BUFFERS_TOO_SMALL = -600  # a get whose buffers add up to less than the object
-REPLICA_NOT_READY = -703  # still being written
-OBJECT_NOT_FOUND = -704
-OBJECT_EXISTS = -705
-OBJECT_HAS_LEASE = -706
-LEASE_EXPIRED = -707  # evicted while we read it: the bytes read are void
-TRANSFER_FAIL = -800  # a get whose buffers add up to more than the object, or a transport failure
-TENANT_QUOTA_EXCEEDED = -1700
-_MISSING = {REPLICA_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED}
-_PUT_REFUSED = {NO_SPACE, INVALID_KEY, BUFFERS_TOO_SMALL, REPLICA_NOT_READY, OBJECT_HAS_LEASE, TENANT_QUOTA_EXCEEDED}
 
 
 class PoolRefused(RuntimeError):
     """The pool refused to store one object (full, say); the pool itself is fine."""
-
-
-@dataclass
-class _Lane:
-    """A thread's registered buffers, the only memory of this tier the pool ever sees: header
-    pages, and staging for blocks made on first need; both made under one store generation of
-    the client (SHM segments are the daemon's)."""
-
-    header: torch.Tensor  # uint8 [HEADER_PAGES_BYTES]
-    generation: int
-    stage: torch.Tensor | None = None  # uint8 [2, rows, block_bytes]: two halves
 
 
 class RemoteTier(Tier):
@@ -191,9 +146,8 @@ class RemoteTier(Tier):
         # recent: a read of an older value there is a replay (tiers/poolvalue.py), refused.
         self._seen: OrderedDict[str, int] = OrderedDict()
         self._clock_ns = 0  # the last written_ns given out: they strictly increase
-        self._lanes = threading.local()
+        self._lanes = Lanes(layout.block_bytes)  # each thread's registered buffers
         self._lock = threading.Lock()
-        self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
         self._replicas: dict[str, Any] = {}  # segment name -> the ReplicateConfig that puts objects there
         self._turn = 0  # the segment the next batched put's first run goes to (an index, mod their count)
         self._listener: Callable[[RemoteTier, Reconnected], None] | None = None
@@ -263,8 +217,8 @@ class RemoteTier(Tier):
         if src.dtype != torch.uint8 or tuple(src.shape) != shape:
             raise ValueError(f"remote tier: src must be uint8 {list(shape)}, got {src.dtype} {list(src.shape)}")
         name = self.object_name(key)
-        lane = self._lane(client)
-        row = self._rows(client, lane, 0, 1)[0].view(shape)
+        lane = self._lanes.get(client)
+        row = lane.rows(client, 0, 1)[0].view(shape)
         private = src.to("cpu").contiguous()  # sealed here, never in staging: staging is not ours alone
         if self._seal.encrypt:  # the ciphertext streamed into the row through private scratch (poolvalue._stream)
             header, _ = self._seal.seal(key, [private.numpy()], self._now_ns(), into=row.numpy())
@@ -276,15 +230,15 @@ class RemoteTier(Tier):
         sizes = [poolvalue.HEADER_BYTES, row.numel()]
         try:
             (rc,) = client.call(
-                f"put of {name}", "batch_put_from_multi_buffers", [name], [ptrs], [sizes], *self._placed(key),
+                f"put of {name}", ops.BATCH_PUT_MULTI, [name], [ptrs], [sizes], *self._placed(key),
                 on_late=lambda store, codes: _undo_late_put(store, name, codes), generation=lane.generation,
             )
         except CallTimedOut:
-            self._retire(lane)  # the stray put still reads the header and staging
+            self._lanes.retire(lane)  # the stray put still reads the header and staging
             raise
-        if rc in (0, OBJECT_EXISTS):
+        if rc in PUT_DONE:
             return
-        if rc in _PUT_REFUSED:
+        if rc in PUT_REFUSED:
             raise PoolRefused(f"remote tier: the pool refused {name} (Mooncake code {rc})")
         client.mark_down(f"put failed with Mooncake code {rc}", lane.generation)
         raise PoolUnavailable(f"remote tier: put of {name} failed (Mooncake code {rc})")
@@ -315,13 +269,13 @@ class RemoteTier(Tier):
         client = self._live()
         parts = [[p for p in pieces if p.numel()] for pieces in blocks]
         try:
-            lane = self._lane(client)
-            self._rows(client, lane, 0, 0)  # the staging, made before the first put
+            lane = self._lanes.get(client)
+            lane.rows(client, 0, 0)  # the staging, made before the first put
         except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
             return [error] * len(keys)
         return self._put_blocks(client, lane, keys, parts)
 
-    def _put_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
+    def _put_blocks(self, client: PoolClient, lane: Lane, keys: list[BlockKey],
                     blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
         """Batched, pipelined puts of blocks given as their parts (CPU, flat uint8, in order):
         each sealed from its parts, copied into a staging row, and the object of ``keys[i]``
@@ -331,9 +285,9 @@ class RemoteTier(Tier):
         out: list[BaseException | None] = [None] * len(keys)
         pending: list[tuple[range, PendingCall]] = []  # the sub-calls in flight, in block order
         try:
-            for k, batch in enumerate(self._calls(len(keys), growing=True)):
-                headers = self._headers(lane, k % 2, len(batch))
-                rows = self._rows(client, lane, k % 2, len(batch))
+            for k, batch in enumerate(self._lanes.calls(len(keys), growing=True)):
+                headers = lane.headers(k % 2, len(batch))
+                rows = lane.rows(client, k % 2, len(batch))
                 for j, i in enumerate(batch):  # overlaps the puts of the previous call
                     # Copied, then sealed from the caller's bytes (still in cache), never from staging.
                     _copy(split_like(rows[j], blocks[i]), blocks[i])
@@ -341,12 +295,12 @@ class RemoteTier(Tier):
                     headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
                 if not self._settle_puts(client, lane, names, pending, out):
                     return out
-                ptrs, sizes = _buffers(headers, rows, batch)
+                ptrs, sizes = buffers(headers, rows, batch)
                 for run, placed in self._spread(batch):
                     at = slice(run.start - batch.start, run.stop - batch.start, run.step)
                     run_names = names[run.start : run.stop : run.step]
                     try:
-                        call = client.start(f"batch put of {len(run)} blocks", "batch_put_from_multi_buffers",
+                        call = client.start(f"batch put of {len(run)} blocks", ops.BATCH_PUT_MULTI,
                                             run_names, ptrs[at], sizes[at], *placed, generation=lane.generation,
                                             on_late=lambda store, codes, n=run_names: _undo_late_puts(store, n, codes))
                     except PoolUnavailable as error:  # DOWN: this call's blocks (some perhaps put) and the later ones fail
@@ -403,7 +357,7 @@ class RemoteTier(Tier):
                 self._replicas[segment] = config
             return config
 
-    def _settle_puts(self, client: PoolClient, lane: _Lane, names: list[str], pending: list[tuple[range, PendingCall]],
+    def _settle_puts(self, client: PoolClient, lane: Lane, names: list[str], pending: list[tuple[range, PendingCall]],
                      out: list[BaseException | None]) -> bool:
         """Settle the sub-calls in ``pending`` in order (``_settle_put``), taking each off it; False
         once one finds the pool DOWN (those left are still in flight: the caller waits for them)."""
@@ -416,7 +370,7 @@ class RemoteTier(Tier):
                 return False
         return True
 
-    def _settle_put(self, client: PoolClient, lane: _Lane, names: list[str], blocks: range, call: PendingCall,
+    def _settle_put(self, client: PoolClient, lane: Lane, names: list[str], blocks: range, call: PendingCall,
                     out: list[BaseException | None]) -> bool:
         """The outcome of one batched put (of ``blocks``, a run that may be strided) into ``out``;
         False when the pool is DOWN now (the blocks after the run's last are failed too: nothing
@@ -425,16 +379,16 @@ class RemoteTier(Tier):
         try:
             codes = call.result()
         except CallTimedOut as error:
-            self._retire(lane)  # the stray put still reads the headers
+            self._lanes.retire(lane)  # the stray put still reads the headers
             for i in blocks:
                 out[i] = error
             out[after:] = [error] * (len(out) - after)
             return False
         for j, i in enumerate(blocks):
             rc = codes[j]
-            if rc in _PUT_REFUSED:
+            if rc in PUT_REFUSED:
                 out[i] = PoolRefused(f"remote tier: the pool refused {names[i]} (Mooncake code {rc})")
-            elif rc not in (0, OBJECT_EXISTS):
+            elif rc not in PUT_DONE:
                 client.mark_down(f"put failed with Mooncake code {rc}", lane.generation)
                 out[i] = PoolUnavailable(f"remote tier: put of {names[i]} failed (Mooncake code {rc})")
         if client.up:
@@ -463,13 +417,13 @@ class RemoteTier(Tier):
         if dst.dtype != torch.uint8 or tuple(dst.shape) != shape:
             raise ValueError(f"remote tier: dst must be uint8 {list(shape)}, got {dst.dtype} {list(dst.shape)}")
         name = self.object_name(key)
-        lane = self._lane(client)
-        row = self._rows(client, lane, 0, 1)[0]
+        lane = self._lanes.get(client)
+        row = lane.rows(client, 0, 1)[0]
         lane.header[: poolvalue.HEADER_BYTES].zero_()  # never a stale header of an earlier read
         ptrs = [lane.header.data_ptr(), row.data_ptr()]
         sizes = [poolvalue.HEADER_BYTES, row.numel()]
         try:
-            (got,) = client.call(f"get of {name}", "batch_get_into_multi_buffers", [name], [ptrs], [sizes],
+            (got,) = client.call(f"get of {name}", ops.BATCH_GET_MULTI, [name], [ptrs], [sizes],
                                  generation=lane.generation)
         except CallTimedOut as error:
             raise self._abandon(lane, str(error)) from None
@@ -516,20 +470,20 @@ class RemoteTier(Tier):
         client = self._live()
         parts = [[p for p in pieces if p.numel()] for pieces in blocks]
         try:
-            lane = self._lane(client)
-            self._rows(client, lane, 0, 0)  # the staging, made before the first get
+            lane = self._lanes.get(client)
+            lane.rows(client, 0, 0)  # the staging, made before the first get
         except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
             return [error] * len(keys)
         return self._get_blocks(client, lane, keys, parts)
 
-    def _get_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
+    def _get_blocks(self, client: PoolClient, lane: Lane, keys: list[BlockKey],
                     blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
         """Batched, pipelined gets of whole blocks (as their parts: CPU, flat uint8, in order):
         the object of ``keys[i]`` into the staging buffers ``[header, row]``, then copied out
         into ``blocks[i]`` and verified there."""
         names = [self.object_name(k) for k in keys]
         out: list[BaseException | None] = [None] * len(keys)
-        calls = self._calls(len(keys), growing=False)
+        calls = self._lanes.calls(len(keys), growing=False)
         try:
             pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names)
         except PoolUnavailable as error:  # DOWN: nothing was handed to the pool
@@ -562,64 +516,21 @@ class RemoteTier(Tier):
                     pass
         return out
 
-    def _calls(self, blocks: int, growing: bool) -> list[range]:
-        """The pool calls a batch of ``blocks`` is cut into: at most a half of the staging (and
-        of the headers) and ``CALL_BUFFERS`` each; every value's bytes are checked (a MAC or a
-        checksum), so calls grow threefold from 1/16 of the batch (``growing``: puts), or
-        shrink to it (gets)."""
-        most = max(1, min(HEADERS_PER_CALL, self._stage_rows(), CALL_BUFFERS // 2))
-        sizes = []
-        size, left = -(-blocks // FIRST_CALL_SHARE), blocks
-        while left:
-            sizes.append(min(left if left <= size * (1 + CALL_GROWTH) else size, most))
-            left -= sizes[-1]
-            size *= CALL_GROWTH
-        sizes = sizes if growing else sizes[::-1]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [range(start, start + size) for start, size in zip(starts, sizes)]
-
-    def _headers(self, lane: _Lane, half: int, count: int) -> torch.Tensor:
-        """``count`` value headers in one half of the lane's header pages (uint8 [count, 128]):
-        consecutive calls alternate halves, so one call's headers are checked while the next
-        call's land."""
-        head = poolvalue.HEADER_BYTES
-        at = half * HEADERS_PER_CALL * head
-        return lane.header[at : at + count * head].view(count, head)
-
-    def _stage_rows(self) -> int:
-        """Blocks in a half of a lane's staging."""
-        return max(1, STAGE_BYTES // 2 // self.layout.block_bytes)
-
-    def _rows(self, client: PoolClient, lane: _Lane, half: int, count: int) -> torch.Tensor:
-        """``count`` staging rows in one half of the lane's staging (uint8 [count, block_bytes]),
-        the staging registered (made) on first need.
-
-        Raises:
-            PoolUnavailable: the pool is down (no staging is made for a store that is gone), or
-                (SHM mode) the daemon would not map a segment.
-        """
-        if lane.stage is None:
-            if not client.up:
-                raise PoolUnavailable(f"remote tier: the pool is down ({client.down_reason})")
-            rows = self._stage_rows()
-            lane.stage = client.allocate(2 * rows * self.layout.block_bytes).view(2, rows, self.layout.block_bytes)
-        return lane.stage[half, :count]
-
-    def _start_get(self, client: PoolClient, lane: _Lane, batch: range, half: int, names: list[str]) -> PendingCall:
-        headers = self._headers(lane, half, len(batch))
+    def _start_get(self, client: PoolClient, lane: Lane, batch: range, half: int, names: list[str]) -> PendingCall:
+        headers = lane.headers(half, len(batch))
         headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
-        ptrs, sizes = _buffers(headers, self._rows(client, lane, half, len(batch)), batch)
-        return client.start(f"batch get of {len(batch)} blocks", "batch_get_into_multi_buffers",
+        ptrs, sizes = buffers(headers, lane.rows(client, half, len(batch)), batch)
+        return client.start(f"batch get of {len(batch)} blocks", ops.BATCH_GET_MULTI,
                             names[batch.start : batch.stop], ptrs, sizes, generation=lane.generation)
 
-    def _check_got(self, client: PoolClient, lane: _Lane, keys: list[BlockKey], names: list[str],
+    def _check_got(self, client: PoolClient, lane: Lane, keys: list[BlockKey], names: list[str],
                    blocks: list[list[torch.Tensor]], batch: range, got: list[int], half: int,
                    out: list[BaseException | None]) -> None:
         """Copy out and verify the blocks of one finished get (``got``: bytes or a code per
         block; in staging ``half``) into ``out``: the headers and payloads are copied out of
         staging first, and the copies are what is checked and served."""
-        heads = self._headers(lane, half, len(batch)).numpy().tobytes()
-        rows = self._rows(client, lane, half, len(batch))
+        heads = lane.headers(half, len(batch)).numpy().tobytes()
+        rows = lane.rows(client, half, len(batch))
         size = poolvalue.HEADER_BYTES + self.layout.block_bytes
         for j, i in enumerate(batch):
             try:
@@ -656,7 +567,7 @@ class RemoteTier(Tier):
         for first in range(0, len(keys), EXISTS_PER_CALL):
             names = [self.object_name(k) for k in keys[first : first + EXISTS_PER_CALL]]
             try:
-                answers = client.call(f"exists of {len(names)} objects", "batch_is_exist", names)
+                answers = client.call(f"exists of {len(names)} objects", ops.BATCH_IS_EXIST, names)
             except PoolUnavailable:
                 return out + [False] * (len(keys) - len(out))
             if any(a < 0 for a in answers):
@@ -679,8 +590,8 @@ class RemoteTier(Tier):
         if not keys:
             return []
         client = self._live()
-        codes = client.call(f"remove of {len(keys)} objects", "batch_remove", [self.object_name(k) for k in keys], force)
-        return [rc in (0, OBJECT_NOT_FOUND) for rc in codes]
+        codes = client.call(f"remove of {len(keys)} objects", ops.BATCH_REMOVE, [self.object_name(k) for k in keys], force)
+        return [rc in (0, Code.OBJECT_NOT_FOUND) for rc in codes]
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -689,15 +600,6 @@ class RemoteTier(Tier):
         if client is None:
             raise RuntimeError("remote tier is closed")
         return client
-
-    def _lane(self, client: PoolClient) -> _Lane:
-        lane = getattr(self._lanes, "lane", None)
-        generation = client.generation
-        if lane is None or lane.generation != generation:
-            if lane is not None:
-                self._retire(lane)  # made for another store (a stray call may use it still)
-            lane = self._lanes.lane = _Lane(client.allocate(HEADER_PAGES_BYTES), generation)  # pages: what SHM maps anyway
-        return lane
 
     def _now_ns(self) -> int:
         """A written_ns for a value about to be sealed: the wall clock, strictly increasing."""
@@ -723,49 +625,34 @@ class RemoteTier(Tier):
             if len(self._seen) > NAMES_KEPT:
                 self._seen.popitem(last=False)
 
-    def _retire(self, lane: _Lane) -> None:
-        """A stray call may still use this thread's buffers: keep them, make new ones next time."""
-        with self._lock:
-            self._retired.append(lane)
-        if getattr(self._lanes, "lane", None) is lane:
-            self._lanes.lane = None
-
-    def _abandon(self, lane: _Lane, why: str) -> PoolUnavailable:
+    def _abandon(self, lane: Lane, why: str) -> PoolUnavailable:
         """The error for a get that did not end cleanly: the stray call may still write this
         thread's staging (retired, never the caller's memory)."""
-        self._retire(lane)
+        self._lanes.retire(lane)
         return PoolUnavailable(f"remote tier: {why}")
 
-    def _get_failed(self, client: PoolClient, lane: _Lane, name: str, code: int) -> None:
+    def _get_failed(self, client: PoolClient, lane: Lane, name: str, code: int) -> None:
         """Raise the error a failed get (Mooncake code ``code``) means."""
-        if code in _MISSING:
+        if code in MISSING:
             raise BlockMissing(f"remote tier: {name} is not in the pool (Mooncake code {code})")
         expected = poolvalue.HEADER_BYTES + self.layout.block_bytes
-        if code == BUFFERS_TOO_SMALL:
+        if code == Code.BUFFERS_TOO_SMALL:
             raise CorruptBlock(f"remote tier: {name} is larger than {expected} bytes: a value of the wrong size: rejected")
-        if code == TRANSFER_FAIL:
+        if code == Code.TRANSFER_FAIL:
             # Either the object is smaller than our buffers (refused before any transfer) or
             # the transport failed: the object's size tells which.
             try:
-                size = client.call(f"size of {name}", "get_size", name)
+                size = client.call(f"size of {name}", ops.GET_SIZE, name)
             except CallTimedOut as error:  # the get itself has returned: nothing more lands
                 raise self._abandon(lane, str(error)) from None
             except PoolUnavailable:
                 size = None
-            if size == OBJECT_NOT_FOUND:
+            if size == Code.OBJECT_NOT_FOUND:
                 raise BlockMissing(f"remote tier: {name} is not in the pool")
             if size is not None and size >= 0 and size != expected:
                 raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
         client.mark_down(f"get failed with Mooncake code {code}", lane.generation)
         raise self._abandon(lane, f"get of {name} failed (Mooncake code {code})")
-
-
-def _buffers(headers: torch.Tensor, rows: torch.Tensor, batch: range) -> tuple[list, list]:
-    """The pointers and sizes of one batched call's objects: block ``i`` of ``batch`` as its
-    header (``headers[j]``, j its place in the batch), then its staging row (``rows[j]``)."""
-    ptrs = [[headers[j].data_ptr(), rows[j].data_ptr()] for j in range(len(batch))]
-    sizes = [[poolvalue.HEADER_BYTES, rows[j].numel()] for j in range(len(batch))]
-    return ptrs, sizes
 
 
 def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -778,14 +665,14 @@ def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 def _undo_late_put(store, name: str, codes: list[int]) -> None:
     # A put that completed after its caller gave up: its source may have changed meanwhile.
     if codes and codes[0] == 0:
-        store.remove(name, True)
+        ops.REMOVE.run(store, name, True)
 
 
 def _undo_late_puts(store, names: list[str], codes: list[int]) -> None:
     # As _undo_late_put, for each object of a batched put.
     stored = [name for name, rc in zip(names, codes) if rc == 0]
     if stored:
-        store.batch_remove(stored, True)
+        ops.BATCH_REMOVE.run(store, stored, True)
 
 
 

@@ -20,7 +20,7 @@ from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.pool import embedded
+from kvstrata.pool import embedded, ops
 from kvstrata.pool import network as netns
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import ENV as POOL_ENV
@@ -158,7 +158,7 @@ def test_pool_start_makes_a_private_secret_that_clients_of_its_state_file_seal_w
             client = PoolClient(config)
             try:
                 head = client.allocate(poolvalue.HEADER_BYTES + layout.block_bytes)
-                (got,) = client.call("raw get", "batch_get_into", [tier.object_name(key)], [head.data_ptr()],
+                (got,) = client.call("raw get", ops.BATCH_GET, [tier.object_name(key)], [head.data_ptr()],
                                      [head.numel()])
                 assert got == head.numel()
                 assert poolvalue.decode_header(head[: poolvalue.HEADER_BYTES].numpy().tobytes()).nonce is not None

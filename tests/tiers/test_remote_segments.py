@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kvstrata.pool import embedded, native_log
+from kvstrata.pool import embedded, native_log, ops
 from kvstrata.pool import network as netns
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
@@ -42,7 +42,7 @@ class Segmented:
 
     def segment_of(self, name: str) -> str:
         """The segment holding the (one) replica of the object ``name``."""
-        (replica,) = self.raw.call(f"replicas of {name}", "get_replica_desc", name)
+        (replica,) = self.raw.call(f"replicas of {name}", ops.GET_REPLICA_DESC, name)
         return self.segment_at[replica.get_memory_descriptor().buffer_descriptor.transport_endpoint]
 
 
@@ -76,8 +76,8 @@ def segmented(tmp_path_factory):
             config = ReplicateConfig()
             config.replica_num, config.preferred_segment = 1, segment
             name = f"probe/{segment}"
-            assert raw.call("probe put", "batch_put_from", [name], [probe.data_ptr()], [64], config) == [0]
-            (replica,) = raw.call("probe replicas", "get_replica_desc", name)
+            assert raw.call("probe put", ops.BATCH_PUT, [name], [probe.data_ptr()], [64], config) == [0]
+            (replica,) = raw.call("probe replicas", ops.GET_REPLICA_DESC, name)
             segment_at[replica.get_memory_descriptor().buffer_descriptor.transport_endpoint] = segment
         assert len(segment_at) == 2, "the daemons' endpoints must tell them apart"
         pids = (procs[1].pid, procs[2].pid)
@@ -195,4 +195,4 @@ def test_a_hung_daemon_fails_its_run_and_the_other_runs_are_waited_for(make_tier
     finally:
         os.kill(segmented.daemon_pids[1], signal.SIGCONT)
     late = [tier.object_name(key) for key in keys[1::2]]  # the stray put lands once the daemon runs: then undone
-    assert wait_until(lambda: segmented.raw.call("exists", "batch_is_exist", late) == [0] * 2, 10.0)
+    assert wait_until(lambda: segmented.raw.call("exists", ops.BATCH_IS_EXIST, late) == [0] * 2, 10.0)
