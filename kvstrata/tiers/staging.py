@@ -141,3 +141,10 @@ def buffers(headers: torch.Tensor, rows: torch.Tensor, batch: range) -> tuple[li
     ptrs = [[headers[j].data_ptr(), rows[j].data_ptr()] for j in range(len(batch))]
     sizes = [[poolvalue.HEADER_BYTES, rows[j].numel()] for j in range(len(batch))]
     return ptrs, sizes
+
+
+def copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i][:] = srcs[i]``; the caller's tensors may be inference tensors (made under
+    ``torch.inference_mode``, as an engine's KV is), which only that mode may update in place."""
+    with torch.inference_mode():
+        torch._foreach_copy_(dsts, srcs)
