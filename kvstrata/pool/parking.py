@@ -92,25 +92,25 @@ def kept() -> int:
 
 
 def _prune() -> None:
-    """Close the oldest kept stores that are settled and whose pool answers, down to KEPT_MOST."""
+    """Close the oldest kept stores that are settled and whose pool answers, down to KEPT_MOST;
+    until none is left to close (a store kept meanwhile is seen on the next pass)."""
     global _pruning
     from kvstrata.pool.connect import unreachable_in  # connect parks and keeps: imported late
 
-    try:
+    tried: set[int] = set()  # stores whose pool did not answer on this run: not asked again
+    while True:
         with _lock:
-            candidates = [entry for entry in _kept if entry.settled()]
             excess = len(_kept) - KEPT_MOST
-        for entry in candidates:
-            if excess <= 0:
-                break
+            entry = next((e for e in _kept if id(e) not in tried and e.settled()), None) if excess > 0 else None
+            if entry is None:
+                _pruning = False
+                return
+            tried.add(id(entry))
+        try:
             if unreachable_in(entry.key[0], entry.key[1], ANSWERS_S) is not None:
                 continue  # closing a store of a pool that does not answer can stall the process 30 s
             with _lock:
                 _kept.remove(entry)
-            entry.store.close()  # ~1 s, every thread stalled: once per fault past KEPT_MOST
-            excess -= 1
-    except Exception:  # noqa: BLE001 - a daemon thread: its fault must not go unseen
-        log.exception("pool: closing kept stores failed")
-    finally:
-        with _lock:
-            _pruning = False
+            entry.store.close()  # ~1 s, every thread stalled: once per store kept past KEPT_MOST
+        except Exception:  # noqa: BLE001 - a daemon thread: its fault must not go unseen
+            log.exception("pool: closing a kept store failed")
