@@ -23,7 +23,7 @@ import torch
 from kvstrata.pool import libs, native_log, network, ops, parking
 from kvstrata.pool.calls import PoolUnavailable
 from kvstrata.pool.config import PoolConfig, RemoteMode, load_pool_config
-from kvstrata.pool.embedded import accepts, answers
+from kvstrata.pool.sockets import accepts, answers
 from kvstrata.pool.workers import Workers
 
 log = logging.getLogger("kvstrata.pool")

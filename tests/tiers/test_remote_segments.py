@@ -87,7 +87,7 @@ def segmented(tmp_path_factory):
         if raw is not None:
             raw.close()
         for proc in reversed(procs):
-            embedded._terminate(proc.pid)
+            embedded.terminate(proc.pid)
 
 
 @pytest.fixture
