@@ -1,5 +1,6 @@
 """Cache metrics: hits and misses per tier, bytes moved per (source, destination), achieved
-GB/s per transfer; exposed in Prometheus text format from a registry of the cache's own."""
+GB/s per transfer; exposed in Prometheus text format from a registry of the cache's own when
+the 'metrics' extra (prometheus_client) is installed, else kept as the plain counts alone."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
+from kvstrata.extras import require
 from kvstrata.manager.plans import Failure
 from kvstrata.media import Medium
 
@@ -19,6 +19,24 @@ if TYPE_CHECKING:
     from kvstrata.transfer.worker import TransferResult
 
 GBPS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+class _Unexposed:
+    """A Prometheus registry's, counter's or histogram's stand-in without prometheus_client: the
+    cache's own counts (``CacheMetrics.hit_blocks``, ...) are kept either way; only the exposition
+    is missing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def labels(self, *values: str) -> _Unexposed:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, value: float) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -33,6 +51,10 @@ class PathTotals:
 
 class CacheMetrics:
     def __init__(self, keep_last: int = 1024) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, Counter, Histogram
+        except ModuleNotFoundError:  # no 'metrics' extra: plain counts, and exposition() says what to install
+            CollectorRegistry = Counter = Histogram = _Unexposed
         self.registry = CollectorRegistry()
         self._hits = Counter(
             "kvstrata_lookup_blocks", "Blocks found by lookups, by the fastest tier holding them", ["tier"],
@@ -113,5 +135,5 @@ class CacheMetrics:
             return list(self._recent)
 
     def exposition(self) -> bytes:
-        """Prometheus text exposition of this cache's metrics."""
-        return generate_latest(self.registry)
+        """Prometheus text exposition of this cache's metrics (the 'metrics' extra)."""
+        return require("prometheus_client", "the cache's Prometheus exposition").generate_latest(self.registry)

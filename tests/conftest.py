@@ -15,10 +15,13 @@ from kvstrata.pool.config import PoolConfig, pool_from_env
 
 POOL_SEGMENT_BYTES = 256 * 1024**2
 
-# The fast loop for edits (README, "Tests"): ``pytest -m "not engine and not pool and not slow"``.
-# A test is marked by what it starts, so a new test is marked by the fixtures it takes.
+# The fast loop for edits (README, "Tests"): ``pytest -m fast``, every test marked none of HEAVY.
+# A test is marked by what it starts: here from the fixtures it takes, so a new test taking them is
+# marked; in its module where it starts something itself or takes a fixture at run time
+# (``request.getfixturevalue``, which this scan cannot see).
 ENGINE_FIXTURES = frozenset(("tiny_model_dir", "tiny_hybrid_dirs", "tiny_mla_dir"))  # a model in a real engine
 POOL_FIXTURES = frozenset(("pool", "private_pool"))  # a Mooncake master and daemon
+HEAVY = ("engine", "pool", "server", "netns", "slow")  # pyproject.toml's markers: what each one means
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -28,6 +31,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.engine)
         if names & POOL_FIXTURES or item.path.parent.name == "pool":
             item.add_marker(pytest.mark.pool)
+        if not any(item.get_closest_marker(name) for name in HEAVY):
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")

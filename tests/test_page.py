@@ -116,6 +116,7 @@ def assert_plots_were_drawn(pixels: np.ndarray) -> None:
     assert blue.sum() > 200, "no plot on screen: the embedded images did not render"
 
 
+@pytest.mark.server  # a headless browser beside the test
 @needs_chromium
 def test_simulate_report_renders_its_table_and_cdfs_in_chromium(tmp_path, capsys):
     trace = tmp_path / "chat.jsonl"
@@ -138,6 +139,7 @@ def test_simulate_report_renders_its_table_and_cdfs_in_chromium(tmp_path, capsys
     assert_plots_were_drawn(pixels)
 
 
+@pytest.mark.server  # a headless browser beside the test
 @needs_chromium
 def test_plan_report_renders_both_profiles_the_speedups_and_the_plot_in_chromium(tmp_path, capsys):
     page = tmp_path / "plan.html"

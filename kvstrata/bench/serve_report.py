@@ -269,7 +269,7 @@ def prefill_decode(run: PhaseRun, block_tokens: int, block_bytes: int, workers: 
     predicted = None
     if calibration is not None and blocks:
         try:
-            predicted = statistics.mean(calibration.restore_s(Medium.REMOTE.label, b * block_bytes, b, workers=workers)
+            predicted = statistics.mean(calibration.restore_s(Medium.REMOTE, b * block_bytes, b, workers=workers)
                                         for b in blocks)
         except KeyError:  # the pool path was not calibrated
             predicted, prediction = None, f"{prediction} (no pool path in it)"

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstrata.media import Medium
 from kvstrata.plan import host as h
 from kvstrata.pool.config import PoolConfig
 from kvstrata.progress import NoProgress, Progress
@@ -105,7 +106,7 @@ class CalibrateConfig:
 class Measurement:
     """One path at one size: the timed runs (seconds)."""
 
-    path: str
+    path: h.CalPath
     size_bytes: int
     runs_s: tuple[float, ...]
 
@@ -129,7 +130,7 @@ class CalibrationRun:
 
     calibration: h.HostCalibration
     measurements: list[Measurement] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # path -> why
+    skipped: dict[h.CalPath, str] = field(default_factory=dict)  # path -> why
     seconds: float = 0.0
 
 
@@ -167,7 +168,7 @@ class _Scratch:
         return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
 
     def disk_readers(self, count: int) -> ThreadPoolExecutor:
-        """``count`` threads to read disk blocks on, as a load reads a disk tier (``Tier.readers``)."""
+        """``count`` threads to read disk blocks on, as a load reads a disk tier (``TierCapabilities.readers``)."""
         if count not in self._readers:
             self._readers[count] = ThreadPoolExecutor(max_workers=count, thread_name_prefix="kvstrata-calibrate-read")
         return self._readers[count]
@@ -306,7 +307,7 @@ def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, layout: KVLayout) -> Call
     once to a ``DiskTier`` of their own, each read back with the tier's own ``read_into`` (the
     header read and verified, the payload in READ_CHUNK_BYTES pieces, each layer's xxh3 checked
     as it lands), the blocks spread over as many threads as a load reads a disk tier on
-    (``DiskTier.readers``, beside the N byte movers).
+    (``DiskTier.capabilities.readers``, beside the N byte movers).
 
     The tier's own code, not a copy of it: measured on the loaded 2-core VM, a plain loop of
     preadv + one xxh3 per piece ran ~25% faster than the tier's read of the same bytes, which
@@ -332,7 +333,7 @@ def _disk_blocks(s: _Scratch, nbytes: int, cold: bool, layout: KVLayout) -> Call
             drop_page_cache(sorted(directory.rglob(f"*{SUFFIX}")))
         return elapsed_s(lambda: list(readers.map(one, range(count))))
 
-    readers = s.disk_readers(DiskTier.readers or s.threads)
+    readers = s.disk_readers(DiskTier.capabilities.readers or s.threads)
     return run
 
 
@@ -458,7 +459,7 @@ def restore_fixed(device: torch.device, workers: int, repeats: int, directory: P
     from kvstrata.calibrate.restores import TINY_BLOCKS, TINY_LAYOUT, CacheRestores
 
     out: list[Measurement] = []
-    benches = [(("host", "disk"), None)] + ([(("remote",), pool)] if pool is not None else [])
+    benches = [((Medium.HOST, Medium.DISK), None)] + ([((Medium.REMOTE,), pool)] if pool is not None else [])
     for tiers, where in benches:
         with CacheRestores(TINY_LAYOUT, TINY_BLOCKS, workers, directory, pool=where, small_load_bytes=0,
                            device=str(device)) as bench:
@@ -488,14 +489,14 @@ class Prober:
         self._steps: dict[tuple[str, int], Callable[[], float]] = {}
         self._raws: list = []
 
-    def step(self, path: str, nbytes: int) -> Callable[[], float]:
+    def step(self, path: h.CalPath, nbytes: int) -> Callable[[], float]:
         """One timed run of ``path`` over ``nbytes`` (made once, then reused)."""
         key = (path, nbytes)
         if key not in self._steps:
             self._steps[key] = self._make(path, nbytes)
         return self._steps[key]
 
-    def _make(self, path: str, nbytes: int) -> Callable[[], float]:
+    def _make(self, path: h.CalPath, nbytes: int) -> Callable[[], float]:
         s = self._scratch
         if path == h.MEMCPY_1T:
             return _memcpy_1t(s, nbytes)
@@ -511,7 +512,7 @@ class Prober:
             return _device_copy(nbytes, self._device, True, True)
         if path == h.POOL_GET and self._pool is not None:
             return self._pool_get(nbytes, self._layout.block_bytes)
-        raise ValueError(f"no probe for path {path!r} here")
+        raise ValueError(f"no probe for path {path.label!r} here")
 
     def _pool_get(self, nbytes: int, block_bytes: int) -> Callable[[], float]:
         from kvstrata.pool.config import RemoteMode
@@ -574,10 +575,10 @@ def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measureme
     return out
 
 
-def fit_paths(measurements: list[Measurement]) -> dict[str, h.PathFit]:
+def fit_paths(measurements: list[Measurement]) -> dict[h.CalPath, h.PathFit]:
     """One fit per path, on relative error (every size predicted as well as the others); the
     paths a restore's bytes move along as a rate alone (``RATE_PATHS``)."""
-    by_path: dict[str, list[Measurement]] = {}
+    by_path: dict[h.CalPath, list[Measurement]] = {}
     for m in measurements:
         by_path.setdefault(m.path, []).append(m)
     return {path: h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms),

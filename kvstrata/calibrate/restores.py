@@ -29,7 +29,6 @@ from kvstrata.timing import VerificationError, drop_page_cache
 # restore of them makes the same copy tasks, layer events and per-layer checksums: 1 KiB blocks.
 TINY_LAYOUT = KVLayout(32, 2, 1, 8, DType.BF16)
 TINY_BLOCKS = 2
-TIER_MEDIUM = {"host": Medium.HOST, "disk": Medium.DISK, "remote": Medium.REMOTE}
 
 
 class CacheRestores:
@@ -85,10 +84,10 @@ class CacheRestores:
     def size(self) -> int:
         return self.blocks * self.layout.block_bytes
 
-    def restore(self, tier: str, cold: bool = False) -> float:
-        """One load of every block from ``tier`` ("host", "disk", "remote") alone, the disk's
+    def restore(self, tier: Medium, cold: bool = False) -> float:
+        """One load of every block from ``tier`` (host, disk or remote) alone, the disk's
         files dropped from the page cache first when ``cold``; returns ``LoadResult.seconds``."""
-        source = TIER_MEDIUM[tier]
+        source = tier
         self._sink_to(source)
         if cold:
             self.drop_disk()

@@ -44,6 +44,7 @@ from kvstrata.calibrate.measure import Measurement, Prober, fit_paths
 from kvstrata.calibrate.restores import TINY_BLOCKS, TINY_LAYOUT, CacheRestores
 from kvstrata.kv.layout import KVLayout
 from kvstrata.kv.presets import load_geometry
+from kvstrata.media import Medium
 from kvstrata.plan.host import RESTORE_FIXED, HostCalibration, restore_paths
 from kvstrata.pool.config import PoolConfig
 from kvstrata.progress import NoProgress, Progress
@@ -90,25 +91,25 @@ class ValidateConfig:
 
 @dataclass(frozen=True)
 class RowKind:
-    """One restore path: from ``tier`` ("host", "disk", "remote"), the disk ``cold`` or not."""
+    """One restore path: from ``tier`` (host, disk or remote), the disk ``cold`` or not."""
 
-    tier: str
+    tier: Medium
     cold: bool = False
 
     @property
     def label(self) -> str:
-        if self.tier == "disk":
+        if self.tier is Medium.DISK:
             return f"disk ({'cold' if self.cold else 'page cache'}) -> device"
-        return f"{self.tier} -> device"
+        return f"{self.tier.label} -> device"
 
 
 def row_kinds(config: ValidateConfig) -> tuple[RowKind, ...]:
     """The rows of one size, in the order they run (each tier's blocks sink once, downwards)."""
-    kinds = [RowKind("host"), RowKind("disk")]
+    kinds = [RowKind(Medium.HOST), RowKind(Medium.DISK)]
     if config.cold:
-        kinds.append(RowKind("disk", cold=True))
+        kinds.append(RowKind(Medium.DISK, cold=True))
     if config.pool is not None:
-        kinds.append(RowKind("remote"))
+        kinds.append(RowKind(Medium.REMOTE))
     return tuple(kinds)
 
 
@@ -129,7 +130,7 @@ class Row:
     """
 
     path: str
-    tier: str
+    tier: Medium
     cold: bool
     bytes: int
     blocks: int
@@ -185,7 +186,7 @@ class Row:
         return (max(self.probe_runs_s) - min(self.probe_runs_s)) / 2 / probe
 
     def to_json(self) -> dict:
-        return {"path": self.path, "tier": self.tier, "cold": self.cold, "bytes": self.bytes, "blocks": self.blocks,
+        return {"path": self.path, "tier": self.tier.label, "cold": self.cold, "bytes": self.bytes, "blocks": self.blocks,
                 "predicted_s": self.predicted_s, "measured_s": self.measured_s, "runs_s": list(self.runs_s),
                 "probe_runs_s": list(self.probe_runs_s), "fixed_runs_s": list(self.fixed_runs_s),
                 "error": self.error, "spread": self.spread, "probe_spread": self.probe_spread,
@@ -245,20 +246,20 @@ def validate(config: ValidateConfig, progress: Progress | None = None,
         # Cold steps read into fresh page cache: each gets memory freed a moment before
         # (kvstrata.calibrate.ballast), or the restore, always after its probe, reads slower.
         ballast = Ballast(root / "ballast.bin", max(config.sizes)) if any(k.cold for k in kinds) else None
-        tiny: dict[str, CacheRestores] = {}
+        tiny: dict[Medium, CacheRestores] = {}
         sized: dict[tuple[bool, int], CacheRestores] = {}  # (remote, size) -> its cache
         try:
             # One tiny cache per tier: a restore leaves its blocks in the tier it came from.
             for tier in {k.tier for k in kinds}:
-                tiny[tier] = CacheRestores(TINY_LAYOUT, TINY_BLOCKS, config.workers, root / f"tiny-{tier}",
-                                           pool=config.pool if tier == "remote" else None, small_load_bytes=0)
-            for remote in sorted({k.tier == "remote" for k in kinds}):
+                tiny[tier] = CacheRestores(TINY_LAYOUT, TINY_BLOCKS, config.workers, root / f"tiny-{tier.label}",
+                                           pool=config.pool if tier is Medium.REMOTE else None, small_load_bytes=0)
+            for remote in sorted({k.tier is Medium.REMOTE for k in kinds}):
                 for size in config.sizes:
                     blocks = max(1, size // layout.block_bytes)
                     sized[remote, size] = CacheRestores(layout, blocks, config.workers, root / f"cache-{size}",
                                                         pool=config.pool if remote else None)
             for kind in kinds:
-                benches = [sized[kind.tier == "remote", size] for size in config.sizes]
+                benches = [sized[kind.tier is Medium.REMOTE, size] for size in config.sizes]
                 for bench, rounds in zip(benches, _row(kind, benches, tiny[kind.tier], prober, ballast, cuda, config,
                                                        progress), strict=True):
                     measured.append((kind, bench.size, bench.blocks, rounds))
@@ -291,7 +292,7 @@ def _row(kind: RowKind, benches: list[CacheRestores], tiny: CacheRestores, probe
             progress.step(f"restore {kind.label}, {size_mib}")
             fresh()
             restore = bench.restore(kind.tier, cold=kind.cold)
-            progress.step(f"fixed cost {kind.tier}")
+            progress.step(f"fixed cost {kind.tier.label}")
             fixed = tiny.restore(kind.tier)
             if i:  # the first round warms up
                 rounds.restores.append(restore)

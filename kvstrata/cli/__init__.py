@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from kvstrata.extras import missing_extra
 from kvstrata.pool.config import ENV as POOL_ENV
 from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
 
@@ -138,11 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (CliError, ValueError, FileNotFoundError) as exc:
         # Configuration and input errors carry a message naming what was wrong: one line, unwrapped.
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional package this command needs: the extra to install
+        line = missing_extra(exc, f"kvstrata {args.command}")
+        if line is None:
+            raise
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         return 2
     except PoolError as exc:  # the embedded pool did not start: what its log said, and where it is
         kept = f" (its log: {exc.log})" if exc.log is not None and exc.log.exists() else ""
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}{kept}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(f'{exc}{kept}')}", highlight=False, soft_wrap=True)
         return 1
 
 

@@ -23,6 +23,7 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
     from kvstrata.bench.serve_config import CPU_HALF, Instance, cpu_halves
     from kvstrata.bench.serve_plan import ServeWorkload
     from kvstrata.bench.serve_steps import measure_vllm_steps
+    from kvstrata.media import Medium
     from kvstrata.plan.host import DISK_WRITE, MEMCPY_ONE, POOL_PUT
 
     halves = cpu_halves(sorted(os.sched_getaffinity(0)))  # bench serve's servers run on half the CPUs each
@@ -36,9 +37,9 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
     for model_dir in model_dirs:
         block_bytes = model_facts(Path(model_dir), dtype).bytes_per_token * block_tokens
         written = [MEMCPY_ONE, DISK_WRITE] + ([POOL_PUT] if pool_file is not None else [])  # the server's tiers
-        restore = lambda blocks: calibration.restore_s("host", blocks * block_bytes, blocks)  # noqa: E731
+        restore = lambda blocks: calibration.restore_s(Medium.HOST, blocks * block_bytes, blocks)  # noqa: E731
         store = lambda blocks: max(calibration.path(p).seconds(blocks * block_bytes) for p in written)  # noqa: E731
-        remote = (lambda blocks: calibration.restore_s("remote", blocks * block_bytes, blocks)) if pool_file else None  # noqa: E731
+        remote = (lambda blocks: calibration.restore_s(Medium.REMOTE, blocks * block_bytes, blocks)) if pool_file else None  # noqa: E731
         with tempfile.TemporaryDirectory(prefix="kvstrata-steps-") as logs:
             steps = measure_vllm_steps(model_dir, Path(logs), restore, store, dtype=dtype, block_size=block_tokens,
                                        cpus=cpus, pool_file=pool_file, remote_restore_s=remote)

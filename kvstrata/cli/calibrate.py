@@ -150,12 +150,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "host": run.calibration.host, "device": run.calibration.device, "threads": run.calibration.threads,
-            "seconds": run.seconds, "pool": pool_source, "skipped": run.skipped,
-            "measurements": [{"path": m.path, "bytes": m.size_bytes, "median_s": m.median_s, "spread": m.spread,
+            "seconds": run.seconds, "pool": pool_source, "skipped": {k.value: why for k, why in run.skipped.items()},
+            "measurements": [{"path": m.path.value, "bytes": m.size_bytes, "median_s": m.median_s, "spread": m.spread,
                               "gbps": m.gbps, "runs_s": list(m.runs_s)} for m in run.measurements],
             # a fixed cost's bandwidth is infinite: null (JSON has no infinity)
-            "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None, "spread": p.spread}
-                     for k, p in run.calibration.paths.items()},
+            "fits": {k.value: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None, "spread": p.spread}
+                     for k, p in run.calibration.paths.items()},  # keyed by the profile's stable keys
             "efficiency": run.calibration.efficiency, "out": args.out,
             **_model_fits(run.calibration),
         }, indent=2))
@@ -165,13 +165,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for col in ("path", "size", "median", "GB/s", "spread"):
         table.add_column(col, justify="left" if col == "path" else "right")
     for m in run.measurements:
-        table.add_row(m.path, f"{m.size_bytes / MIB:g} MiB", _ms(m.median_s), f"{m.gbps:.2f}", f"±{m.spread:.0%}")
+        table.add_row(m.path.label, f"{m.size_bytes / MIB:g} MiB", _ms(m.median_s), f"{m.gbps:.2f}", f"±{m.spread:.0%}")
     console.print(table)
     fits = Table(title="fits: seconds = latency + bytes / bandwidth")
     for col in ("path", "latency", "GB/s", "worst spread"):
         fits.add_column(col, justify="left" if col == "path" else "right")
     for name, p in run.calibration.paths.items():
-        fits.add_row(name, f"{p.latency_s * 1e6:.0f} us", f"{p.gbps:.2f}", f"±{p.spread:.0%}")
+        fits.add_row(name.label, f"{p.latency_s * 1e6:.0f} us", f"{p.gbps:.2f}", f"±{p.spread:.0%}")
     console.print(fits)
     for name, why in run.skipped.items():
         console.print(f"skipped {name}: {why}", highlight=False)
@@ -266,7 +266,7 @@ def run_validate(args: argparse.Namespace) -> int:
         print(json.dumps({"profile": args.profile, "pool": pool_source, "goal": GOAL, "goal_min_bytes": GOAL_MIN_BYTES,
                           "workers": config.workers, "repeats": config.repeats, "seconds": seconds,
                           "within_goal": run.within_goal,
-                          "fits": {k: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None,
+                          "fits": {k.value: {"latency_s": p.latency_s, "gbps": p.gbps if math.isfinite(p.gbps) else None,
                                        "spread": p.spread} for k, p in run.calibration.paths.items()},
                           "paths": [r.to_json() for r in rows]}, indent=2))
         return 0
@@ -290,7 +290,7 @@ def run_validate(args: argparse.Namespace) -> int:
     for col in ("path", "latency", "GB/s", "worst spread"):
         fits.add_column(col, justify="left" if col == "path" else "right")
     for name, p in run.calibration.paths.items():
-        fits.add_row(name, f"{p.latency_s * 1e6:.0f} us", f"{p.gbps:.2f}" if math.isfinite(p.gbps) else "-",
+        fits.add_row(name.label, f"{p.latency_s * 1e6:.0f} us", f"{p.gbps:.2f}" if math.isfinite(p.gbps) else "-",
                      f"±{p.spread:.0%}")
     console.print(fits)
     graded = run.graded

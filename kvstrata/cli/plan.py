@@ -186,6 +186,14 @@ def _s(seconds: float | None) -> str:
     return f"{seconds * 1e3:,.2f} ms" if seconds < 1 else f"{seconds:,.2f} s"
 
 
+def _ms(seconds: float | None) -> str:
+    """Milliseconds to four figures or so, at most six characters below 100 s (table cells)."""
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    return f"{ms:,.2f}" if ms < 100 else f"{ms:,.1f}" if ms < 1000 else f"{ms:,.0f}"
+
+
 def _n(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
@@ -219,40 +227,47 @@ def render(console: Console, plan: Plan) -> None:
         )
     else:
         console.print(f"[dim]{sizing_text(plan.sizing)}[/]", highlight=False)
-    t = Table(title="KV restore of the cached prefix, per path (decimal GB/s of all the GPUs' shards; one direction)")
-    for col in ("path", "time", "GB/s", "bottleneck", "stages"):
-        t.add_column(col, justify="right" if col in ("time", "GB/s") else "left")
+    t = Table(title="KV restore per path, one way (decimal GB/s of all the GPUs' shards)")
+    # Within 80 columns: times in ms in the headers, every cell on one line but the bottleneck's
+    # (it wraps between words: a link's name, then its ends).
+    for col in ("path", "time\nms", "GB/s", "bottleneck", "stages\nms @ GB/s"):
+        t.add_column(col, justify="right" if col in ("time\nms", "GB/s") else "left", no_wrap=col != "bottleneck")
     for r in plan.restore:
         if not r.available:
             t.add_row(r.path.short, "-", "-", f"[dim]n/a: {r.unavailable}[/]", "")
             continue
-        stages = "; ".join(f"{_s(s.seconds)} @ {s.gbps:,.1f}" for s in r.stages) if len(r.stages) > 1 else ""
+        stages = "\n".join(f"{_ms(s.seconds)} @ {s.gbps:,.1f}" for s in r.stages) if len(r.stages) > 1 else ""
         mark = "*" if side_by_side(r) else ""
-        t.add_row(r.path.short, _s(r.seconds), f"{r.gbps:,.1f}{mark}", r.bottleneck, stages)
+        t.add_row(r.path.short, _ms(r.seconds), f"{r.gbps:,.1f}{mark}", r.bottleneck, stages)
     console.print(t)
     for r in plan.restore:
         if note := side_by_side(r):
             console.print(f"[dim]* {note}[/]", highlight=False)
     if g.hybrid:
         render_groups(console, plan)
-    a = Table(title="The seven architectures: capacity, first wait, per-decode-step cost (one request)")
-    for col in ("architecture", "capacity tokens", "requests", "first wait", "step: external", "step time", "bound by"):
-        a.add_column(col, justify="left" if col in ("architecture", "bound by") else "right")
+    render_architectures(console, plan)
+
+
+def render_architectures(console: Console | HtmlPage, plan: Plan) -> None:
+    """The seven architectures, one short line each within 80 columns: times in ms in the
+    headers, why one is not available under the table (a cell would cut it)."""
+    a = Table(title="The seven architectures: capacity, first wait, decode step (one request)")
+    for col in ("architecture", "capacity\ntokens", "requests", "first\nwait ms", "step\nms", "ext.\nGB/GPU",
+                "bound\nby"):
+        a.add_column(col, justify="left" if col in ("architecture", "bound\nby") else "right", no_wrap=True)
     for e in plan.architectures:
         if e.unavailable and e.capacity_tokens is None:
-            a.add_row(e.arch.value, "-", "-", "-", "-", "-", f"[dim]n/a: {e.unavailable}[/]")
+            a.add_row(e.arch.value, "-", "-", "-", "-", "-", "[dim]n/a[/]")
             continue
-        ext = f"{e.per_step_external_bytes / 1e9:,.2f} GB/GPU" if e.per_step_external_bytes else "0"
-        a.add_row(
-            e.arch.value,
-            _n(e.capacity_tokens),
-            _n(e.concurrent_requests),
-            _s(e.first_wait_s),
-            ext,
-            _s(e.per_step_s),
-            e.bound_by + (f" [dim]({e.unavailable})[/]" if e.unavailable else ""),
-        )
+        ext = f"{e.per_step_external_bytes / 1e9:,.2f}" if e.per_step_external_bytes else "0"
+        bound = e.bound_by.removesuffix(" (external)")  # the step's external bytes over PCIe
+        a.add_row(e.arch.value, _n(e.capacity_tokens), _n(e.concurrent_requests), _ms(e.first_wait_s), _ms(e.per_step_s),
+                  ext, bound + ("*" if e.unavailable else ""))
     console.print(a)
+    for e in plan.architectures:
+        if e.unavailable:
+            mark = "n/a" if e.capacity_tokens is None else "*"
+            console.print(f"[dim]{mark} {e.arch.value}: {e.unavailable}[/]", highlight=False)
     console.print(
         "[dim]" + "; ".join(f"{e.arch.value}: {e.arch.title}" for e in plan.architectures) + "[/]", highlight=False
     )
@@ -287,7 +302,7 @@ def render_groups(console: Console | HtmlPage, plan: Plan) -> None:
     before the prefix end of windowed ones, one snapshot of a recurrent state."""
     t = Table(title="The restore by KV group (all the GPUs' shards)")
     for col in ("group", "layers", "tokens moved", "bytes", "share"):
-        t.add_column(col, justify="left" if col == "group" else "right")
+        t.add_column(col, justify="left" if col == "group" else "right", no_wrap=True)
     total = plan.restore_groups.size_bytes
     for share in plan.restore_groups.shares:
         group = share.group

@@ -10,16 +10,20 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstrata import cli
 from kvstrata.media import Medium, route_text
 from kvstrata.pool.config import PoolConfig
-from kvstrata.workload import TIERS, Workload, WorkloadReport, run_e2e
-from kvstrata.workload.report import TierReport
-from kvstrata.workload.runner import ALONE_REPEATS, Beside
+from kvstrata.workload.report import TierReport, WorkloadReport
+from kvstrata.workload.spec import ALONE_REPEATS, TIERS, Workload
+
+if TYPE_CHECKING:  # the runner loads the cache and torch: imported where a workload runs
+    from kvstrata.workload.runner import Beside
 
 POOL_SEGMENT_BYTES = 512 << 20  # an embedded pool's, for the workload's few MiB of KV
 
@@ -93,6 +97,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
 def run_workload(args: argparse.Namespace, beside: Beside | None = None) -> WorkloadReport:
     """The workload of ``args`` through its tiers, under a progress bar on stderr (``beside``:
     another system's turns, interleaved with ours; see :func:`kvstrata.workload.runner.run_tier`)."""
+    from kvstrata.workload.runner import run_e2e
+
     tiers = parse_tiers(args.tiers)
     workload = workload_of(args)
     model_dir = model_dir_of(args)
@@ -115,33 +121,47 @@ def ms(x: float | None) -> str:
 
 
 def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
-    t = Table(title=title, title_justify="left")
-    columns = ["tier", "hit rate", "restored MB", "restore ms: in prefill / alone", "predicted ms", "error (alone)"]
-    for col in columns + ["GB/s", "TTFT cold / warm ms", "same tokens", "route"]:
-        t.add_column(col)
+    """Two tables, each within 80 columns: the restores beside their prediction, then what a
+    user sees (TTFT, the tokens, the routes the blocks took). Cells never wrap; long text
+    (why a tier was skipped) goes under the tables."""
+    console.print(title, highlight=False)  # above, not as the table's title: that wraps to the table's width
+    restores = Table()
+    for header in ("tier", "hit\nrate", "restored\nMB", "restore\nms", "alone\nms",
+                   "predicted\nms", "error\n(alone)", "GB/s"):
+        restores.add_column(header, justify="left" if header == "tier" else "right", no_wrap=True)
+    answers = Table(title="What a request saw, per tier: TTFT medians over turns", title_justify="left")
+    for header in ("tier", "TTFT cold\nms", "TTFT warm\nms", "same\ntokens", "route (blocks)"):
+        answers.add_column(header, justify="right" if header.startswith("TTFT") else "left", no_wrap=True)
     for tier, r in report.tiers.items():
-        if r.skipped:  # why, under the table: a cell would cut it
-            t.add_row(tier.label, "[yellow]skipped (see below)[/]", *[""] * (len(columns) + 2))
+        if r.skipped:  # why, under the tables: a cell would cut it
+            restores.add_row(tier.label, "-", "[yellow]skipped[/]", "[yellow](see below)[/]", *["-"] * 4)
+            answers.add_row(tier.label, "-", "-", "-", "[yellow]skipped[/]")
             continue
         measured = r.restore_alone_s if r.restored_bytes else 0.0
         error = prediction_error(r)
-
-        t.add_row(
+        restores.add_row(
             tier.label,
             f"{r.hit_rate:.0%}",
             f"{r.restored_bytes / 1e6:.1f}",
-            f"{ms(r.restore_s)} / {ms(measured)}",
+            ms(r.restore_s),
+            ms(measured),
             ms(r.predicted_restore_s),
             "-" if error is None else f"{error:+.0%}",
             f"{r.restore_gbps:.2f}" if r.restored_bytes else "-",
-            f"{ms(r.ttft_cold_s)} / {ms(r.ttft_warm_s)}",
-            "[green]yes[/]" if r.tokens_identical else "[red]NO[/]",
-            ", ".join(f"{route_text(k)} x{v}" for k, v in r.paths.items()) or "-",
         )
-    console.print(t)
+        answers.add_row(
+            tier.label,
+            ms(r.ttft_cold_s),
+            ms(r.ttft_warm_s),
+            "[green]yes[/]" if r.tokens_identical else "[red]NO[/]",
+            "\n".join(f"{route_text(k)} x{v}" for k, v in r.paths.items()) or "-",
+        )
+    console.print(restores)
+    console.print(f"[dim]{RESTORE_LEGEND}[/]", highlight=False)
+    console.print(answers)
     for tier, r in report.tiers.items():
         if r.skipped:
-            console.print(f"[yellow]{tier.label} skipped:[/] {r.skipped}", highlight=False)
+            console.print(f"[yellow]{tier.label} skipped:[/] {escape(r.skipped)}", highlight=False)
     note = error_note(report)
     if note:
         console.print(note, highlight=False)
@@ -154,6 +174,8 @@ def render_tiers(console: Console, report: WorkloadReport, title: str) -> None:
             )
 
 
+RESTORE_LEGEND = ("restore ms: the warm runs' loads, while the model computed beside them; alone ms: the "
+                  f"same restores with nothing else running (median of {ALONE_REPEATS}), what the prediction describes")
 OFF_BY = 0.5  # a prediction further off than this is explained under the table
 SMALL_LOAD_MB = 8.0  # below it a load's fixed costs outweigh its bytes (0.5 MB: ~0.1 ms of copying, ~0.4 ms in all)
 
@@ -166,6 +188,7 @@ def prediction_error(r: TierReport) -> float | None:
 
 def error_note(report: WorkloadReport) -> str | None:
     """Why a prediction is far off, said once (None: every one within OFF_BY)."""
+
     off = [r for r in report.tiers.values() if not r.skipped and abs(prediction_error(r) or 0.0) > OFF_BY]
     if not off:
         return None

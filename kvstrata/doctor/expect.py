@@ -101,12 +101,12 @@ class Expectations:
             cold = medium is Medium.DISK and DISK_BLOCKS_COLD in self.calibration.paths
             per_restore_bytes = int(nbytes / restores)
             try:
-                one = self.calibration.restore_s(medium.label, per_restore_bytes, max(1, round(blocks / restores)),
+                one = self.calibration.restore_s(medium, per_restore_bytes, max(1, round(blocks / restores)),
                                                  self.workers, cold=cold)
             except KeyError:  # a path this host did not calibrate: fall back to the spec
                 one = None
             if one is not None:
-                fixed = self.calibration.paths.get(RESTORE_FIXED[medium.label])
+                fixed = self.calibration.paths.get(RESTORE_FIXED[medium])
                 fixed_s = min(one, fixed.latency_s) if fixed is not None else 0.0
                 return Prediction(one * restores, "calibrated", fixed_s * restores)
         estimate = self.spec(medium, int(nbytes / restores))

@@ -19,8 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvstrata.doctor.observation import (
     ConnectorCounters,
     Histogram,
@@ -30,6 +28,7 @@ from kvstrata.doctor.observation import (
     TierCounters,
     VllmCounters,
 )
+from kvstrata.extras import require
 from kvstrata.media import Medium
 
 CONNECTOR = "kvstrata_connector_"
@@ -58,9 +57,10 @@ class Samples:
             SourceError: a text that is not in the format.
         """
         out = cls()
+        parser = require("prometheus_client.parser", "reading Prometheus metrics text")
         for text in texts:
             try:
-                families = list(text_string_to_metric_families(text))
+                families = list(parser.text_string_to_metric_families(text))
             except ValueError as exc:
                 raise SourceError(f"{source}: not Prometheus metrics text ({exc})") from None
             for family in families:

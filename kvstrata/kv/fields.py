@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 
 class GeometryError(ValueError):
     """A model config or geometry that cannot be sized; the message names the offending field."""
 
 
-def check_int(label: str, value: Any, *, minimum: int = 1) -> int:
+def check_int(label: str, value: object, *, minimum: int = 1) -> int:
     """Return ``value`` if it is an integer >= ``minimum`` (bools are not integers here).
 
     Args:
@@ -27,7 +26,7 @@ def check_int(label: str, value: Any, *, minimum: int = 1) -> int:
     return value
 
 
-def get_int(section: Mapping[str, Any], key: str, *, minimum: int = 1) -> int | None:
+def get_int(section: Mapping[str, object], key: str, *, minimum: int = 1) -> int | None:
     """Read an optional integer field: None when absent or null, else checked.
 
     Raises:
@@ -37,7 +36,7 @@ def get_int(section: Mapping[str, Any], key: str, *, minimum: int = 1) -> int | 
     return None if value is None else check_int(f"config field {key!r}", value, minimum=minimum)
 
 
-def require_int(section: Mapping[str, Any], *keys: str) -> int:
+def require_int(section: Mapping[str, object], *keys: str) -> int:
     """Read a required positive integer field, trying ``keys`` (canonical name first) in order.
 
     Raises:

@@ -25,15 +25,17 @@ DeepSeek config classes (family defaults, :mod:`kvstrata.kv.families`, supply th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstrata.kv import families
+from kvstrata.kv.layerkinds import LayerKind
+from kvstrata.kv.states import Section, StateKind, mamba2_dims
 from kvstrata.kv.fields import GeometryError, get_int
 
 if TYPE_CHECKING:  # geometry imports this module; the shape is only read here
-    from kvstrata.kv.geometry import KVShape
+    from kvstrata.kv.readconfig import KVShape
 
 # A gated-SiLU MLP holds three hidden x intermediate matrices: gate, up and down.
 _MLP_MATRICES = 3
@@ -71,7 +73,7 @@ class _FFN:
 class _Reader:
     """Reads weight fields, noting the missing ones instead of failing."""
 
-    def __init__(self, section: Mapping[str, Any]) -> None:
+    def __init__(self, section: Section) -> None:
         self.section = section
         self.missing: list[str] = []
 
@@ -88,7 +90,7 @@ class _Reader:
 
 
 def count_params(
-    section: Mapping[str, Any], shape: KVShape, layer_kinds: Sequence[str] | None = None
+    section: Section, shape: KVShape, layer_kinds: Sequence[LayerKind] | None = None
 ) -> ParamCount:
     """Count a decoder's parameters from its config and its already-read KV shape.
 
@@ -104,7 +106,7 @@ def count_params(
     """
     read = _Reader(section)
     layers, hidden = shape.num_layers, shape.hidden_size
-    kinds = tuple(layer_kinds) if layer_kinds is not None else (families.FULL,) * layers
+    kinds = tuple(layer_kinds) if layer_kinds is not None else (LayerKind.FULL,) * layers
     vocab = read.int("vocab_size")
     embeddings = vocab * hidden * (1 if section.get("tie_word_embeddings") else 2)
     attention = _attention_params(section, shape)
@@ -122,7 +124,7 @@ def count_params(
 # --- sequence mixers -------------------------------------------------------------------------------
 
 
-def _attention_params(section: Mapping[str, Any], shape: KVShape) -> int:
+def _attention_params(section: Section, shape: KVShape) -> int:
     hidden, heads = shape.hidden_size, shape.num_attention_heads
     if shape.kv_lora_rank is not None:
         return _mla_attention_params(section, hidden, heads, shape.kv_lora_rank, shape.qk_rope_head_dim)
@@ -134,7 +136,7 @@ def _attention_params(section: Mapping[str, Any], shape: KVShape) -> int:
 
 
 def _mla_attention_params(
-    section: Mapping[str, Any], hidden: int, heads: int, kv_lora_rank: int, rope_dim: int
+    section: Section, hidden: int, heads: int, kv_lora_rank: int, rope_dim: int
 ) -> int:
     """One MLA layer's projections, as in DeepSeek-V2/V3's modeling code."""
     from kvstrata.kv.fields import require_int
@@ -154,34 +156,34 @@ def _mla_attention_params(
     return q + kv_a + kv_b + o
 
 
-def _mixer_params(read: _Reader, section: Mapping[str, Any], shape: KVShape, kind: str, attention: int) -> int:
+def _mixer_params(read: _Reader, section: Section, shape: KVShape, kind: LayerKind, attention: int) -> int:
     """One layer's sequence mixer of ``kind``."""
-    if kind in (families.MLP, families.MOE):
+    if kind.mixerless:
         return 0
-    if kind in (families.FULL, families.SLIDING, families.CHUNKED):
+    if kind.per_token:
         return attention
     state = _state_params(section, shape.hidden_size)
-    return attention + state if kind in (families.HYBRID, families.HYBRID_SLIDING) else state
+    return attention + state if kind.attends else state
 
 
-def _state_params(section: Mapping[str, Any], hidden: int) -> int:
+def _state_params(section: Section, hidden: int) -> int:
     kind = families.state_kind(section)
-    if kind == "mamba1":
+    if kind is StateKind.MAMBA1:
         return _mamba1_params(section, hidden)
-    if kind == "mamba2":
+    if kind is StateKind.MAMBA2:
         return _mamba2_params(section, hidden)
-    if kind == "gdn":
+    if kind is StateKind.GDN:
         return _gdn_params(section, hidden)
-    if kind == "conv":
+    if kind is StateKind.CONV:
         return _conv_params(section, hidden)
     raise GeometryError(f"config field 'model_type' ({section.get('model_type')!r}): its state layers are not modelled")
 
 
-def _bias(section: Mapping[str, Any], key: str, size: int) -> int:
+def _bias(section: Section, key: str, size: int) -> int:
     return size if section.get(key) else 0
 
 
-def _mamba1_params(section: Mapping[str, Any], hidden: int) -> int:
+def _mamba1_params(section: Section, hidden: int) -> int:
     """JambaMambaMixer (transformers/models/jamba/modeling_jamba.py)."""
     inner = section["mamba_expand"] * hidden
     state, kernel = section["mamba_d_state"], section["mamba_d_conv"]
@@ -197,10 +199,10 @@ def _mamba1_params(section: Mapping[str, Any], hidden: int) -> int:
     return in_proj + conv + x_proj + dt_proj + a_log_d + out_proj + norms
 
 
-def _mamba2_params(section: Mapping[str, Any], hidden: int) -> int:
+def _mamba2_params(section: Section, hidden: int) -> int:
     """BambaMixer and its kin (transformers/models/bamba/modeling_bamba.py): in_proj to
     intermediate + conv_dim + heads, depthwise conv, dt_bias / A_log / D per head, gated norm, out_proj."""
-    dims = families.mamba2_dims(section)
+    dims = mamba2_dims(section)
     proj_bias = "mamba_proj_bias"
     conv_bias = "use_conv_bias" if section.get("model_type") == "nemotron_h" else "mamba_conv_bias"
     projection = dims.intermediate + dims.conv_dim + dims.heads
@@ -212,7 +214,7 @@ def _mamba2_params(section: Mapping[str, Any], hidden: int) -> int:
     return in_proj + conv + 3 * dims.heads + norm + out_proj
 
 
-def _gdn_params(section: Mapping[str, Any], hidden: int) -> int:
+def _gdn_params(section: Section, hidden: int) -> int:
     """Qwen3NextGatedDeltaNet (transformers/models/qwen3_next/modeling_qwen3_next.py)."""
     key_dim = section["linear_num_key_heads"] * section["linear_key_head_dim"]
     value_heads = section["linear_num_value_heads"]
@@ -223,7 +225,7 @@ def _gdn_params(section: Mapping[str, Any], hidden: int) -> int:
     return in_proj + conv + 2 * value_heads + section["linear_value_head_dim"] + value_dim * hidden
 
 
-def _conv_params(section: Mapping[str, Any], hidden: int) -> int:
+def _conv_params(section: Section, hidden: int) -> int:
     """Lfm2ShortConv (transformers/models/lfm2/modeling_lfm2.py): in_proj to 3 x hidden, a
     depthwise conv of conv_L_cache taps, out_proj."""
     bias = section.get("conv_bias")
@@ -250,7 +252,7 @@ def _moe(hidden: int, experts: int, per_token: int, expert_params: int, shared: 
     return _FFN(router + experts * expert_params + shared, router + per_token * expert_params + shared)
 
 
-def _ffn_layout(read: _Reader, section: Mapping[str, Any], kinds: Sequence[str], hidden: int):
+def _ffn_layout(read: _Reader, section: Section, kinds: Sequence[LayerKind], hidden: int):
     """A function of (layer index, layer kind) giving that layer's feed-forward block."""
     model_type = section.get("model_type")
     layers = len(kinds)
@@ -277,10 +279,10 @@ def _ffn_layout(read: _Reader, section: Mapping[str, Any], kinds: Sequence[str],
                      _MLP_MATRICES * hidden * read.int("intermediate_size"))
         return lambda index, kind: block
     dense = _dense(hidden, read.int("intermediate_size"))
-    return lambda index, kind: none if kind in (families.MLP, families.MOE) else dense
+    return lambda index, kind: none if kind.mixerless else dense
 
 
-def _qwen_moe_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
+def _qwen_moe_ffn(read: _Reader, section: Section, hidden: int):
     """Qwen2-MoE / Qwen3-MoE / Qwen3-Next / Qwen3.5-MoE: layers route unless in mlp_only_layers or
     off the decoder_sparse_step; experts of moe_intermediate_size, a shared expert (and its
     one-output gate) where shared_expert_intermediate_size is set."""
@@ -292,7 +294,7 @@ def _qwen_moe_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
     moe = _moe(hidden, experts, per_token, _MLP_MATRICES * hidden * read.int("moe_intermediate_size"), shared)
     dense: list[_FFN] = []
 
-    def block(index: int, kind: str) -> _FFN:
+    def block(index: int, kind: LayerKind) -> _FFN:
         if index not in dense_only and (index + 1) % step == 0:
             return moe
         if not dense:
@@ -302,7 +304,7 @@ def _qwen_moe_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
     return block
 
 
-def _deepseek_ffn(read: _Reader, section: Mapping[str, Any], hidden: int, layers: int):
+def _deepseek_ffn(read: _Reader, section: Section, hidden: int, layers: int):
     # DeepSeek: the first first_k_dense_replace layers are dense, then every moe_layer_freq-th
     # layer routes; shared experts run for every token.
     first_dense = read.optional("first_k_dense_replace", minimum=0) or 0
@@ -312,7 +314,7 @@ def _deepseek_ffn(read: _Reader, section: Mapping[str, Any], hidden: int, layers
     moe = _moe(hidden, read.int("n_routed_experts"), read.int("num_experts_per_tok"), expert, shared * expert)
     dense: list[_FFN] = []
 
-    def block(index: int, kind: str) -> _FFN:
+    def block(index: int, kind: LayerKind) -> _FFN:
         if index >= first_dense and index % every == 0:
             return moe
         if not dense:
@@ -322,7 +324,7 @@ def _deepseek_ffn(read: _Reader, section: Mapping[str, Any], hidden: int, layers
     return block
 
 
-def _jamba_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
+def _jamba_ffn(read: _Reader, section: Section, hidden: int):
     # JambaConfig.layers_num_experts: experts where i % expert_layer_period == expert_layer_offset.
     period, offset = read.int("expert_layer_period"), read.int("expert_layer_offset", minimum=0)
     width = read.int("intermediate_size")
@@ -331,7 +333,7 @@ def _jamba_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
     return lambda index, kind: moe if period and index % period == offset else dense
 
 
-def _llama4_ffn(read: _Reader, section: Mapping[str, Any], hidden: int, layers: int):
+def _llama4_ffn(read: _Reader, section: Section, hidden: int, layers: int):
     # Llama4TextConfig.moe_layers (else every interleave_moe_layer_step-th layer): experts and a
     # shared expert of intermediate_size; the other layers a dense MLP of intermediate_size_mlp.
     moe_layers = section.get("moe_layers")
@@ -344,7 +346,7 @@ def _llama4_ffn(read: _Reader, section: Mapping[str, Any], hidden: int, layers: 
     moe = _moe(hidden, read.int("num_local_experts"), read.int("num_experts_per_tok"), expert, expert)
     dense: list[_FFN] = []
 
-    def block(index: int, kind: str) -> _FFN:
+    def block(index: int, kind: LayerKind) -> _FFN:
         if index in moe_layers:
             return moe
         if not dense:
@@ -354,7 +356,7 @@ def _llama4_ffn(read: _Reader, section: Mapping[str, Any], hidden: int, layers: 
     return block
 
 
-def _granite_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
+def _granite_ffn(read: _Reader, section: Section, hidden: int):
     # GraniteMoeHybridDecoderLayer: every layer a gated shared MLP of shared_intermediate_size, plus
     # (with num_local_experts > 0) routed experts of intermediate_size.
     shared = _MLP_MATRICES * hidden * read.int("shared_intermediate_size")
@@ -367,18 +369,18 @@ def _granite_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
     return lambda index, kind: block
 
 
-def _nemotron_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
+def _nemotron_ffn(read: _Reader, section: Section, hidden: int):
     # NemotronH (transformers/models/nemotron_h/modeling_nemotron_h.py): "mlp" layers a two-matrix
     # ReLU² MLP of intermediate_size; "moe" layers routed experts (up and down over the latent or
     # hidden width), a router, one shared two-matrix MLP of
     # moe_shared_expert_intermediate_size and, with moe_latent_size, the latent projections.
-    cache: dict[str, _FFN] = {}
+    cache: dict[LayerKind, _FFN] = {}
 
-    def block(index: int, kind: str) -> _FFN:
-        if kind not in (families.MLP, families.MOE):
+    def block(index: int, kind: LayerKind) -> _FFN:
+        if not kind.mixerless:
             return _FFN(0, 0)
         if kind not in cache:
-            if kind == families.MLP:
+            if kind is LayerKind.MLP:
                 cache[kind] = _dense(hidden, read.int("intermediate_size"), matrices=2)
             else:
                 latent = read.optional("moe_latent_size")
@@ -393,7 +395,7 @@ def _nemotron_ffn(read: _Reader, section: Mapping[str, Any], hidden: int):
     return block
 
 
-def _lfm2_intermediate(read: _Reader, section: Mapping[str, Any]) -> int:
+def _lfm2_intermediate(read: _Reader, section: Section) -> int:
     """Lfm2MLP's width: with block_auto_adjust_ff_dim, 2/3 of intermediate_size, scaled by
     block_ffn_dim_multiplier and rounded up to block_multiple_of."""
     width = read.int("intermediate_size")

@@ -2,7 +2,7 @@
 
 A preset is a verbatim copy of a public Hugging Face ``config.json``, shipped as
 ``kvstrata/kv/presets/<name>.json``, so a preset and a downloaded config go through the same
-:func:`~kvstrata.kv.geometry.geometry_from_config`.
+:func:`~kvstrata.kv.readconfig.geometry_from_config`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvstrata.kv.geometry import DType, GeometryError, KVGeometry, geometry_from_config
+from kvstrata.kv.geometry import DType, GeometryError, KVGeometry
+from kvstrata.kv.readconfig import geometry_from_config
 
 _PRESET_SUFFIX = ".json"
 

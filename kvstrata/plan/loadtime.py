@@ -41,7 +41,7 @@ def calibrated_load_time(
 
     def load_s(blocks: int) -> float:
         return sum(
-            calibration.restore_s(medium.label, n * block_bytes, n, workers, cold=cold)
+            calibration.restore_s(medium, n * block_bytes, n, workers, cold=cold)
             for medium, n in _to_restore(media, blocks).items()
         )
 
@@ -73,7 +73,7 @@ def calibrated_contention(
     def cpu_s(blocks: int) -> float:
         try:
             return sum(
-                calibration.restore_s(medium.label, n * block_bytes, n, workers=1, cold=False)
+                calibration.restore_s(medium, n * block_bytes, n, workers=1, cold=False)
                 for medium, n in _to_restore(media, blocks).items()
             )
         except KeyError:  # a path not calibrated: the whole load counts
@@ -87,7 +87,7 @@ def promotion_s(calibration: HostCalibration, media: tuple[Medium, ...], block_b
     (a prefetch for a queued request), per source tier by :meth:`HostCalibration.restore_s`."""
     counts = Counter(media)
     return sum(
-        calibration.restore_s(medium.label, counts[medium] * block_bytes, counts[medium], workers)
+        calibration.restore_s(medium, counts[medium] * block_bytes, counts[medium], workers)
         for medium in (Medium.DISK, Medium.REMOTE)
         if counts[medium]
     )

@@ -19,6 +19,17 @@ blocks each on average, reuse is taken as at most ``(h + 3 b) / (m b)``, and sto
 to pay only when even that bound is worth less than they cost. With no hits at all that takes
 ``3 * saving / cost`` matured requests.
 
+Reuse is also bounded early. A block kvstrata serves repeats an earlier prompt's, so the share of
+prompt blocks that repeat one (:class:`~kvstrata.index.seen.SeenBlocks`: the engine's own hits
+count too) bounds the reuse a store can have, and it needs no store to come back: it is counted
+at each request's admission (``observed``), from when the engine could have dropped a block
+(``MATURE_HORIZONS`` horizons of computed blocks since the start). As this evidence flows whether
+or not anything is stored, a skip it causes by mistake is undone by the next repeats, and it is
+taken as an estimate rather than a 95% bound: the repeats seen plus ``REPEAT_PRIOR_REQUESTS``
+request of them, by Laplace's rule of succession. A workload whose prompts share nothing stops
+storing after about ``saving / cost`` requests instead of ``3 * saving / cost`` matured ones.
+The reuse weighed is the lower of the two.
+
 While stores do not pay, one request in ``sample_every`` is still stored: a return of reuse
 shows in its hits. The evidence decays by half every ``HALF_LIFE_REQUESTS`` matured requests, so
 the judgement follows a change of workload without being worn away while it samples.
@@ -40,6 +51,7 @@ CONFIDENCE_REQUESTS = 3.0  # the rule of three: no hit in 3/p requests bounds re
 HALF_LIFE_REQUESTS = 64.0  # matured requests over which the evidence halves
 _KEEP = 0.5 ** (1.0 / HALF_LIFE_REQUESTS)  # what one more matured request leaves of the evidence
 SAMPLE_EVERY = 16  # while stores do not pay, one request in this many is still stored
+REPEAT_PRIOR_REQUESTS = 1.0  # the repeat estimate's prior: one request whose blocks all repeat (Laplace)
 COST_DECAY = 0.9  # each new cost measurement multiplies the older ones' weight by this
 
 
@@ -66,6 +78,9 @@ class SaveOrSkip:
     _cost_blocks: float = 0.0
     _cost_s: float = 0.0
     _since_sample: int = 0
+    _seen_requests: float = 0.0
+    _seen_blocks: float = 0.0
+    _repeated_blocks: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0 or self.horizon_blocks < 0 or self.sample_every < 1:
@@ -95,6 +110,15 @@ class SaveOrSkip:
         if blocks > 0:
             self._hit_blocks += blocks
 
+    def observed(self, blocks: int, repeated: int) -> None:
+        """A request was admitted with ``blocks`` full prompt blocks, the first ``repeated`` of
+        which an earlier prompt had (the engine's own hit and kvstrata's included)."""
+        if blocks <= 0 or self._computed < MATURE_HORIZONS * self.horizon_blocks:
+            return  # a block the engine still holds is never asked of kvstrata: too early to tell
+        self._seen_requests = self._seen_requests * _KEEP + 1
+        self._seen_blocks = self._seen_blocks * _KEEP + blocks
+        self._repeated_blocks = self._repeated_blocks * _KEEP + min(repeated, blocks)
+
     def stored_cost(self, blocks: int, cpu_s: float) -> None:
         """The workers sent ``blocks`` blocks to store, and stores took ``cpu_s`` CPU seconds,
         since the last report (a store's CPU may come a report after its blocks)."""
@@ -110,11 +134,24 @@ class SaveOrSkip:
         return self._cost_s / self._cost_blocks if self._cost_blocks > 0 and self._cost_s > 0 else None
 
     def reuse_bound(self) -> float | None:
-        """The most blocks granted per block stored the evidence allows (None: no store matured yet)."""
+        """The most blocks granted per block stored the evidence allows: the lower of the hits of
+        matured stores' bound and the repeats' estimate (None: neither is there yet)."""
+        bounds = [b for b in (self._hits_bound(), self.repeat_share()) if b is not None]
+        return min(bounds) if bounds else None
+
+    def _hits_bound(self) -> float | None:
         if self._matured_requests <= 0 or self._matured_blocks <= 0:
             return None
         per_request = self._matured_blocks / self._matured_requests
         return (self._hit_blocks + CONFIDENCE_REQUESTS * per_request) / self._matured_blocks
+
+    def repeat_share(self) -> float | None:
+        """The share of prompt blocks that repeat an earlier prompt's, with its prior (None: none observed)."""
+        if self._seen_requests <= 0 or self._seen_blocks <= 0:
+            return None
+        per_request = self._seen_blocks / self._seen_requests
+        return (self._repeated_blocks + REPEAT_PRIOR_REQUESTS * per_request) / (
+            self._seen_blocks + REPEAT_PRIOR_REQUESTS * per_request)
 
     def pays(self, per_token_s: float | None) -> bool:
         """Whether storing pays, by what is measured (True until it can be judged)."""

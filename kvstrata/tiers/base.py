@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,18 +29,37 @@ from kvstrata.media import Medium
 Pieces = Sequence[torch.Tensor]  # one block's bytes: contiguous uint8 1-D CPU tensors, in order
 
 
+@dataclass(frozen=True)
+class TierCapabilities:
+    """How a tier's calls should be split across threads: what the transfer worker dispatches on.
+
+    Attributes:
+        mapped: ``view()`` gives every slot's bytes in place (the memory tiers): a leg into or
+            out of it needs no staging copy, and a group between two mapped tiers is one copy.
+        batched_reads: ``read_many_into`` is one call for many blocks (memory, the pool): a group
+            read into a mapped tier is split in one batch per mover.
+        pipelined: ``read_many_into`` and ``write_many`` overlap a whole batch's calls with their
+            own checks (the pool): the worker hands them the whole group on one mover, since
+            splitting it across movers only makes the tier's calls compete with each other.
+        readers: reads of this tier that pay off in flight at once, each leg a task on threads of
+            the tier's own beside the byte movers (the disk: a reader waiting on the device holds
+            no CPU, so more readers than movers keep more I/O in flight); 0: its reads run on the movers.
+    """
+
+    mapped: bool = False
+    batched_reads: bool = False
+    pipelined: bool = False
+    readers: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.readers, bool) or not isinstance(self.readers, int) or self.readers < 0:
+            raise ValueError(f"TierCapabilities: readers must be an integer >= 0, got {self.readers!r}")
+
+
 class Tier(abc.ABC):
     medium: Medium
     shared: bool = False  # other processes put blocks here too (``find`` sees them)
-    batched_reads: bool = False  # ``read_many_into`` is one call for many blocks (memory, the pool)
-    # ``read_many_into`` and ``write_many`` overlap a whole batch's calls with their own checks
-    # (the pool): the worker hands them the whole group on one mover, since splitting it across
-    # movers only makes the tier's calls compete with each other.
-    pipelined: bool = False
-    # Reads of this tier that pay off in flight at once, each leg a task on threads of the
-    # tier's own beside the byte movers (the disk: a reader waiting on the device holds no CPU,
-    # so more readers than movers keep more I/O in flight); 0: its reads run on the movers.
-    readers: int = 0
+    capabilities: TierCapabilities = TierCapabilities()  # a file or a store: no view, one leg a call
 
     def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -127,7 +147,8 @@ class Tier(abc.ABC):
         return out
 
     def view(self, slot: int) -> torch.Tensor | None:
-        """The slot's bytes in place (memory tiers), for zero-copy transfers; else None."""
+        """The slot's bytes in place (memory tiers: ``capabilities.mapped``), for zero-copy
+        transfers; else None."""
         return None
 
     def discard(self, slot: int, key: BlockKey) -> None:

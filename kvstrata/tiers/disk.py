@@ -90,7 +90,7 @@ from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.tiers import blockfile, diskmanifest
-from kvstrata.tiers.base import Pieces, Tier, outcome
+from kvstrata.tiers.base import Pieces, Tier, TierCapabilities, outcome
 
 _log = logging.getLogger("kvstrata.tiers")
 SUFFIX = ".kvb"
@@ -131,7 +131,7 @@ class DiskTier(Tier):
     """
 
     medium = Medium.DISK
-    readers = 4  # cold reads wait on the device: four in flight beat two (module docstring)
+    capabilities = TierCapabilities(readers=4)  # cold reads wait on the device: four in flight beat two (module docstring)
 
     def __init__(
         self,

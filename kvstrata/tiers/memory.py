@@ -20,7 +20,7 @@ import torch
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.tiers.base import Pieces, Tier, split_like
+from kvstrata.tiers.base import Pieces, Tier, TierCapabilities, split_like
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -65,7 +65,7 @@ class MemoryTier(Tier):
     RuntimeError. Views handed out earlier keep their memory alive but are no longer pinned.
     """
 
-    batched_reads = True
+    capabilities = TierCapabilities(mapped=True, batched_reads=True)
 
     def __init__(
         self,

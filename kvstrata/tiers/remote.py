@@ -73,7 +73,7 @@ from kvstrata.pool.client import PoolClient, PoolUnavailable, Reconnected
 from kvstrata.pool.codes import Code
 from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.base import Tier, TierCapabilities
 from kvstrata.tiers.remote_gets import NAMES_KEPT, GetPath
 from kvstrata.tiers.remote_puts import PoolRefused, PutPath
 from kvstrata.tiers.segments import Segments
@@ -112,8 +112,7 @@ class RemoteTier(PutPath, GetPath, Tier):
 
     medium = Medium.REMOTE
     shared = True
-    batched_reads = True
-    pipelined = True
+    capabilities = TierCapabilities(batched_reads=True, pipelined=True)
 
     def __init__(
         self,

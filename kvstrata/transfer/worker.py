@@ -7,42 +7,43 @@ blocks between a caller's memory and the tiers (``put``, ``get``: placements, ea
 pieces), and reports per leg None or a ``Failure``; it never decides anything about a block's state.
 
 Threads: a bounded pool of ``workers`` byte movers (torch copies, file I/O and pool calls
-release the GIL); for a tier whose reads pay off in flight at once (``Tier.readers``: the disk),
+release the GIL); for a tier whose reads pay off in flight at once (``TierCapabilities.readers``: the disk),
 that many readers of its own, which read its blocks into memory; one orchestration pool that runs the cache's loads, stores and prefetches
 (they wait on byte movers, which never wait on them); one for write-downs and demotions, so a
 store never waits on a task queued behind it; and one timer thread for deadline prefetches.
 A batch that is one task runs on the calling thread: handing it over only adds a wait.
 
-CUDA: a handler that touches a GPU tier runs on its thread's own stream, which first waits for
-what the submitting thread had queued on its current stream, and is synchronized before the
-handler's results are reported, so reported bytes are in place.
+How a group of legs is split follows the tiers' ``TierCapabilities`` (``_split``), never their
+names. CUDA: a handler that touches a GPU tier runs on its thread's own stream
+(``kvstrata.transfer.streams``), which first waits for what the submitting thread had queued on
+its current stream, and is synchronized before the handler's results are reported, so reported
+bytes are in place.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from kvstrata.index.keys import BlockKey
 from kvstrata.errors import BlockMissing, CorruptBlock, LoadCancelled, TierUnavailable, TransferAbandoned
 from kvstrata.manager.plans import Failure, Leg, Placement, Room, Victim
 from kvstrata.media import Medium
 from kvstrata.tiers.base import Pieces, Tier
 from kvstrata.transfer.handlers import HANDLERS, Handler
-from kvstrata.transfer.timers import Timers
 from kvstrata.transfer.placement import io_thread_started
+from kvstrata.transfer.streams import ReadyEvents, StreamsByThread, record_ready
+from kvstrata.transfer.timers import Timers
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
-MEMORY = (Medium.DEVICE, Medium.HOST)
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,12 @@ class TransferWorker:
                                                  initializer=io_thread_started)
         self._writers = ThreadPoolExecutor(max_workers=max(2, workers), thread_name_prefix="kvstrata-write",
                                            initializer=io_thread_started)
-        self._readers = {medium: ThreadPoolExecutor(max_workers=tier.readers, thread_name_prefix=f"kvstrata-{medium.label}-read",
-                                                      initializer=io_thread_started)
-                         for medium, tier in self.tiers.items() if tier.readers > 0}
+        self._readers = {medium: ThreadPoolExecutor(max_workers=tier.capabilities.readers,
+                                                    thread_name_prefix=f"kvstrata-{medium.label}-read",
+                                                    initializer=io_thread_started)
+                         for medium, tier in self.tiers.items() if tier.capabilities.readers > 0}
         self._timers = Timers()
-        self._streams = threading.local()  # per thread: {device: torch.cuda.Stream}
+        self._streams = StreamsByThread()
 
     # --- threads -------------------------------------------------------------------------------
 
@@ -168,19 +170,8 @@ class TransferWorker:
             return Moved()
         chunks: list[list[int]] = []
         pools: list[ThreadPoolExecutor] = []
-        for group in _groups(legs).values():
-            first = legs[group[0]]
-            src, dst = self.tiers[first.src.medium], self.tiers[first.dst.medium]
-            into_view, from_view = dst.view(first.dst.index) is not None, src.view(first.src.index) is not None
-            pool = self._movers
-            if _memory_pair(first) or (src.pipelined and into_view) or (dst.pipelined and from_view):
-                split = 1
-            elif src.batched_reads and into_view:
-                split = min(self.workers, len(group))
-            else:
-                split = len(group)
-                if into_view:
-                    pool = self._readers.get(src.medium, pool)
+        for (src_medium, dst_medium), group in _groups(legs).items():
+            split, pool = self._split(self.tiers[src_medium], self.tiers[dst_medium], len(group))
             chunks += [group[w::split] for w in range(split)]
             pools += [pool] * split
         ready = self._ready_event(legs)
@@ -191,6 +182,19 @@ class TransferWorker:
 
         tasks = [lambda c=c: task(c) for c in chunks]
         return _assemble(len(legs), chunks, self._run_all(tasks, pools))
+
+    def _split(self, src: Tier, dst: Tier, legs: int) -> tuple[int, ThreadPoolExecutor]:
+        """Into how many calls a group of ``legs`` legs from ``src`` to ``dst`` is split, and on
+        which pool they run: one batched copy between memory tiers, or into or out of memory by
+        a pipelined tier; a batch per mover for a source that reads many blocks in one call; else
+        a call per leg, reads into memory on the source's own readers where it has them."""
+        into_memory, from_memory = dst.capabilities.mapped, src.capabilities.mapped
+        if ((into_memory and from_memory) or (src.capabilities.pipelined and into_memory)
+                or (dst.capabilities.pipelined and from_memory)):
+            return 1, self._movers
+        if src.capabilities.batched_reads and into_memory:
+            return min(self.workers, legs), self._movers
+        return legs, (self._readers.get(src.medium, self._movers) if into_memory else self._movers)
 
     def copy_layers(self, legs: Sequence[Leg], ranges: Sequence[range], on_range: Callable[[range], None]) -> Moved:
         """Copy ``legs`` into memory one layer range at a time (ranges in parallel); after each
@@ -214,7 +218,8 @@ class TransferWorker:
             moved = _first_failures(moved, _assemble(len(legs), groups, results))
         return moved
 
-    def ingest(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], ready: Any = None) -> Moved:
+    def ingest(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
+               ready: torch.cuda.Event | None = None) -> Moved:
         """Copy a caller's KV blocks into device slots (a store), in one batched copy. ``ready``:
         a CUDA event the caller recorded after computing ``srcs``."""
         if not dsts:
@@ -222,7 +227,7 @@ class TransferWorker:
         start = time.perf_counter()
         device = next((t.device for t in (*dsts, *srcs) if t.is_cuda), None)
         try:
-            with self._on_stream(device, ready):
+            with self._streams.scope(device, ready):
                 torch._foreach_copy_(list(dsts), list(srcs), non_blocking=device is not None)
         except Exception as error:  # noqa: BLE001 - every block of the batch met it
             return Moved((Failure.ERROR,) * len(dsts), (error,) * len(dsts))
@@ -252,8 +257,8 @@ class TransferWorker:
             tier = self.tiers[medium]
             # A tier of files: as many calls as threads at it (its readers, else the movers), each
             # of several blocks: a task a block cost more in hand-offs than the copies from the page cache.
-            readers = 0 if write else tier.readers
-            split = 1 if medium in MEMORY or tier.pipelined else min(len(group), readers or self.workers)
+            readers = 0 if write else tier.capabilities.readers
+            split = 1 if tier.capabilities.mapped or tier.capabilities.pipelined else min(len(group), readers or self.workers)
             pool = self._readers.get(medium, self._movers) if readers else self._movers
             chunks += [group[w::split] for w in range(split)]
             pools += [pool] * split
@@ -294,7 +299,7 @@ class TransferWorker:
         pairs = [outcome.get(i, (None, None)) for i in range(len(room.victims))]
         return Moved(tuple(f for f, _ in pairs), tuple(e for _, e in pairs), tuple(transfers))
 
-    def find(self, medium: Medium, keys: Sequence[Any]) -> list[bool]:
+    def find(self, medium: Medium, keys: Sequence[BlockKey]) -> list[bool]:
         """Which of ``keys`` a shared tier holds that others may have put there."""
         return self.tiers[medium].find(list(keys))
 
@@ -312,7 +317,8 @@ class TransferWorker:
                 futures.append(task)
         return [f.result() if isinstance(f, Future) else f() for f in futures]
 
-    def _run_handler(self, legs: Sequence[Leg], layers: slice, ready: Any) -> tuple[list, TransferResult | None]:
+    def _run_handler(self, legs: Sequence[Leg], layers: slice,
+                     ready: ReadyEvents | None) -> tuple[list, TransferResult | None]:
         """One handler call for legs of one medium pair: per leg its error (or None), and what moved."""
         src, dst = self.tiers[legs[0].src.medium], self.tiers[legs[0].dst.medium]
         handler = self.handlers.get((src.medium, dst.medium))
@@ -320,7 +326,7 @@ class TransferWorker:
         try:
             if handler is None:
                 raise ValueError(f"no transfer handler for {src.medium.label} -> {dst.medium.label}")
-            with self._on_stream(_cuda_device(src, dst), ready):
+            with self._streams.scope(_cuda_device(src, dst), ready):
                 errors = list(handler(src, dst, legs, layers))
         except Exception as error:  # noqa: BLE001 - every leg of the call met it
             errors = [error] * len(legs)
@@ -329,20 +335,9 @@ class TransferWorker:
         moved = sum(1 for e in errors if e is None) * (stop - first) * src.layout.layer_bytes
         return errors, (TransferResult(src.medium, dst.medium, moved, seconds) if moved else None)
 
-    def _ready_event(self, legs: Sequence[Leg]) -> Any:
-        devices = {_cuda_device(self.tiers[leg.src.medium], self.tiers[leg.dst.medium]) for leg in legs} - {None}
-        return {d: torch.cuda.current_stream(d).record_event() for d in devices} or None
-
-    def _on_stream(self, device: torch.device | None, ready: Any):
-        if device is None:
-            return nullcontext()
-        return _StreamScope(self._stream(device), ready.get(device) if isinstance(ready, dict) else ready)
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        streams = self._streams.__dict__.setdefault("by_device", {})
-        if device not in streams:
-            streams[device] = torch.cuda.Stream(device=device)
-        return streams[device]
+    def _ready_event(self, legs: Sequence[Leg]) -> ReadyEvents | None:
+        devices = {_cuda_device(self.tiers[leg.src.medium], self.tiers[leg.dst.medium]) for leg in legs}
+        return record_ready({d for d in devices if d is not None})
 
     def _discard(self, victim: Victim) -> None:
         try:
@@ -367,26 +362,6 @@ class TransferWorker:
         self.close()
 
 
-class _StreamScope:
-    """Run on ``stream`` after ``ready``; synchronize on exit, even on failure (no copy may
-    still be landing in a slot the caller releases)."""
-
-    def __init__(self, stream: torch.cuda.Stream, ready: Any) -> None:
-        self._stream, self._ready = stream, ready
-        self._scope = torch.cuda.stream(stream)
-
-    def __enter__(self) -> None:
-        if self._ready is not None:
-            self._stream.wait_event(self._ready)
-        self._scope.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._scope.__exit__(*exc)
-        finally:
-            self._stream.synchronize()
-
-
 def _check_layers(layers: slice) -> None:
     if not isinstance(layers, slice) or layers.step not in (None, 1):
         raise ValueError(f"layers must be a contiguous slice, got {layers!r}")
@@ -394,10 +369,6 @@ def _check_layers(layers: slice) -> None:
 
 def _cuda_device(src: Tier, dst: Tier) -> torch.device | None:
     return next((t.device for t in (src, dst) if t.device.type == "cuda"), None)
-
-
-def _memory_pair(leg: Leg) -> bool:
-    return leg.src.medium in MEMORY and leg.dst.medium in MEMORY
 
 
 def _groups(legs: Sequence[Leg]) -> dict[tuple[Medium, Medium], list[int]]:

@@ -36,11 +36,9 @@ from kvstrata.media import Medium
 from kvstrata.plan.host import POOL_GET, HostCalibration
 from kvstrata.pool.config import PoolConfig
 from kvstrata.workload.report import Tally, TierReport, TurnFigures, WorkloadReport
-from kvstrata.workload.spec import Texts, Workload
+from kvstrata.workload.spec import ALONE_REPEATS, TIERS, Texts, Workload
 
-TIERS: tuple[Medium, ...] = tuple(Medium)
-ALONE_REPEATS = 3  # restores alone per turn, after a warm-up: their median is reported
-NO_POOL = "no pool (start one with `kvstrata pool start`, or install mooncake)"
+NO_POOL = "no pool (start one with `kvstrata pool start`; the pool engine: pip install 'kvstrata[remote]')"
 
 
 def _above(tier: Medium) -> tuple[Medium, ...]:
@@ -223,7 +221,7 @@ def _calibrated(calibration: HostCalibration, tier: Medium, loads: tuple[tuple[i
     if tier is Medium.DEVICE:
         return 0.0
     try:
-        return sum(calibration.restore_s(tier.label, nbytes, blocks, workers=CacheConfig.workers) for nbytes, blocks in loads)
+        return sum(calibration.restore_s(tier, nbytes, blocks, workers=CacheConfig.workers) for nbytes, blocks in loads)
     except KeyError:
         return None
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 
+from kvstrata.media import Medium
+
+TIERS: tuple[Medium, ...] = tuple(Medium)  # the tiers a workload runs through by default, fastest first
+ALONE_REPEATS = 3  # restores alone per turn, after a warm-up: their median is reported
+
 _WORDS = (
     "cache block restore path prefix hit layer token memory device host disk pool network link "
     "switch plan answer question system user assistant turn tool agent result bandwidth latency"

@@ -17,6 +17,7 @@ from kvstrata.bench.lmcache_e2e import synthetic_turns
 BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # tiny model: layers x (K, V) x kv_heads x head_dim x bf16
 CHUNK = 64
 NEW_TOKENS = 6
+pytestmark = pytest.mark.server  # LMCache's side session: a process serving the model beside the test
 
 needs_lmcache = pytest.mark.skipif(
     importlib.util.find_spec("lmcache") is None or importlib.util.find_spec("transformers") is None,

@@ -38,10 +38,10 @@ from kvstrata.plan.steps import DecodeFit
 MODEL = "tiny-llama"
 WORKLOAD = ServeWorkload(conversations=4, turns=2, max_tokens=8, user_tokens=16, block_tokens=16,
                          max_model_len=256, rate_per_s=8.0)
-PATHS = {MEMCPY_ONE: PathFit(0.0, 5.0), RESTORE_FIXED["host"]: PathFit(0.001, math.inf),
-         DISK_BLOCKS_WARM: PathFit(0.0, 2.0), RESTORE_FIXED["disk"]: PathFit(0.002, math.inf),
+PATHS = {MEMCPY_ONE: PathFit(0.0, 5.0), RESTORE_FIXED[Medium.HOST]: PathFit(0.001, math.inf),
+         DISK_BLOCKS_WARM: PathFit(0.0, 2.0), RESTORE_FIXED[Medium.DISK]: PathFit(0.002, math.inf),
          DISK_WRITE: PathFit(0.0005, 1.0)}
-POOL_PATHS = {POOL_GET: PathFit(0.0, 1.0), RESTORE_FIXED["remote"]: PathFit(0.003, math.inf),
+POOL_PATHS = {POOL_GET: PathFit(0.0, 1.0), RESTORE_FIXED[Medium.REMOTE]: PathFit(0.003, math.inf),
               POOL_PUT: PathFit(0.0005, 1.0)}
 
 

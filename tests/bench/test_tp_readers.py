@@ -21,6 +21,7 @@ from kvstrata.report import dumps
 
 MIB = 1 << 20
 READERS = (1, 2, 8)
+pytestmark = pytest.mark.slow  # the benchmark itself runs ~50 s on 2 cores: the fast loop leaves it out
 REPEATS = 3
 
 

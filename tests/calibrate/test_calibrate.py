@@ -14,6 +14,7 @@ from kvstrata.cli import main
 from kvstrata.hardware.profile import builtin_text, load_profile
 from kvstrata.plan import host as h
 from kvstrata.pool.config import PoolConfig
+from kvstrata.media import Medium
 
 MIB = 1 << 20
 
@@ -54,10 +55,10 @@ def test_calibrate_cli_quick_writes_a_loadable_profile(tmp_path, capsys, monkeyp
                  "--dir", str(tmp_path), "--out", str(out), "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["skipped"][h.POOL_GET]  # no pool configured here: skipped, with the reason
+    assert report["skipped"][h.POOL_GET.value]  # no pool configured here: skipped, with the reason (by stable key)
     cal = load_calibration(out)
     assert {h.MEMCPY_1T, h.MEMCPY_NT, h.MEMCPY_ONE, h.DISK_READ_WARM, h.DISK_READ_COLD, h.CHECKSUM} <= set(cal.paths)
-    assert {h.RESTORE_FIXED["host"], h.RESTORE_FIXED["disk"]} <= set(cal.paths)  # a fixed cost per local tier
+    assert {h.RESTORE_FIXED[Medium.HOST], h.RESTORE_FIXED[Medium.DISK]} <= set(cal.paths)  # a fixed cost per local tier
     assert load_profile(out).name == "workstation"
     assert main(["plan", "--hardware", str(out)]) == 0
 
@@ -79,8 +80,8 @@ def test_validate_cli_json_rows_for_host_and_disk(tmp_path, capsys, monkeypatch)
         assert set(r) >= {"error", "spread", "paired_error", "paired_spread", "probe_spread", "profile_error",
                           "runs_s", "probe_runs_s", "fixed_runs_s", "meets_goal"}
         assert len(r["runs_s"]) == len(r["probe_runs_s"]) == len(r["fixed_runs_s"]) == 1
-    assert {h.MEMCPY_ONE, h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD, h.RESTORE_FIXED["host"],
-            h.RESTORE_FIXED["disk"]} <= set(report["fits"])
+    assert {p.value for p in (h.MEMCPY_ONE, h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD, h.RESTORE_FIXED[Medium.HOST],
+                              h.RESTORE_FIXED[Medium.DISK])} <= set(report["fits"])
     assert main(["validate", "--quick", "--sizes-mib", "2", "--block-tokens", "16", "--repeats", "1",
                  "--dir", str(tmp_path)]) == 0  # the table, without a profile
     assert "paired error" in capsys.readouterr().out
@@ -112,14 +113,14 @@ def test_validate_interleaves_probe_restore_and_fixed_cost_per_size_per_round(tm
     assert disk[:3] == [f"probe {h.DISK_BLOCKS_WARM}, 2 MiB", "restore disk (page cache) -> device, 2 MiB",
                         "fixed cost disk"]
     assert steps.labels.index(disk[0]) > steps.labels.index(host[-1])  # the host rows first: blocks sink once
-    assert [(r.tier, r.cold, r.bytes) for r in run.rows] == [("host", False, 2 * MIB), ("disk", False, 2 * MIB),
-                                                            ("host", False, 4 * MIB), ("disk", False, 4 * MIB)]
+    assert [(r.tier, r.cold, r.bytes) for r in run.rows] == [(Medium.HOST, False, 2 * MIB), (Medium.DISK, False, 2 * MIB),
+                                                            (Medium.HOST, False, 4 * MIB), (Medium.DISK, False, 4 * MIB)]
     for row in run.rows:
         assert len(row.runs_s) == len(row.probe_runs_s) == len(row.fixed_runs_s) == 2  # warm-up dropped
         assert len(row.paired_errors) == 2 and row.profile_s is None and row.meets_goal is None
     fits = run.calibration.paths
     assert fits[h.MEMCPY_ONE].sizes == (2 * MIB, 4 * MIB) and fits[h.DISK_BLOCKS_WARM].sizes == (2 * MIB, 4 * MIB)
-    for tier in ("host", "disk"):  # a fixed cost per tier, the bytes free
+    for tier in (Medium.HOST, Medium.DISK):  # a fixed cost per tier, the bytes free
         assert fits[h.RESTORE_FIXED[tier]].gbps == float("inf")
     # Each row's prediction is the sitting's calibration's
     for row in run.rows:
@@ -129,8 +130,8 @@ def test_validate_interleaves_probe_restore_and_fixed_cost_per_size_per_round(tm
 
 def test_row_kinds_follow_the_config():
     pool = PoolConfig(master="127.0.0.1:50051")  # never reached: the rows only ask whether there is one
-    assert row_kinds(ValidateConfig()) == (RowKind("host"), RowKind("disk"), RowKind("disk", cold=True))
-    assert row_kinds(ValidateConfig(cold=False, pool=pool)) == (RowKind("host"), RowKind("disk"), RowKind("remote"))
+    assert row_kinds(ValidateConfig()) == (RowKind(Medium.HOST), RowKind(Medium.DISK), RowKind(Medium.DISK, cold=True))
+    assert row_kinds(ValidateConfig(cold=False, pool=pool)) == (RowKind(Medium.HOST), RowKind(Medium.DISK), RowKind(Medium.REMOTE))
     assert [k.label for k in row_kinds(ValidateConfig(pool=pool))] == [
         "host -> device", "disk (page cache) -> device", "disk (cold) -> device", "remote -> device"]
 
@@ -139,12 +140,12 @@ def test_calibrate_and_validate_the_pool(pool, tmp_path):
     run = calibrate(CalibrateConfig(sizes=(MIB, 2 * MIB), repeats=1, directory=str(tmp_path), pool=pool,
                                     object_bytes=MIB, cold=False))
     assert h.POOL_GET in run.calibration.paths, run.skipped
-    assert h.RESTORE_FIXED["remote"] in run.calibration.paths
+    assert h.RESTORE_FIXED[Medium.REMOTE] in run.calibration.paths
     result = validate(ValidateConfig(sizes=(2 * MIB,), repeats=1, block_tokens=16, directory=str(tmp_path), pool=pool,
                                      cold=False), profile=run.calibration)
     remote = [r for r in result.rows if r.path == "remote -> device"]
     assert remote and remote[0].predicted_s > 0 and remote[0].measured_s > 0 and remote[0].profile_s > 0
-    assert {h.POOL_GET, h.RESTORE_FIXED["remote"]} <= set(result.calibration.paths)
+    assert {h.POOL_GET, h.RESTORE_FIXED[Medium.REMOTE]} <= set(result.calibration.paths)
 
 
 def test_calibrate_combine_writes_the_median_profile_and_refuses_other_hosts_in_one_line(tmp_path, capsys):

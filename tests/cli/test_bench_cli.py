@@ -16,6 +16,8 @@ from kvstrata.bench.cache import CacheBenchConfig, bench_layout
 from kvstrata.cli import main
 
 MIB = 1 << 20
+# The benchmark itself (module-scoped, once): 5 s on an idle 2-core host, 30 s on a loaded one.
+bench_run = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ def report(tmp_path_factory):
     return json.loads(out.getvalue()), scratch
 
 
+@bench_run
 def test_json_has_every_tier_and_figure(report):
     data, _ = report
     host, disk, device = (data["tiers"][t] for t in ("host", "disk", "device"))
@@ -49,6 +52,7 @@ def test_json_has_every_tier_and_figure(report):
     assert "tp_readers" not in data and "tp_readers" not in data["config"]  # only --tp-readers adds its rows
 
 
+@bench_run
 def test_the_geometry_is_llama_3_8b_split_into_16_blocks(report):
     data, _ = report
     config = data["config"]
@@ -59,6 +63,7 @@ def test_the_geometry_is_llama_3_8b_split_into_16_blocks(report):
     assert (layout.num_layers, layout.kv_heads, layout.head_dim, layout.dtype.name) == (32, 8, 128, "BF16")
 
 
+@bench_run
 def test_every_restore_was_verified_bit_exact(report):
     data, _ = report
     verified = data["verified"]
@@ -68,6 +73,7 @@ def test_every_restore_was_verified_bit_exact(report):
     assert verified["ours_bytes"] == 6 * 6 * 16 * MIB
 
 
+@bench_run
 def test_goals_are_judged_and_lmcache_is_reported_either_way(report):
     data, _ = report
     figures = {g["figure"] for g in data["goals"]}
@@ -80,6 +86,7 @@ def test_goals_are_judged_and_lmcache_is_reported_either_way(report):
         assert lmcache["reason"]
 
 
+@bench_run
 def test_scratch_files_are_removed(report):
     _, scratch = report
     assert list(scratch.iterdir()) == []

@@ -27,10 +27,10 @@ BLOCKS = 8
 REPEATS = 5
 SAMPLES = 5  # one-block restores per round and side (RemoteBenchConfig.latency_samples)
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.pool, pytest.mark.skipif(  # the command starts an embedded pool
     importlib.util.find_spec("mooncake") is None,
     reason="the pool engine is not installed (pip install mooncake-transfer-engine-non-cuda)",
-)
+)]
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ def test_status_of_a_configured_pool_that_does_not_answer_is_a_table(capsys, tmp
     assert not any("{" in line for line in lines)  # no Python dict
 
 
+@pytest.mark.pool  # starts a pool
 @needs_pool
 def test_start_and_status_print_decimal_sizes_and_a_table(capsys, tmp_path):
     run_dir = tmp_path / "pool"
@@ -79,6 +80,7 @@ def test_start_and_status_print_decimal_sizes_and_a_table(capsys, tmp_path):
         embedded.stop(run_dir)
 
 
+@pytest.mark.pool  # starts a pool
 @pytest.mark.parametrize("choice", ["host", "auto"])
 def test_start_says_which_network_the_pool_listens_in_and_status_says_it_again(capsys, tmp_path, choice):
     from kvstrata.pool import network as netns
@@ -98,6 +100,7 @@ def test_start_says_which_network_the_pool_listens_in_and_status_says_it_again(c
         embedded.stop(run_dir)
 
 
+@pytest.mark.pool  # starts a pool
 def test_metrics_are_the_masters_own_fetched_from_inside_its_network(capsys, tmp_path):
     run_dir = tmp_path / "pool"
     assert main(["pool", "metrics", "--dir", str(run_dir)]) == 1

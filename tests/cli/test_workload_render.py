@@ -11,6 +11,7 @@ from rich.console import Console
 from kvstrata.cli.workload import render_tiers
 from kvstrata.media import Medium
 from kvstrata.workload import TierReport, Workload, WorkloadReport
+from kvstrata.workload.runner import NO_POOL
 
 H, D, R = Medium.HOST, Medium.DISK, Medium.REMOTE
 REASON = ("pool did not start: mooncake_master exited with 127: mooncake_master: error while loading shared "
@@ -41,6 +42,11 @@ def test_a_skipped_tiers_reason_is_printed_whole_under_the_table():
     assert "skipped" in table and "(see below)" in table and "libibverbs" not in table
     assert f"remote skipped: {REASON}" in flat(below)
     assert "…" not in text
+
+
+def test_a_skipped_reason_naming_an_extra_keeps_its_brackets():
+    report = WorkloadReport(Path("/m"), Workload(), {H: served(H, 0.004, 0.0041), R: TierReport(R, skipped=NO_POOL)})
+    assert "pip install 'kvstrata[remote]'" in flat(rendered(report, width=120))
 
 
 def test_a_prediction_far_off_is_explained_once_and_a_close_one_not():

@@ -35,7 +35,7 @@ BLOCK = 64 * 1024  # the tiny model's 32-token block
 MB = 10**6
 CALIBRATION = HostCalibration("vm", "cpu", 2, {
     MEMCPY_ONE: PathFit(0.0, 1.2), DISK_BLOCKS_WARM: PathFit(0.0, 5.4), DISK_BLOCKS_COLD: PathFit(0.0, 1.1),
-    RESTORE_FIXED["host"]: PathFit(1.6e-4, math.inf), RESTORE_FIXED["disk"]: PathFit(3.0e-4, math.inf),
+    RESTORE_FIXED[Medium.HOST]: PathFit(1.6e-4, math.inf), RESTORE_FIXED[Medium.DISK]: PathFit(3.0e-4, math.inf),
 })
 
 

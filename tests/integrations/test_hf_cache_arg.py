@@ -14,6 +14,7 @@ import warnings
 import pytest
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.engine  # the tiny model in transformers (some tests take it at run time)
 
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
 

@@ -72,6 +72,7 @@ def worker(runtime_dir: Path):
         proc.wait(timeout=10)
 
 
+@pytest.mark.server  # a worker serving the channel in another process
 def test_a_worker_in_another_process_answers_in_plain_numbers(worker: subprocess.Popen) -> None:
     lookup = WorkerLookup("eng")
     assert lookup.hit_tiers(list(range(12)), BS) == ANSWER
@@ -204,6 +205,7 @@ def _attack_as(nobody: pwd.struct_passwd, python: str, tmp_path: Path) -> None:
         server.close()
 
 
+@pytest.mark.server  # a worker serving the channel in another process
 def test_malformed_requests_drop_the_connection_and_the_server_serves_on(worker: subprocess.Popen) -> None:
     path = channel.socket_path("eng")
     bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -2,9 +2,9 @@
 
 A vLLM engine (CPU, tiny random-weight Llama, vLLM's own KV a few prompts' worth, its prefix
 caching off) with kvstrata's host tier generates a stream of prompts none of which repeats. Once
-the first stores have matured (vLLM computed twice its own capacity of blocks since) with no
-hit, and stores' measured CPU outweighs what that evidence allows them to save, the scheduler
-stores only one request in 16 (:class:`~kvstrata.policies.saving.SaveOrSkip`). A second pass
+vLLM computed twice its own capacity of blocks (before that a stored block could not have been
+asked for), no prompt block having repeated an earlier prompt's and stores' measured CPU
+outweighing what that evidence allows them to save, the scheduler stores only one request in 16 (:class:`~kvstrata.policies.saving.SaveOrSkip`). A second pass
 asks every prompt again: the stored ones load from kvstrata, the rest are computed, and every
 completion is the one the first pass computed.
 """

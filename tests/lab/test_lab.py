@@ -20,7 +20,8 @@ from kvstrata.pool import embedded
 from tests.process_support import wait_until
 
 WHY = netns.unavailable() or (None if importlib.util.find_spec("mooncake") else "the pool engine is not installed")
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no lab here: {WHY}")
+pytestmark = [pytest.mark.netns, pytest.mark.pool,  # emulated hosts in namespaces, a pool in one
+              pytest.mark.skipif(WHY is not None, reason=f"no lab here: {WHY}")]
 
 
 def _root_links() -> set[str]:

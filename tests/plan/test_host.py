@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.plan import host as h
+from kvstrata.media import Medium
 
 
 @given(
@@ -92,28 +93,28 @@ def test_toml_round_trip():
 def test_restore_composition_adds_up_per_tier():
     cal = _calibration()
     n = 64 * 10**6
-    assert cal.restore_s("host", n, 8, workers=2) == pytest.approx(2e-5 + n / 16e9)
+    assert cal.restore_s(Medium.HOST, n, 8, workers=2) == pytest.approx(2e-5 + n / 16e9)
     # disk: per file the one-thread latency, per byte the N-thread read, then the checksum
     # (no N-thread checksum measured: the one-thread rate times the workers)
-    assert cal.restore_s("disk", n, 8, workers=2) == pytest.approx(4 * 3e-5 + n / 20e9 + n / 60e9)
-    assert cal.restore_s("remote", n, 8) == pytest.approx(1e-3 + n / 5e9)
-    assert cal.restore_s("disk", 0, 0) == 0.0
-    with pytest.raises(ValueError, match="unknown tier"):
-        cal.restore_s("tape", n, 1)
+    assert cal.restore_s(Medium.DISK, n, 8, workers=2) == pytest.approx(4 * 3e-5 + n / 20e9 + n / 60e9)
+    assert cal.restore_s(Medium.REMOTE, n, 8) == pytest.approx(1e-3 + n / 5e9)
+    assert cal.restore_s(Medium.DISK, 0, 0) == 0.0
+    with pytest.raises(ValueError, match="no restore from tier 'device'"):
+        cal.restore_s(Medium.DEVICE, n, 1)
     with pytest.raises(KeyError, match="not calibrated"):
-        h.HostCalibration("x", "cpu", 1).restore_s("host", n, 1)
+        h.HostCalibration("x", "cpu", 1).restore_s(Medium.HOST, n, 1)
 
 
 def test_restore_paths_per_tier():
     # Into a CPU device: one torch copy, however many workers (see CacheConfig.layer_ranges).
-    assert h.restore_paths("host", False, cuda=False, workers=2) == (h.MEMCPY_ONE,)
-    assert h.restore_paths("host", False, cuda=False, workers=1) == (h.MEMCPY_ONE,)
-    assert h.restore_paths("host", False, cuda=True, workers=2) == (h.H2D_PINNED,)
-    assert h.restore_paths("disk", True, cuda=False, workers=2) == (h.DISK_BLOCKS_COLD,)
-    assert h.restore_paths("disk", False, cuda=True, workers=2) == (h.DISK_BLOCKS_WARM, h.H2D_PINNED)
-    assert h.restore_paths("remote", False, cuda=True, workers=2) == (h.POOL_GET, h.H2D_PINNED)
-    with pytest.raises(ValueError, match="unknown tier"):
-        h.restore_paths("tape", False, cuda=False, workers=2)
+    assert h.restore_paths(Medium.HOST, False, cuda=False, workers=2) == (h.MEMCPY_ONE,)
+    assert h.restore_paths(Medium.HOST, False, cuda=False, workers=1) == (h.MEMCPY_ONE,)
+    assert h.restore_paths(Medium.HOST, False, cuda=True, workers=2) == (h.H2D_PINNED,)
+    assert h.restore_paths(Medium.DISK, True, cuda=False, workers=2) == (h.DISK_BLOCKS_COLD,)
+    assert h.restore_paths(Medium.DISK, False, cuda=True, workers=2) == (h.DISK_BLOCKS_WARM, h.H2D_PINNED)
+    assert h.restore_paths(Medium.REMOTE, False, cuda=True, workers=2) == (h.POOL_GET, h.H2D_PINNED)
+    with pytest.raises(ValueError, match="no restore from tier 'device'"):
+        h.restore_paths(Medium.DEVICE, False, cuda=False, workers=2)
 
 
 def test_restore_with_a_tier_fixed_cost_adds_the_paths_rates_only():
@@ -121,16 +122,82 @@ def test_restore_with_a_tier_fixed_cost_adds_the_paths_rates_only():
     cal.paths.update({
         h.DISK_BLOCKS_WARM: h.PathFit(5e-4, 8.0), h.DISK_BLOCKS_COLD: h.PathFit(1e-3, 2.0),
         h.RESTORE_DISPATCH: h.PathFit(9.0, math.inf),  # an old profile's: not used beside a tier's own
-        h.RESTORE_FIXED["host"]: h.PathFit(1e-3, math.inf), h.RESTORE_FIXED["disk"]: h.PathFit(2e-3, math.inf),
+        h.RESTORE_FIXED[Medium.HOST]: h.PathFit(1e-3, math.inf), h.RESTORE_FIXED[Medium.DISK]: h.PathFit(2e-3, math.inf),
     })
     n = 64 * 10**6
-    assert cal.restore_s("host", n, 8, workers=2) == pytest.approx(1e-3 + n / 16e9)  # MEMCPY_NT's latency not added
-    assert cal.restore_s("host", n, 8, workers=1) == pytest.approx(1e-3 + n / 10e9)
+    assert cal.restore_s(Medium.HOST, n, 8, workers=2) == pytest.approx(1e-3 + n / 16e9)  # MEMCPY_NT's latency not added
+    assert cal.restore_s(Medium.HOST, n, 8, workers=1) == pytest.approx(1e-3 + n / 10e9)
     cal.paths[h.MEMCPY_ONE] = h.PathFit(3e-5, 12.0)  # a profile that has it: the path a CPU load takes
-    assert cal.restore_s("host", n, 8, workers=2) == pytest.approx(1e-3 + n / 12e9)
-    assert cal.restore_s("host", n, 8, workers=1) == pytest.approx(1e-3 + n / 12e9)
-    assert cal.restore_s("disk", n, 8, workers=2) == pytest.approx(2e-3 + n / 8e9)
-    assert cal.restore_s("disk", n, 8, workers=2, cold=True) == pytest.approx(2e-3 + n / 2e9)
+    assert cal.restore_s(Medium.HOST, n, 8, workers=2) == pytest.approx(1e-3 + n / 12e9)
+    assert cal.restore_s(Medium.HOST, n, 8, workers=1) == pytest.approx(1e-3 + n / 12e9)
+    assert cal.restore_s(Medium.DISK, n, 8, workers=2) == pytest.approx(2e-3 + n / 8e9)
+    assert cal.restore_s(Medium.DISK, n, 8, workers=2, cold=True) == pytest.approx(2e-3 + n / 2e9)
     # remote: no fixed cost of its own measured: the old composition, the old dispatch
-    assert cal.restore_s("remote", n, 8) == pytest.approx(9.0 + 1e-3 + n / 5e9)
+    assert cal.restore_s(Medium.REMOTE, n, 8) == pytest.approx(9.0 + 1e-3 + n / 5e9)
     assert h.HostCalibration.from_mapping(tomllib.loads(cal.to_toml())) == cal
+
+
+def test_a_profile_keys_its_paths_by_stable_keys_and_labels_them_for_people():
+    text = _calibration().to_toml()
+    assert 'path = "memcpy_1t"\nlabel = "memcpy 1 thread"' in text
+    entries = tomllib.loads(text)["calibration"]["path"]
+    assert [e["path"] for e in entries] == [p.value for p in _calibration().paths]
+
+
+# A profile as kvstrata calibrate wrote it before paths had stable keys: each path named by its label.
+OLD_PROFILE = """\
+# Written by `kvstrata calibrate`: this host's measured paths, seconds = latency_s + bytes / (gbps * 1e9).
+[calibration]
+host = "old-host"
+device = "cpu"
+threads = 2
+
+[[calibration.path]]
+name = "memcpy (one torch copy)"
+latency_s = 3e-05
+gbps = 12.0
+spread = 0.05
+sizes = [2097152, 4194304]
+
+[[calibration.path]]
+name = "restore fixed cost (kvstrata, from host)"
+latency_s = 0.001
+gbps = inf
+spread = 0.0
+sizes = [2048]
+
+[[calibration.prefill]]
+model = "m"
+latency_s = 0.01
+tokens_per_s = 5000.0
+attn_s = 1e-09
+
+[efficiency]
+"pcie" = 0.8
+"""
+
+
+def test_a_profile_written_before_stable_keys_still_loads(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text(OLD_PROFILE)
+    cal = h.HostCalibration.from_mapping(tomllib.loads(path.read_text()))
+    assert cal.paths == {h.MEMCPY_ONE: h.PathFit(3e-5, 12.0, 0.05, (2097152, 4194304)),
+                         h.RESTORE_FIXED[Medium.HOST]: h.PathFit(1e-3, math.inf, 0.0, (2048,))}
+    assert cal.restore_s(Medium.HOST, 12 * 10**6, 1) == pytest.approx(1e-3 + 1e-3)
+    assert (cal.host, cal.prefill["m"].tokens_per_s, cal.efficiency) == ("old-host", 5000.0, {"pcie": 0.8})
+    # written again, it is in the new format, and reads back the same
+    assert 'path = "memcpy_one"' in cal.to_toml()
+    assert h.HostCalibration.from_mapping(tomllib.loads(cal.to_toml())) == cal
+
+
+@pytest.mark.parametrize(("entry", "match"), [
+    ('name = "memcpy (a path no more)"', r"'memcpy \(a path no more\)' \(a profile from an older kvstrata\)"),
+    ('path = "teleport"', "'teleport' is not one this kvstrata knows"),
+])
+def test_a_profile_path_not_known_is_refused_saying_to_calibrate_again(tmp_path, entry, match):
+    path = tmp_path / "odd.toml"
+    path.write_text(OLD_PROFILE.replace('name = "memcpy (one torch copy)"', entry))
+    with pytest.raises(ValueError, match=match) as caught:
+        h.HostCalibration.from_mapping(tomllib.loads(path.read_text()))
+    assert str(caught.value).endswith("run `kvstrata calibrate` again to write a new profile")
+    assert "\n" not in str(caught.value)

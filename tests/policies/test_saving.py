@@ -114,3 +114,50 @@ def test_when_every_stored_block_comes_back_and_saves_more_than_it_costs_nothing
         blocks: int, extra_hits: int, horizon: int) -> None:
     policy = SaveOrSkip(BT, horizon_blocks=horizon)
     assert all(_run(policy, 300, blocks=blocks, hits_per_request=blocks + extra_hits))
+
+
+def _observed_run(policy: SaveOrSkip, requests: int, blocks: int = 8, repeated: int = 0) -> list[bool]:
+    """``requests`` admitted requests of ``blocks`` prompt blocks, the first ``repeated`` of each
+    seen before (none served by kvstrata); the workers report each store's cost. The decisions."""
+    decisions: list[bool] = []
+    for _ in range(requests):
+        policy.observed(blocks, repeated)
+        store = policy.save(PER_TOKEN_S)
+        decisions.append(store)
+        policy.computed(blocks, stored=store)
+        if store:
+            policy.stored_cost(blocks, blocks * COST_S)
+    return decisions
+
+
+def test_prompts_that_share_nothing_stop_stores_long_before_any_store_could_come_back() -> None:
+    horizon = 16
+    policy = SaveOrSkip(BT, horizon_blocks=horizon)
+    decisions = _observed_run(policy, 400)
+    ratio = PER_TOKEN_S * BT / COST_S  # a hit saves this many stores' cost
+    warm = MATURE_HORIZONS * horizon // 8  # requests before the engine could have dropped a block
+    first_skip = decisions.index(False)
+    assert first_skip <= warm + ratio + 1  # the rule of succession: 1 / (n + 1) of repeats at most
+    assert first_skip < CONFIDENCE_REQUESTS * ratio  # the hits alone would wait for the rule of three
+    assert decisions[-SAMPLE_EVERY * 10:].count(True) == 10
+
+
+def test_prompts_that_repeat_keep_the_stores_until_their_hits_say_otherwise() -> None:
+    with_repeats = _observed_run(SaveOrSkip(BT, horizon_blocks=16), 400, repeated=6)
+    without = _observed_run(SaveOrSkip(BT, horizon_blocks=16), 400)
+    # repeats bound reuse at 3/4: the store pays by them; only the hits (none came) stop it, later
+    assert with_repeats.index(False) > without.index(False)
+
+
+def test_the_repeats_follow_a_change_of_workload() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=16)
+    assert not all(_observed_run(policy, 200))
+    low = policy.repeat_share()
+    _observed_run(policy, 64, repeated=8)  # a half-life of prompts that repeat whole
+    assert low is not None and low < 0.05 < 0.45 < policy.repeat_share()
+
+
+def test_no_repeat_is_judged_before_the_engine_could_have_dropped_a_block() -> None:
+    policy = SaveOrSkip(BT, horizon_blocks=100_000)
+    assert all(_observed_run(policy, 1000))
+    assert policy.repeat_share() is None

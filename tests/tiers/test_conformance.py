@@ -44,7 +44,9 @@ SPECS = [
 ]
 
 
-@pytest.fixture(params=SPECS, ids=[spec.name for spec in SPECS])
+# A tier on the pool is marked so: it takes the pool at run time, where the fixture scan misses it.
+@pytest.fixture(params=[pytest.param(spec, id=spec.name, marks=[pytest.mark.pool] if "pool" in spec.fixtures else [])
+                        for spec in SPECS])
 def tier_spec(request) -> TierSpec:
     return request.param
 

@@ -416,6 +416,7 @@ def _spawn(*args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # writers in other processes, killed mid-write over and over (~15 s)
 def test_a_writer_killed_mid_write_leaves_only_verified_blocks(tmp_path):
     rng = random.Random()
     seed = rng.randrange(2**32)

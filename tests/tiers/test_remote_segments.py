@@ -24,7 +24,10 @@ from tests.tiers.test_remote import LAYOUT, MODES, SLACK_S, content, make_key, t
 
 # Not importorskip: importing mooncake.store before kvstrata.pool.native_log configures Mooncake's log
 # sends every line Mooncake logs in this process to stderr (its stores' teardown after pytest's summary).
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="the pool engine is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="the pool engine is not installed"),
+    pytest.mark.pool,  # a master and two daemons of this module's own
+]
 
 SEGMENT_BYTES = 16 * 1024**2
 

@@ -12,7 +12,7 @@ from kvstrata.errors import BlockMissing, CorruptBlock, TierUnavailable, Transfe
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.tiers.base import Tier
+from kvstrata.tiers.base import Tier, TierCapabilities
 from kvstrata.tiers.memory import DeviceTier, HostTier
 from kvstrata.manager.plans import Failure, Leg, Room, Slot, Victim
 from kvstrata.transfer import HANDLERS, TransferResult, TransferWorker
@@ -137,6 +137,22 @@ def test_every_medium_pair_has_a_handler():
     assert set(HANDLERS) == {(s, d) for s in Medium for d in Medium}
 
 
+def test_each_tier_declares_the_capabilities_the_worker_splits_by(make_tier):
+    # The memory tiers map their slots and read many blocks in one copy; the disk reads on four
+    # threads of its own; a tier that declares nothing is one call per leg on the movers.
+    for kind in ("device", "host"):
+        assert make_tier(kind).capabilities == TierCapabilities(mapped=True, batched_reads=True)
+    assert make_tier("disk").capabilities == TierCapabilities(readers=4)
+    assert make_tier("remote").capabilities == TierCapabilities()  # DictTier: the base's defaults
+    with pytest.raises(ValueError, match="readers"):
+        TierCapabilities(readers=-1)
+
+
+def test_the_pool_tier_declares_batched_pipelined_calls():
+    remote = pytest.importorskip("kvstrata.tiers.remote")
+    assert remote.RemoteTier.capabilities == TierCapabilities(batched_reads=True, pipelined=True)
+
+
 @pytest.mark.parametrize("src_kind", KINDS)
 @pytest.mark.parametrize("dst_kind", KINDS)
 def test_each_pair_moves_the_block_bit_exact(make_tier, src_kind, dst_kind):
@@ -245,7 +261,7 @@ def test_one_task_runs_on_the_calling_thread_several_on_the_workers(make_tier, b
         return [None] * len(legs)
 
     remote, host = make_tier("remote"), make_tier("host")
-    remote.batched_reads = batched  # a source that reads many blocks in one call: a batch per mover
+    remote.capabilities = TierCapabilities(batched_reads=batched)  # a source that reads many blocks in one call: a batch per mover
     with worker_of(remote, host, handlers={(Medium.REMOTE, Medium.HOST): record}) as worker:
         worker.move([leg(key(1), remote, 0, host, 1)])
         worker.move([leg(key(i), remote, i, host, i) for i in range(4)])
@@ -264,7 +280,7 @@ def test_a_pipelined_tier_gets_the_whole_group_in_one_call(make_tier, direction)
         return [None] * len(legs)
 
     remote, host = make_tier("remote"), make_tier("host")
-    remote.batched_reads = remote.pipelined = True  # the pool: it overlaps its own calls with its checks
+    remote.capabilities = TierCapabilities(batched_reads=True, pipelined=True)  # the pool: it overlaps its own calls with its checks
     pair = (Medium.REMOTE, Medium.HOST) if direction == "read" else (Medium.HOST, Medium.REMOTE)
     ends = (remote, host) if direction == "read" else (host, remote)
     with worker_of(remote, host, handlers={pair: record}) as worker:
@@ -428,10 +444,10 @@ def test_at_most_workers_handlers_run_at_once(make_tier):
 
 def test_a_disk_tier_reads_into_memory_on_readers_of_its_own_and_writes_on_the_movers(make_tier):
     disk, host = make_tier("disk"), make_tier("host")
-    assert disk.readers > 1  # the disk rewards reads in flight beside the movers
+    assert disk.capabilities.readers > 1  # the disk rewards reads in flight beside the movers
     lock = threading.Lock()
     running, peak, names = 0, 0, []
-    all_in = threading.Barrier(disk.readers, timeout=10)
+    all_in = threading.Barrier(disk.capabilities.readers, timeout=10)
 
     def blocking_read(src, dst, legs, layers):
         nonlocal running, peak
@@ -452,10 +468,10 @@ def test_a_disk_tier_reads_into_memory_on_readers_of_its_own_and_writes_on_the_m
 
     handlers = {(Medium.DISK, Medium.HOST): blocking_read, (Medium.HOST, Medium.DISK): record_write}
     with worker_of(disk, host, workers=1, handlers=handlers) as worker:
-        moved = worker.move([leg(key(i), disk, i, host, i) for i in range(2 * disk.readers)])
-        assert moved.failures == (None,) * (2 * disk.readers)
+        moved = worker.move([leg(key(i), disk, i, host, i) for i in range(2 * disk.capabilities.readers)])
+        assert moved.failures == (None,) * (2 * disk.capabilities.readers)
         worker.move([leg(key(i), host, i, disk, i) for i in range(2)])
-    assert peak == disk.readers  # more than the one mover, no more than the readers
+    assert peak == disk.capabilities.readers  # more than the one mover, no more than the readers
     assert all(name.startswith("kvstrata-disk-read") for name in names)
     assert len(writes) == 2 and all(name.startswith("kvstrata-transfer") for name in writes)
 

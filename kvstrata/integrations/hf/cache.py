@@ -8,7 +8,7 @@ computed for the prompt's beginning. :meth:`KVStrataCache.kv` gives everything c
 the ``[layers, 2, tokens, kv_heads, head_dim]`` tensor ``TieredCache.store`` takes.
 
 :func:`model_layout` is the block layout of a transformers model (a rank's whole blocks: TP=1,
-or TP-matched): its config read by :func:`kvstrata.kv.geometry.kv_shape_from_config` (the one
+or TP-matched): its config read by :func:`kvstrata.kv.readconfig.kv_shape_from_config` (the one
 reading of a config's heads and widths), its dtype mapped by :mod:`kvstrata.tensors`.
 :func:`model_slice_layout` is the layout of one head slice of its blocks, which ranks of any
 tensor-parallel size share (:mod:`kvstrata.kv.heads`).
@@ -23,7 +23,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvstrata.kv.fields import GeometryError
-from kvstrata.kv.geometry import Attention, DType, kv_shape_from_config
+from kvstrata.kv.geometry import Attention, DType
+from kvstrata.kv.readconfig import kv_shape_from_config
 from kvstrata.kv.groups import GroupKind, KVGroup
 from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout

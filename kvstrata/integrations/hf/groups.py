@@ -6,7 +6,7 @@ transformers names each decoder layer's kind in ``config.layer_types``: ``"full_
 next token attends to besides itself) and ``"linear_attention"`` (Qwen3-Next's gated delta
 net: a causal-conv state of the last ``linear_conv_kernel_dim`` inputs in the model's dtype, and
 a recurrent state per value head in fp32, as its torch path computes it). :func:`hybrid_groups`
-is the core reading of the config (:func:`kvstrata.kv.geometry.geometry_from_config`, one
+is the core reading of the config (:func:`kvstrata.kv.readconfig.geometry_from_config`, one
 group per kind) checked against the tensors this integration packs.
 
 A STATE group's snapshot packs each layer's state into one row of bytes, the conv state then
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvstrata.kv.dtypes import DType
-from kvstrata.kv.geometry import geometry_from_config
+from kvstrata.kv.readconfig import geometry_from_config
 from kvstrata.kv.groups import GroupKind, KVGroup
 from kvstrata.tensors import kv_dtype, torch_dtype
 

@@ -325,6 +325,7 @@ class LookupCounts:
     (one thread: the engine core's scheduler)."""
 
     stats: KVStrataStats | None = None
+    cpu_s: float = 0.0  # the hooks' CPU since the last report (added to its counts once, at the report)
 
     def _open(self) -> KVStrataStats:
         """The counts since the last report (begun if none)."""
@@ -360,10 +361,13 @@ class LookupCounts:
             self._open().add(SAVE_SKIPPED_BLOCKS, blocks)
 
     def used_cpu(self, seconds: float) -> None:
-        """The scheduler side's hooks used ``seconds`` of CPU."""
+        """The scheduler side's hooks used ``seconds`` of CPU (several hooks a step: summed here)."""
         if seconds > 0:
-            self._open().add(CPU_SECONDS, seconds, ("scheduler",))
+            self.cpu_s += seconds
 
     def report(self) -> KVStrataStats | None:
+        if self.cpu_s > 0:
+            self._open().add(CPU_SECONDS, self.cpu_s, ("scheduler",))
+            self.cpu_s = 0.0
         stats, self.stats = self.stats, None
         return stats

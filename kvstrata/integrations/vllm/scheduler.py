@@ -48,7 +48,10 @@ it stores, with no pool other servers read), the scheduler stores a request's pr
 while the blocks granted per block stored, times the prefill a granted block saves, outweigh a
 stored block's measured CPU (:class:`~kvstrata.policies.saving.SaveOrSkip`, fed by the same
 worker metadata); otherwise one request in 16, and the rest are counted (``save_skipped_blocks``).
-It decides once per request, at its first full block.
+It decides once per request, at its first full block. Blocks granted come back late (once vLLM
+dropped them), so it also counts, as each request is admitted, how many of its prompt's blocks
+an earlier prompt had (:class:`~kvstrata.index.seen.SeenBlocks`): no store can serve more than
+repeats, and a workload whose prompts share nothing shows that from its first requests.
 
 Misses answered here. A lookup crosses to the workers' process and waits for their caches (on
 this 2-core host about 0.8 ms a request, the scheduler loop held up, and a thread of the worker's
@@ -78,11 +81,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.index.seen import SeenBlocks
 from kvstrata.index.stored import StoredFirstBlocks
 from kvstrata.integrations.vllm.channel import WorkerLookup
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadOutcome
@@ -99,6 +101,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+SEEN_BLOCKS = 1 << 20  # prompt blocks remembered to tell repeats at most (about 100 MB): the tiers' capacity, up to this
 _LOCAL_ONLY = frozenset((Medium.DISK,))  # tiers only this server reads (a disk directory is one process's)
 
 
@@ -129,6 +132,23 @@ class _Granted:
     blocks: int
     budget_s: float | None
     off_step: bool = False
+
+
+class _HookCpu:
+    """A context around a scheduler hook (hooks never nest: one reused), counting its thread's
+    CPU; a class, not a generator, as it runs several times every step."""
+
+    __slots__ = ("_counts", "_cpu")
+
+    def __init__(self, counts: LookupCounts) -> None:
+        self._counts = counts
+        self._cpu = 0.0
+
+    def __enter__(self) -> None:
+        self._cpu = time.thread_time()
+
+    def __exit__(self, *exc: object) -> None:
+        self._counts.used_cpu(time.thread_time() - self._cpu)
 
 
 class KVStrataConnectorScheduler:
@@ -179,6 +199,8 @@ class KVStrataConnectorScheduler:
         self.saving = SaveOrSkip(block_size, horizon_blocks)
         self._judge_saves = judge_saves and loads_enabled and saves_enabled
         self._storing: dict[str, bool] = {}  # req_id -> whether its prompt blocks are stored (decided once)
+        # the prompts' blocks seen: the share that repeats bounds what stores can serve, from the first requests
+        self._seen = SeenBlocks(min(held_blocks, SEEN_BLOCKS) or SEEN_BLOCKS) if self._judge_saves else None
         self._step = 0
         # TP > 1: a step that loads and saves has its saves held by the workers until every
         # rank's loads of it are known to have arrived (verdicts.py)
@@ -189,6 +211,7 @@ class KVStrataConnectorScheduler:
         self._firsts = (StoredFirstBlocks(block_size, held_blocks)
                         if own_blocks_only and loads_enabled and saves_enabled and held_blocks > 0 else None)
         self._caches_own_only = False
+        self._hook_cpu = _HookCpu(self._counts)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``, and
@@ -242,7 +265,13 @@ class KVStrataConnectorScheduler:
                 end = len(lookup.tiers)
                 for block_hash in request.block_hashes[end - num_external_tokens // self._block_size : end]:
                     self._in_flight[block_hash] = request.request_id
-        if lookup is None or request.num_preemptions > 0:
+        if request.num_preemptions > 0:
+            return
+        if self._seen is not None:  # a block vLLM or kvstrata serves repeats an earlier prompt's
+            hashes = request.block_hashes[: max(0, request.num_prompt_tokens - 1) // self._block_size]
+            repeated = self._seen.observe(hashes)
+            self.saving.observed(len(hashes), max(repeated, len(lookup.tiers) if lookup is not None else 0))
+        if lookup is None:
             return
         bs = self._block_size
         beyond = lookup.tiers[-(-lookup.computed // bs):]  # blocks past vLLM's own hit
@@ -259,14 +288,9 @@ class KVStrataConnectorScheduler:
         """The lookups counted since the last call."""
         return self._counts.report()
 
-    @contextmanager
-    def counting_cpu(self) -> Iterator[None]:
+    def counting_cpu(self) -> _HookCpu:
         """Around a hook: its thread's CPU is the connector's (a lookup waiting on the worker costs none)."""
-        cpu = time.thread_time()
-        try:
-            yield
-        finally:
-            self._counts.used_cpu(time.thread_time() - cpu)
+        return self._hook_cpu
 
     def measured(self, meta: KVStrataWorkerMeta) -> None:
         """A step's measurements from the workers: the prefill's rate and each granted load's time."""

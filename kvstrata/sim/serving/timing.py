@@ -37,7 +37,7 @@ from kvstrata.plan.host import MEMCPY_ONE, POOL_PUT, DISK_WRITE, HostCalibration
 from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 from kvstrata.sim.serving.store import StoreHit
 
-LOAD_TIER = {Medium.DEVICE: "host", Medium.HOST: "host", Medium.DISK: "disk", Medium.REMOTE: "remote"}
+LOAD_TIER = {Medium.DEVICE: Medium.HOST, Medium.HOST: Medium.HOST, Medium.DISK: Medium.DISK, Medium.REMOTE: Medium.REMOTE}
 STORE_PATH = {Medium.HOST: MEMCPY_ONE, Medium.DISK: DISK_WRITE, Medium.REMOTE: POOL_PUT}
 
 

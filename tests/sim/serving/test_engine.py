@@ -39,8 +39,8 @@ HOST_FIXED_S, HOST_GBPS = 0.003, 1.0
 DISK_FIXED_S, DISK_GBPS = 0.005, 0.5
 CALIBRATION = HostCalibration(
     "test-host", "cpu", 2,
-    paths={MEMCPY_ONE: PathFit(0.0, HOST_GBPS), RESTORE_FIXED["host"]: PathFit(HOST_FIXED_S, math.inf),
-           DISK_BLOCKS_WARM: PathFit(0.0, DISK_GBPS), RESTORE_FIXED["disk"]: PathFit(DISK_FIXED_S, math.inf)},
+    paths={MEMCPY_ONE: PathFit(0.0, HOST_GBPS), RESTORE_FIXED[Medium.HOST]: PathFit(HOST_FIXED_S, math.inf),
+           DISK_BLOCKS_WARM: PathFit(0.0, DISK_GBPS), RESTORE_FIXED[Medium.DISK]: PathFit(DISK_FIXED_S, math.inf)},
     prefill={MODEL: PREFILL}, decode={MODEL: DECODE})
 
 
