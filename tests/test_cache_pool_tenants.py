@@ -29,6 +29,7 @@ from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
+from kvstrata.pool import ops
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig, make_secret
 from kvstrata.tiers import poolvalue
@@ -79,7 +80,7 @@ def raw_get(pool: PoolConfig, names: list[str]) -> list[bytes]:
         buffer = client.allocate(VALUE)
         values = []
         for name in names:
-            (got,) = client.call("raw get", "batch_get_into", [name], [buffer.data_ptr()], [VALUE])
+            (got,) = client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE])
             assert got == VALUE, got
             values.append(buffer.numpy().tobytes())
         return values

@@ -23,6 +23,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.manager.plans import Failure, StopReason
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
+from kvstrata.pool import ops
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers import poolvalue
@@ -64,16 +65,16 @@ def raw(pool):
 
 def raw_get(raw, name: str) -> bytes:
     client, buffer = raw
-    (got,) = client.call("raw get", "batch_get_into", [name], [buffer.data_ptr()], [VALUE])
+    (got,) = client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE])
     assert got == VALUE, got
     return buffer[:VALUE].numpy().tobytes()
 
 
 def raw_put(raw, name: str, value: bytes) -> None:
     client, buffer = raw
-    client.call("raw remove", "remove", name, True)
+    client.call("raw remove", ops.REMOVE, name, True)
     buffer[: len(value)] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-    assert client.call("raw put", "batch_put_from", [name], [buffer.data_ptr()], [len(value)]) == [0]
+    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [len(value)]) == [0]
 
 
 def store(cache: TieredCache, toks: list[int]) -> None:

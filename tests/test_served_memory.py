@@ -28,7 +28,7 @@ from kvstrata.manager.plans import Failure, StopReason
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool.config import read_secret
-from kvstrata.tiers.remote import STAGE_BYTES
+from kvstrata.tiers.staging import STAGE_BYTES
 
 pytestmark = pytest.mark.slow  # minutes: the fast loop leaves it out (tests/conftest.py)
 

@@ -12,15 +12,7 @@ from kvstrata.media import FetchPath
 from kvstrata.plan.host import HostCalibration
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WriteRule
-from kvstrata.pool.config import (
-    BACKOFF_MAX_S,
-    BACKOFF_S,
-    CONNECT_TIMEOUT_S,
-    OP_TIMEOUT_S,
-    PoolConfig,
-    RemoteMode,
-    check_budgets,
-)
+from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode, check_budgets
 
 
 @dataclass(frozen=True)
@@ -70,10 +62,12 @@ class CacheConfig:
     # Waiting on the pool (the defaults' reasons: kvstrata.pool.config). A call that runs past
     # pool_timeout_s puts the pool down: calls then fail at once while a background probe runs,
     # pool_backoff_s after the fault, doubling per failed probe up to pool_backoff_max_s.
-    pool_timeout_s: float = OP_TIMEOUT_S  # the longest one pool call (lookup, load batch, put) is waited for
-    pool_connect_timeout_s: float = CONNECT_TIMEOUT_S  # the longest connecting may take (building the cache waits)
-    pool_backoff_s: float = BACKOFF_S
-    pool_backoff_max_s: float = BACKOFF_MAX_S
+    # pool_timeout_s: the longest one pool call (lookup, load batch, put) is waited for;
+    # pool_connect_timeout_s: the longest connecting may take (building the cache waits).
+    pool_timeout_s: float = DEFAULT_BUDGETS.op_timeout_s
+    pool_connect_timeout_s: float = DEFAULT_BUDGETS.connect_timeout_s
+    pool_backoff_s: float = DEFAULT_BUDGETS.backoff_s
+    pool_backoff_max_s: float = DEFAULT_BUDGETS.backoff_max_s
 
     def __post_init__(self) -> None:
         block = self.layout.block_bytes if isinstance(self.layout, KVLayout) else None

@@ -29,22 +29,6 @@ from kvstrata.trust import Untrusted
 
 ENV = "KVSTRATA_POOL"
 
-# How long a client waits on the pool (kvstrata.pool.client), and CacheConfig's defaults.
-# One call: a lookup's existence query, a load's batch get or a store's batch put (up to 64 MiB
-# and 128 blocks: kvstrata.tiers.remote.CALL_BYTES, ~0.04 s at loopback TCP's 1.5 GB/s). A
-# live pool on loopback or a LAN answers in milliseconds; a second is ample, and is what a
-# caller waits, once, for a pool that has stopped answering (then calls fail at once).
-OP_TIMEOUT_S = 1.0
-# Connecting: socket checks, then Mooncake's setup (~0.2 s on loopback; opening RDMA devices
-# takes longer). Only building a cache waits for it; reconnects run in the background.
-CONNECT_TIMEOUT_S = 5.0
-# After a fault, the first background probe comes this long after (jittered down to half),
-# each failed one doubling the wait, up to BACKOFF_MAX_S: a pool that comes back is used again
-# within BACKOFF_MAX_S, and each client of a dead master probes it every 5 to 10 s at most.
-BACKOFF_S = 0.5
-BACKOFF_MAX_S = 10.0
-
-
 def check_budgets(owner: str, **seconds: float) -> None:
     """Each of ``seconds`` a finite number > 0, and a backoff maximum not below its base.
     ``owner`` starts the message ("cache", "pool client:").
@@ -60,11 +44,45 @@ def check_budgets(owner: str, **seconds: float) -> None:
         raise ValueError(f"{owner} {names[0]} must be >= {names[1]}, got {seconds[names[0]]!r} < {seconds[names[1]]!r}")
 
 
+@dataclass(frozen=True)
+class PoolBudgets:
+    """How long a client waits on the pool (kvstrata.pool.client); ``DEFAULT_BUDGETS`` holds the
+    defaults of every place that takes these budgets (CacheConfig, the engines' settings, the
+    remote tier, the pool client).
+
+    Attributes:
+        op_timeout_s: one call: a lookup's existence query, a load's batch get or a store's
+            batch put (up to 64 MiB and 128 blocks: kvstrata.tiers.staging.CALL_BYTES, ~0.04 s
+            at loopback TCP's 1.5 GB/s). A live pool on loopback or a LAN answers in
+            milliseconds; a second is ample, and is what a caller waits, once, for a pool that
+            has stopped answering (then calls fail at once).
+        connect_timeout_s: connecting: socket checks, then Mooncake's setup (~0.2 s on
+            loopback; opening RDMA devices takes longer). Only building a cache waits for it;
+            reconnects run in the background.
+        backoff_s: after a fault, the first background probe comes this long after (jittered
+            down to half), each failed one doubling the wait, up to ``backoff_max_s``: a pool
+            that comes back is used again within ``backoff_max_s``, and each client of a dead
+            master probes it every 5 to 10 s at most.
+        backoff_max_s: the longest wait between probes.
+    """
+
+    op_timeout_s: float = 1.0
+    connect_timeout_s: float = 5.0
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_budgets("pool budgets:", **{f.name: getattr(self, f.name) for f in fields(self)})
+
+
 class RemoteMode(enum.Enum):
     """How a process reaches the pool."""
 
     TCP = "tcp"  # a client of the master; objects move over the pool's protocol
     SHM = "shm"  # a client of the pool daemon on this host, through shared memory
+
+
+DEFAULT_BUDGETS = PoolBudgets()
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 ``start`` picks free ports, launches ``mooncake_master`` and ``mooncake_client`` (the pool
 daemon that owns the DRAM segment) in their own sessions, waits (bounded) until both accept
 connections, and writes ``pool.json`` in the run directory (whole, by a rename: clients that
-lost the pool read it again); ``stop`` ends them; ``status`` checks them (alive and answering). Inference processes join with segment size 0, so objects live in the daemon and
-survive any inference process exiting.
+lost the pool read it again); ``stop`` ends them; ``status`` checks them (alive and answering).
+Inference processes join with segment size 0, so objects live in the daemon and survive any
+inference process exiting. Launching and ending the processes: ``kvstrata.pool.processes``;
+asking them at the socket level: ``kvstrata.pool.sockets``.
 
 Security: the master and the daemon listen on 127.0.0.1, but every Mooncake process (the daemon
 and each client) also opens its transfer engine's handshake and data ports on the wildcard
@@ -33,31 +35,35 @@ import json
 import logging
 import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstrata import trust
-from kvstrata.pool import libs, native_log
+from kvstrata.pool import libs
 from kvstrata.pool import network as netns
 from kvstrata.pool.network import PoolNetwork
 from kvstrata.pool.config import PoolConfig, json_error, make_secret, secret_at
-from kvstrata.pool.started import TOKEN_ENV, ProcessStamp, carries, carrying, new_token
+from kvstrata.pool.processes import (CLIENT_TTL_S, START_TIMEOUT_S, PoolError, end_carriers, launch_daemon,
+                                     launch_master, private_file, process_alive, stamp_of, terminate, wait_for)
+from kvstrata.pool.sockets import accepts, accepts_in, answers, answers_in, free_port
+from kvstrata.pool.started import ProcessStamp, new_token
 
 _log = logging.getLogger("kvstrata.pool")
+
+# The pool's processes (kvstrata.pool.processes) and socket checks (kvstrata.pool.sockets) are
+# reached through this module too.
+__all__ = ["CLIENT_TTL_S", "SECRET", "START_TIMEOUT_S", "STARTING", "STATE", "PoolError", "PoolState", "Stopped",
+           "accepts", "accepts_in", "answers", "answers_in", "default_run_dir", "free_port", "launch_daemon",
+           "launch_master", "master_metrics", "network_for", "process_alive", "read_start_token", "read_state",
+           "start", "status", "stop", "terminate", "wait_for"]
 
 STATE = "pool.json"
 SECRET = "pool.key"
 STARTING = "starting.json"  # a start under way (or killed): the token its processes carry
 START_LOCK = ".start.lock"  # held while a start runs: starts in one run directory take turns
 RUN_DIR = "pool run directory"  # how messages name it
-START_TIMEOUT_S = 30.0
 # A pool daemon's start is tried again (on a new port) once: on a busy host (CI, beside SGLang's
 # and vLLM's own Mooncake clients) one was seen stuck in Mooncake's own retries of its client's
 # port ("Failed to create client on port 13788, retry 6/20") past START_TIMEOUT_S, and a fresh
@@ -69,64 +75,8 @@ DAEMON_ATTEMPTS = 2
 START_ATTEMPTS = 2
 
 
-class PoolError(RuntimeError):
-    """The embedded pool did not start (or stop); ``log``: the log that says more, if any
-    (in a temporary run directory it is gone once the run ends: the message says what counts)."""
-
-    def __init__(self, message: str, log: Path | None = None) -> None:
-        super().__init__(message)
-        self.log = log
-
-
 def default_run_dir() -> Path:
     return Path(os.environ.get("KVSTRATA_POOL_DIR", Path.home() / ".cache" / "kvstrata" / "pool"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def accepts(address: str, timeout_s: float = 0.5) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-_NOT_A_REQUEST = bytes(16)
-
-
-def answers(address: str, timeout_s: float = 0.5) -> bool:
-    """Whether a live process serves ``address``: it closes the connection on (or answers)
-    bytes that are no request within ``timeout_s``. For a stopped (hung) process the kernel
-    still accepts the connection, and nothing answers."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=max(timeout_s, 1e-3)) as conn:
-            conn.sendall(_NOT_A_REQUEST)
-            conn.recv(1)  # b"" (closed) or data: someone is there
-            return True
-    except ConnectionRefusedError:
-        return False  # nobody listens
-    except ConnectionError:
-        return True  # reset by a live peer
-    except OSError:
-        return False  # timed out (nobody reads), or unreachable
-
-
-def _binary(name: str) -> str:
-    here = Path(sys.executable).parent / name  # the venv's console script
-    found = str(here) if here.exists() else shutil.which(name)
-    if not found:
-        raise PoolError(
-            f"{name} not found: install the pool engine: pip install 'kvstrata[remote]' "
-            "(mooncake-transfer-engine-non-cuda; mooncake-transfer-engine with CUDA)"
-        )
-    return found
 
 
 @dataclass(frozen=True)
@@ -169,20 +119,6 @@ class PoolState:
         stamps = {k: ProcessStamp.from_json(doc[k]) for k in ("master_stamp", "daemon_stamp") if doc.get(k) is not None}
         rest = {k: doc[k] for k in doc if k != "config" and k not in stamps}
         return cls(PoolConfig(**doc["config"]), **rest, **stamps)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still "exists": check its state where /proc tells.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return True
 
 
 def read_state(run_dir: Path | None = None) -> PoolState | None:
@@ -244,19 +180,6 @@ def status(run_dir: Path | None = None) -> dict:
     }
 
 
-def answers_in(network: str | None, address: str, timeout_s: float = 0.5) -> bool:
-    """``answers(address)`` asked from inside the pool's network (False: it cannot be entered)."""
-    try:
-        return netns.run_in(network, answers, address, timeout_s)
-    except netns.NetworkError:
-        return False
-
-
-def accepts_in(network: str | None) -> Callable[[str, float], bool]:
-    """``accepts``, asked from inside the pool's network (for ``wait_for``)."""
-    return lambda address, timeout_s: netns.run_in(network, accepts, address, timeout_s)
-
-
 def master_metrics(run_dir: Path | None = None, timeout_s: float = 2.0) -> str:
     """The master's Prometheus text (``/metrics`` on its metrics port), fetched from inside the
     pool's network, where a scraper on the host cannot reach.
@@ -280,13 +203,6 @@ def master_metrics(run_dir: Path | None = None, timeout_s: float = 2.0) -> str:
     except (OSError, netns.NetworkError) as error:
         where = f" in network {state.config.network}" if state.config.network else ""
         raise PoolError(f"the pool master's metrics at {url}{where} did not answer: {error}") from None
-
-
-# How long the master keeps a pool daemon (and every object in its segment) after its last
-# heartbeat. Mooncake's default, 10 s, dropped every object of a daemon stopped for 5 s
-# (a stall, a SIGSTOP, a debugger); a dead daemon is still noticed at once by clients, whose
-# calls to it fail (kvstrata.pool.client probes its socket).
-CLIENT_TTL_S = 60
 
 
 def start(segment_bytes: int = 2 * 1024**3, run_dir: Path | None = None, secret_file: Path | None = None,
@@ -362,7 +278,7 @@ def _start(segment_bytes: int, run_dir: Path, secret_file: Path | None, network:
                           master.stamp, daemon.stamp)
         _write_json(run_dir / STATE, state.to_json())
     except BaseException:  # a process that did not start, or an interrupt: end all this start launched
-        _end_carriers(token)
+        end_carriers(token)
         (run_dir / STARTING).unlink(missing_ok=True)
         raise
     (run_dir / STARTING).unlink()  # pool.json names them now (a kill before this: stop ends them anyway)
@@ -391,21 +307,21 @@ def _launch_pool(run_dir: Path, segment_bytes: int, port: Callable[[], int], pre
     master_proc = launch_master("127.0.0.1", master_port, metrics_port, run_dir / "master.log", prefix, token)
     try:
         wait_for(master, master_proc, run_dir / "master.log", accepting)
-        serving = _Serving(master_proc, _stamp(master_proc, run_dir / "master.log"), master_port)
+        serving = _Serving(master_proc, stamp_of(master_proc, run_dir / "master.log"), master_port)
         for attempt in range(DAEMON_ATTEMPTS):
             daemon_port = port()
             daemon_proc = launch_daemon("127.0.0.1", daemon_port, master, segment_bytes, run_dir / "daemon.log",
                                         prefix, token)
             try:
                 wait_for(f"127.0.0.1:{daemon_port}", daemon_proc, run_dir / "daemon.log", accepting)
-                return serving, metrics_port, _Serving(daemon_proc, _stamp(daemon_proc, run_dir / "daemon.log"),
+                return serving, metrics_port, _Serving(daemon_proc, stamp_of(daemon_proc, run_dir / "daemon.log"),
                                                        daemon_port)
             except PoolError:
                 if attempt + 1 == DAEMON_ATTEMPTS:
                     raise
         raise AssertionError("unreachable: the last attempt raises")
     except BaseException:
-        _terminate(master_proc.pid)
+        terminate(master_proc.pid)
         raise
 
 
@@ -432,115 +348,9 @@ def network_for(network: PoolNetwork) -> str | None:
 def _write_json(path: Path, doc: dict) -> None:
     """``doc`` as ``path`` (0600), whole: readers see the old file or the new one, never part."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    with _private(partial, "w") as out:
+    with private_file(partial, "w") as out:
         out.write(json.dumps(doc, indent=2))
     os.replace(partial, path)
-
-
-def launch_master(host: str, port: int, metrics_port: int, log: Path, prefix: Sequence[str] = (),
-                  token: str | None = None) -> subprocess.Popen:
-    """``mooncake_master`` on ``host:port`` in its own session, logging to ``log`` (0600);
-    ``prefix``: a command that runs it elsewhere (``ip netns exec NS``, for the lab); ``token``:
-    the start's, carried in its environment (``kvstrata.pool.started``)."""
-    return _launch("mooncake_master", [
-        f"--rpc_address={host}",
-        f"--rpc_port={port}",
-        f"--metrics_host={host}",
-        f"--metrics_port={metrics_port}",
-        "--enable_http_metadata_server=false",
-        f"--client_ttl={CLIENT_TTL_S}",
-    ], log, prefix, token)
-
-
-def launch_daemon(host: str, port: int, master: str, segment_bytes: int, log: Path,
-                  prefix: Sequence[str] = (), token: str | None = None) -> subprocess.Popen:
-    """A pool daemon (``mooncake_client``) on ``host`` (its segment's name: ``ip:port`` there
-    names it exactly) serving on ``port``, owning a segment of ``segment_bytes`` of the master
-    at ``master``; as ``launch_master``."""
-    return _launch("mooncake_client", [
-        f"--host={host}",
-        f"--port={port}",
-        f"--global_segment_size={segment_bytes}",
-        "--local_buffer_size=16MB",
-        f"--master_server_address={master}",
-        "--metadata_server=P2PHANDSHAKE",
-        "--protocol=tcp",
-    ], log, prefix, token)
-
-
-def _launch(program: str, flags: list[str], log: Path, prefix: Sequence[str], token: str | None) -> subprocess.Popen:
-    env = native_log.pool_process_env() | ({TOKEN_ENV: token} if token else {})
-    with _private(log, "wb") as out:
-        return subprocess.Popen([*prefix, _binary(program), *flags], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
-
-
-def _private(path: Path, mode: str):
-    """``open(path, mode)`` for writing, the file readable by its owner only (0600), never
-    through a symlink nor into another user's file (``trust.open_private``)."""
-    return os.fdopen(trust.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), mode)
-
-
-def _stamp(proc: subprocess.Popen, log: Path) -> ProcessStamp:
-    """The stamp of ``proc``, taken once it serves (a wrapper has exec'd its program by then).
-
-    Raises:
-        PoolError: it exited meanwhile.
-    """
-    try:
-        return ProcessStamp.of(proc.pid)
-    except ProcessLookupError:
-        raise PoolError(f"{Path(proc.args[0]).name} exited as it started: {_last_line(log)}", log) from None
-
-
-def wait_for(address: str, proc: subprocess.Popen, log: Path,
-             accepting: Callable[[str, float], bool] = accepts) -> None:
-    """Until ``proc`` accepts connections on ``address`` (``accepting``: how to ask; the lab
-    asks from inside a namespace).
-
-    Raises:
-        PoolError: it exited, or did not listen in time; the message carries the last line of
-            its log (a temporary run directory's log is gone by the time a caller reads it).
-    """
-    name = next((Path(a).name for a in proc.args if Path(a).name.startswith("mooncake")), Path(proc.args[0]).name)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise PoolError(f"{name} exited with {proc.returncode}: {_last_line(log)}", log)
-        if accepting(address, 0.2):
-            return
-        time.sleep(0.1)
-    _terminate(proc.pid)
-    raise PoolError(f"{name} did not listen on {address} within {START_TIMEOUT_S:.0f} s; its log's last line: "
-                    f"{_last_line(log)}", log)
-
-
-def _last_line(log: Path) -> str:
-    """The last line of ``log`` that says something, and for a library the loader did not
-    find, the command that installs it."""
-    try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError as error:
-        return f"(its log {log} is unreadable: {error.strerror})"
-    if not lines:
-        return "(its log is empty)"
-    missing = libs.loader_error(lines[-1])
-    return lines[-1] + (f"; install: {libs.install_command((missing,))}" if missing else "")
-
-
-def _terminate(pid: int, grace_s: float = 5.0) -> None:
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and process_alive(pid):
-        time.sleep(0.05)
-    if process_alive(pid):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @dataclass(frozen=True)
@@ -582,13 +392,13 @@ def stop(run_dir: Path | None = None) -> Stopped:
     unknown = []
     for _, pid, stamp in state.processes() if state else ():
         if _ours(pid, stamp):
-            _terminate(pid)
+            terminate(pid)
         elif stamp is None and process_alive(pid):
             unknown.append(pid)
     (run_dir / STATE).unlink(missing_ok=True)
     interrupted = 0
     if token is not None:
-        interrupted = _end_carriers(token)  # after the recorded ones: those pool.json named are gone already
+        interrupted = end_carriers(token)  # after the recorded ones: those pool.json named are gone already
         (run_dir / STARTING).unlink(missing_ok=True)
     return Stopped(state is not None, tuple(unknown), interrupted)
 
@@ -613,26 +423,3 @@ def read_start_token(run_dir: Path) -> str | None:
     return token
 
 
-def _end_carriers(token: str) -> int:
-    """End every process launched with ``token``: each leading its process group (as ``start``
-    launches them) with its group, any other alone; each checked again just before it is
-    signalled. Returns how many there were."""
-    pids = carrying(token)
-    for pid in sorted(pids, key=lambda pid: not _leads_group(pid)):  # leaders first: their groups go with them
-        if not carries(pid, token):
-            continue  # gone with its group already
-        if _leads_group(pid):
-            _terminate(pid)
-        else:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return len(pids)
-
-
-def _leads_group(pid: int) -> bool:
-    try:
-        return os.getpgid(pid) == pid
-    except ProcessLookupError:
-        return False

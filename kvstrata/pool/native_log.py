@@ -29,9 +29,11 @@ import ctypes
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 
 log = logging.getLogger("kvstrata.pool")
 
@@ -63,17 +65,33 @@ def default_log_dir() -> Path:
 
 
 def store_class() -> type:
-    """``mooncake.store.MooncakeDistributedStore``, imported with Mooncake's log configured
-    (module text). Idempotent.
+    """``mooncake.store.MooncakeDistributedStore``, imported as :func:`store_module` does.
 
     Raises:
         ImportError: the pool client is not installed, or its native libraries are missing.
     """
+    return store_module().MooncakeDistributedStore
+
+
+def store_module() -> ModuleType:
+    """``mooncake.store``, imported with Mooncake's log configured (module text). Idempotent.
+    Every import of it goes through here: loaded before ``MC_LOG_DIR`` is set, Mooncake never
+    initializes glog, and glog then writes every line, INFO included, to stderr (what followed
+    pytest's summary: a test module that imported ``mooncake.store`` itself first, and the
+    reconnect attempts of its stores to pools the tests had stopped, as the process exited).
+
+    Raises:
+        ImportError: the pool client is not installed, or its native libraries are missing.
+    """
+    early = "mooncake.store" in sys.modules and not _configured
     configure_env()
-    from mooncake.store import MooncakeDistributedStore
+    import mooncake.store
 
     _quiet_stderr()
-    return MooncakeDistributedStore
+    if early:
+        log.warning("mooncake.store was imported before kvstrata configured Mooncake's log: "
+                    "Mooncake logs every line to stderr in this process")
+    return mooncake.store
 
 
 def configure_env() -> None:

@@ -22,7 +22,7 @@ import torch
 from kvstrata.pool.client import LOCAL_BUFFER_BYTES
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.pool.network import Runner, joined
-from kvstrata.tiers.remote import OBJECT_NOT_FOUND
+from kvstrata.pool.codes import Code
 from kvstrata.timing import VerificationError
 
 
@@ -172,7 +172,7 @@ class RawPool:
 
     def _remove(self) -> None:
         codes = self._store.batch_remove(self.names, True)
-        if any(rc not in (0, OBJECT_NOT_FOUND) for rc in codes):
+        if any(rc not in (0, Code.OBJECT_NOT_FOUND) for rc in codes):
             raise RuntimeError(f"raw pool: batch_remove answered {sorted(set(codes))}")
 
     def close(self) -> None:

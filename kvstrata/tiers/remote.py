@@ -24,7 +24,8 @@ header page and ``STAGE_BYTES`` of blocks, two halves: one call's blocks are cop
 next call's move). A put copies the caller's bytes into staging and seals them from the
 caller's (private) memory, never from staging; a get copies the value out of staging into the caller's memory (one copy), then
 verifies that copy (the MAC, or the payload checksum) against a copy of its header: bytes
-changed in staging during or after the transfer are a miss, never served.
+changed in staging during or after the transfer are a miss, never served. (The buffers:
+``kvstrata.tiers.staging``; the puts: ``remote_puts``; the gets: ``remote_gets``.)
 
 Placement. With the pool's ``segments`` (pool daemons by segment name), each batched put goes
 as one call per segment, all in flight at once, its blocks dealt out to them one by one, so
@@ -33,7 +34,7 @@ blocks on two daemons behind two 1 Gbit/s links got at 2x one link). The runs go
 segments block by block over the tier's puts (no segment takes more than one block more than
 another); ``write`` picks its object's segment by the key. Without segments the master places
 each object (measured: 32 objects 13/19 over two daemons). A segment is a preference: the master
-places an object elsewhere when that segment is full or unknown.
+places an object elsewhere when that segment is full or unknown (``kvstrata.tiers.segments``).
 
 Faults. Every store call is bounded (``op_timeout_s``) on a private worker thread; a timeout or
 a transport error puts the tier DOWN: calls raise PoolUnavailable at once while a background
@@ -61,80 +62,30 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
-import numpy as np
-import torch
-
-from kvstrata.errors import BlockMissing, CorruptBlock
+from kvstrata.errors import BlockMissing
 from kvstrata.index.keys import BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.pool.client import CallTimedOut, PendingCall, PoolClient, PoolUnavailable, Reconnected
-from kvstrata.pool.config import BACKOFF_MAX_S, BACKOFF_S, CONNECT_TIMEOUT_S, OP_TIMEOUT_S, PoolConfig, RemoteMode
+from kvstrata.pool import ops
+from kvstrata.pool.client import PoolClient, PoolUnavailable, Reconnected
+from kvstrata.pool.codes import Code
+from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
-from kvstrata.tiers.base import Pieces, Tier, TierCapabilities, split_like
+from kvstrata.tiers.base import Tier, TierCapabilities
+from kvstrata.tiers.remote_gets import NAMES_KEPT, GetPath
+from kvstrata.tiers.remote_puts import PoolRefused, PutPath
+from kvstrata.tiers.segments import Segments
+from kvstrata.tiers.staging import Lanes
 
 __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier"]
 
 _TAG = re.compile(r"[A-Za-z0-9._-]{0,128}")
 EXISTS_PER_CALL = 1024  # names per existence query
-NAMES_KEPT = 1 << 14  # object names, and the newest write time read at each, remembered per tier (a few MB at most)
-# A lane's registered headers: two halves, one per call in flight or being checked; 128 a half, so
-# a batch of 128 blocks (SGLang's storage batch) can go in one call.
-HEADER_PAGES_BYTES = 2 * 128 * poolvalue.HEADER_BYTES
-HEADERS_PER_CALL = HEADER_PAGES_BYTES // 2 // poolvalue.HEADER_BYTES  # value headers in one half
-# Payload bytes per batched pool call at most (a half of a lane's registered staging; at least one
-# block, however large): inside its time budget (1 s) at loopback TCP rates on a loaded host too
-# (64 MiB: ~0.04 s at 1.5 GB/s; one call at a time moves them).
-CALL_BYTES = 64 * 1024**2
-# A checked batch (a MAC or a checksum over every byte) is cut into calls that grow threefold from
-# 1/16 of the batch, so that the checks of all but one small call overlap a transfer: a put seals a
-# call's values before it starts, so its calls grow (the first call's seals wait alone); a get
-# checks a call's values once they land, so its calls shrink (the last call's checks wait alone).
-# Fewer, larger calls also pay the master's round trips fewer times. Sealed puts of 128 blocks of
-# 2 MiB on loopback, against a raw put in the same rounds: 64+64 0.80x, 16+48+64 0.83x, 8+24+96 0.88x.
-FIRST_CALL_SHARE, CALL_GROWTH = 16, 3
-# Buffers per call at most: Mooncake's TCP transport moves each as a slice of its own, ~20 us
-# apiece on loopback (a value is two: its header and its staging row).
-CALL_BUFFERS = 1024
-# A lane's registered staging for blocks, two halves of CALL_BYTES: one call's blocks are copied
-# out of (or into) one half while the next call's move through the other.
-STAGE_BYTES = 2 * CALL_BYTES
-
-# Mooncake status codes (types.h, ErrorCode) that say something about one object, not the pool.
-NO_SPACE = -200  # the pool could not place the object now
-INVALID_KEY = -400
-BUFFERS_TOO_SMALL = -600  # a get whose buffers add up to less than the object
-REPLICA_NOT_READY = -703  # still being written
-OBJECT_NOT_FOUND = -704
-OBJECT_EXISTS = -705
-OBJECT_HAS_LEASE = -706
-LEASE_EXPIRED = -707  # evicted while we read it: the bytes read are void
-TRANSFER_FAIL = -800  # a get whose buffers add up to more than the object, or a transport failure
-TENANT_QUOTA_EXCEEDED = -1700
-_MISSING = {REPLICA_NOT_READY, OBJECT_NOT_FOUND, LEASE_EXPIRED}
-_PUT_REFUSED = {NO_SPACE, INVALID_KEY, BUFFERS_TOO_SMALL, REPLICA_NOT_READY, OBJECT_HAS_LEASE, TENANT_QUOTA_EXCEEDED}
 
 
-class PoolRefused(RuntimeError):
-    """The pool refused to store one object (full, say); the pool itself is fine."""
-
-
-@dataclass
-class _Lane:
-    """A thread's registered buffers, the only memory of this tier the pool ever sees: header
-    pages, and staging for blocks made on first need; both made under one store generation of
-    the client (SHM segments are the daemon's)."""
-
-    header: torch.Tensor  # uint8 [HEADER_PAGES_BYTES]
-    generation: int
-    stage: torch.Tensor | None = None  # uint8 [2, rows, block_bytes]: two halves
-
-
-class RemoteTier(Tier):
+class RemoteTier(PutPath, GetPath, Tier):
     """Blocks as objects in a shared Mooncake pool.
 
     Args:
@@ -170,10 +121,10 @@ class RemoteTier(Tier):
         pool: PoolConfig,
         mode: RemoteMode = RemoteMode.TCP,
         namespace_tag: str = "",
-        op_timeout_s: float = OP_TIMEOUT_S,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S,
-        backoff_s: float = BACKOFF_S,
-        backoff_max_s: float = BACKOFF_MAX_S,
+        op_timeout_s: float = DEFAULT_BUDGETS.op_timeout_s,
+        connect_timeout_s: float = DEFAULT_BUDGETS.connect_timeout_s,
+        backoff_s: float = DEFAULT_BUDGETS.backoff_s,
+        backoff_max_s: float = DEFAULT_BUDGETS.backoff_max_s,
         required: bool = True,
         secret: bytes | None = None,
         encrypt: bool = False,
@@ -189,11 +140,9 @@ class RemoteTier(Tier):
         # recent: a read of an older value there is a replay (tiers/poolvalue.py), refused.
         self._seen: OrderedDict[str, int] = OrderedDict()
         self._clock_ns = 0  # the last written_ns given out: they strictly increase
-        self._lanes = threading.local()
+        self._lanes = Lanes(layout.block_bytes)  # each thread's registered buffers
         self._lock = threading.Lock()
-        self._retired: list[_Lane] = []  # lanes a stray call may still use: kept, never reused
-        self._replicas: dict[str, Any] = {}  # segment name -> the ReplicateConfig that puts objects there
-        self._turn = 0  # the segment the next batched put's first run goes to (an index, mod their count)
+        self._segments = Segments()  # where batched puts go among the pool's segments
         self._listener: Callable[[RemoteTier, Reconnected], None] | None = None
         self._pool = pool
         reconnected = weakref.WeakMethod(self._reconnected)  # the client must not keep the tier alive
@@ -245,394 +194,6 @@ class RemoteTier(Tier):
 
     # --- the Tier interface -------------------------------------------------------------------
 
-    def write(self, slot: int, key: BlockKey, src: torch.Tensor) -> None:
-        """Put ``src`` (uint8 ``[layers, layer_bytes]``, any device) as the object of ``key``.
-
-        ``slot`` is not used. A key already in the pool is left as it is (keys name content).
-        The value is sealed from ``src`` (a private copy of it, off the CPU), then copied into
-        this thread's staging, which the pool reads.
-
-        Raises:
-            PoolUnavailable: the pool is down or did not answer in time.
-            PoolRefused: the pool would not take this object now (e.g. full).
-        """
-        client = self._live()
-        shape = (self.layout.num_layers, self.layout.layer_bytes)
-        if src.dtype != torch.uint8 or tuple(src.shape) != shape:
-            raise ValueError(f"remote tier: src must be uint8 {list(shape)}, got {src.dtype} {list(src.shape)}")
-        name = self.object_name(key)
-        lane = self._lane(client)
-        row = self._rows(client, lane, 0, 1)[0].view(shape)
-        private = src.to("cpu").contiguous()  # sealed here, never in staging: staging is not ours alone
-        if self._seal.encrypt:  # the ciphertext streamed into the row through private scratch (poolvalue._stream)
-            header, _ = self._seal.seal(key, [private.numpy()], self._now_ns(), into=row.numpy())
-        else:
-            header, _ = self._seal.seal(key, [private.numpy()], self._now_ns())
-            row.copy_(private)
-        lane.header[: poolvalue.HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
-        ptrs = [lane.header.data_ptr(), row.data_ptr()]
-        sizes = [poolvalue.HEADER_BYTES, row.numel()]
-        try:
-            (rc,) = client.call(
-                f"put of {name}", "batch_put_from_multi_buffers", [name], [ptrs], [sizes], *self._placed(key),
-                on_late=lambda store, codes: _undo_late_put(store, name, codes), generation=lane.generation,
-            )
-        except CallTimedOut:
-            self._retire(lane)  # the stray put still reads the header and staging
-            raise
-        if rc in (0, OBJECT_EXISTS):
-            return
-        if rc in _PUT_REFUSED:
-            raise PoolRefused(f"remote tier: the pool refused {name} (Mooncake code {rc})")
-        client.mark_down(f"put failed with Mooncake code {rc}", lane.generation)
-        raise PoolUnavailable(f"remote tier: put of {name} failed (Mooncake code {rc})")
-
-    def write_many(self, slots: list[int], keys: list[BlockKey], srcs: list[torch.Tensor]) -> list[BaseException | None]:
-        """Put several blocks in few pool calls; per block None or the error ``write`` would
-        have raised for it. CPU sources (not encrypted, no key twice) go as ``write_pieces``
-        puts them, one piece each; any other batch goes block by block."""
-        shape = (self.layout.num_layers, self.layout.layer_bytes)
-        blocks = [[src.view(-1)] for src in srcs if src.dtype == torch.uint8 and tuple(src.shape) == shape
-                  and src.is_contiguous() and src.device.type == "cpu"]
-        if len(blocks) != len(srcs) or self._seal.encrypt or len(set(keys)) != len(keys):
-            return super().write_many(slots, keys, srcs)
-        return self.write_pieces(slots, keys, blocks)
-
-    def write_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
-        """Put several blocks, each from its pieces as they lie, through this thread's staging:
-        one object per block (not encrypted, no key twice); else as the default does
-        (gathered, then ``write_many``).
-
-        The puts are batched and pipelined: this thread seals the next call's blocks (the MAC
-        reads every byte) and copies them into staging while the pool takes the last call's. A
-        put that times out leaves its blocks and the later ones failed (PoolUnavailable); its
-        objects are removed should it complete later, as ``write`` does."""
-        self._check_pieces(blocks)
-        if self._seal.encrypt or len(set(keys)) != len(keys):
-            return super().write_pieces(slots, keys, blocks)
-        client = self._live()
-        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
-        try:
-            lane = self._lane(client)
-            self._rows(client, lane, 0, 0)  # the staging, made before the first put
-        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
-            return [error] * len(keys)
-        return self._put_blocks(client, lane, keys, parts)
-
-    def _put_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
-                    blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
-        """Batched, pipelined puts of blocks given as their parts (CPU, flat uint8, in order):
-        each sealed from its parts, copied into a staging row, and the object of ``keys[i]``
-        put from the buffers ``[header, row]``. Each call goes as the sub-calls ``_spread`` cuts
-        it into (one per segment), together."""
-        names = [self.object_name(k) for k in keys]
-        out: list[BaseException | None] = [None] * len(keys)
-        pending: list[tuple[range, PendingCall]] = []  # the sub-calls in flight, in block order
-        try:
-            for k, batch in enumerate(self._calls(len(keys), growing=True)):
-                headers = self._headers(lane, k % 2, len(batch))
-                rows = self._rows(client, lane, k % 2, len(batch))
-                for j, i in enumerate(batch):  # overlaps the puts of the previous call
-                    # Copied, then sealed from the caller's bytes (still in cache), never from staging.
-                    _copy(split_like(rows[j], blocks[i]), blocks[i])
-                    header, _ = self._seal.seal(keys[i], [part.numpy() for part in blocks[i]], self._now_ns())
-                    headers[j].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
-                if not self._settle_puts(client, lane, names, pending, out):
-                    return out
-                ptrs, sizes = _buffers(headers, rows, batch)
-                for run, placed in self._spread(batch):
-                    at = slice(run.start - batch.start, run.stop - batch.start, run.step)
-                    run_names = names[run.start : run.stop : run.step]
-                    try:
-                        call = client.start(f"batch put of {len(run)} blocks", "batch_put_from_multi_buffers",
-                                            run_names, ptrs[at], sizes[at], *placed, generation=lane.generation,
-                                            on_late=lambda store, codes, n=run_names: _undo_late_puts(store, n, codes))
-                    except PoolUnavailable as error:  # DOWN: this call's blocks (some perhaps put) and the later ones fail
-                        out[batch.start :] = [error] * (len(keys) - batch.start)
-                        return out
-                    pending.append((run, call))
-                for _, call in pending:  # before the next call's seals hold the interpreter's lock
-                    call.handed_over()
-            self._settle_puts(client, lane, names, pending, out)
-        finally:
-            for _, call in pending:  # an error escaped with puts in flight: let them finish reading
-                try:
-                    call.result()
-                except Exception:  # noqa: BLE001 - the error that escaped is the one to report
-                    pass
-        return out
-
-    def _spread(self, batch: range) -> list[tuple[range, tuple[Any, ...]]]:
-        """The sub-calls that put one call's blocks: with the pool's segments, ``batch`` dealt out
-        block by block, one strided run per segment (``range(start, stop, count)``, none
-        empty), each with the extra argument of its call (the ReplicateConfig that puts its
-        objects on its segment); without, the whole batch and none (the master places them).
-
-        Dealt, not cut: a later restore reads the blocks in calls of its own (and over several
-        workers), and any run of consecutive blocks then has near-equal shares on every segment.
-        Cut into contiguous runs, one get call held 16 blocks of one daemon and 8 of the other,
-        and two 1 Gbit/s ports gave 1.33x one port instead of 2x (measured in the lab). The
-        dealing turns by ``len(batch)`` from call to call, so it goes on round the segments
-        over the tier's puts, in any threads."""
-        segments = self.pool.segments
-        if not segments:
-            return [(batch, ())]
-        count = len(segments)
-        with self._lock:
-            turn = self._turn
-            self._turn = (turn + len(batch)) % count
-        return [(range(batch.start + n, batch.stop, count), (self._replica(segments[(turn + n) % count]),))
-                for n in range(min(count, len(batch)))]
-
-    def _placed(self, key: BlockKey) -> tuple[Any, ...]:
-        """The extra argument of a put of ``key``'s object alone: the ReplicateConfig of the
-        segment its key picks (keys are uniform hashes), or none without segments."""
-        segments = self.pool.segments
-        return (self._replica(segments[int.from_bytes(key, "little") % len(segments)]),) if segments else ()
-
-    def _replica(self, segment: str) -> Any:
-        """A ``mooncake.store.ReplicateConfig`` that puts each object once, on ``segment``; one per
-        segment, made on first use (Mooncake is imported only where a tier reached a pool)."""
-        with self._lock:
-            config = self._replicas.get(segment)
-            if config is None:
-                from mooncake.store import ReplicateConfig
-
-                config = ReplicateConfig()
-                config.replica_num, config.preferred_segment = 1, segment
-                self._replicas[segment] = config
-            return config
-
-    def _settle_puts(self, client: PoolClient, lane: _Lane, names: list[str], pending: list[tuple[range, PendingCall]],
-                     out: list[BaseException | None]) -> bool:
-        """Settle the sub-calls in ``pending`` in order (``_settle_put``), taking each off it; False
-        once one finds the pool DOWN (those left are still in flight: the caller waits for them)."""
-        while pending:
-            run, call = pending.pop(0)
-            if not self._settle_put(client, lane, names, run, call, out):
-                for later, _ in pending:  # dealt among this call's blocks: failed with them
-                    for i in later:
-                        out[i] = out[i] or PoolUnavailable(f"remote tier: the pool is down ({client.down_reason})")
-                return False
-        return True
-
-    def _settle_put(self, client: PoolClient, lane: _Lane, names: list[str], blocks: range, call: PendingCall,
-                    out: list[BaseException | None]) -> bool:
-        """The outcome of one batched put (of ``blocks``, a run that may be strided) into ``out``;
-        False when the pool is DOWN now (the blocks after the run's last are failed too: nothing
-        more is put)."""
-        after = blocks[-1] + 1
-        try:
-            codes = call.result()
-        except CallTimedOut as error:
-            self._retire(lane)  # the stray put still reads the headers
-            for i in blocks:
-                out[i] = error
-            out[after:] = [error] * (len(out) - after)
-            return False
-        for j, i in enumerate(blocks):
-            rc = codes[j]
-            if rc in _PUT_REFUSED:
-                out[i] = PoolRefused(f"remote tier: the pool refused {names[i]} (Mooncake code {rc})")
-            elif rc not in (0, OBJECT_EXISTS):
-                client.mark_down(f"put failed with Mooncake code {rc}", lane.generation)
-                out[i] = PoolUnavailable(f"remote tier: put of {names[i]} failed (Mooncake code {rc})")
-        if client.up:
-            return True
-        down = PoolUnavailable(f"remote tier: the pool is down ({client.down_reason}); the put was not made")
-        out[after:] = [down] * (len(out) - after)
-        return False
-
-    def read_into(self, slot: int, key: BlockKey, dst: torch.Tensor, layers: slice = slice(None)) -> None:
-        """Read layers ``layers`` of ``key`` into ``dst`` (uint8 ``[n_layers, layer_bytes]``).
-
-        The whole object always moves (header, then payload) into this thread's staging, and
-        is copied out before it is verified: into ``dst`` itself for a whole block in CPU
-        memory, else into a private copy whose requested layers go to ``dst`` once verified.
-
-        Raises:
-            BlockMissing: the object is not in the pool (a CorruptBlock: a miss).
-            CorruptBlock: wrong size, header of another key or layout, bad checksum; ``dst``
-                may hold some of its bytes and must be discarded.
-            PoolUnavailable: the pool is down or did not answer; ``dst`` was not touched.
-        """
-        client = self._live()
-        start, stop = self._layer_range(layers)
-        layer_bytes = self.layout.layer_bytes
-        shape = (stop - start, layer_bytes)
-        if dst.dtype != torch.uint8 or tuple(dst.shape) != shape:
-            raise ValueError(f"remote tier: dst must be uint8 {list(shape)}, got {dst.dtype} {list(dst.shape)}")
-        name = self.object_name(key)
-        lane = self._lane(client)
-        row = self._rows(client, lane, 0, 1)[0]
-        lane.header[: poolvalue.HEADER_BYTES].zero_()  # never a stale header of an earlier read
-        ptrs = [lane.header.data_ptr(), row.data_ptr()]
-        sizes = [poolvalue.HEADER_BYTES, row.numel()]
-        try:
-            (got,) = client.call(f"get of {name}", "batch_get_into_multi_buffers", [name], [ptrs], [sizes],
-                                 generation=lane.generation)
-        except CallTimedOut as error:
-            raise self._abandon(lane, str(error)) from None
-        if got < 0:
-            self._get_failed(client, lane, name, got)
-        if got != sum(sizes):
-            raise CorruptBlock(f"remote tier: {name} read {got} bytes, expected {sum(sizes)}: a value of the wrong size")
-        head = lane.header[: poolvalue.HEADER_BYTES].numpy().tobytes()
-        whole = dst.device.type == "cpu" and dst.is_contiguous() and (start, stop) == (0, self.layout.num_layers)
-        private = dst.view(-1) if whole else torch.empty_like(row)
-        _copy([private], [row])  # out of staging first: what is verified is what is served
-        self._opened(name, key, head, [private.numpy()])
-        if not whole:
-            _copy([dst], [private.view(self.layout.num_layers, layer_bytes)[start:stop]])
-
-    def read_many_into(
-        self, slots: list[int], keys: list[BlockKey], dsts: list[torch.Tensor], layers: slice = slice(None)
-    ) -> list[BaseException | None]:
-        """Whole blocks of several keys in few pool calls (each value still verified on its
-        own): per key None (in ``dst``, verified) or the exception ``read_into`` would have
-        raised for it. Whole blocks into contiguous CPU destinations are read as
-        ``read_pieces`` reads them, one piece each; partial reads, other destinations, and
-        batches that name a key twice go one by one."""
-        shape = (self.layout.num_layers, self.layout.layer_bytes)
-        whole = self._layer_range(layers) == (0, self.layout.num_layers)
-        if not whole or len(set(keys)) != len(keys) or not all(
-                d.dtype == torch.uint8 and tuple(d.shape) == shape and d.is_contiguous() and d.device.type == "cpu"
-                for d in dsts):
-            return super().read_many_into(slots, keys, dsts, layers)
-        return self.read_pieces(slots, keys, [[dst.view(-1)] for dst in dsts])
-
-    def read_pieces(self, slots: list[int], keys: list[BlockKey], blocks: Sequence[Pieces]) -> list[BaseException | None]:
-        """Read whole blocks into their pieces as they lie: each object into this thread's
-        staging in batched, pipelined gets, copied out into its pieces, then verified there
-        (no key twice; else as the default does: ``read_many_into``, then scattered).
-
-        The gets are pipelined: the get of the next call's blocks runs while this thread copies
-        out and checks the blocks of the last (the MAC reads every byte). A call that times out
-        fails its blocks and the later ones (PoolUnavailable); their pieces were never handed to
-        the pool, and the staging a stray call may still write is retired."""
-        self._check_pieces(blocks)
-        if len(set(keys)) != len(keys):
-            return super().read_pieces(slots, keys, blocks)
-        client = self._live()
-        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
-        try:
-            lane = self._lane(client)
-            self._rows(client, lane, 0, 0)  # the staging, made before the first get
-        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
-            return [error] * len(keys)
-        return self._get_blocks(client, lane, keys, parts)
-
-    def _get_blocks(self, client: PoolClient, lane: _Lane, keys: list[BlockKey],
-                    blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:
-        """Batched, pipelined gets of whole blocks (as their parts: CPU, flat uint8, in order):
-        the object of ``keys[i]`` into the staging buffers ``[header, row]``, then copied out
-        into ``blocks[i]`` and verified there."""
-        names = [self.object_name(k) for k in keys]
-        out: list[BaseException | None] = [None] * len(keys)
-        calls = self._calls(len(keys), growing=False)
-        try:
-            pending: PendingCall | None = self._start_get(client, lane, calls[0], 0, names)
-        except PoolUnavailable as error:  # DOWN: nothing was handed to the pool
-            return [error] * len(keys)
-        try:
-            for k, batch in enumerate(calls):
-                current, pending = pending, None
-                try:
-                    got = current.result()
-                except CallTimedOut as error:
-                    abandoned = self._abandon(lane, str(error))
-                    out[batch.start :] = [abandoned] * (len(keys) - batch.start)
-                    return out
-                unstarted = None
-                if k + 1 < len(calls):
-                    try:
-                        pending = self._start_get(client, lane, calls[k + 1], (k + 1) % 2, names)
-                        pending.handed_over()  # before the checks below hold the interpreter's lock
-                    except PoolUnavailable as error:  # DOWN since: the later blocks stay untouched
-                        unstarted = error
-                self._check_got(client, lane, keys, names, blocks, batch, got, k % 2, out)
-                if unstarted is not None:
-                    out[batch.stop :] = [unstarted] * (len(keys) - batch.stop)
-                    return out
-        finally:
-            if pending is not None:  # an error escaped with a call in flight: let it land first
-                try:
-                    pending.result()
-                except Exception:  # noqa: BLE001 - the error that escaped is the one to report
-                    pass
-        return out
-
-    def _calls(self, blocks: int, growing: bool) -> list[range]:
-        """The pool calls a batch of ``blocks`` is cut into: at most a half of the staging (and
-        of the headers) and ``CALL_BUFFERS`` each; every value's bytes are checked (a MAC or a
-        checksum), so calls grow threefold from 1/16 of the batch (``growing``: puts), or
-        shrink to it (gets)."""
-        most = max(1, min(HEADERS_PER_CALL, self._stage_rows(), CALL_BUFFERS // 2))
-        sizes = []
-        size, left = -(-blocks // FIRST_CALL_SHARE), blocks
-        while left:
-            sizes.append(min(left if left <= size * (1 + CALL_GROWTH) else size, most))
-            left -= sizes[-1]
-            size *= CALL_GROWTH
-        sizes = sizes if growing else sizes[::-1]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [range(start, start + size) for start, size in zip(starts, sizes)]
-
-    def _headers(self, lane: _Lane, half: int, count: int) -> torch.Tensor:
-        """``count`` value headers in one half of the lane's header pages (uint8 [count, 128]):
-        consecutive calls alternate halves, so one call's headers are checked while the next
-        call's land."""
-        head = poolvalue.HEADER_BYTES
-        at = half * HEADERS_PER_CALL * head
-        return lane.header[at : at + count * head].view(count, head)
-
-    def _stage_rows(self) -> int:
-        """Blocks in a half of a lane's staging."""
-        return max(1, STAGE_BYTES // 2 // self.layout.block_bytes)
-
-    def _rows(self, client: PoolClient, lane: _Lane, half: int, count: int) -> torch.Tensor:
-        """``count`` staging rows in one half of the lane's staging (uint8 [count, block_bytes]),
-        the staging registered (made) on first need.
-
-        Raises:
-            PoolUnavailable: the pool is down (no staging is made for a store that is gone), or
-                (SHM mode) the daemon would not map a segment.
-        """
-        if lane.stage is None:
-            if not client.up:
-                raise PoolUnavailable(f"remote tier: the pool is down ({client.down_reason})")
-            rows = self._stage_rows()
-            lane.stage = client.allocate(2 * rows * self.layout.block_bytes).view(2, rows, self.layout.block_bytes)
-        return lane.stage[half, :count]
-
-    def _start_get(self, client: PoolClient, lane: _Lane, batch: range, half: int, names: list[str]) -> PendingCall:
-        headers = self._headers(lane, half, len(batch))
-        headers.zero_()  # a header a get did not write (a duplicate name, say) must not pass for one
-        ptrs, sizes = _buffers(headers, self._rows(client, lane, half, len(batch)), batch)
-        return client.start(f"batch get of {len(batch)} blocks", "batch_get_into_multi_buffers",
-                            names[batch.start : batch.stop], ptrs, sizes, generation=lane.generation)
-
-    def _check_got(self, client: PoolClient, lane: _Lane, keys: list[BlockKey], names: list[str],
-                   blocks: list[list[torch.Tensor]], batch: range, got: list[int], half: int,
-                   out: list[BaseException | None]) -> None:
-        """Copy out and verify the blocks of one finished get (``got``: bytes or a code per
-        block; in staging ``half``) into ``out``: the headers and payloads are copied out of
-        staging first, and the copies are what is checked and served."""
-        heads = self._headers(lane, half, len(batch)).numpy().tobytes()
-        rows = self._rows(client, lane, half, len(batch))
-        size = poolvalue.HEADER_BYTES + self.layout.block_bytes
-        for j, i in enumerate(batch):
-            try:
-                if got[j] < 0:
-                    self._get_failed(client, lane, names[i], got[j])
-                if got[j] != size:
-                    raise CorruptBlock(f"remote tier: {names[i]} read {got[j]} bytes: a value of the wrong size")
-                _copy(blocks[i], split_like(rows[j], blocks[i]))  # checked next, still in cache
-                head = heads[j * poolvalue.HEADER_BYTES : (j + 1) * poolvalue.HEADER_BYTES]
-                self._opened(names[i], keys[i], head, [part.numpy() for part in blocks[i]])
-            except (CorruptBlock, PoolUnavailable) as error:
-                out[i] = error
-
     def close(self) -> None:
         """Leave the pool (the objects stay). Idempotent; afterwards calls raise RuntimeError.
         Memory from ``allocate`` stays valid for whoever still holds it."""
@@ -656,7 +217,7 @@ class RemoteTier(Tier):
         for first in range(0, len(keys), EXISTS_PER_CALL):
             names = [self.object_name(k) for k in keys[first : first + EXISTS_PER_CALL]]
             try:
-                answers = client.call(f"exists of {len(names)} objects", "batch_is_exist", names)
+                answers = client.call(f"exists of {len(names)} objects", ops.BATCH_IS_EXIST, names)
             except PoolUnavailable:
                 return out + [False] * (len(keys) - len(out))
             if any(a < 0 for a in answers):
@@ -679,8 +240,8 @@ class RemoteTier(Tier):
         if not keys:
             return []
         client = self._live()
-        codes = client.call(f"remove of {len(keys)} objects", "batch_remove", [self.object_name(k) for k in keys], force)
-        return [rc in (0, OBJECT_NOT_FOUND) for rc in codes]
+        codes = client.call(f"remove of {len(keys)} objects", ops.BATCH_REMOVE, [self.object_name(k) for k in keys], force)
+        return [rc in (0, Code.OBJECT_NOT_FOUND) for rc in codes]
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -690,104 +251,11 @@ class RemoteTier(Tier):
             raise RuntimeError("remote tier is closed")
         return client
 
-    def _lane(self, client: PoolClient) -> _Lane:
-        lane = getattr(self._lanes, "lane", None)
-        generation = client.generation
-        if lane is None or lane.generation != generation:
-            if lane is not None:
-                self._retire(lane)  # made for another store (a stray call may use it still)
-            lane = self._lanes.lane = _Lane(client.allocate(HEADER_PAGES_BYTES), generation)  # pages: what SHM maps anyway
-        return lane
-
     def _now_ns(self) -> int:
         """A written_ns for a value about to be sealed: the wall clock, strictly increasing."""
         with self._lock:
             self._clock_ns = max(time.time_ns(), self._clock_ns + 1)
             return self._clock_ns
-
-    def _opened(self, name: str, key: BlockKey, head: bytes, parts: list[np.ndarray]) -> None:
-        """Check a value read from object ``name`` (``ValueSeal.open``): none older than the
-        newest this tier has read there is served. Why reads, not puts, set that bar: a put of a
-        name the pool holds already succeeds (code 0) and leaves the old value in place, so a
-        put does not tell which value the pool holds; the first read after it does.
-
-        Raises:
-            CorruptBlock: as ``ValueSeal.open``; a replay among them.
-        """
-        with self._lock:
-            newest = self._seen.get(name, 0)
-        written_ns = self._seal.open(key, head, parts, newest).written_ns
-        with self._lock:
-            self._seen[name] = max(written_ns, self._seen.get(name, 0))
-            self._seen.move_to_end(name)
-            if len(self._seen) > NAMES_KEPT:
-                self._seen.popitem(last=False)
-
-    def _retire(self, lane: _Lane) -> None:
-        """A stray call may still use this thread's buffers: keep them, make new ones next time."""
-        with self._lock:
-            self._retired.append(lane)
-        if getattr(self._lanes, "lane", None) is lane:
-            self._lanes.lane = None
-
-    def _abandon(self, lane: _Lane, why: str) -> PoolUnavailable:
-        """The error for a get that did not end cleanly: the stray call may still write this
-        thread's staging (retired, never the caller's memory)."""
-        self._retire(lane)
-        return PoolUnavailable(f"remote tier: {why}")
-
-    def _get_failed(self, client: PoolClient, lane: _Lane, name: str, code: int) -> None:
-        """Raise the error a failed get (Mooncake code ``code``) means."""
-        if code in _MISSING:
-            raise BlockMissing(f"remote tier: {name} is not in the pool (Mooncake code {code})")
-        expected = poolvalue.HEADER_BYTES + self.layout.block_bytes
-        if code == BUFFERS_TOO_SMALL:
-            raise CorruptBlock(f"remote tier: {name} is larger than {expected} bytes: a value of the wrong size: rejected")
-        if code == TRANSFER_FAIL:
-            # Either the object is smaller than our buffers (refused before any transfer) or
-            # the transport failed: the object's size tells which.
-            try:
-                size = client.call(f"size of {name}", "get_size", name)
-            except CallTimedOut as error:  # the get itself has returned: nothing more lands
-                raise self._abandon(lane, str(error)) from None
-            except PoolUnavailable:
-                size = None
-            if size == OBJECT_NOT_FOUND:
-                raise BlockMissing(f"remote tier: {name} is not in the pool")
-            if size is not None and size >= 0 and size != expected:
-                raise CorruptBlock(f"remote tier: {name} is {size} bytes, not {expected}: a value of the wrong size: rejected")
-        client.mark_down(f"get failed with Mooncake code {code}", lane.generation)
-        raise self._abandon(lane, f"get of {name} failed (Mooncake code {code})")
-
-
-def _buffers(headers: torch.Tensor, rows: torch.Tensor, batch: range) -> tuple[list, list]:
-    """The pointers and sizes of one batched call's objects: block ``i`` of ``batch`` as its
-    header (``headers[j]``, j its place in the batch), then its staging row (``rows[j]``)."""
-    ptrs = [[headers[j].data_ptr(), rows[j].data_ptr()] for j in range(len(batch))]
-    sizes = [[poolvalue.HEADER_BYTES, rows[j].numel()] for j in range(len(batch))]
-    return ptrs, sizes
-
-
-def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dsts[i][:] = srcs[i]``; the caller's tensors may be inference tensors (made under
-    ``torch.inference_mode``, as an engine's KV is), which only that mode may update in place."""
-    with torch.inference_mode():
-        torch._foreach_copy_(dsts, srcs)
-
-
-def _undo_late_put(store, name: str, codes: list[int]) -> None:
-    # A put that completed after its caller gave up: its source may have changed meanwhile.
-    if codes and codes[0] == 0:
-        store.remove(name, True)
-
-
-def _undo_late_puts(store, names: list[str], codes: list[int]) -> None:
-    # As _undo_late_put, for each object of a batched put.
-    stored = [name for name, rc in zip(names, codes) if rc == 0]
-    if stored:
-        store.batch_remove(stored, True)
-
-
 
 def fresh_tag() -> str:
     """A namespace tag no other tier uses (tests, benchmarks)."""

@@ -3,13 +3,15 @@ budgets for waiting on a pool are refused in one line when they cannot work."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import stat
 
 import pytest
 
-from kvstrata.pool.config import PoolConfig, check_budgets, load_pool_config, make_secret, read_secret
+from kvstrata.pool.config import DEFAULT_BUDGETS, PoolBudgets, PoolConfig, check_budgets, load_pool_config, make_secret, read_secret
 from kvstrata.trust import Untrusted
 
 
@@ -43,6 +45,29 @@ def test_a_file_that_is_no_pool_config_is_refused_in_one_line(tmp_path, text):
 def test_budgets_that_cannot_work_are_refused_in_one_line(seconds, message):
     with pytest.raises(ValueError, match=f"^pool client: {message}"):
         check_budgets("pool client:", **seconds)
+
+
+def test_the_default_budgets_are_one_frozen_value_every_budget_taker_defaults_to():
+    from dataclasses import FrozenInstanceError
+
+    from kvstrata.cache.config import CacheConfig
+    from kvstrata.pool.client import PoolClient
+    from kvstrata.tiers.remote import RemoteTier
+
+    assert DEFAULT_BUDGETS == PoolBudgets(op_timeout_s=1.0, connect_timeout_s=5.0, backoff_s=0.5, backoff_max_s=10.0)
+    with pytest.raises(FrozenInstanceError):
+        DEFAULT_BUDGETS.op_timeout_s = 2.0
+    for taker in (PoolClient, RemoteTier):
+        defaults = inspect.signature(taker).parameters
+        assert PoolBudgets(*(defaults[name].default for name in BUDGET_NAMES)) == DEFAULT_BUDGETS
+    defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+    assert PoolBudgets(*(defaults[name] for name in CACHE_BUDGET_NAMES)) == DEFAULT_BUDGETS
+    with pytest.raises(ValueError, match="^pool budgets: backoff_max_s must be >= backoff_s"):
+        PoolBudgets(backoff_s=2.0, backoff_max_s=1.0)
+
+
+BUDGET_NAMES = ("op_timeout_s", "connect_timeout_s", "backoff_s", "backoff_max_s")
+CACHE_BUDGET_NAMES = ("pool_timeout_s", "pool_connect_timeout_s", "pool_backoff_s", "pool_backoff_max_s")
 
 
 def test_segments_round_trip_through_toml_json_and_the_state_file(tmp_path):

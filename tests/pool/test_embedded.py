@@ -20,7 +20,7 @@ from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.pool import embedded
+from kvstrata.pool import embedded, ops, processes
 from kvstrata.pool import network as netns
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import ENV as POOL_ENV
@@ -95,7 +95,7 @@ def test_a_daemon_that_cannot_take_its_port_is_started_again_on_another(tmp_path
 def test_a_daemon_that_fails_on_both_ports_is_started_again_with_a_fresh_master(tmp_path, monkeypatch):
     # Its first two daemons are given a master that is not there, so neither serves: the start
     # ends that master and starts a fresh master and daemon, which serve.
-    monkeypatch.setattr(embedded, "START_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(processes, "START_TIMEOUT_S", 3.0)  # wait_for reads it there
     real, masters, calls = embedded.launch_daemon, [], []
     real_master = embedded.launch_master
 
@@ -158,7 +158,7 @@ def test_pool_start_makes_a_private_secret_that_clients_of_its_state_file_seal_w
             client = PoolClient(config)
             try:
                 head = client.allocate(poolvalue.HEADER_BYTES + layout.block_bytes)
-                (got,) = client.call("raw get", "batch_get_into", [tier.object_name(key)], [head.data_ptr()],
+                (got,) = client.call("raw get", ops.BATCH_GET, [tier.object_name(key)], [head.data_ptr()],
                                      [head.numel()])
                 assert got == head.numel()
                 assert poolvalue.decode_header(head[: poolvalue.HEADER_BYTES].numpy().tobytes()).nonce is not None

@@ -111,3 +111,32 @@ def test_pool_processes_log_warnings_and_errors_to_their_own_files(monkeypatch):
     monkeypatch.setenv("MC_LOG_LEVEL", "INFO")
     assert native_log.pool_process_env()["MC_LOG_DIR"] == "/var/log/mine"
     assert native_log.pool_process_env()["MC_LOG_LEVEL"] == "INFO"
+
+
+def _mooncake_imports(path: Path) -> list[str]:
+    """Where ``path`` loads a ``mooncake`` module itself: imports, and ``importorskip`` of one
+    (code only: scripts held in strings, run in processes of their own, are theirs)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip" and node.args:
+            names = [getattr(node.args[0], "value", "")]
+        else:
+            continue
+        found += [f"{path}:{node.lineno} {name}" for name in names if str(name).split(".")[0] == "mooncake"]
+    return found
+
+
+def test_mooncake_is_loaded_only_through_native_log():
+    # Loaded before native_log sets MC_LOG_DIR, Mooncake never initializes glog, which then writes
+    # every line to stderr: 85 lines of "Reconnection attempt failed" after pytest's summary, when a
+    # test module's importorskip("mooncake.store") ran first.
+    root = Path(__file__).resolve().parents[2]
+    found = [hit for folder in ("kvstrata", "tests") for path in sorted((root / folder).rglob("*.py"))
+             if path.name != "native_log.py" for hit in _mooncake_imports(path)]
+    assert found == []

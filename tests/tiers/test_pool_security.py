@@ -17,6 +17,7 @@ import xxhash
 from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
+from kvstrata.pool import ops
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig, read_secret
 from kvstrata.tiers import poolvalue
@@ -61,15 +62,15 @@ def attacker(pool):
 
 def raw_get(attacker, name: str) -> bytes | None:
     client, buffer = attacker
-    (got,) = client.call("raw get", "batch_get_into", [name], [buffer.data_ptr()], [VALUE])
+    (got,) = client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE])
     return None if got < 0 else buffer[:got].numpy().tobytes()
 
 
 def raw_put(attacker, name: str, value: bytes) -> None:
     client, buffer = attacker
-    client.call("raw remove", "remove", name, True)
+    client.call("raw remove", ops.REMOVE, name, True)
     buffer[: len(value)] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-    assert client.call("raw put", "batch_put_from", [name], [buffer.data_ptr()], [len(value)]) == [0]
+    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [len(value)]) == [0]
 
 
 def store(tier: RemoteTier, key: bytes) -> None:

@@ -28,7 +28,7 @@ from kvstrata import errors  # noqa: E402
 from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
-from kvstrata.pool import embedded
+from kvstrata.pool import embedded, ops
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers import poolvalue
@@ -82,7 +82,7 @@ def raw(pool):
 def put_raw(raw, name: str, value: bytes) -> None:
     client, buffer = raw
     buffer[: len(value)] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-    assert client.call("raw put", "batch_put_from", [name], [buffer.data_ptr()], [len(value)]) == [0]
+    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [len(value)]) == [0]
 
 
 def value_bytes(key: bytes, payload: torch.Tensor, layout_text: str = LAYOUT.describe(),
@@ -147,7 +147,8 @@ def test_blocks_move_through_the_tiers_own_staging_and_partial_reads_verify(make
     assert torch.equal(host[1], host[0])
     client = tier._client
     assert not any(client.is_registered(t) for t in (host, host[0], host[1]))  # the caller's memory: never
-    assert client.is_registered(tier._lanes.lane.stage) and client.is_registered(tier._lanes.lane.header)
+    lane = tier._lanes.current()
+    assert client.is_registered(lane.stage) and client.is_registered(lane.header)
     for layers in (slice(1, 3), slice(0, 1), slice(3, 4), slice(2, 2)):
         dst = host[2][: len(range(*layers.indices(LAYOUT.num_layers)))]
         dst.fill_(0xAA)
@@ -270,10 +271,10 @@ def recording_calls(tier: RemoteTier) -> list[tuple[str, int]]:
     client = tier._client
     start = client.start
 
-    def spy(what, method, *args, **kwargs):
-        if method.startswith("batch_"):
-            seen.append((method, len(args[0])))
-        return start(what, method, *args, **kwargs)
+    def spy(what, op, *args, **kwargs):
+        if op.name.startswith("batch_"):
+            seen.append((op.name, len(args[0])))
+        return start(what, op, *args, **kwargs)
 
     client.start = spy
     return seen

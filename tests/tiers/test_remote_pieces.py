@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvstrata.errors import CorruptBlock
+from kvstrata.pool import ops
 from kvstrata.pool.client import PoolClient
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.remote import BlockMissing, PoolUnavailable, RemoteMode, RemoteTier
@@ -47,10 +48,10 @@ def recording_objects(tier: RemoteTier) -> list[tuple[str, list[int]]]:
     client = tier._client
     start = client.start
 
-    def spy(what, method, *args, **kwargs):
-        if method.endswith("multi_buffers"):
-            seen.extend((method, list(sizes)) for sizes in args[2])
-        return start(what, method, *args, **kwargs)
+    def spy(what, op, *args, **kwargs):
+        if op.name.endswith("multi_buffers"):
+            seen.extend((op.name, list(sizes)) for sizes in args[2])
+        return start(what, op, *args, **kwargs)
 
     client.start = spy
     return seen
@@ -73,10 +74,10 @@ def attacker(pool):
 def tamper(attacker, name: str, offset: int) -> None:
     """Flip one byte of the object ``name`` in place (a raw get, remove, put)."""
     client, buffer = attacker
-    assert client.call("raw get", "batch_get_into", [name], [buffer.data_ptr()], [VALUE]) == [VALUE]
+    assert client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE]) == [VALUE]
     buffer[offset] ^= 0xFF
-    client.call("raw remove", "remove", name, True)
-    assert client.call("raw put", "batch_put_from", [name], [buffer.data_ptr()], [VALUE]) == [0]
+    client.call("raw remove", ops.REMOVE, name, True)
+    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [VALUE]) == [0]
 
 
 # --- through the tier's own staging -----------------------------------------------------------
@@ -85,9 +86,9 @@ def tamper(attacker, name: str, offset: int) -> None:
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("sizes", [[HALF, HALF], UNEVEN, MANY], ids=["k/v halves", "uneven", "a part a layer"])
 def test_pieces_go_through_staging_one_object_per_block(make_remote_tier, mode, sizes, monkeypatch):
-    from kvstrata.tiers import remote
+    from kvstrata.tiers import staging
 
-    monkeypatch.setattr(remote, "STAGE_BYTES", 2 * 2 * LAYOUT.block_bytes)  # halves of 2 blocks: 6 go in 3 calls
+    monkeypatch.setattr(staging, "STAGE_BYTES", 2 * 2 * LAYOUT.block_bytes)  # halves of 2 blocks: 6 go in 3 calls
     tier = make_remote_tier(mode)
     keys = [make_key(i, f"pieces-{mode.value}-{len(sizes)}") for i in range(6)]
     memory = torch.zeros(2 * 6 * LAYOUT.block_bytes, dtype=torch.uint8)
@@ -107,9 +108,9 @@ def test_pieces_go_through_staging_one_object_per_block(make_remote_tier, mode, 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 def test_a_tampered_value_among_many_calls_is_the_only_miss(make_remote_tier, secret, attacker, mode, monkeypatch):
-    from kvstrata.tiers import remote
+    from kvstrata.tiers import staging
 
-    monkeypatch.setattr(remote, "STAGE_BYTES", 2 * 3 * LAYOUT.block_bytes)  # halves of 3 blocks: 7 go in three calls
+    monkeypatch.setattr(staging, "STAGE_BYTES", 2 * 3 * LAYOUT.block_bytes)  # halves of 3 blocks: 7 go in three calls
     tier = make_remote_tier(mode, secret=secret)
     keys = [make_key(i, f"many-{mode.value}") for i in range(7)]
     memory = torch.zeros(7 * LAYOUT.block_bytes, dtype=torch.uint8)

@@ -5,6 +5,7 @@ its key says; one segment takes everything; every block reads back as written.""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 from dataclasses import dataclass, replace
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kvstrata.pool import embedded
+from kvstrata.pool import embedded, native_log, ops
 from kvstrata.pool import network as netns
 from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
@@ -21,8 +22,12 @@ from kvstrata.tiers.remote import PoolUnavailable, RemoteMode, RemoteTier, fresh
 from tests.process_support import stop_process, wait_until
 from tests.tiers.test_remote import LAYOUT, MODES, SLACK_S, content, make_key, timed
 
-pytest.importorskip("mooncake.store", reason="the pool engine is not installed")
-pytestmark = pytest.mark.pool  # a master and two daemons of this module's own
+# Not importorskip: importing mooncake.store before kvstrata.pool.native_log configures Mooncake's log
+# sends every line Mooncake logs in this process to stderr (its stores' teardown after pytest's summary).
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="the pool engine is not installed"),
+    pytest.mark.pool,  # a master and two daemons of this module's own
+]
 
 SEGMENT_BYTES = 16 * 1024**2
 
@@ -40,7 +45,7 @@ class Segmented:
 
     def segment_of(self, name: str) -> str:
         """The segment holding the (one) replica of the object ``name``."""
-        (replica,) = self.raw.call(f"replicas of {name}", "get_replica_desc", name)
+        (replica,) = self.raw.call(f"replicas of {name}", ops.GET_REPLICA_DESC, name)
         return self.segment_at[replica.get_memory_descriptor().buffer_descriptor.transport_endpoint]
 
 
@@ -49,7 +54,7 @@ def segmented(tmp_path_factory):
     """A master and two pool daemons on loopback, each daemon's segment named ``127.0.0.1:<port>``
     (its ``--host``). The transport endpoint an object's replica names is not the segment name:
     a probe object put on each segment says which endpoint is which."""
-    from mooncake.store import ReplicateConfig
+    ReplicateConfig = native_log.store_module().ReplicateConfig  # through native_log: Mooncake's log configured
 
     run = tmp_path_factory.mktemp("segments")
     master_port = embedded.free_port()
@@ -74,8 +79,8 @@ def segmented(tmp_path_factory):
             config = ReplicateConfig()
             config.replica_num, config.preferred_segment = 1, segment
             name = f"probe/{segment}"
-            assert raw.call("probe put", "batch_put_from", [name], [probe.data_ptr()], [64], config) == [0]
-            (replica,) = raw.call("probe replicas", "get_replica_desc", name)
+            assert raw.call("probe put", ops.BATCH_PUT, [name], [probe.data_ptr()], [64], config) == [0]
+            (replica,) = raw.call("probe replicas", ops.GET_REPLICA_DESC, name)
             segment_at[replica.get_memory_descriptor().buffer_descriptor.transport_endpoint] = segment
         assert len(segment_at) == 2, "the daemons' endpoints must tell them apart"
         pids = (procs[1].pid, procs[2].pid)
@@ -85,7 +90,7 @@ def segmented(tmp_path_factory):
         if raw is not None:
             raw.close()
         for proc in reversed(procs):
-            embedded._terminate(proc.pid)
+            embedded.terminate(proc.pid)
 
 
 @pytest.fixture
@@ -193,4 +198,4 @@ def test_a_hung_daemon_fails_its_run_and_the_other_runs_are_waited_for(make_tier
     finally:
         os.kill(segmented.daemon_pids[1], signal.SIGCONT)
     late = [tier.object_name(key) for key in keys[1::2]]  # the stray put lands once the daemon runs: then undone
-    assert wait_until(lambda: segmented.raw.call("exists", "batch_is_exist", late) == [0] * 2, 10.0)
+    assert wait_until(lambda: segmented.raw.call("exists", ops.BATCH_IS_EXIST, late) == [0] * 2, 10.0)

@@ -19,15 +19,7 @@ from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_n
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.pool.config import (
-    BACKOFF_MAX_S,
-    BACKOFF_S,
-    CONNECT_TIMEOUT_S,
-    OP_TIMEOUT_S,
-    PoolConfig,
-    RemoteMode,
-    check_budgets,
-)
+from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode, check_budgets
 
 GiB = 1024**3
 KEY_PREFIX = "kvstrata_"
@@ -70,10 +62,10 @@ class StorageSettings:
     write: WritePolicy = WritePolicy.WRITE_THROUGH
     selective_hits: int = 2
     eviction: Eviction = Eviction.LRU
-    pool_timeout_s: float = OP_TIMEOUT_S
-    pool_connect_timeout_s: float = CONNECT_TIMEOUT_S
-    pool_backoff_s: float = BACKOFF_S
-    pool_backoff_max_s: float = BACKOFF_MAX_S
+    pool_timeout_s: float = DEFAULT_BUDGETS.op_timeout_s
+    pool_connect_timeout_s: float = DEFAULT_BUDGETS.connect_timeout_s
+    pool_backoff_s: float = DEFAULT_BUDGETS.backoff_s
+    pool_backoff_max_s: float = DEFAULT_BUDGETS.backoff_max_s
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> StorageSettings:

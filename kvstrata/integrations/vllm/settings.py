@@ -21,15 +21,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.payoff import BUDGET_FACTOR
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.transfer.placement import parse_cpu_list
-from kvstrata.pool.config import (
-    BACKOFF_MAX_S,
-    BACKOFF_S,
-    CONNECT_TIMEOUT_S,
-    OP_TIMEOUT_S,
-    PoolConfig,
-    RemoteMode,
-    check_budgets,
-)
+from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode, check_budgets
 
 MiB = 1024**2
 _PREFIX = "KVStrataConnector:"
@@ -95,10 +87,10 @@ class ConnectorSettings:
     sync_save: bool = False
     save_backlog_bytes: int = 256 * MiB
     io_cpus: str = "none"
-    pool_timeout_s: float = OP_TIMEOUT_S
-    pool_connect_timeout_s: float = CONNECT_TIMEOUT_S
-    pool_backoff_s: float = BACKOFF_S
-    pool_backoff_max_s: float = BACKOFF_MAX_S
+    pool_timeout_s: float = DEFAULT_BUDGETS.op_timeout_s
+    pool_connect_timeout_s: float = DEFAULT_BUDGETS.connect_timeout_s
+    pool_backoff_s: float = DEFAULT_BUDGETS.backoff_s
+    pool_backoff_max_s: float = DEFAULT_BUDGETS.backoff_max_s
     kv_sharing: KVSharing = KVSharing.SLICED
     disk_read_gbps: float | None = None
     load_budget: float | None = BUDGET_FACTOR
