@@ -22,7 +22,7 @@ from kvstrata.cli.plan import resolve_profile
 from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.planner import make_plan
 from kvstrata.plan.architectures import Architecture
-from kvstrata.sim.engine import SimConfig
+from kvstrata.sim.config import SimConfig
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
 from kvstrata.sim.run import simulate
 from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate

@@ -408,7 +408,7 @@ def byte_rates(work: Path) -> ByteRates:
 
     import torch
 
-    from kvstrata.calibrate.measure import Prober, blocks_layout
+    from kvstrata.calibrate.probes import Prober, blocks_layout
     from kvstrata.plan import host as h
 
     prober = Prober(work / "rates", 1, torch.device("cpu"), blocks_layout(1 << 20))

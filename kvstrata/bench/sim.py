@@ -40,7 +40,8 @@ from kvstrata.plan.architectures import Architecture
 from kvstrata.progress import NoProgress, Progress
 from kvstrata.report import OMIT
 from kvstrata.sim.analyze import analyze
-from kvstrata.sim.engine import SimConfig, Simulation
+from kvstrata.sim.config import SimConfig
+from kvstrata.sim.engine import Simulation
 from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import Request, sort_by_time
 

@@ -1,5 +1,6 @@
-"""Calibration: measure this host's transfer paths (``measure``), check restores against the
-prediction (``validate``), and read and write the hardware profile that carries the fits.
+"""Calibration: measure this host's transfer paths (``measure``, with the timed steps of
+``probes``), check restores against the prediction (``validate``), and read and write the
+hardware profile that carries the fits.
 
 A calibrated profile is a hardware profile's TOML (the topology loader ignores the extra
 tables) plus a ``[calibration]`` table (``HostCalibration.to_toml``) and, on a GPU host,

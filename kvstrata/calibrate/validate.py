@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from kvstrata.calibrate.ballast import Ballast
-from kvstrata.calibrate.measure import Measurement, Prober, fit_paths
+from kvstrata.calibrate.measure import Measurement, fit_paths
+from kvstrata.calibrate.probes import Prober
 from kvstrata.calibrate.restores import TINY_BLOCKS, TINY_LAYOUT, CacheRestores
 from kvstrata.kv.layout import KVLayout
 from kvstrata.kv.presets import load_geometry

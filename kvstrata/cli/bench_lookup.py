@@ -9,7 +9,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench import BenchParser, _figure_table, _run_and_report, _verdicts, spread_x
+from kvstrata.cli.bench_common import BenchParser, figure_table, run_and_report, spread_x, verdict_cells
 
 if TYPE_CHECKING:
     from kvstrata.bench.lookup_report import LookupBenchReport
@@ -49,7 +49,7 @@ def run_restart(args: argparse.Namespace) -> int:
     from kvstrata.bench.restart import RestartBenchConfig, run_restart_bench
 
     config = RestartBenchConfig(blocks=args.blocks, repeats=args.repeats, cold=not args.warm, directory=args.dir)
-    return _run_and_report(args, lambda bar: run_restart_bench(config, bar), _print_restart,
+    return run_and_report(args, lambda bar: run_restart_bench(config, bar), _print_restart,
                            {OSError: "no room for the blocks"})
 
 
@@ -57,7 +57,7 @@ def _print_restart(report: RestartBenchReport) -> None:
     from kvstrata.bench.goals import LookupFigure, goals_for
 
     t, c = report.times, report.config
-    table = _figure_table(
+    table = figure_table(
         f"kvstrata bench restart: a disk tier of {t.blocks:,} blocks ({t.file_bytes / 1e9:.2f} GB of files), "
         f"{c.repeats} restarts, page cache {'dropped' if t.cold else 'warm'}; seconds",
         (("figure (what is timed)", "left"), ("median", "right"), ("rounds", "right"), ("goal", "left"),
@@ -70,7 +70,7 @@ def _print_restart(report: RestartBenchReport) -> None:
     for figure, label, what, values in rows:
         goals = goals_for(figure, report.goals) if figure is not None else []
         table.add_row(f"{label}\n[dim]{what}[/]", f"{statistics.median(values):.3f}",
-                      " ".join(f"{v:.3f}" for v in values), *_verdicts(goals))
+                      " ".join(f"{v:.3f}" for v in values), *verdict_cells(goals))
     out = cli.console()
     out.print(table)
     out.print(f"{t.recovered_blocks:,} blocks recovered; set-up (writing them) took {t.build_s:.1f} s. The goal "
@@ -81,7 +81,7 @@ def run_lookup(args: argparse.Namespace) -> int:
     from kvstrata.bench.lookup_report import LookupBenchConfig, run_lookup_bench
 
     config = LookupBenchConfig(tokens=args.tokens, repeats=args.repeats, large_blocks=args.large_blocks)
-    return _run_and_report(args, lambda bar: run_lookup_bench(config, bar), _print_lookup)
+    return run_and_report(args, lambda bar: run_lookup_bench(config, bar), _print_lookup)
 
 
 def _print_lookup(report: LookupBenchReport) -> None:
@@ -109,13 +109,13 @@ def _print_lookup(report: LookupBenchReport) -> None:
         (None, "  match alone", "PrefixIndex.match", f"{s.match_large_ms:.3f} ms",
          f"{s.small:,} indexed {s.match_small_ms:.3f} ms", spread_x(s.match)),
     ]
-    table = _figure_table(
+    table = figure_table(
         f"kvstrata bench lookup: {c.tokens:,} random token ids, {c.repeats} interleaved rounds; time ratios",
         (("figure (what is timed)", "left"), ("ours", "right"), ("baseline", "right"),
          ("ratio (min-max)", "right"), ("goal", "left"), ("pass", "left")))
     for figure, label, what, ours, baseline, ratio in rows:
         goals = goals_for(figure, report.goals) if figure is not None else []
-        table.add_row(f"{label}\n[dim]{what}[/]", ours, baseline, ratio, *_verdicts(goals))
+        table.add_row(f"{label}\n[dim]{what}[/]", ours, baseline, ratio, *verdict_cells(goals))
     out = cli.console()
     out.print(table)
     met = sum(g.passed for g in report.goals)

@@ -15,7 +15,7 @@ from rich.table import Table
 from kvstrata import cli
 from kvstrata.bench.serve_counters import HitsSource
 from kvstrata.bench.serve_plan import WorkloadKind
-from kvstrata.cli.bench import BenchParser, _run_and_report, spread_x
+from kvstrata.cli.bench_common import BenchParser, run_and_report, spread_x
 
 if TYPE_CHECKING:
     from kvstrata.bench.serve_report import Measured, ServeBenchReport
@@ -163,7 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
     failures = {ServerFailed: "vllm serve failed", RequestFailed: "request failed",
                 PoolUnavailable: "pool unavailable", PoolError: "pool unavailable"}
     try:
-        code = _run_and_report(args, run, _print_serve, failures)
+        code = run_and_report(args, run, _print_serve, failures)
     except KeyboardInterrupt:
         Console(stderr=True).print("[yellow]interrupted: every server (and an embedded pool) stopped[/]")
         return 130

@@ -9,7 +9,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench import BenchParser, _figure_table, _gbps, _run_and_report, spread_x
+from kvstrata.cli.bench_common import BenchParser, figure_table, gbps_cell, run_and_report, spread_x
 
 if TYPE_CHECKING:
     from kvstrata.bench.sglang import SGLangBenchReport
@@ -54,14 +54,14 @@ def run_sglang(args: argparse.Namespace) -> int:
     host_shape(config)  # a model of no one per-token group fails here, before any pool starts
     pool = cli.pool_config(args.pool) if config.pool else None
     unavailable = {PoolUnavailable: "pool unavailable", PoolError: "pool unavailable"}
-    return _run_and_report(args, lambda bar: run_sglang_bench(config, pool, bar), _print_sglang, unavailable)
+    return run_and_report(args, lambda bar: run_sglang_bench(config, pool, bar), _print_sglang, unavailable)
 
 
 def _print_sglang(report: SGLangBenchReport) -> None:
     from kvstrata.bench.sglang import Side
 
     c = report.config
-    table = _figure_table(
+    table = figure_table(
         f"kvstrata as SGLang's HiCache storage: {report.shape}, {report.page_bytes / (1 << 20):g} MiB a page; "
         f"median of {c.repeats} rounds; kvstrata on the zero-copy interface, HiCacheFile on its generic one, "
         "both through SGLang's controller; raw Mooncake: one batch_put_from / batch_get_into",
@@ -69,8 +69,8 @@ def _print_sglang(report: SGLangBenchReport) -> None:
          ("GB/s", "right"), ("pages/s ", "right"), ("ours/baseline", "right"), ("goal", "left"),
          ("pass", "left")))
     for row in report.rows:
-        table.add_row(row.figure, _gbps(row.ours_gbps), f"{row.ours_pages_per_s:.0f}",
-                      row.baseline.value, _gbps(row.theirs_gbps), f"{row.theirs_pages_per_s:.0f}",
+        table.add_row(row.figure, gbps_cell(row.ours_gbps), f"{row.ours_pages_per_s:.0f}",
+                      row.baseline.value, gbps_cell(row.theirs_gbps), f"{row.theirs_pages_per_s:.0f}",
                       spread_x(row.ratio), "—" if row.goal is None else f">={row.goal}x",
                       "—" if row.goal is None else "[green]pass[/]" if row.passed else "[bold red]FAIL[/]")
     out = cli.console()

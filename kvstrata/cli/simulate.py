@@ -19,7 +19,8 @@ from kvstrata.kv.presets import load_geometry
 from kvstrata.media import Medium
 from kvstrata.plan.sharing import KVSharing
 from kvstrata.plan.sizing import InstanceSizing, WeightsDoNotFit, size_instances
-from kvstrata.sim.engine import Routing, SimConfig, pack_servers
+from kvstrata.sim.config import Routing, SimConfig
+from kvstrata.sim.instance import pack_servers
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
 from kvstrata.sim.run import offered_load, scale_time, simulate, trace_span_s
 from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES

@@ -29,7 +29,7 @@ from kvstrata.bench.kvdata import random_kv
 from kvstrata.bench.ours_remote import OursRemote
 from kvstrata.bench.poolcache import PoolReader
 from kvstrata.cache import CacheConfig
-from kvstrata.calibrate.measure import one_torch_copy
+from kvstrata.calibrate.probes import one_torch_copy
 from kvstrata.index.keys import block_keys
 from kvstrata.kv import load_geometry
 from kvstrata.kv.layout import KVLayout

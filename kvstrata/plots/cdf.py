@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from kvstrata.plots import coincident
-from kvstrata.sim.engine import SimOutcome
+from kvstrata.sim.outcome import SimOutcome
 from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
 
 LINE_STYLES = ("-", "--", "-.", ":")
@@ -36,7 +36,7 @@ class Latency:
         long_name: what it measures.
         unit: the unit of the axis, the one ``simulate``'s table uses.
         per_second: units per second (1e3 for ms).
-        record_attr: the :class:`~kvstrata.sim.engine.RequestRecord` property holding it, in seconds.
+        record_attr: the :class:`~kvstrata.sim.outcome.RequestRecord` property holding it, in seconds.
     """
 
     name: str

@@ -18,12 +18,8 @@ instead chooses from what each instance's caches hold, its queued prefill and it
 look-ups and inserts happen at arrival, in arrival order, so hits do not
 depend on timing.
 
-A fleet (:attr:`SimConfig.fleet_tp`) runs instances of different TP sizes on one shared pool,
-its blocks keyed and sized by :class:`kvstrata.plan.sharing.KVSharing` (see
-:mod:`kvstrata.sim.pool`). Instances are packed onto servers of the profile in the order
-listed, each on consecutive GPUs of one server, a new server when the next does not fit the one
-being filled; each server is a copy of the profile, its links and memories its own, and the
-pool (every resource with a pool end) the one all share.
+A fleet (:attr:`SimConfig.fleet_tp`) runs instances of different TP sizes on one shared pool;
+how instances sit on the profile's servers, and what each may hold, is :mod:`kvstrata.sim.instance`.
 
 Restores queue per instance: at most ``restore_slots`` requests restore at once (as a load
 queue in a serving engine does); the rest wait in arrival order. Without the bound an
@@ -37,194 +33,22 @@ machines); :attr:`SimOutcome.gpus` says how many a run used, so throughput per G
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 
-from kvstrata.fleet.scorer import Policy
-from kvstrata.hardware.flows import GB, Flow, Resource, flow_along, max_min_share
-from kvstrata.hardware.profile import HardwareProfile
-from kvstrata.hardware.topology import NodeKind
-from kvstrata.kv.geometry import KVGeometry
 from kvstrata.media import Medium
-from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION
-from kvstrata.plan.footprint import held_bytes, request_bytes, restore_bytes, stored_bytes
-from kvstrata.plan.restore import RestorePath, RestorePlanner, local_dram
-from kvstrata.plan.sharing import KVSharing, pool_bytes
-from kvstrata.plan.sizing import size_instances
+from kvstrata.plan.footprint import held_bytes, request_bytes, restore_bytes
+from kvstrata.plan.restore import RestorePath
 from kvstrata.policies.write import WritePolicy
-from kvstrata.sim.batchkv import BatchKV
+from kvstrata.sim.config import Routing, SimConfig
 from kvstrata.sim.fleet import FleetRouting, instance_cost
-from kvstrata.sim.lru import BlockLRU
-from kvstrata.sim.model import TimeModel
+from kvstrata.sim.instance import Instance, build_instances, restore_stages, shared_pool
 from kvstrata.sim.network import Network
-from kvstrata.sim.pool import PoolStats, SharedPool
+from kvstrata.sim.outcome import RequestRecord, SimOutcome
 from kvstrata.sim.tiers import ArchSpec
 from kvstrata.sim.trace import BLOCK_TOKENS, Request, sort_by_time
-
-
-class Routing(enum.Enum):
-    """Which instance a request goes to (see the module text)."""
-
-    SESSION = "session"  # hash_ids[0] % instances
-    ROUND_ROBIN = "round-robin"  # arrival index % instances
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """One simulation's setting.
-
-    Attributes:
-        geometry: the model.
-        profile: the hardware; instance ``i`` uses GPUs ``i*K .. i*K+K-1`` of it.
-        gpus_per_instance: K (tensor parallel); default (None) the fewest GPUs that hold the
-            weights with room for KV (:func:`kvstrata.plan.sizing.size_instances`).
-        instances: how many; default all the profile's GPUs allow.
-        tier_tokens: capacity overrides per tier in tokens (per instance; the pool is shared).
-        max_batch: most requests decoding together on one instance.
-        restore_slots: most requests restoring at once on one instance.
-        record_events: keep every event's time (for tests).
-        fleet_tp: one TP size per instance of a mixed fleet (then ``gpus_per_instance`` and
-            ``instances`` stay None); empty: ``instances`` of ``gpus_per_instance`` GPUs.
-        sharing: how pool blocks are keyed and sized; head-sliced (one copy per block id, which
-            any instance hits) is what the pool modelled before fleets.
-        routing: which instance each request goes to.
-        policy: a fleet routing policy (:mod:`kvstrata.sim.fleet`); when set, it routes, not ``routing``.
-    """
-
-    geometry: KVGeometry
-    profile: HardwareProfile
-    gpus_per_instance: int | None = None
-    instances: int | None = None
-    tier_tokens: tuple[tuple[Medium, int], ...] = ()
-    max_batch: int = 256
-    restore_slots: int = 4
-    record_events: bool = False
-    fleet_tp: tuple[int, ...] = ()
-    sharing: KVSharing = KVSharing.SLICED
-    routing: Routing = Routing.SESSION
-    policy: Policy | None = None
-
-    def __post_init__(self) -> None:
-        # A model whose weights overflow its GPUs' HBM is refused, never simulated.
-        if self.fleet_tp:
-            if self.gpus_per_instance is not None or self.instances is not None:
-                raise ValueError("a fleet sets each instance's GPUs: give fleet_tp or gpus_per_instance/instances")
-            for tp in dict.fromkeys(self.fleet_tp):
-                size_instances(self.geometry, self.profile, tp, 1).check_fits()
-        else:
-            sizing = size_instances(self.geometry, self.profile, self.gpus_per_instance, self.instances)
-            sizing.check_fits()
-            object.__setattr__(self, "gpus_per_instance", sizing.gpus_per_instance)  # resolved defaults
-            object.__setattr__(self, "instances", sizing.instances)
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
-        if self.restore_slots < 1:
-            raise ValueError(f"restore_slots must be at least 1, got {self.restore_slots}")
-
-    @property
-    def instance_count(self) -> int:
-        return len(self.fleet_tp) or self.instances
-
-    @property
-    def instance_tps(self) -> tuple[int, ...]:
-        """Each instance's TP size (GPUs), in instance order."""
-        return self.fleet_tp or (self.gpus_per_instance,) * self.instances
-
-
-def pack_servers(tps: Sequence[int], node_gpus: int) -> list[tuple[int, int]]:
-    """(server, first GPU) of each instance: packed in order onto servers of ``node_gpus`` GPUs,
-    a new server when the next instance does not fit the rest of the current one."""
-    out, server, used = [], 0, 0
-    for tp in tps:
-        if used + tp > node_gpus:
-            server, used = server + 1, 0
-        out.append((server, used))
-        used += tp
-    return out
-
-
-def on_server(flows: list[Flow], server: int) -> list[Flow]:
-    """``flows`` on copy ``server`` of the profile's node: each resource re-keyed as that server's,
-    but those with a pool end (the pool's memory and NICs, which every server shares)."""
-    if server == 0:
-        return flows
-
-    def own(r: Resource) -> Resource:
-        if "pool." in r.key:
-            return r
-        return Resource(f"s{server}/{r.key}", f"server {server}: {r.label}", r.gbps)
-
-    return [replace(f, uses=tuple((own(r), w) for r, w in f.uses)) for f in flows]
-
-
-@dataclass
-class RequestRecord:
-    """What happened to one request (times in seconds from the trace start)."""
-
-    request: Request
-    instance: int
-    arrival_s: float
-    hit_tokens: dict[Medium, int]
-    restore_s: float = 0.0  # arrival to restored, queueing for a restore slot included
-    restore_started_s: float | None = None  # when its restore took a slot; None: nothing to restore
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    completions: int = 0  # must end at exactly 1
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first; None for one token or fewer."""
-        n = self.request.output_length
-        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
-
-
-@dataclass
-class SimOutcome:
-    """Raw results of one run; :mod:`kvstrata.sim.results` summarises them."""
-
-    arch: ArchSpec
-    records: list[RequestRecord]
-    makespan_s: float
-    link_bytes: dict[str, float]  # resource key -> bytes moved
-    link_sent_bytes: dict[str, float]
-    link_gbps: dict[str, float]
-    link_labels: dict[str, str]
-    gpus: int = 0
-    tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
-    event_times: list[float] = field(default_factory=list)
-    pool: PoolStats | None = None  # what the shared pool held and served; None: no pool tier
-    sharing: KVSharing = KVSharing.SLICED
-
-
-@dataclass
-class _Instance:
-    index: int
-    server: int  # which copy of the profile's node (see on_server)
-    gpus: list[str]
-    planner: RestorePlanner
-    model: TimeModel
-    caches: dict[Medium, BlockLRU]
-    batch: BatchKV  # what the running batch holds, per KV group
-    kv_limit_bytes: int  # what the running batch may hold: per GPU in HBM, the logical copy when streaming
-    kv_limit_tp: int  # the ``tp`` the limit's bytes are counted at
-    stream_bytes_per_s: float  # per GPU, DRAM -> HBM with all K GPUs streaming at once
-    stream_flows: list[Flow]
-    ready: deque = field(default_factory=deque)  # records waiting to prefill
-    restore_queue: deque = field(default_factory=deque)  # (record, jobs) waiting for a slot
-    restoring: int = 0
-    decode_ready: deque = field(default_factory=deque)  # pd: handed off, waiting to join
-    queued_tokens: int = 0  # prefill tokens of requests routed here and not yet prefilled
-    busy: bool = False
-    prefill_busy: bool = False  # pd: the prefill group
-    running: list = field(default_factory=list)  # heap of (finish_step, seq, record, batch id)
 
 
 class Simulation:
@@ -249,55 +73,14 @@ class Simulation:
         self.event_times: list[float] = []
         self._done = 0
         self._wake_version = -1  # the network version a pending wake-up was scheduled for
-        g, p, tps = config.geometry, config.profile, config.instance_tps
-        overrides = dict(config.tier_tokens)
-        placed = pack_servers(tps, len(p.gpus))
-        per_server = Counter(server for server, _ in placed)  # instances on a server share its DRAM and drives
-        topo = p.topology
-
-        def total(kind: NodeKind) -> int:
-            return sum(x.capacity_bytes for x in topo.of_kind(kind) if not x.name.startswith("peer."))
-
-        # A stored block keeps every per-token group's KV of its tokens and a state snapshot at
-        # its end (a hit may end at any block): footprint.stored_bytes; a dense model's block is
-        # its tokens' bytes. HBM counts per GPU, the off-GPU stores one logical copy.
-        block = stored_bytes(g, BLOCK_TOKENS)
-
-        def blocks(tier: Medium, capacity_bytes: int, block_bytes: int = block) -> int:
-            return overrides[tier] // BLOCK_TOKENS if tier in overrides else capacity_bytes // block_bytes
-
-        pool_blocks = blocks(Medium.REMOTE, int(total(NodeKind.REMOTE_DRAM) * DRAM_KV_FRACTION))
-        self.pool = SharedPool(pool_blocks * block, block)
-        self.instances: list[_Instance] = []
-        for i, (k, (server, first)) in enumerate(zip(tps, placed)):
-            gpus = [x.name for x in p.gpus[first : first + k]]
-            model = TimeModel.build(g, p, gpus)
-            # Every weight stays resident (a MoE's idle experts too), a 1/K share per GPU.
-            hbm_free = max(0, int(min(topo.node(x).capacity_bytes for x in gpus) * HBM_USABLE_FRACTION
-                                  - g.weight_bytes() / k))
-            host_bytes = int(total(NodeKind.DRAM) * DRAM_KV_FRACTION / per_server[server])
-            default = {
-                Medium.DEVICE: blocks(Medium.DEVICE, hbm_free, stored_bytes(g, BLOCK_TOKENS, tp=k)),
-                Medium.HOST: blocks(Medium.HOST, host_bytes),
-                Medium.DISK: blocks(Medium.DISK, int(total(NodeKind.FLASH) / per_server[server])),
-            }
-            # TP-matched: an instance hits only its TP size's blocks, which cost every rank's copy.
-            pool = self.pool.view(k if config.sharing is KVSharing.MATCHED else None,
-                                  pool_bytes(g, BLOCK_TOKENS, k, config.sharing))
-            caches = {tier: pool if tier is Medium.REMOTE else BlockLRU(default[tier]) for tier in arch.tiers}
-            planner = RestorePlanner(p, gpus)
-            stream = on_server([flow_along(topo, topo.route(local_dram(p, x), x, size_bytes=1), 1) for x in gpus], server)
-            stream_rate = min(s.gbps for s in max_min_share(stream)) * GB
-            # The running batch lives in HBM (per GPU), or in DRAM when streaming (one logical copy).
-            limit, limit_tp = (host_bytes, 1) if arch.streaming else (hbm_free, k)
-            self.instances.append(
-                _Instance(i, server, gpus, planner, model, caches, BatchKV(g), limit, limit_tp, stream_rate, stream)
-            )
+        self.pool = shared_pool(config)
+        self.instances = build_instances(config, arch, self.pool)
         self._stream_bytes: dict[str, float] = {}
         self._tier_writes: dict[Medium, int] = dict.fromkeys(arch.tiers, 0)
-        self._gpus = sum(tps) * (2 if arch.pd_handoff else 1)
+        self._gpus = sum(config.instance_tps) * (2 if arch.pd_handoff else 1)
         self._fleet = None if config.policy is None else FleetRouting(
-            config.policy, [instance_cost(g, i.model, i.planner, arch) for i in self.instances])
+            config.policy, [instance_cost(config.geometry, i.model, i.planner, arch) for i in self.instances])
+
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -385,7 +168,7 @@ class Simulation:
         inst.restore_queue.append((rec, jobs))
         self._start_restores(inst)
 
-    def _restore_jobs(self, inst: _Instance, hits: dict[Medium, int], end: int) -> list[tuple[RestorePath, int]]:
+    def _restore_jobs(self, inst: Instance, hits: dict[Medium, int], end: int) -> list[tuple[RestorePath, int]]:
         """(path, bytes per GPU) of each tier's segment of a hit ending at ``end`` tokens, tiers in
         search order: :func:`kvstrata.plan.footprint.restore_bytes`, so a windowed group moves only
         what of its window lies in the segment, a state group its snapshot with the last one."""
@@ -399,7 +182,7 @@ class Simulation:
             start += tokens
         return jobs
 
-    def _write(self, inst: _Instance, ids: Sequence[int]) -> None:
+    def _write(self, inst: Instance, ids: Sequence[int]) -> None:
         """Insert a request's blocks per the write policy (see :mod:`kvstrata.sim.tiers`)."""
         tiers, writes = self.arch.tiers, self._tier_writes
         if self.arch.write is WritePolicy.WRITE_THROUGH:
@@ -424,7 +207,7 @@ class Simulation:
             writes[tier] += len(fresh)
             demoted = self._touch(inst, tier, fresh, fresh)
 
-    def _touch(self, inst: _Instance, tier: Medium, ids: Sequence[int], fresh: list[int]) -> list[int]:
+    def _touch(self, inst: Instance, tier: Medium, ids: Sequence[int], fresh: list[int]) -> list[int]:
         """``inst.caches[tier].touch(ids)`` (``fresh``: those of ``ids`` it did not hold), its
         evicted ids returned; a routing policy's index told what the tier now holds and dropped
         (a block evicted and inserted again by the same touch: neither)."""
@@ -437,7 +220,7 @@ class Simulation:
             self._fleet.changed(inst.index, tier, stored, removed, self.now)
         return evicted
 
-    def _start_restores(self, inst: _Instance) -> None:
+    def _start_restores(self, inst: Instance) -> None:
         while inst.restore_queue and inst.restoring < self.config.restore_slots:
             rec, jobs = inst.restore_queue.popleft()
             inst.restoring += 1
@@ -450,59 +233,28 @@ class Simulation:
                     self._push(t, lambda: self._restore_slot_freed(inst, rec))
 
             for path, shard_bytes in jobs:
-                self.net.start(self.now, self._stages(inst, path, shard_bytes), one_done)
+                self.net.start(self.now, restore_stages(inst, self.config.profile, path, shard_bytes), one_done)
 
-    def _restore_slot_freed(self, inst: _Instance, rec: RequestRecord) -> None:
+    def _restore_slot_freed(self, inst: Instance, rec: RequestRecord) -> None:
         inst.restoring -= 1
         self._start_restores(inst)
         self._restored(inst, rec)
 
-    def _path_stages(self, inst: _Instance, path: RestorePath, shard_bytes: int) -> list[Callable[[], list[Flow]]]:
-        """The planner's flows for ``shard_bytes`` of KV per GPU along ``path``, stage by stage."""
-        shard = [shard_bytes] * len(inst.gpus)
-        pl, p = inst.planner, self.config.profile
-        dram = lambda g: local_dram(p, g)  # noqa: E731
-        local = lambda: pl.local_flows(shard, dram)  # noqa: E731
-        if path is RestorePath.LOCAL_DRAM:
-            return [local]
-        if path is RestorePath.REMOTE_GDR:
-            return [lambda: pl.network_flows(lambda g: "pool.dram", lambda g: g, shard, pool_side=True)]
-        if path is RestorePath.REMOTE_TWO_HOP:
-            return [lambda: pl.network_flows(lambda g: "pool.dram", dram, shard, pool_side=True), local]
-        if path is RestorePath.PD_HANDOFF:
-            return [lambda: pl.network_flows(lambda g: f"peer.{g}", lambda g: g, shard, pool_side=False)]
-        topo = p.topology
-
-        def from_drive() -> list[Flow]:
-            return [
-                flow_along(topo, topo.route(pl.drive_for(g), dram(g), size_bytes=s), s)
-                for g, s in zip(inst.gpus, shard)
-            ]
-
-        return [from_drive, local]
-
-    def _stages(self, inst: _Instance, path: RestorePath, shard_bytes: int) -> list[Callable[[], list[Flow]]]:
-        """:meth:`_path_stages` on the instance's server (see :func:`on_server`)."""
-        stages = self._path_stages(inst, path, shard_bytes)
-        if inst.server == 0:
-            return stages
-        return [lambda stage=stage: on_server(stage(), inst.server) for stage in stages]
-
-    def _restored(self, inst: _Instance, rec: RequestRecord) -> None:
+    def _restored(self, inst: Instance, rec: RequestRecord) -> None:
         rec.restore_s = self.now - rec.arrival_s
         inst.ready.append(rec)
         self._kick(inst)
 
     # --- prefill and decode ---------------------------------------------------------------
 
-    def _fits(self, inst: _Instance, rec: RequestRecord) -> bool:
+    def _fits(self, inst: Instance, rec: RequestRecord) -> bool:
         if len(inst.running) >= self.config.max_batch:
             return False
         # Its KV at its last token (a window caps a windowed group), on top of what the batch holds now.
         need = request_bytes(self.config.geometry, rec.request.input_length + rec.request.output_length, inst.kv_limit_tp)
         return not inst.running or inst.batch.bytes(inst.kv_limit_tp) + need <= inst.kv_limit_bytes
 
-    def _kick(self, inst: _Instance) -> None:
+    def _kick(self, inst: Instance) -> None:
         if self.arch.pd_handoff and not inst.prefill_busy and inst.ready:
             inst.prefill_busy = True
             rec = inst.ready.popleft()
@@ -521,16 +273,16 @@ class Simulation:
             inst.busy = True
             self._push(self.now + self._step_s(inst), lambda: self._stepped(inst))
 
-    def _prefill_s(self, inst: _Instance, rec: RequestRecord) -> float:
+    def _prefill_s(self, inst: Instance, rec: RequestRecord) -> float:
         cached = sum(rec.hit_tokens.values())
         return inst.model.prefill_s(rec.request.input_length - cached, cached)
 
-    def _prefilled(self, inst: _Instance, rec: RequestRecord) -> None:
+    def _prefilled(self, inst: Instance, rec: RequestRecord) -> None:
         inst.queued_tokens -= rec.request.input_length - sum(rec.hit_tokens.values())
         if self.arch.pd_handoff:
             inst.prefill_busy = False
             shard = request_bytes(self.config.geometry, rec.request.input_length, len(inst.gpus))
-            stages = self._stages(inst, RestorePath.PD_HANDOFF, shard)
+            stages = restore_stages(inst, self.config.profile, RestorePath.PD_HANDOFF, shard)
             self.net.start(self.now, stages, lambda t: self._push(t, lambda: self._handed_off(inst, rec)))
             self._kick(inst)
             return
@@ -538,11 +290,11 @@ class Simulation:
         self._first_token(inst, rec)
         self._kick(inst)
 
-    def _handed_off(self, inst: _Instance, rec: RequestRecord) -> None:
+    def _handed_off(self, inst: Instance, rec: RequestRecord) -> None:
         self._first_token(inst, rec, join_queue=inst.decode_ready)
         self._kick(inst)
 
-    def _first_token(self, inst: _Instance, rec: RequestRecord, join_queue: deque | None = None) -> None:
+    def _first_token(self, inst: Instance, rec: RequestRecord, join_queue: deque | None = None) -> None:
         rec.first_token_s = self.now
         if rec.request.output_length <= 1:
             self._finish(rec)
@@ -551,13 +303,13 @@ class Simulation:
         else:
             self._join(inst, rec)
 
-    def _join(self, inst: _Instance, rec: RequestRecord) -> None:
+    def _join(self, inst: Instance, rec: RequestRecord) -> None:
         # It finishes after output_length - 1 more steps; its context grows one token a step.
         finish_step = inst.batch.steps + rec.request.output_length - 1
         rid = inst.batch.join(rec.request.input_length + 1)
         heapq.heappush(inst.running, (finish_step, next(self._seq), rec, rid))
 
-    def _step_s(self, inst: _Instance) -> float:
+    def _step_s(self, inst: Instance) -> float:
         held = inst.batch.held()
         step = inst.model.decode_step_s(len(inst.running), held)
         if self.arch.streaming:
@@ -568,7 +320,7 @@ class Simulation:
                     self._stream_bytes[r.key] = self._stream_bytes.get(r.key, 0.0) + w * kv_per_gpu
         return step
 
-    def _stepped(self, inst: _Instance) -> None:
+    def _stepped(self, inst: Instance) -> None:
         inst.busy = False
         inst.batch.step()
         while inst.running and inst.running[0][0] <= inst.batch.steps:

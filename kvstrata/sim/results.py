@@ -14,7 +14,7 @@ import numpy as np
 
 from kvstrata.media import Medium
 from kvstrata.plan.sharing import KVSharing
-from kvstrata.sim.engine import SimOutcome
+from kvstrata.sim.outcome import SimOutcome
 from kvstrata.sim.pool import PoolStats
 from kvstrata.sim.tiers import HARDWARE_NAME
 

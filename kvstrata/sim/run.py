@@ -7,7 +7,9 @@ from dataclasses import replace
 
 from kvstrata.fleet.scorer import Policy
 from kvstrata.plan.sharing import KVSharing
-from kvstrata.sim.engine import SimConfig, SimOutcome, Simulation
+from kvstrata.sim.config import SimConfig
+from kvstrata.sim.engine import Simulation
+from kvstrata.sim.outcome import SimOutcome
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.results import Summary, rank, summarise
 from kvstrata.policies.write import WritePolicy

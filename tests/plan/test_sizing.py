@@ -11,7 +11,7 @@ from kvstrata.kv.presets import load_geometry
 from kvstrata.plan.architectures import HBM_USABLE_FRACTION
 from kvstrata.plan.planner import make_plan
 from kvstrata.plan.sizing import KV_MARGIN_FRACTION, Basis, WeightsDoNotFit, check_tp, size_instances, tp_degrees
-from kvstrata.sim.engine import SimConfig
+from kvstrata.sim.config import SimConfig
 
 GB = 10**9
 H200_HBM = 141 * GB  # the catalog's datasheet figure

@@ -9,7 +9,9 @@ from kvstrata.kv.presets import load_geometry
 from kvstrata.media import Medium
 from kvstrata.plan.footprint import stored_bytes
 from kvstrata.plan.sharing import KVSharing, pool_bytes
-from kvstrata.sim.engine import Routing, SimConfig, Simulation, pack_servers
+from kvstrata.sim.config import Routing, SimConfig
+from kvstrata.sim.engine import Simulation
+from kvstrata.sim.instance import pack_servers
 from kvstrata.sim.pool import SharedPool
 from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate
 from kvstrata.sim.tiers import parse_arch

@@ -14,7 +14,8 @@ from kvstrata.hardware.whatif import apply_upgrades, with_nics
 from kvstrata.kv.presets import load_geometry
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy
-from kvstrata.sim.engine import SimConfig, Simulation
+from kvstrata.sim.config import SimConfig
+from kvstrata.sim.engine import Simulation
 from kvstrata.sim.lru import BlockLRU
 from kvstrata.sim.results import percentile, summarise
 from kvstrata.sim.run import offered_load, simulate, trace_span_s

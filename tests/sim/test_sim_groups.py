@@ -12,7 +12,8 @@ from kvstrata.kv.presets import load_geometry
 from kvstrata.media import Medium
 from kvstrata.plan.footprint import request_bytes, restore_bytes
 from kvstrata.sim.batchkv import BatchKV
-from kvstrata.sim.engine import SimConfig, Simulation
+from kvstrata.sim.config import SimConfig
+from kvstrata.sim.engine import Simulation
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate
 from kvstrata.sim.tiers import parse_arch

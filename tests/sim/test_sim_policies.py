@@ -14,7 +14,8 @@ from kvstrata.fleet.scorer import Policy
 from kvstrata.hardware.profile import load_profile
 from kvstrata.kv.presets import load_geometry
 from kvstrata.media import Medium
-from kvstrata.sim.engine import SimConfig, Simulation
+from kvstrata.sim.config import SimConfig
+from kvstrata.sim.engine import Simulation
 from kvstrata.sim.run import simulate
 from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import BLOCK_TOKENS, Request
