@@ -57,7 +57,8 @@ from kvstrata.progress import NoProgress, Progress
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.disk import READ_CHUNK_BYTES, SUFFIX
+from kvstrata.tiers.disk import READ_CHUNK_BYTES
+from kvstrata.tiers.diskdir import SUFFIX
 from kvstrata.timing import drop_page_cache, elapsed_s
 
 MIB = 1 << 20
