@@ -21,7 +21,7 @@ from kvstrata.kv.heads import HeadSlicing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.tiers.disk import SUFFIX
+from kvstrata.tiers.diskdir import SUFFIX
 from tests.test_cache_sliced import BLOCK, GQA8, model_kv, same_bytes, seq
 
 SLICING = HeadSlicing.for_group(GQA8)

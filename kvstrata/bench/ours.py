@@ -26,7 +26,8 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.tensors import torch_dtype
-from kvstrata.tiers.disk import SUFFIX, DiskTier
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.diskdir import SUFFIX
 from kvstrata.tiers.memory import MemoryTier
 from kvstrata.timing import VerificationError, drop_page_cache, warm_page_cache
 

@@ -62,7 +62,8 @@ from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.progress import Progress
 from kvstrata.tensors import torch_dtype
-from kvstrata.tiers.disk import SUFFIX, DiskTier
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.diskdir import SUFFIX
 from kvstrata.tiers.memory import MemoryTier
 from kvstrata.timing import VerificationError, drop_page_cache, warm_page_cache
 

@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.errors import TierUnavailable
-from kvstrata.manager.manager import BlockManager, ManagerConfig
+from kvstrata.manager.config import ManagerConfig
+from kvstrata.manager.manager import BlockManager
 from kvstrata.media import FetchPath, Medium
 from kvstrata.pool.config import read_secret
 from kvstrata.tiers.base import Tier

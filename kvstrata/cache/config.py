@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvstrata.index.keys import Namespace
 from kvstrata.kv.layout import KVLayout
-from kvstrata.manager.manager import SMALL_LOAD_BYTES
+from kvstrata.manager.config import SMALL_LOAD_BYTES
 from kvstrata.media import FetchPath
 from kvstrata.plan.host import HostCalibration
 from kvstrata.policies.eviction import Eviction

@@ -39,7 +39,8 @@ from kvstrata.pool.config import PoolConfig
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.tiers.base import Tier
-from kvstrata.tiers.disk import READ_CHUNK_BYTES, SUFFIX
+from kvstrata.tiers.disk import READ_CHUNK_BYTES
+from kvstrata.tiers.diskdir import SUFFIX
 from kvstrata.timing import drop_page_cache, elapsed_s
 
 MIB = 1 << 20

@@ -22,7 +22,8 @@ from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tensors import torch_dtype
-from kvstrata.tiers.disk import SUFFIX, DiskTier
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.diskdir import SUFFIX
 from kvstrata.timing import VerificationError, drop_page_cache
 
 # Blocks whose bytes take no measurable time, in as many layers as a real model's (32), so a

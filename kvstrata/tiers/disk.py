@@ -47,11 +47,9 @@ can leave a file that fails verification, which is then never served.
 Verification. Every read checks the header (magic, version, its own checksum, key, layout,
 namespace tag, sizes), the file size (header + payload: catches truncation) and the xxh3_64 of
 every layer it read, piece by piece as it reads (``READ_CHUNK_BYTES``); a partial read verifies
-just its layers. Recovery at start never reads payloads: a block the manifest of the last close
-vouches for (``kvstrata.tiers.diskmanifest``: its file still of the inode the tier wrote) costs
-no system call of its own, and any other file has its header and size checked, one small read
-(~0.5 ms with the page cache cold, so 100K blocks without a manifest take ~50 s; see ``kvstrata
-bench restart``). Every read checks header, size and layers anyway, so a block damaged in place
+just its layers. Recovery at start never reads payloads (``kvstrata.tiers.diskdir``: a block the
+manifest of the last close vouches for costs no system call of its own, any other has its header
+and size checked). Every read checks header, size and layers anyway, so a block damaged in place
 (truncated, a bit flipped, its payload rotted) raises CorruptBlock on its first read and the
 caller drops it: it is never served.
 
@@ -60,17 +58,12 @@ they lie, with vectored I/O (``writev``, ``preadv``) of the same file as ``write
 ``read_into``, through the same code (a whole block is one piece); a layer's checksum covers its
 row of the payload wherever the pieces cut it.
 
-Read cap. ``read_gbps`` emulates slower storage: every ``read_into`` books its bytes (header and
-payload) on one virtual clock shared by all threads, at ``read_gbps`` decimal GB/s, and returns
-no earlier than its bytes' finish on that clock; the real read runs meanwhile. So reads of N
-bytes in aggregate, from any number of threads, take at least N / rate (a rate limiter without
-burst). Recovery's header reads at start are not paced.
+Read cap. ``read_gbps`` emulates slower storage: every read is paced on one virtual clock shared
+by all threads (``kvstrata.tiers.diskio.ReadPacer``). Recovery's header reads at start are not paced.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import itertools
 import logging
 import os
@@ -89,15 +82,13 @@ from kvstrata.errors import CorruptBlock, TierUnavailable
 from kvstrata.index.keys import KEY_BYTES, BlockKey
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
-from kvstrata.tiers import blockfile, diskmanifest
+from kvstrata.tiers import blockfile, diskdir, diskmanifest
 from kvstrata.tiers.base import Pieces, Tier, TierCapabilities, outcome
+from kvstrata.tiers.diskdir import FILE_MODE
+from kvstrata.tiers.diskdir import DirectoryInUse as DirectoryInUse  # re-exported: DiskTier() raises it
+from kvstrata.tiers.diskio import ReadPacer, read_exact, unlink_quietly, write_all
 
 _log = logging.getLogger("kvstrata.tiers")
-SUFFIX = ".kvb"
-FILE_MODE = 0o600  # the tier's files, as its directory (0700): the owner's only (KV is users' prompts)
-LOCK_NAME = ".lock"
-_BLOCK_NAME = re.compile(r"([0-9a-f]{32})\.kvb")
-_TEMP_NAME = re.compile(r"\.[0-9a-f]{32}\.\d+\.tmp")
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # A read goes this many bytes (whole layers, at least one) at a time and checksums each piece
 # right after it lands, while it is still in the CPU's cache. Reading a 32 MiB block whole and
@@ -105,11 +96,6 @@ _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # against 13.1 GB/s in 1 MiB pieces, cold at 2.7 against 3.2 (VM of the benchmark, 16 x 32 MiB
 # blocks; no checksum at all: 15.7 and 3.1). See ``kvstrata bench cache``.
 READ_CHUNK_BYTES = 1 << 20
-IOV_MAX = 1024  # buffers per readv/writev at most (Linux's UIO_MAXIOV)
-
-
-class DirectoryInUse(RuntimeError):
-    """Another open disk tier (this process or another) holds the directory."""
 
 
 class DiskTier(Tier):
@@ -143,7 +129,7 @@ class DiskTier(Tier):
         read_gbps: float | None = None,
     ) -> None:
         super().__init__(layout, capacity_bytes)
-        self._pacer = _ReadPacer(read_gbps) if read_gbps is not None else None
+        self._pacer = ReadPacer(read_gbps) if read_gbps is not None else None
         if namespace_tag is not None and not _TAG.fullmatch(namespace_tag):
             raise ValueError(f"disk tier: namespace_tag must match {_TAG.pattern}, got {namespace_tag!r}")
         self.namespace_tag = namespace_tag or ""
@@ -159,7 +145,7 @@ class DiskTier(Tier):
         trust.private_dir(directory, "disk tier directory")
         if namespace_tag:
             trust.private_dir(self.directory, "disk tier directory")
-        self._lock_fd = _lock_directory(self.directory)
+        self._lock_fd = diskdir.lock(self.directory)
         self._dir_fd: int | None = None
         try:
             self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -225,7 +211,7 @@ class DiskTier(Tier):
         block is EVICTING, before it forgets the key, so no new write of the key can be under way."""
         with self._lock:
             self._check_open()
-            _unlink_quietly(self._path(key))
+            unlink_quietly(self._path(key))
             self._stamps.pop(key, None)
 
     def recover(self) -> list[BlockKey]:
@@ -262,7 +248,7 @@ class DiskTier(Tier):
     def _path(self, key: BlockKey) -> Path:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise ValueError(f"disk tier: a block key is {KEY_BYTES} bytes, got {key!r}")
-        return self.directory / f"{key.hex()}{SUFFIX}"
+        return self.directory / diskdir.block_name(key)
 
     def _open_block(self, key: BlockKey) -> int:
         """The open file of ``key``: a regular file, never followed through a link, never a
@@ -290,11 +276,11 @@ class DiskTier(Tier):
             raise TierUnavailable(self._removed)
         header = blockfile.encode_header(key, self._layout_text, self.namespace_tag, parts, self.layout.layer_bytes)
         final = self._path(key)
-        temp = self.directory / f".{key.hex()}.{next(self._temp_ids)}.tmp"
+        temp = self.directory / diskdir.temp_name(key, next(self._temp_ids))
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
             try:
-                _write_all(fd, [memoryview(header), *(memoryview(part) for part in parts)])
+                write_all(fd, [memoryview(header), *(memoryview(part) for part in parts)])
                 if self.fsync:
                     os.fsync(fd)
                 stamp = diskmanifest.Stamp.of(os.fstat(fd))  # whole: the manifest vouches for this
@@ -307,7 +293,7 @@ class DiskTier(Tier):
                     try:
                         os.fsync(self._dir_fd)  # the rename itself survives power loss
                     except BaseException:
-                        _unlink_quietly(final)  # write raises, so the caller frees the slot
+                        unlink_quietly(final)  # write raises, so the caller frees the slot
                         raise
                 self._stamps.pop(key, None)  # then last: the dict stays in write order, the manifest's
                 self._stamps[key] = stamp
@@ -318,7 +304,7 @@ class DiskTier(Tier):
                 raise TierUnavailable(self._removed) from None
             raise
         except BaseException:
-            _unlink_quietly(temp)
+            unlink_quietly(temp)
             raise
 
     def _read_file(self, key: BlockKey, start: int, stop: int, parts: list[np.ndarray]) -> None:
@@ -336,7 +322,7 @@ class DiskTier(Tier):
             for first in range(0, size, step):
                 rows = blockfile.span(parts, first, min(size, first + step))  # <= step bytes of whole layers
                 offset = header.header_bytes + start * layer_bytes + first
-                if not _read_exact(fd, [memoryview(r) for r in rows], offset):
+                if not read_exact(fd, [memoryview(r) for r in rows], offset):
                     raise CorruptBlock(f"disk tier: block {key.hex()[:12]} truncated while reading")
                 blockfile.verify_layers(header, rows, start + first // layer_bytes)
         except OSError as error:  # an I/O error mid-read: the block cannot be had, a miss
@@ -374,40 +360,14 @@ class DiskTier(Tier):
     def _recover_from_disk(self) -> list[BlockKey]:
         """Delete temp files and blocks that do not verify; return the rest, oldest first.
 
-        A block the manifest vouches for, whose file has the inode it saw (``scandir`` gives it:
-        no system call per block), is taken as it is; any other file has its header and size
-        checked. The blocks are listed in write order (adopted in that order, LRU after a
-        restart evicts the least recently *written*), all of them, even beyond the capacity (a
-        tier reopened smaller): deleting the excess here made a start slow (47,570 of 67,570
-        blocks: 40 s) and threw away blocks a restart could serve; the block manager adopts them
-        all and evicts the excess by its policy as new blocks need room.
+        The blocks are listed in write order (adopted in that order, LRU after a restart evicts
+        the least recently *written*), all of them, even beyond the capacity (a tier reopened
+        smaller): deleting the excess here made a start slow (47,570 of 67,570 blocks: 40 s) and
+        threw away blocks a restart could serve; the block manager adopts them all and evicts
+        the excess by its policy as new blocks need room.
         """
         vouched = diskmanifest.read(self.directory, self._layout_text, self.namespace_tag)  # in write order
-        present: set[BlockKey] = set()  # vouched for, and there
-        checked: dict[BlockKey, diskmanifest.Stamp] = {}  # not vouched for, and its header checks out
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                match = _BLOCK_NAME.fullmatch(entry.name)
-                if match is None:
-                    if _TEMP_NAME.fullmatch(entry.name) or entry.name == diskmanifest.TEMP_NAME:
-                        _unlink_quietly(entry.path)
-                    continue  # not ours (.lock, .manifest, sub-directories of other namespaces, ...)
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                key = bytes.fromhex(match[1])
-                stamp = vouched.get(key)
-                if stamp is not None and stamp.inode == entry.inode():
-                    present.add(key)
-                    continue
-                try:
-                    checked[key] = self._verified_stamp(entry.path, key)
-                except (CorruptBlock, OSError):
-                    _unlink_quietly(entry.path)
-        # In the manifest's order (write order); with nothing gone, the manifest's own dict.
-        stamps = vouched if len(present) == len(vouched) else {k: s for k, s in vouched.items() if k in present}
-        if checked:
-            stamps.update(checked)
-            stamps = {key: stamps[key] for key in sorted(stamps, key=lambda key: (stamps[key].mtime_ns, key))}
+        stamps = diskdir.scan(self.directory, vouched, self._verified_stamp)
         found = list(stamps)
         excess = len(found) - self.capacity_blocks
         if excess > 0:
@@ -448,74 +408,3 @@ class DiskTier(Tier):
         if src.dtype != torch.uint8 or tuple(src.shape) != shape:
             raise ValueError(f"disk tier: src must be uint8 {list(shape)}, got {src.dtype} {list(src.shape)}")
         return src.detach().cpu().contiguous().numpy()  # no copy for a contiguous CPU tensor
-
-
-class _ReadPacer:
-    """A virtual clock of reads at ``gbps``: each read books the next ``bytes / rate`` seconds
-    after the last booking (or now, if the clock is idle) and waits until its booking ends."""
-
-    def __init__(self, gbps: float) -> None:
-        if not gbps > 0:
-            raise ValueError(f"disk tier: read_gbps must be positive, got {gbps}")
-        self.bytes_per_s = gbps * 1e9
-        self._lock = threading.Lock()
-        self._free_at = 0.0  # time.monotonic() when the clock is next free
-
-    def book(self, nbytes: int) -> float:
-        """Book ``nbytes``; returns the monotonic time the read may return at."""
-        with self._lock:
-            self._free_at = max(self._free_at, time.monotonic()) + nbytes / self.bytes_per_s
-            return self._free_at
-
-    @staticmethod
-    def wait(finish: float) -> None:
-        while (left := finish - time.monotonic()) > 0:
-            time.sleep(left)
-
-
-def _lock_directory(directory: Path) -> int:
-    fd = trust.open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, FILE_MODE)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DirectoryInUse(f"disk tier: {directory} is in use by another open disk tier; close it first") from None
-    return fd
-
-
-def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    """``writev`` until every byte is written (a write may be short near the file size limit)."""
-    buffers = [b for b in buffers if len(b)]
-    while buffers:
-        written = os.writev(fd, buffers[:IOV_MAX])
-        if written == 0:
-            raise OSError(errno.EIO, "write returned 0 bytes")
-        _advance(buffers, written)
-
-
-def _read_exact(fd: int, views: list[memoryview], offset: int) -> bool:
-    """Fill ``views`` in order from ``offset`` (``preadv``); False if the file ends first."""
-    views = [v for v in views if len(v)]
-    while views:
-        got = os.preadv(fd, views[:IOV_MAX], offset)
-        if got == 0:
-            return False
-        offset += got
-        _advance(views, got)
-    return True
-
-
-def _advance(views: list[memoryview], done: int) -> None:
-    """Drop the first ``done`` bytes from ``views`` (in place)."""
-    while views and done >= len(views[0]):
-        done -= len(views[0])
-        views.pop(0)
-    if done:
-        views[0] = views[0][done:]
-
-
-def _unlink_quietly(path: str | os.PathLike[str]) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

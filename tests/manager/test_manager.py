@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstrata.index.keys import Namespace, block_keys
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
-from kvstrata.manager.manager import BlockManager, ManagerConfig
+from kvstrata.manager.config import ManagerConfig
+from kvstrata.manager.manager import BlockManager
 from kvstrata.manager.plans import Failure, Leg, Room, Slot, Step, StopReason
 from kvstrata.manager.table import BlockState
 from kvstrata.media import Medium
