@@ -84,15 +84,15 @@ def main(spec: dict) -> dict:
 def _slow_copies(delay_s: float) -> None:
     """Each copy of saves out of vLLM's blocks starts ``delay_s`` late (the worker runs in this
     process: ``multiprocessing`` false)."""
-    from kvstrata.integrations.vllm.worker import KVStrataConnectorWorker
+    from kvstrata.integrations.vllm.saves import Saves
 
-    copy_out = KVStrataConnectorWorker._copy_out
+    copy_out = Saves._copy_out
 
     def late(self, specs):
         time.sleep(delay_s)
         return copy_out(self, specs)
 
-    KVStrataConnectorWorker._copy_out = late
+    Saves._copy_out = late
 
 
 def _stats(spec: dict) -> dict | None:

@@ -21,9 +21,14 @@ By role:
 * :mod:`~kvstrata.integrations.vllm.connector`: :class:`KVStrataConnector`, the class vLLM
   loads; it builds its role's half and delegates every hook to it.
 * :mod:`~kvstrata.integrations.vllm.scheduler`: lookups, grants, and each step's load and save
-  plans (:mod:`~kvstrata.integrations.vllm.metadata`).
-* :mod:`~kvstrata.integrations.vllm.worker`: the TieredCache, vLLM's paged KV, the per-layer
-  loads and saves, and load failures (what is cached, byte by byte, is told there).
+  plans (:mod:`~kvstrata.integrations.vllm.metadata`; the blocks each group's windows reach:
+  :mod:`~kvstrata.integrations.vllm.windows`).
+* :mod:`~kvstrata.integrations.vllm.worker`: the TieredCaches over vLLM's paged KV (what is
+  cached, byte by byte, is told there), composed of
+  :mod:`~kvstrata.integrations.vllm.loads` (loads in the step and off it, and load failures),
+  :mod:`~kvstrata.integrations.vllm.saves` (staging, the copy out after the step, the stores),
+  :mod:`~kvstrata.integrations.vllm.probes` (probe reads of declined tiers) and
+  :mod:`~kvstrata.integrations.vllm.reporting` (the counters' reports, the connector's CPU).
 * :mod:`~kvstrata.integrations.vllm.groups`: vLLM's KV cache groups as kvstrata's, and the
   usable hit over them.
 * :mod:`~kvstrata.integrations.vllm.channel`: the scheduler's lookup, in-process or over a socket
