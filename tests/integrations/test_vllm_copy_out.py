@@ -43,7 +43,13 @@ def run(tiny_model_dir, tmp_path_factory) -> dict:
 def test_a_block_freed_while_its_save_is_copied_out_is_not_overwritten_first(run):
     first, again = run["passes"]
     assert first["cached"] == [0] * len(PROMPTS)
-    # every prompt's full blocks load from kvstrata, and give the tokens computed the first time
+    # what loads from kvstrata is every full block of its prompt, and gives the tokens computed the
+    # first time (had a forward overwritten a block before its copy, a prompt would load other KV).
+    # Not every prompt need load: the scheduler times each host load, and one that waited behind a
+    # delayed copy's fence may have it decline the next request's load (computed instead); on CI
+    # that left every other prompt computed.
     assert again["tokens"] == first["tokens"]
-    assert again["cached"] == [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
+    full = [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
+    assert all(c in (0, f) for c, f in zip(again["cached"], full)), again["cached"]
+    assert sum(1 for c in again["cached"] if c) >= 2, again["cached"]
     assert again["stats"]["failed_blocks"] == 0
