@@ -16,19 +16,24 @@ COST_S = 0.5e-3  # a stored block's CPU
 LAG = 6  # requests between a store and the request its blocks serve
 
 
-def _run(policy: SaveOrSkip, requests: int, blocks: int = 8, hits_per_request: int = 0) -> list[bool]:
+def _run(policy: SaveOrSkip, requests: int, blocks: int = 8, hits_per_request: int = 0,
+         repeated: int | None = None, cost_s: float = COST_S) -> list[bool]:
     """``requests`` requests of ``blocks`` new blocks each; each is admitted with
     ``hits_per_request`` blocks from kvstrata if the request ``LAG`` before it was stored (what
-    is not stored never comes back); the workers report each store's cost. The decisions, in order."""
+    is not stored never comes back) and, unless ``repeated`` is None, observed with its first
+    ``repeated`` blocks seen before; the workers report each store's cost (``cost_s`` a block).
+    The decisions, in order."""
     decisions: list[bool] = []
     for n in range(requests):
         if n >= LAG and decisions[n - LAG]:
             policy.granted(hits_per_request)
+        if repeated is not None:
+            policy.observed(blocks, repeated)
         store = policy.save(PER_TOKEN_S)
         decisions.append(store)
         policy.computed(blocks, stored=store)
         if store:
-            policy.stored_cost(blocks, blocks * COST_S)
+            policy.stored_cost(blocks, blocks * cost_s)
     return decisions
 
 
@@ -116,24 +121,10 @@ def test_when_every_stored_block_comes_back_and_saves_more_than_it_costs_nothing
     assert all(_run(policy, 300, blocks=blocks, hits_per_request=blocks + extra_hits))
 
 
-def _observed_run(policy: SaveOrSkip, requests: int, blocks: int = 8, repeated: int = 0) -> list[bool]:
-    """``requests`` admitted requests of ``blocks`` prompt blocks, the first ``repeated`` of each
-    seen before (none served by kvstrata); the workers report each store's cost. The decisions."""
-    decisions: list[bool] = []
-    for _ in range(requests):
-        policy.observed(blocks, repeated)
-        store = policy.save(PER_TOKEN_S)
-        decisions.append(store)
-        policy.computed(blocks, stored=store)
-        if store:
-            policy.stored_cost(blocks, blocks * COST_S)
-    return decisions
-
-
 def test_prompts_that_share_nothing_stop_stores_long_before_any_store_could_come_back() -> None:
     horizon = 16
     policy = SaveOrSkip(BT, horizon_blocks=horizon)
-    decisions = _observed_run(policy, 400)
+    decisions = _run(policy, 400, repeated=0)
     ratio = PER_TOKEN_S * BT / COST_S  # a hit saves this many stores' cost
     warm = MATURE_HORIZONS * horizon // 8  # requests before the engine could have dropped a block
     first_skip = decisions.index(False)
@@ -143,35 +134,28 @@ def test_prompts_that_share_nothing_stop_stores_long_before_any_store_could_come
 
 
 def test_prompts_that_repeat_keep_the_stores_until_their_hits_say_otherwise() -> None:
-    with_repeats = _observed_run(SaveOrSkip(BT, horizon_blocks=16), 400, repeated=6)
-    without = _observed_run(SaveOrSkip(BT, horizon_blocks=16), 400)
+    with_repeats = _run(SaveOrSkip(BT, horizon_blocks=16), 400, repeated=6)
+    without = _run(SaveOrSkip(BT, horizon_blocks=16), 400, repeated=0)
     # repeats bound reuse at 3/4: the store pays by them; only the hits (none came) stop it, later
     assert with_repeats.index(False) > without.index(False)
 
 
 def test_the_repeats_follow_a_change_of_workload() -> None:
     policy = SaveOrSkip(BT, horizon_blocks=16)
-    assert not all(_observed_run(policy, 200))
+    assert not all(_run(policy, 200, repeated=0))
     low = policy.repeat_share()
-    _observed_run(policy, 64, repeated=8)  # 64 prompts that repeat whole
+    _run(policy, 64, repeated=8)  # 64 prompts that repeat whole
     assert low is not None and low < 0.01 < 0.2 < policy.repeat_share()
 
 
 def test_a_store_far_cheaper_than_a_hit_still_stops_when_nothing_repeats() -> None:
     policy = SaveOrSkip(BT, horizon_blocks=16)
     cheap = COST_S / 50  # a hit saves 320 stores' cost: beyond what the hits' half-life could ever rule out
-    decisions = []
-    for _ in range(1500):
-        policy.observed(8, 0)
-        store = policy.save(PER_TOKEN_S)
-        decisions.append(store)
-        policy.computed(8, stored=store)
-        if store:
-            policy.stored_cost(8, 8 * cheap)
+    decisions = _run(policy, 1500, repeated=0, cost_s=cheap)
     assert decisions[-SAMPLE_EVERY * 10:].count(True) == 10
 
 
 def test_no_repeat_is_judged_before_the_engine_could_have_dropped_a_block() -> None:
     policy = SaveOrSkip(BT, horizon_blocks=100_000)
-    assert all(_observed_run(policy, 1000))
+    assert all(_run(policy, 1000, repeated=0))
     assert policy.repeat_share() is None
