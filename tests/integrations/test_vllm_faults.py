@@ -72,21 +72,39 @@ def pool_and_servers(tiny_model_dir, tmp_path_factory):
             kill_and_reap(pid)
 
 
-def remote_loaded(server: VllmServer) -> float:
+def _counted(server: VllmServer, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     return sum(s.value for family in text_string_to_metric_families(server.metrics_text()) for s in family.samples
-               if s.name == "kvstrata_connector_loaded_blocks_total" and s.labels.get("tier") == "remote")
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def test_a_hung_then_killed_pool_costs_recomputation_never_a_wrong_token(pool_and_servers):
+def remote_loaded(server: VllmServer) -> float:
+    return _counted(server, "kvstrata_connector_loaded_blocks_total", tier="remote")
+
+
+def wait_written_to_pool(server: VllmServer, nbytes: int, timeout_s: float = 60.0) -> float:
+    """Until the connector has written ``nbytes`` down to the pool (its stores go down after
+    the step, later on a loaded host), at most ``timeout_s``: the bytes written."""
+    deadline = time.monotonic() + timeout_s
+    while (written := _counted(server, "kvstrata_connector_moved_bytes_total", dst="remote")) < nbytes:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return written
+
+
+def test_a_hung_then_killed_pool_costs_recomputation_never_a_wrong_token(pool_and_servers, tiny_model_dir):
     state, ours, cold = pool_and_servers
+    block_bytes = load_geometry(str(tiny_model_dir), "float32").bytes_per_token * BLOCK
     prompts = [prompt(seed) for seed in range(7)]
     for p in prompts:  # stored: the last blocks in the small host tier, every block in the pool
         complete(ours, p)
     for seed in range(100, 104):  # out of vLLM's 24 blocks
         complete(ours, prompt(seed))
-    time.sleep(1.0)  # the saves have gone down to the pool
+    stored = 11 * ((len(prompts[0]) - 1) // BLOCK) * block_bytes  # every full block of the 11 prompts
+    written = wait_written_to_pool(ours, stored)  # was a fixed 1 s: CI's loaded host took longer
+    assert written >= stored, f"{written:.0f} of {stored} bytes went down to the pool"
     reference = {i: complete(cold, p)[0] for i, p in enumerate(prompts)}
     assert complete(ours, prompts[6])[0] == reference[6]  # while the pool serves, it serves this one:
     assert remote_loaded(ours) > 0  # the hits below come from the pool, not from the small host tier
