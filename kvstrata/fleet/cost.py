@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvstrata.media import Medium
 from kvstrata.plan.host import DISK_READ_COLD, HostCalibration
-from kvstrata.policies.payoff import MARGIN, DecayingFit, LoadOrRecompute
+from kvstrata.policies.payoff import MARGIN, DecayingFit, LoadOrRecompute, best_prefix
 
 
 @dataclass(frozen=True)
@@ -37,27 +37,36 @@ class RestoreLine:
 
     fixed_s: float
     per_block_s: float
+    cap_blocks: float = math.inf  # past this many blocks, no more time (a fit of one size: see from_fit)
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "per_block_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"a restore line's {name} must be finite and >= 0, got {value}")
+        if not self.cap_blocks > 0:
+            raise ValueError(f"a restore line's cap_blocks must be > 0, got {self.cap_blocks}")
 
     def seconds(self, blocks: int) -> float:
-        return self.fixed_s + self.per_block_s * blocks if blocks > 0 else 0.0
+        return self.fixed_s + self.per_block_s * min(blocks, self.cap_blocks) if blocks > 0 else 0.0
+
+    @classmethod
+    def through(cls, one_s: float, two_s: float) -> RestoreLine:
+        """The line through the restores of one block and of two."""
+        per_block = max(0.0, two_s - one_s)
+        return cls(max(0.0, one_s - per_block), per_block)
 
     @classmethod
     def from_fit(cls, fit: DecayingFit) -> RestoreLine | None:
-        """The line through a tier's fit (None before any sample). A fit of one size has no
-        slope: its time taken in proportion to the blocks, as the fit predicts below that size
-        (above it, an upper bound). A negative intercept is taken as 0 (an upper bound too)."""
+        """The connector's prediction from a tier's fit (:meth:`DecayingFit.predict`; None before
+        any sample). A fit of one size has no slope: in proportion below that size, as seen above
+        it. A negative intercept is taken as 0 (an upper bound)."""
         if fit.n <= 0:
             return None
         mean_x, mean_y = fit.sx / fit.n, fit.sy / fit.n
         slope = fit.slope
         if slope is None:
-            return cls(0.0, mean_y / mean_x) if mean_x > 0 else cls(max(0.0, mean_y), 0.0)
+            return cls(0.0, mean_y / mean_x, cap_blocks=mean_x) if mean_x > 0 else cls(max(0.0, mean_y), 0.0)
         return cls(max(0.0, mean_y - slope * mean_x), slope)
 
 
@@ -142,8 +151,7 @@ class ServerCost:
                 one, two = (calibration.restore_s(medium, n * block_bytes, n, workers, cold=cold) for n in (1, 2))
             except KeyError:
                 continue
-            per_block = max(0.0, two - one)
-            lines[medium] = RestoreLine(max(0.0, one - per_block), per_block)
+            lines[medium] = RestoreLine.through(one, two)
         return cls(block_tokens, 1.0 / prefill.tokens_per_s, lines)
 
     def queue_s(self, tokens: int) -> float:
@@ -166,13 +174,6 @@ class ServerCost:
         usable = min(len(reach), (prompt_tokens - 1) // self.block_tokens)
         usable = next((i for i, m in enumerate(reach[:usable]) if m is not Medium.DEVICE and m not in self.restore),
                       usable)
-        best, best_gain, best_load = 0, 0.0, 0.0
-        by_tier: dict[Medium, int] = {}
-        for k, medium in enumerate(reach[:usable], 1):
-            by_tier[medium] = by_tier.get(medium, 0) + 1
-            load = self.load_s(by_tier)
-            gain = k * self.block_tokens * self.per_token_s - self.margin * load
-            if gain > best_gain:
-                best, best_gain, best_load = k, gain, load
+        best, best_load = best_prefix(reach[:usable], self.block_tokens * self.per_token_s, self.margin, self.load_s)
         rest = prompt_tokens - best * self.block_tokens
         return Restore(usable, best, best_load, rest, rest * self.per_token_s)

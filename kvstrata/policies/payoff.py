@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvstrata.media import Medium
@@ -137,6 +138,26 @@ class DecayingFit:
         if b is None:
             return mean_y * min(1.0, x / mean_x) if mean_x > 0 else mean_y
         return max(0.0, mean_y + b * (x - mean_x))
+
+
+def best_prefix(tiers: Sequence[Medium], saved_per_block_s: float, margin: float,
+                load_s: Callable[[Mapping[Medium, int]], float | None], whole: bool = False) -> tuple[int, float]:
+    """Of a hit whose block ``i`` loads from ``tiers[i]``, the prefix of ``k`` blocks whose load
+    saves the most: ``k * saved_per_block_s - margin * load_s(its blocks by tier)``, 0 blocks where
+    none saves anything; ``whole``: all of it or none. ``(k, its predicted load seconds)``. The
+    connector's grant (:class:`LoadOrRecompute`) and a router's prediction of it
+    (:class:`~kvstrata.fleet.cost.ServerCost`) both decide by it."""
+    best, best_gain, best_load = 0, 0.0, 0.0
+    by_tier: dict[Medium, int] = {}
+    for k, medium in enumerate(tiers, 1):
+        by_tier[medium] = by_tier.get(medium, 0) + 1
+        if whole and k < len(tiers):
+            continue
+        load = load_s(by_tier) or 0.0
+        gain = k * saved_per_block_s - margin * load
+        if gain > best_gain:
+            best, best_gain, best_load = k, gain, load
+    return best, best_load
 
 
 @dataclass(frozen=True)
@@ -272,20 +293,13 @@ class LoadOrRecompute:
         cut = next((i for i, m in enumerate(tiers) if m in self._failing), len(tiers))
         if whole and cut < len(tiers):
             cut = 0
-        best, best_gain, best_load = 0, 0.0, 0.0
+        best, best_load = 0, 0.0
         measured = per_token is not None and all(m in self.loads for m in tiers[:cut])
         if not measured:
             best = cut  # not measured yet: loading it is how it gets measured (within the prefill's time, once known)
         else:
-            by_tier: dict[Medium, int] = {}
-            for k, medium in enumerate(tiers[:cut], 1):
-                by_tier[medium] = by_tier.get(medium, 0) + 1
-                if whole and k < len(tiers):
-                    continue
-                load = self.load_s(by_tier) or 0.0
-                gain = k * self.block_tokens * per_token - self.margin * load
-                if gain > best_gain:
-                    best, best_gain, best_load = k, gain, load
+            best, best_load = best_prefix(tiers[:cut], self.block_tokens * per_token, self.margin, self.load_s,
+                                          whole=whole)
         declined = _count(tiers[best:])
         granted = _count(tiers[:best])
         for medium in declined.keys() - granted.keys():

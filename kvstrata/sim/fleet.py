@@ -54,8 +54,7 @@ def instance_cost(geometry: KVGeometry, model: TimeModel, planner: RestorePlanne
                     for n in (1, 2))
         if not (one.available and two.available):
             continue
-        per_block = max(0.0, two.seconds - one.seconds)
-        lines[tier] = RestoreLine(max(0.0, one.seconds - per_block), per_block)
+        lines[tier] = RestoreLine.through(one.seconds, two.seconds)
     per_token_s = model.prefill_s(REFERENCE_TOKENS) / REFERENCE_TOKENS
     return ServerCost(BLOCK_TOKENS, per_token_s, lines)
 

@@ -152,10 +152,22 @@ def test_the_cost_is_the_connectors_own_measurements():
     assert cost.restore[S].fixed_s == pytest.approx(0.004) and cost.restore[S].per_block_s == pytest.approx(0.05)
 
 
+def _warming_decision() -> LoadOrRecompute:
+    """A connector that has measured its prefill and one host load of one block, slow (20 ms):
+    its fit has no slope yet, so it takes larger loads to cost the same (not 20 ms a block)."""
+    decision = LoadOrRecompute(B)
+    for tokens in (16, 64, 128, 256):
+        decision.step_computed(tokens, 0.002 + PER_TOKEN_S * tokens)
+    decision.loaded(H, 1, 0.020)
+    return decision
+
+
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from((H, S)), min_size=1, max_size=10))
-def test_the_blocks_predicted_loaded_are_what_the_connector_grants(tiers):
-    decision = _measured_decision()
+@given(st.lists(st.sampled_from((H, S)), min_size=1, max_size=10), st.booleans())
+def test_the_blocks_predicted_loaded_are_what_the_connector_grants(tiers, warming):
+    decision = _warming_decision() if warming else _measured_decision()
+    if warming:
+        tiers = [H] * len(tiers)  # the disk is unmeasured there: the connector would probe it
     cost = ServerCost.from_decision(decision)
     plan = cost.plan(tuple(tiers), len(tiers) * B + 1)
     assert plan.loaded_blocks == decision.grant(tuple(tiers), now_s=0.0).blocks
