@@ -11,12 +11,12 @@ saved or saw a store end. The CPU is the connector's hooks' on vLLM's step threa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstrata.integrations.vllm.feedback import StepClock
+from kvstrata.integrations.vllm.hooktimer import HookTimer
 from kvstrata.integrations.vllm.prom import KVStrataStats, WorkerReporter
 from kvstrata.integrations.vllm.stats import GroupStats, StatsFile, WorkerStats
 from kvstrata.transfer.placement import io_threads_cpu_s
@@ -45,6 +45,8 @@ class WorkerReport:
         self._changed = True  # anything to report since the last report (a load, a save, a store done)
         self._hooks_cpu_s = 0.0  # CPU the connector's hooks used on vLLM's step thread
         self._threads_cpu = (0.0, -1.0)  # the connector's own threads' CPU seconds, and when read
+        self._hook = HookTimer(lambda cpu_s, wall_s: self.hooked(cpu_s, wall_s, saving=False))
+        self._saving_hook = HookTimer(lambda cpu_s, wall_s: self.hooked(cpu_s, wall_s, saving=True))
 
     def describe(self, groups: list[OpaqueGroup | SlicedGroup], caches: tuple[TieredCache, ...],
                  paged: torch.Tensor, tp_rank: int, tp_size: int) -> None:
@@ -79,28 +81,27 @@ class WorkerReport:
             else:
                 self._stats_file.poke()
 
-    def connector_stats(self, caches: tuple[TieredCache, ...]) -> KVStrataStats | None:
+    def connector_stats(self, caches: Callable[[], tuple[TieredCache, ...]]) -> KVStrataStats | None:
         """What the counters and caches say changed since the last call (every step; None:
-        nothing). Only a step after a load, a save or a store's end looks at them: the rest (a
-        decode step) change nothing but the CPU counter, which the next report carries."""
+        nothing). Only a step after a load, a save or a store's end looks at them (``caches``
+        asked for then): the rest (a decode step) change nothing but the CPU counter, which the
+        next report carries."""
         if not self._changed:
             return None
         self._changed = False  # before reading: a store ending meanwhile marks it again
-        return self._reporter.report(self.stats, caches, self.cpu_s())
+        return self._reporter.report(self.stats, caches(), self.cpu_s())
 
-    @contextmanager
-    def hook(self, saving: bool = False) -> Iterator[None]:
+    def hook(self, saving: bool = False) -> HookTimer:
         """Around a hook on vLLM's step thread: its CPU is the connector's (``saving``: a store's
         cost too), its time not the forward's."""
-        cpu, wall = time.thread_time(), time.perf_counter()
-        try:
-            yield
-        finally:
-            used = time.thread_time() - cpu
-            self._hooks_cpu_s += used
-            if saving:
-                self._clock.save_cpu(used)
-            self._clock.hooked(time.perf_counter() - wall)
+        return self._saving_hook if saving else self._hook
+
+    def hooked(self, cpu_s: float, wall_s: float, saving: bool) -> None:
+        """A hook ended, having used ``cpu_s`` of its thread's CPU over ``wall_s``."""
+        self._hooks_cpu_s += cpu_s
+        if saving:
+            self._clock.save_cpu(cpu_s)
+        self._clock.hooked(wall_s)
 
     def cpu_s(self) -> float:
         """CPU seconds the connector used in this worker: its hooks, and its threads (read from
@@ -117,3 +118,4 @@ class WorkerReport:
         if self._stats_file is not None:
             self._stats_file.close()
         self.write(now=True)
+

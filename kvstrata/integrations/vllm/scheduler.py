@@ -80,6 +80,7 @@ from kvstrata.index.seen import SeenBlocks
 from kvstrata.index.stored import StoredFirstBlocks
 from kvstrata.integrations.vllm.channel import WorkerLookup
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadOutcome
+from kvstrata.integrations.vllm.hooktimer import HookTimer
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
 from kvstrata.integrations.vllm.verdicts import StepVerdicts
@@ -125,23 +126,6 @@ class _Granted:
     blocks: int
     budget_s: float | None
     off_step: bool = False
-
-
-class _HookCpu:
-    """A context around a scheduler hook (hooks never nest: one reused), counting its thread's
-    CPU; a class, not a generator, as it runs several times every step."""
-
-    __slots__ = ("_counts", "_cpu")
-
-    def __init__(self, counts: LookupCounts) -> None:
-        self._counts = counts
-        self._cpu = 0.0
-
-    def __enter__(self) -> None:
-        self._cpu = time.thread_time()
-
-    def __exit__(self, *exc: object) -> None:
-        self._counts.used_cpu(time.thread_time() - self._cpu)
 
 
 class KVStrataConnectorScheduler:
@@ -204,7 +188,7 @@ class KVStrataConnectorScheduler:
         self._firsts = (StoredFirstBlocks(block_size, held_blocks)
                         if own_blocks_only and loads_enabled and saves_enabled and held_blocks > 0 else None)
         self._caches_own_only = False
-        self._hook_cpu = _HookCpu(self._counts)
+        self._hook_cpu = HookTimer(lambda cpu_s, _wall_s: self._counts.used_cpu(cpu_s))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``, and
@@ -281,7 +265,7 @@ class KVStrataConnectorScheduler:
         """The lookups counted since the last call."""
         return self._counts.report()
 
-    def counting_cpu(self) -> _HookCpu:
+    def counting_cpu(self) -> HookTimer:
         """Around a hook: its thread's CPU is the connector's (a lookup waiting on the worker costs none)."""
         return self._hook_cpu
 

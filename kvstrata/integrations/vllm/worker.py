@@ -239,7 +239,7 @@ class KVStrataConnectorWorker:
 
     def get_kv_connector_stats(self) -> KVStrataStats | None:
         """What the counters and caches say changed since the last call (every step; None: nothing)."""
-        return self._report.connector_stats(self._caches)
+        return self._report.connector_stats(lambda: self._caches)
 
     def hook(self, saving: bool = False) -> AbstractContextManager[None]:
         """Around a hook on vLLM's step thread: its CPU is the connector's (``saving``: a store's
