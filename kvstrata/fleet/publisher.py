@@ -21,8 +21,6 @@ vLLM's does: bind it to a private network, or publish events without token ids.
 
 from __future__ import annotations
 
-import os
-import stat
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +29,7 @@ import zmq
 
 from kvstrata.fleet.events import Batch
 from kvstrata.fleet.wire import to_frames
+from kvstrata.trust import check_private_dir
 
 DEFAULT_HWM = 100_000  # vLLM's default high-water mark for its PUB socket
 
@@ -60,7 +59,7 @@ class EventPublisher:
         if bind is None:
             bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
         if bind and endpoint.startswith("ipc://"):
-            _check_private_dir(Path(endpoint.removeprefix("ipc://")).parent)
+            check_private_dir(Path(endpoint.removeprefix("ipc://")).parent, "KV event socket directory")
         self._socket = (context or zmq.Context.instance()).socket(zmq.PUB)
         try:
             self._socket.set_hwm(hwm)
@@ -98,15 +97,3 @@ class EventPublisher:
                  tb: TracebackType | None) -> None:
         self.close()
 
-
-def _check_private_dir(directory: Path) -> None:
-    """Refuse an ``ipc://`` socket's directory that is a symlink, not ours, or open to others."""
-    try:
-        st = os.lstat(directory)
-    except FileNotFoundError:
-        raise ValueError(f"KV event socket directory {directory} does not exist") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"KV event socket directory {directory} is not a directory (or is a symlink)")
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ValueError(f"KV event socket directory {directory} must be owned by this user and closed to others "
-                         f"(mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid})")

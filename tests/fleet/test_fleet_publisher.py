@@ -104,7 +104,7 @@ def test_an_ipc_endpoint_others_can_reach_is_refused(context, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    with pytest.raises(ValueError, match="closed to others"):
+    with pytest.raises(ValueError, match="open to others"):
         EventPublisher(f"ipc://{shared}/kv", context=context)
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
