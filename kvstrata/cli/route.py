@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from kvstrata import cli
-from kvstrata.fleet.router import Limits
+from kvstrata.fleet.router import BLOCK_TOKENS, HEALTH_INTERVAL_S, PREFILL_TOKENS_PER_S, Limits
 from kvstrata.fleet.scorer import Policy
 
 
@@ -24,10 +24,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"routing policy: {', '.join(x.value for x in Policy)} (default predicted-ttft)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
-    p.add_argument("--block-size", type=int, default=16, help="the servers' --block-size, in tokens (default 16)")
+    p.add_argument("--block-size", type=int, default=BLOCK_TOKENS,
+                   help=f"the servers' --block-size, in tokens (default {BLOCK_TOKENS})")
     p.add_argument("--hash-algo", default="sha256", help="the servers' --prefix-caching-hash-algo (default sha256)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
-                   help="each server's prefill rate, for predicted TTFT (default 10000)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=PREFILL_TOKENS_PER_S,
+                   help=f"each server's prefill rate, for predicted TTFT (default {PREFILL_TOKENS_PER_S:.0f}: a "
+                        "placeholder, not a measurement; --calibration prices the servers as measured)")
     p.add_argument("--calibration", default=None, metavar="PROFILE.toml",
                    help="a host profile from kvstrata calibrate, with --model-dir: the servers' prefill and their "
                         "tiers' restores priced as the connector prices them (else --prefill-tokens-per-s, device only)")
@@ -37,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"requests in flight per server; beyond, others, then 429 (default {Limits.per_server})")
     p.add_argument("--max-inflight", type=int, default=Limits.total,
                    help=f"requests in flight through the router; beyond, 429 (default {Limits.total})")
-    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health checks (default 2)")
+    p.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL_S,
+                   help=f"seconds between /health checks (default {HEALTH_INTERVAL_S:g})")
     p.set_defaults(func=run_route)
 
 

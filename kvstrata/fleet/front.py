@@ -38,7 +38,8 @@ from kvstrata.fleet.feed import EventFeed
 from kvstrata.fleet.health import check_once, watch_events, watch_health
 from kvstrata.fleet.metrics import CONTENT_TYPE, RouteMetrics
 from kvstrata.fleet.prompt import AskServer, BadRequest, Endpoint, Tokens, streams, tokenize_ask
-from kvstrata.fleet.router import Busy, Health, Limits, NoServer, Router, Ticket, TicketState
+from kvstrata.fleet.router import (BLOCK_TOKENS, HEALTH_INTERVAL_S, PREFILL_TOKENS_PER_S, Busy, Health, Limits,
+                                   NoServer, Router, Ticket, TicketState)
 from kvstrata.fleet.scorer import Policy, Request
 
 log = logging.getLogger("kvstrata.route")
@@ -84,11 +85,11 @@ class FrontConfig:
 
     upstreams: tuple[Upstream, ...]
     policy: Policy = Policy.PREDICTED_TTFT
-    block_size: int = 16
+    block_size: int = BLOCK_TOKENS
     hash_algo: str = "sha256"
     limits: Limits = field(default_factory=Limits)
-    prefill_tokens_per_s: float = 10_000.0
-    health_interval_s: float = 2.0
+    prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
+    health_interval_s: float = HEALTH_INTERVAL_S
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 3.0
     server_cost: ServerCost | None = None

@@ -22,6 +22,7 @@ asking for another raises ValueError.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -51,6 +52,7 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, algo: str = "
     return tuple(out)
 
 
+@functools.cache  # once per algo: each prompt is hashed with it (a second algo is refused, never cached)
 def _hash_fn(algo: str):
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import init_none_hash

@@ -50,6 +50,13 @@ class Busy(RuntimeError):
     """Every server that could take a request is at its limit (the front's 429)."""
 
 
+BLOCK_TOKENS = 16  # vLLM's default --block-size
+# A server's prefill rate where nothing better is given (no calibration): a placeholder of the
+# order of a small model's on one GPU, not a measurement; --calibration prices servers as measured.
+PREFILL_TOKENS_PER_S = 10_000.0
+HEALTH_INTERVAL_S = 2.0  # between a server's /health checks
+
+
 @dataclass(frozen=True)
 class Limits:
     """Requests in flight at most: per server, and through the router overall."""
@@ -148,8 +155,10 @@ class Router:
             raise Busy(f"every server up has {self.limits.per_server} requests in flight, its limit: retry later")
         states = [ServerState(n, self._servers[n].cost, self._servers[n].queued_tokens) for n in room]
         choice = self.policy.choose(request, states, self.index)
-        state = next(s for s in states if s.server == choice.server)
-        predicted = predict(request, state, self.index).ttft_s
+        predicted = next(s.predicted_s for s in choice.scores if s.server == choice.server)
+        if predicted is None:  # a policy that does not predict: the prediction, for the metrics
+            state = next(s for s in states if s.server == choice.server)
+            predicted = predict(request, state, self.index).ttft_s
         server = self._servers[choice.server]
         server.inflight += 1
         server.queued_tokens += request.prompt_tokens

@@ -71,11 +71,13 @@ class Request:
 
 @dataclass(frozen=True)
 class Score:
-    """One server's cost under a policy (lower wins) and the prefix blocks it reaches."""
+    """One server's cost under a policy (lower wins), the prefix blocks it reaches, and its
+    predicted time to the first token where the policy computed it (None: it did not)."""
 
     server: str
     cost: float
     reached_blocks: int = 0
+    predicted_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ class PredictedTTFT:
         scores = []
         for state in servers:
             p = predict(request, state, index)
-            scores.append(Score(state.server, p.ttft_s, p.restore.reached_blocks))
+            scores.append(Score(state.server, p.ttft_s, p.restore.reached_blocks, predicted_s=p.ttft_s))
         return _lowest(scores)
 
 
