@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.media import Medium
 from kvstrata.plan.host import DISK_BLOCKS_COLD, RESTORE_FIXED, HostCalibration, PrefillFit
 from kvstrata.plan.restore import RestoreEstimate, RestorePath, RestorePlanner, instance_gpus

@@ -17,7 +17,6 @@ from importlib import resources
 from pathlib import Path as FsPath
 from typing import Any
 
-from kvstrata.hardware.build import build_topology
 from kvstrata.hardware.catalog import (
     DramSpec,
     GpuModel,
@@ -42,7 +41,7 @@ from kvstrata.hardware.specs import (
 
 __all__ = [
     "DeviceSpec", "GpuSpec", "HardwareProfile", "NicSpec", "NvmeSpec", "PoolSpec", "ProfileError", "Slot",
-    "SocketSpec", "SwitchSpec", "build_topology", "builtin_profiles", "builtin_text", "load_profile", "parse_profile",
+    "SocketSpec", "SwitchSpec", "builtin_profiles", "builtin_text", "load_profile", "parse_profile",
 ]
 
 if sys.version_info >= (3, 11):

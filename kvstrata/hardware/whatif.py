@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import replace
 
 from kvstrata.hardware.catalog import gpu_model, nic_model
-from kvstrata.hardware.profile import HardwareProfile, ProfileError, Slot
+from kvstrata.hardware.specs import HardwareProfile, ProfileError, Slot
 
 
 class Upgrade(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.hardware.topology import NodeKind
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.plan.architectures import (

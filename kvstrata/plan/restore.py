@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvstrata.hardware.catalog import nic_model
 from kvstrata.hardware.flows import GB, Flow, flow_along, max_min_share, run_concurrently
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.hardware.topology import NodeKind, Path
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.kv.fields import GeometryError
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.kv.groups import GroupKind

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.plan.planner import make_plan
 from kvstrata.plots import coincident

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass
 
 from kvstrata.fleet.scorer import Policy
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.media import Medium
 from kvstrata.plan.sharing import KVSharing

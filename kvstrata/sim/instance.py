@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvstrata.hardware.flows import GB, Flow, Resource, flow_along, max_min_share
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.hardware.topology import NodeKind
 from kvstrata.media import Medium
 from kvstrata.plan.architectures import DRAM_KV_FRACTION, HBM_USABLE_FRACTION

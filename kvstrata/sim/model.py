@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvstrata.hardware.catalog import gpu_model
 from kvstrata.hardware.flows import GB
-from kvstrata.hardware.profile import HardwareProfile
+from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.kv.geometry import KVGeometry
 from kvstrata.plan.footprint import attended_tokens, held_bytes
 
