@@ -85,7 +85,6 @@ from kvstrata.media import Medium
 from kvstrata.tiers import blockfile, diskdir, diskmanifest
 from kvstrata.tiers.base import Pieces, Tier, TierCapabilities, outcome
 from kvstrata.tiers.diskdir import FILE_MODE
-from kvstrata.tiers.diskdir import DirectoryInUse as DirectoryInUse  # re-exported: DiskTier() raises it
 from kvstrata.tiers.diskio import ReadPacer, read_exact, unlink_quietly, write_all
 
 _log = logging.getLogger("kvstrata.tiers")

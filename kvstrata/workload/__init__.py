@@ -6,19 +6,7 @@
 * :mod:`~kvstrata.workload.report`: what a run reports, per tier.
 """
 
-from typing import Any
-
 from kvstrata.workload.report import TierReport, WorkloadReport
 from kvstrata.workload.spec import TIERS, Workload
 
-__all__ = ["TIERS", "TierReport", "Workload", "WorkloadReport", "quick_calibration", "run_e2e", "run_tier"]
-
-
-def __getattr__(name: str) -> Any:
-    """The runner's names, imported when first asked for: it loads the cache and torch, which the
-    CLI's parser (it registers ``kvstrata demo``) and the report types need not."""
-    if name in ("quick_calibration", "run_e2e", "run_tier"):
-        from kvstrata.workload import runner
-
-        return getattr(runner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["TIERS", "TierReport", "Workload", "WorkloadReport"]  # the runner (torch, the cache): workload.runner

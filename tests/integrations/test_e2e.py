@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvstrata.workload import Workload, run_e2e  # noqa: E402
+from kvstrata.workload import Workload  # noqa: E402
+from kvstrata.workload.runner import run_e2e  # noqa: E402
 from kvstrata.cli import main  # noqa: E402
 from kvstrata.media import Medium  # noqa: E402
 
@@ -90,7 +91,7 @@ def test_calibrated_profile_feeds_the_demo_and_load_or_recompute(tiny_model_dir,
 def test_a_benchmark_beside_the_run_gets_every_turn_and_plain_transformers_is_timed_next_to_ours(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvstrata.workload import run_tier
+    from kvstrata.workload.runner import run_tier
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

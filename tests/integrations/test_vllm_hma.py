@@ -221,7 +221,8 @@ def test_vllm_groups_refuse_what_they_cannot_cache():
 
 def test_loads_skip_blocks_before_the_window_and_saves_keep_only_windows():
     from kvstrata.integrations.vllm import GroupBlocks
-    from kvstrata.integrations.vllm.scheduler import _saved, _window
+    from kvstrata.integrations.vllm.windows import load_window as _window
+    from kvstrata.integrations.vllm.windows import save_window as _saved
 
     null = 0
     # a load of blocks 1..4 (block 0: vLLM's own prefix hit): the sliding group's first two are null

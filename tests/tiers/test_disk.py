@@ -32,7 +32,8 @@ from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.tiers import blockfile
-from kvstrata.tiers.disk import DirectoryInUse, DiskTier
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.diskdir import DirectoryInUse
 
 SMALL = KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DType.BF16)  # 4 x 1 KiB
 CHILD = KVLayout(num_layers=8, block_tokens=16, kv_heads=4, head_dim=128, dtype=DType.BF16)  # 8 x 32 KiB

@@ -84,7 +84,7 @@ from kvstrata.integrations.vllm.hooktimer import HookTimer
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
 from kvstrata.integrations.vllm.verdicts import StepVerdicts
-from kvstrata.integrations.vllm.windows import load_window as _window, save_window as _saved
+from kvstrata.integrations.vllm.windows import load_window, save_window
 from kvstrata.media import Medium
 from kvstrata.policies.payoff import BUDGET_FACTOR, LoadOrRecompute
 from kvstrata.policies.saving import SaveOrSkip
@@ -375,7 +375,7 @@ class KVStrataConnectorScheduler:
         bs = self._block_size
         first = (end - external) // bs
         return LoadSpec(req_id, prompt[:end], external,
-                        [_window(ids[first : end // bs], first, null) for ids in block_ids],
+                        [load_window(ids[first : end // bs], first, null) for ids in block_ids],
                         granted.budget_s if (granted := self._granted.get(req_id)) is not None else None)
 
     def _save_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
@@ -386,7 +386,7 @@ class KVStrataConnectorScheduler:
         self._saved_blocks[req_id] = full
         if self._firsts is not None:  # every block it stores is keyed from its first block's tokens on
             self._firsts.stored(prompt)
-        return SaveSpec(req_id, prompt[: full * bs], [_saved(ids[:full], span, bs, null)
+        return SaveSpec(req_id, prompt[: full * bs], [save_window(ids[:full], span, bs, null)
                                                       for ids, span in zip(block_ids, self._spans)])
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
