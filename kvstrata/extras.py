@@ -41,8 +41,14 @@ def install_line(module: str, what: str) -> str | None:
     top = module.split(".")[0]
     if top not in EXTRAS or _installed(top):
         return None
-    extra, otherwise = EXTRAS[top]
-    return f"{what} needs the '{extra}' extra ({top}): pip install 'kvstrata[{extra}]'{otherwise}"
+    return f"{what} needs the '{EXTRAS[top][0]}' extra ({top}): {pip_command(top)}"
+
+
+def pip_command(module: str) -> str:
+    """``pip install 'kvstrata[plots]'``: what installs ``module`` (one an extra provides), and
+    what installs it instead where the extra does not fit."""
+    extra, otherwise = EXTRAS[module.split(".")[0]]
+    return f"pip install 'kvstrata[{extra}]'{otherwise}"
 
 
 def _installed(package: str) -> bool:

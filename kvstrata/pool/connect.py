@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.extras import pip_command
 from kvstrata.pool import libs, native_log, network, ops, parking
 from kvstrata.pool.calls import PoolUnavailable
 from kvstrata.pool.config import PoolConfig, RemoteMode, load_pool_config
@@ -101,8 +102,7 @@ def store_class() -> type:
             raise PoolUnavailable(f"the pool client cannot load ({error}): "
                                   f"{libs.describe(libs.missing_libraries() or (missing,))}") from None
         raise PoolUnavailable(
-            f"the pool client is not installed ({error}): pip install mooncake-transfer-engine-non-cuda "
-            "(or mooncake-transfer-engine with CUDA)"
+            f"the pool client is not installed ({error}): {pip_command('mooncake')}"
         ) from None
 
 

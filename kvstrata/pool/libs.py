@@ -21,6 +21,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from kvstrata.extras import pip_command
+
 # Debian (and Ubuntu) packages of the libraries Mooncake links from the system.
 DEBIAN_PACKAGES = {
     "libibverbs.so.1": "libibverbs1",
@@ -94,7 +96,6 @@ def describe(libraries: tuple[str, ...]) -> str:
 def problem() -> str | None:
     """Why the pool engine cannot run here, in one line (None: installed, and loads)."""
     if not engine_files():
-        return ("the pool engine is not installed: pip install 'kvstrata[remote]' "
-                "(mooncake-transfer-engine-non-cuda; mooncake-transfer-engine with CUDA)")
+        return f"the pool engine is not installed: {pip_command('mooncake')}"
     missing = missing_libraries()
     return describe(missing) if missing else None

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstrata import trust
+from kvstrata.extras import pip_command
 from kvstrata.pool import libs, native_log
 from kvstrata.pool.sockets import accepts
 from kvstrata.pool.started import TOKEN_ENV, ProcessStamp, carries, carrying
@@ -42,8 +43,7 @@ def _binary(name: str) -> str:
     found = str(here) if here.exists() else shutil.which(name)
     if not found:
         raise PoolError(
-            f"{name} not found: install the pool engine: pip install 'kvstrata[remote]' "
-            "(mooncake-transfer-engine-non-cuda; mooncake-transfer-engine with CUDA)"
+            f"{name} not found: install the pool engine: {pip_command('mooncake')}"
         )
     return found
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvstrata.extras import pip_command
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.errors import TierUnavailable
 from kvstrata.index.prefix import Match
@@ -38,7 +39,7 @@ from kvstrata.pool.config import PoolConfig
 from kvstrata.workload.report import Tally, TierReport, TurnFigures, WorkloadReport
 from kvstrata.workload.spec import ALONE_REPEATS, TIERS, Texts, Workload
 
-NO_POOL = "no pool (start one with `kvstrata pool start`; the pool engine: pip install 'kvstrata[remote]')"
+NO_POOL = f"no pool (start one with `kvstrata pool start`; the pool engine: {pip_command('mooncake')})"
 
 
 def _above(tier: Medium) -> tuple[Medium, ...]:
