@@ -1,4 +1,5 @@
-"""``kvstrata model make-tiny DIR``: a small random-weight Llama (or, with ``--hybrid``, a Gemma 2
+"""``kvstrata model make DIR --like MODEL``: a random-weight model of a real model's shape
+(:mod:`kvstrata.integrations.shaped`). ``kvstrata model make-tiny DIR``: a small random-weight Llama (or, with ``--hybrid``, a Gemma 2
 sliding-window or Qwen3-Next linear-attention hybrid; with ``--mla``, a DeepSeek-V2-Lite-shaped
 MLA model) model and tokenizer, offline."""
 
@@ -23,6 +24,37 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a DeepSeek-V2-Lite-shaped MLA + MoE model instead (its latent: 512 + 64, as vLLM's CPU MLA takes)")
     m.add_argument("--overwrite", action="store_true", help="replace a different tiny model in DIR")
     m.set_defaults(func=run_make_tiny)
+
+    s = msub.add_parser("make", help="write a random-weight model of a real model's shape + tokenizer (no download)",
+                        description="A model of a real model's shape with seeded random weights: the published "
+                                    "config.json of a model people serve, its layers, widths and vocabulary exact, so "
+                                    "its prefill costs what the real model's does and its KV has the same bytes per "
+                                    "token; its answers mean nothing. Presets: " + ", ".join(_SHAPES) + ".")
+    s.add_argument("dir", help="output directory (created; reused if it holds the same model)")
+    s.add_argument("--like", required=True, metavar="MODEL",
+                   help="a preset name (" + ", ".join(_SHAPES) + ", or any of kvstrata's presets) or a config.json "
+                        "file or model directory")
+    s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--overwrite", action="store_true", help="replace a different model in DIR")
+    s.set_defaults(func=run_make)
+
+
+_SHAPES = ("qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "qwen2.5-1.5b")  # small dense models people serve
+
+
+def run_make(args: argparse.Namespace) -> int:
+    from kvstrata.integrations.shaped import ShapedSpec, make_shaped
+    from kvstrata.kv.geometry import GeometryError
+
+    try:
+        built = make_shaped(args.dir, ShapedSpec(args.like, args.dtype, args.seed), overwrite=args.overwrite)
+    except (FileExistsError, FileNotFoundError, GeometryError, ValueError) as e:
+        raise cli.CliError(str(e)) from None
+    cli.console().print(f"{built.name}-shaped model in {built.directory}: {built.parameters / 1e6:,.0f}M parameters, "
+                        f"{built.dtype}, KV {built.kv_bytes_per_token / 1024:,.0f} KiB per token (random weights, "
+                        f"from {built.source})")
+    return 0
 
 
 def _Defaults():

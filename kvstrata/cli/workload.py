@@ -33,8 +33,19 @@ def default_model_dir() -> Path:
     return Path(base) / "kvstrata" / "tiny-llama"
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model-dir DIR`` or ``--like MODEL`` (default: the tiny model)."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model-dir", help=f"a local Hugging Face model directory (default: the tiny model in "
+                                           f"{default_model_dir()})")
+    which.add_argument("--like", metavar="MODEL",
+                       help="a random-weight model of this real model's shape: a preset (qwen2.5-0.5b, qwen3-0.6b, "
+                            "llama-3.2-1b, qwen2.5-1.5b, ...) or a config.json; made once in "
+                            f"{default_model_dir().parent}/MODEL-bfloat16 (kvstrata model make)")
+
+
 def add_workload_args(p: argparse.ArgumentParser, conversations: int, turns: int) -> None:
-    p.add_argument("--model-dir", help=f"a local Hugging Face model directory (default: the tiny model in {default_model_dir()})")
+    add_model_args(p)
     p.add_argument("--conversations", type=int, default=conversations, help=f"conversations (default: {conversations})")
     p.add_argument("--turns", type=int, default=turns, help=f"turns per conversation (default: {turns})")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per cached block (default: 256)")
@@ -58,12 +69,34 @@ def parse_tiers(text: str) -> tuple[Medium, ...]:
 
 
 def model_dir_of(args: argparse.Namespace) -> Path:
-    """The model of ``args`` (by default the tiny one, built on first use)."""
+    """The model of ``args``: ``--model-dir``, ``--like``'s shaped model, or the tiny one (the last
+    two built on first use)."""
     if args.model_dir:
         return cli.model_dir(args.model_dir)
+    if getattr(args, "like", None):
+        return shaped_model_dir(args.like)
     from kvstrata.integrations.tiny import make_tiny
 
     return make_tiny(default_model_dir())
+
+
+def shaped_model_dir(like: str, dtype: str = "bfloat16") -> Path:
+    """The random-weight model shaped as ``like`` (a preset or a config.json), made on first use
+    beside the tiny model; a bad name is one line."""
+    from rich.console import Console
+
+    from kvstrata.integrations.shaped import ShapedSpec, make_shaped
+    from kvstrata.kv.geometry import GeometryError
+    from kvstrata.kv.presets import load_source
+
+    try:
+        name = load_source(like)[0]
+        directory = default_model_dir().parent / f"{name}-{dtype}"
+        if not directory.exists():
+            Console(stderr=True).print(f"[dim]making the {name}-shaped model in {directory} (once)[/]")
+        return make_shaped(directory, ShapedSpec(like, dtype)).directory
+    except (FileExistsError, FileNotFoundError, GeometryError, ValueError) as e:
+        raise cli.CliError(f"--like {like}: {e}") from None
 
 
 @contextmanager

@@ -89,10 +89,10 @@ def make_tiny(directory: str | Path, spec: TinySpec = TinySpec(), overwrite: boo
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = _prepare(Path(directory), asdict(spec), overwrite)
+    out = prepare_dir(Path(directory), asdict(spec), overwrite)
     if out is None:
         return Path(directory)
-    fast = _tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
+    fast = train_tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
     config = LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
@@ -110,7 +110,7 @@ def make_tiny(directory: str | Path, spec: TinySpec = TinySpec(), overwrite: boo
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
-    _save(out, model, asdict(spec))
+    save_model(out, model, asdict(spec))
     return out
 
 
@@ -162,10 +162,10 @@ def make_tiny_hybrid(directory: str | Path, spec: TinyHybridSpec = TinyHybridSpe
     import torch
     import transformers
 
-    out = _prepare(Path(directory), spec.record(), overwrite)
+    out = prepare_dir(Path(directory), spec.record(), overwrite)
     if out is None:
         return Path(directory)
-    fast = _tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
+    fast = train_tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
     common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                   num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                   head_dim=spec.head_dim, max_position_embeddings=spec.max_positions,
@@ -185,7 +185,7 @@ def make_tiny_hybrid(directory: str | Path, spec: TinyHybridSpec = TinyHybridSpe
         model_class = transformers.Qwen3NextForCausalLM
     torch.manual_seed(spec.seed)
     model = model_class(config).to(getattr(torch, spec.dtype))
-    _save(out, model, spec.record())
+    save_model(out, model, spec.record())
     return out
 
 
@@ -237,10 +237,10 @@ def make_tiny_mla(directory: str | Path, spec: TinyMLASpec = TinyMLASpec(), over
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    out = _prepare(Path(directory), spec.record(), overwrite)
+    out = prepare_dir(Path(directory), spec.record(), overwrite)
     if out is None:
         return Path(directory)
-    fast = _tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
+    fast = train_tokenizer(out, spec.vocab, spec.max_positions, spec.seed)
     config = DeepseekV2Config(
         vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
@@ -256,25 +256,29 @@ def make_tiny_mla(directory: str | Path, spec: TinyMLASpec = TinyMLASpec(), over
         tie_word_embeddings=False, dtype=spec.dtype)
     torch.manual_seed(spec.seed)
     model = DeepseekV2ForCausalLM(config).to(getattr(torch, spec.dtype))
-    _save(out, model, spec.record())
+    save_model(out, model, spec.record())
     return out
 
 
-def _prepare(out: Path, record: dict, overwrite: bool) -> Path | None:
+def prepare_dir(out: Path, record: dict, overwrite: bool) -> Path | None:
     """``out`` ready to write a model of ``record`` into; None if it already holds that model."""
     marker = out / TINY_MARKER
     if marker.exists() and not overwrite:
         if json.loads(marker.read_text()) == record:
             return None
-        raise FileExistsError(f"{out} holds a tiny model of another spec; pass overwrite to replace it")
+        raise FileExistsError(f"{out} holds a kvstrata-made model of another spec; pass overwrite to replace it")
     if out.exists() and any(out.iterdir()) and not overwrite and not marker.exists():
         raise FileExistsError(f"{out} is not empty and not a kvstrata tiny model; choose an empty directory")
     out.mkdir(parents=True, exist_ok=True)
     return out
 
 
-def _tokenizer(out: Path, vocab: int, max_positions: int, seed: int):
-    """A byte-level BPE tokenizer trained on :func:`corpus`, saved into ``out``."""
+def train_tokenizer(out: Path, vocab: int, max_positions: int, seed: int, size: int | None = None):
+    """A byte-level BPE tokenizer of ``vocab`` tokens trained on :func:`corpus`, saved into ``out``.
+
+    ``size``: the vocabulary the model has, when larger than ``vocab`` (a real model's 150K): the
+    ids past the trained ones are filler tokens (`` <t123456>``, which no merge makes), so every id
+    the model can emit decodes, and the tokenizer stays a small file's training."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -288,6 +292,8 @@ def _tokenizer(out: Path, vocab: int, max_positions: int, seed: int):
         show_progress=False,
     )
     tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    if size is not None and size > tok.get_vocab_size():
+        tok = _padded(tok, size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=max_positions
     )
@@ -295,7 +301,23 @@ def _tokenizer(out: Path, vocab: int, max_positions: int, seed: int):
     return fast
 
 
-def _save(out: Path, model, record: dict) -> None:
+def _padded(tok, size: int):
+    """``tok`` with filler tokens appended to its BPE vocabulary up to ``size`` ids."""
+    from tokenizers import Tokenizer
+
+    doc = json.loads(tok.to_str())
+    vocab = doc["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in doc.get("added_tokens", ())}
+    for i in range(size):
+        if i not in taken:
+            vocab[f"\u0120<t{i}>"] = i  # byte-level's space, then printable ASCII
+    return Tokenizer.from_str(json.dumps(doc))
+
+
+def save_model(out: Path, model, record: dict) -> None:
+    from transformers.utils import logging
+
     model.generation_config.eos_token_id = None  # random weights: never stop early, lengths stay fixed
+    logging.disable_progress_bar()  # a test's or the CLI's output is not for a shard bar
     model.save_pretrained(out, safe_serialization=True)
     (out / TINY_MARKER).write_text(json.dumps(record, indent=2))

@@ -19,8 +19,12 @@ PRESETS = {
     "llama-3-8b",
     "llama-3-70b",
     "llama-3.1-405b",
+    "llama-3.2-1b",
     "mixtral-8x7b",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
     "qwen2.5-7b",
+    "qwen3-0.6b",
     "tiny-llama",
 }
 
