@@ -262,11 +262,13 @@ class _Run:
         self.fleet.stop(Instance.PREFILL, Instance.DECODE)
         return run
 
-    def reference(self, runs: Sequence[PhaseRun]) -> dict[tuple[int, ...], tuple[int, ...]]:
+    def reference(self, runs: Sequence[PhaseRun]) -> dict[tuple[int, ...], RequestRecord]:
+        """Every distinct prompt sent, answered from scratch, with each choice's lead over its
+        runner-up (the near-ties of :mod:`kvstrata.bench.serve_report`)."""
         prompts = list(dict.fromkeys(r.prompt for run in runs for r in (*run.records, *run.prefills)))
         self.fleet.start(Instance.REFERENCE)
         answers = ask_each(self.fleet.endpoint(Instance.REFERENCE), prompts, self.w.max_tokens,
-                           self.config.max_num_seqs, self.progress, "reference (prefix caching off)")
+                           self.config.max_num_seqs, self.progress, "reference (prefix caching off)", leads=True)
         self.fleet.stop(Instance.REFERENCE)
         return dict(zip(prompts, answers, strict=True))
 

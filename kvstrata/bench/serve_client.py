@@ -20,8 +20,9 @@ prefill server for one token, then to a decode server). A failed request fails t
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +74,10 @@ def drive(plans: Sequence[TurnPlan], route: Route, max_tokens: int, rate_per_s: 
 
 
 def ask_each(endpoint: Endpoint, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
-             progress: Progress | None = None, label: str = "") -> list[tuple[int, ...]]:
-    """Each prompt's answer (token ids) from one server, ``concurrency`` at a time."""
-    return asyncio.run(_ask_each(endpoint, prompts, max_tokens, concurrency, progress or NoProgress(), label))
+             progress: Progress | None = None, label: str = "", leads: bool = False) -> list[RequestRecord]:
+    """Each prompt's answer from one server, ``concurrency`` at a time (``leads``: with how far
+    each greedy choice led its runner-up)."""
+    return asyncio.run(_ask_each(endpoint, prompts, max_tokens, concurrency, progress or NoProgress(), label, leads))
 
 
 class Clients:
@@ -158,17 +160,16 @@ async def _ready(clients: Clients, targets: Sequence[Endpoint | Handoff]) -> Non
 
 
 async def _ask_each(endpoint: Endpoint, prompts: Sequence[Sequence[int]], max_tokens: int, concurrency: int,
-                    progress: Progress, label: str) -> list[tuple[int, ...]]:
+                    progress: Progress, label: str, leads: bool) -> list[RequestRecord]:
     clients = Clients()
     gate = asyncio.Semaphore(concurrency)
-    answers: list[tuple[int, ...] | None] = [None] * len(prompts)
+    answers: list[RequestRecord | None] = [None] * len(prompts)
     progress.start(len(prompts))
     start = time.perf_counter()
 
     async def one(i: int) -> None:
         async with gate:
-            record = await complete(clients(endpoint), endpoint, prompts[i], max_tokens, i, 0, start)
-        answers[i] = record.output_ids
+            answers[i] = await complete(clients(endpoint), endpoint, prompts[i], max_tokens, i, 0, start, leads)
         progress.step(f"{label}: {sum(a is not None for a in answers)}/{len(prompts)} prompts")
 
     try:
@@ -191,18 +192,21 @@ async def _all(coroutines: Sequence[Any]) -> None:
 
 
 async def complete(client, endpoint: Endpoint, prompt: Sequence[int], max_tokens: int, conversation: int,
-                    turn: int, start: float) -> RequestRecord:
-    """One streamed completion, timed from just before it is sent."""
+                   turn: int, start: float, leads: bool = False) -> RequestRecord:
+    """One streamed completion, timed from just before it is sent (``leads``: asking the top two
+    log-probabilities of each answer token too, for how far the choice led the runner-up)."""
     import openai
 
     where = f"{endpoint.instance.value} server, conversation {conversation} turn {turn}"
     token_times: list[float] = []
     ids: list[int] = []
+    margins: list[float] = []
     sent = time.perf_counter()
+    asked = {"logprobs": 2} if leads else {}
     try:
         stream = await client.completions.create(
             model=endpoint.model, prompt=list(prompt), max_tokens=max_tokens, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": leads}, **asked,
         )
         async for chunk in stream:
             for choice in chunk.choices:
@@ -210,6 +214,8 @@ async def complete(client, endpoint: Endpoint, prompt: Sequence[int], max_tokens
                 if new:
                     token_times.append(time.perf_counter())
                     ids.extend(new)
+                if leads and choice.logprobs is not None:
+                    margins.extend(lead(top) for top in choice.logprobs.top_logprobs or ())
     except openai.OpenAIError as exc:
         raise RequestFailed(f"{where}: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
     end = time.perf_counter()
@@ -217,5 +223,14 @@ async def complete(client, endpoint: Endpoint, prompt: Sequence[int], max_tokens
         raise RequestFailed(f"{where}: {len(ids)} token ids came back of {max_tokens} asked for (does the server "
                             "support vLLM's return_token_ids and ignore_eos?)")
     tpot = (token_times[-1] - token_times[0]) / (len(ids) - 1) if len(ids) > 1 else None
+    if leads and len(margins) != len(ids):
+        raise RequestFailed(f"{where}: {len(margins)} top log-probabilities came back for {len(ids)} tokens")
     return RequestRecord(conversation, turn, endpoint.instance, len(prompt), tuple(ids), token_times[0] - sent, tpot,
-                         end - sent, sent - start, prompt=tuple(prompt))
+                         end - sent, sent - start, prompt=tuple(prompt), leads=tuple(margins))
+
+
+def lead(top: Mapping[str, float] | None) -> float:
+    """How far a position's greedy choice led its runner-up: the top two log-probabilities'
+    difference (inf: no runner-up given)."""
+    values = sorted((top or {}).values(), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else math.inf

@@ -9,6 +9,15 @@ are over the prompt tokens of the configuration's requests: vLLM's own prefix ca
 ``/metrics``, kvstrata's per tier from the connector (:mod:`kvstrata.bench.serve_counters`), a
 block counting its ``block_tokens``. A completion is identical when its token ids equal those
 the reference server (prefix caching off, no connector) gave for the same prompt.
+
+Near-ties. In bf16 or fp16 a greedy choice whose runner-up trails it by less than the rounding of
+the logits can flip between a prefill in one piece and one continuing cached KV: vLLM's own prefix
+cache flips such ties against the reference as often as kvstrata's restored KV does, and random
+weights make them common. The reference therefore reports, at every position of its answer, how
+far its choice led the runner-up (log-probability); a completion that leaves the reference's
+where that lead is under :data:`TIE_NATS` for the dtype is a near-tie, counted apart and not as
+differing. Wrong KV moves logits by far more than rounding and shows as differing. In float32
+the margin is 0: only identical answers pass, as before.
 """
 
 from __future__ import annotations
@@ -50,7 +59,11 @@ class RequestRecord:
         latency_s: sent to the last byte of the answer.
         sent_s: when it was sent, seconds after its phase began.
         identical: its answer equals the reference's for the same prompt (None: not checked).
+        near_tie: it is not identical, and left the reference's answer where the reference's
+            choice led its runner-up by less than the dtype's rounding (see the module text).
         prompt: the prompt's token ids (kept for the reference, not in the JSON).
+        leads: per answer token, how far the server's greedy choice led its runner-up (nats;
+            asked of the reference only, not in the JSON).
     """
 
     conversation: int
@@ -63,7 +76,9 @@ class RequestRecord:
     latency_s: float
     sent_s: float
     identical: bool | None = None
+    near_tie: bool = False
     prompt: tuple[int, ...] = field(default=(), metadata=OMIT)
+    leads: tuple[float, ...] = field(default=(), metadata=OMIT)
 
     @property
     def done_s(self) -> float:
@@ -113,7 +128,9 @@ class Measured:
         hits: kvstrata's hits per tier (the tier a block came from); empty without a connector.
         hits_source: where kvstrata's hits were read (/metrics or the connector's stats file).
         vllm_prefix_hit_rate: vLLM's own prefix cache hits over queries (None: not asked).
-        identical: every completion equals the reference's (None: not checked).
+        identical: no completion differs from the reference's, near-ties apart (None: not checked).
+        differing: completions that differ (near-ties apart).
+        near_ties: completions that left the reference's at a near-tie (see the module text).
         load_seconds_per_load: kvstrata's own time per load (None: no loads).
         connector_cpu_per_request: the connector's CPU seconds per side over the counters' span,
             over the requests (None, and not in the JSON: not exported, or no requests).
@@ -138,6 +155,7 @@ class Measured:
     differing: int
     load_seconds_per_load: float | None
     connector_cpu_per_request: ConnectorCpu | None = field(default=None, metadata=OMIT_NONE)
+    near_ties: int = 0
 
 
 def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: int,
@@ -156,7 +174,7 @@ def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: 
     output_tokens = sum(len(r.output_ids) for r in records)
     hits = {m: TierHits(n, n * block_tokens, n * block_tokens / prompt_tokens if prompt_tokens else 0.0)
             for m, n in counters.hit_blocks.items()}
-    checked = [r.identical for r in records if r.identical is not None]
+    checked = [r.identical or r.near_tie for r in records if r.identical is not None]
     return Measured(
         records, ttft, percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99),
         statistics.median(tpot) if tpot else None, wall,
@@ -166,6 +184,7 @@ def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: 
         sum(1 for c in checked if not c),
         counters.load_seconds / counters.load_requests if counters.load_requests else None,
         counters.connector_cpu.per_request(len(records)) if counters.connector_cpu is not None and records else None,
+        sum(1 for r in records if r.near_tie),
     )
 
 
@@ -294,7 +313,7 @@ class ServeBenchReport:
             when vLLM's cache holds it (:mod:`kvstrata.bench.serve_burst`; the no-reuse workload: skipped).
         pool: where the pool came from (None: no pool).
         reference_prompts: prompts the reference server computed.
-        identical: every completion checked equals the reference's.
+        identical: no completion checked differs from the reference's (near-ties apart).
         server_start_s: each server's seconds to answer /health.
         metrics_text: each server's /metrics as it stopped.
         wall_s: the whole run.
@@ -360,7 +379,7 @@ class RunLog:
 
 
 def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[TurnPlan], ran: RunLog,
-                 reference: Mapping[tuple[int, ...], tuple[int, ...]], pool: PoolSource | None,
+                 reference: Mapping[tuple[int, ...], RequestRecord], pool: PoolSource | None,
                  prediction: tuple[HostCalibration | None, str, int], why_no_pool: str | None,
                  start_s: dict[Instance, float], metrics_text: dict[Instance, str], wall_s: float,
                  byte_rates: ByteRates | None = None) -> ServeBenchReport:
@@ -373,7 +392,8 @@ def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[Tur
         why_not = why_no_pool or "no pool"
 
     def final(run: PhaseRun) -> PhaseRun:
-        return replace(run, records=checked(run.records, reference), prefills=checked(run.prefills, reference))
+        tie = TIE_NATS[config.dtype]
+        return replace(run, records=checked(run.records, reference, tie), prefills=checked(run.prefills, reference, tie))
 
     checked_rounds = [{i: final(run) for i, run in r.runs.items()} for r in ran.rounds]
     rounds = tuple(ServeRound(n, r.order, *(measure(runs[i].records, runs[i].counters[i], bt)
@@ -428,14 +448,24 @@ def _beyond_bytes(cpu: ConnectorCpu | None, rates: ByteRates | None) -> float | 
     return None if cpu is None or rates is None else cpu.beyond_bytes_s(rates)
 
 
-def checked(records: Sequence[RequestRecord], reference: Mapping[tuple[int, ...], tuple[int, ...]]) -> tuple[RequestRecord, ...]:
-    """``records`` with ``identical`` set: the answer equals the reference's for its prompt (a
-    prefill's one token: the reference answer's first)."""
+TIE_NATS = {"float32": 0.0, "bfloat16": 0.25, "float16": 0.05}  # a lead below this can flip with rounding (module text)
+
+
+def checked(records: Sequence[RequestRecord], reference: Mapping[tuple[int, ...], RequestRecord],
+            tie_nats: float = 0.0) -> tuple[RequestRecord, ...]:
+    """``records`` with ``identical`` (the answer equals the reference's for its prompt; a
+    prefill's one token: the reference answer's first) and ``near_tie`` set: where it first left
+    the reference's answer, the reference's choice led its runner-up by less than ``tie_nats``."""
     out = []
     for r in records:
         expected = reference.get(r.prompt)
-        same = None if expected is None else tuple(expected[: len(r.output_ids)]) == r.output_ids
-        out.append(replace(r, identical=same))
+        if expected is None:
+            out.append(replace(r, identical=None))
+            continue
+        ids = expected.output_ids[: len(r.output_ids)]
+        first = next((i for i, (a, b) in enumerate(zip(ids, r.output_ids)) if a != b), None)
+        tie = first is not None and first < len(expected.leads) and expected.leads[first] < tie_nats
+        out.append(replace(r, identical=ids == r.output_ids, near_tie=tie))
     return tuple(out)
 
 

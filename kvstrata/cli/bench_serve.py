@@ -16,6 +16,7 @@ from kvstrata import cli
 from kvstrata.bench.serve_counters import HitsSource
 from kvstrata.bench.serve_plan import WorkloadKind
 from kvstrata.cli.bench_common import BenchParser, run_and_report, spread_x
+from kvstrata.cli.workload import add_model_args
 
 if TYPE_CHECKING:
     from kvstrata.bench.serve_report import Measured, ServeBenchReport
@@ -38,7 +39,7 @@ def register(bench: BenchParser) -> None:
         "--workload no-reuse: the same shapes and pace with every prompt new (no block shared in the run), the "
         "rounds alone: what the connector costs a server it never serves a hit to.",
     )
-    p.add_argument("--model-dir", help="a Hugging Face model directory (default: the tiny model, made if absent)")
+    add_model_args(p)
     p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default=WorkloadKind.CONVERSATIONS.value,
                    help="conversations (each turn extends the last) or no-reuse (the same shapes and pace, every "
                         "prompt new; the rounds alone) (default: conversations)")
@@ -195,6 +196,18 @@ def _plot(report: ServeBenchReport, path: str, json_output: bool) -> None:
     cli.wrote("TTFT CDFs", path, json_output)
 
 
+def _near_ties(report: ServeBenchReport) -> str:
+    """What the near-ties were, where there were any (:mod:`kvstrata.bench.serve_report`)."""
+    from kvstrata.bench.serve_report import TIE_NATS
+
+    ties = report.baseline.near_ties, report.kvstrata.near_ties
+    if not any(ties):
+        return ""
+    return (f", or leaves it only where the reference's greedy choice led its runner-up by under "
+            f"{TIE_NATS[report.config.dtype]} nats ({report.config.dtype} rounding: vLLM alone {ties[0]}, with kvstrata "
+            f"{ties[1]} over the rounds)")
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
 
@@ -212,7 +225,8 @@ def _hits(m: Measured) -> str:
 def _same(m: Measured) -> str:
     if m.identical is None:
         return "-"
-    return "[green]yes[/]" if m.identical else f"[bold red]NO ({m.differing})[/]"
+    ties = f" ({m.near_ties} near-tie{'s' if m.near_ties > 1 else ''})" if m.near_ties else ""
+    return f"[green]yes{ties}[/]" if m.identical else f"[bold red]NO ({m.differing})[/]{ties}"
 
 
 _HITS_SOURCE = {
@@ -337,7 +351,7 @@ def _print_serve(report: ServeBenchReport) -> None:
     lines.append("kvstrata hits: " + "; ".join(sorted({_HITS_SOURCE[m.hits_source] for m in connected})))
     if report.identical:
         lines.append(f"Completions: every one equals the reference's (vllm serve, prefix caching off, no connector; "
-                     f"{report.reference_prompts} distinct prompts).")
+                     f"{report.reference_prompts} distinct prompts){_near_ties(report)}.")
     else:
         lines.append("[bold red]Completions: some differ from the reference's (prefix caching off, no connector).[/]")
     starts = ", ".join(f"{i.value} {s:.0f}" for i, s in report.server_start_s.items())

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvstrata.bench.serve_client import lead
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs
 from kvstrata.bench.serve_counters import Counters, counters_of
 from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind, plan_conversations, round_plans
@@ -76,14 +78,37 @@ def test_the_connectors_cpu_per_request_is_the_phases_seconds_over_its_requests(
     assert measure([], phase, 32).connector_cpu_per_request is None
 
 
+def answers(by_prompt: dict, leads=()) -> dict:
+    """The reference's records for ``{prompt: answer ids}`` (its choices' leads: ``leads``)."""
+    return {p: replace(record(0, 0.0, 0.1, ids=ids, prompt=p), leads=tuple(leads)) for p, ids in by_prompt.items()}
+
+
 def test_completions_are_checked_against_the_reference_by_prompt():
     good, bad = record(0, 0.0, 0.1, ids=(1, 2, 3), prompt=(5,) * 40), record(1, 0.1, 0.1, ids=(1, 2, 9), prompt=(6,) * 40)
     prefill = record(1, 0.2, 0.1, ids=(1,), prompt=(6,) * 40)  # one token: the reference's first
-    reference = {(5,) * 40: (1, 2, 3), (6,) * 40: (1, 2, 3)}
+    reference = answers({(5,) * 40: (1, 2, 3), (6,) * 40: (1, 2, 3)})
     a, b, c = checked([good, bad, prefill], reference)
     assert (a.identical, b.identical, c.identical) == (True, False, True)
     m = measure([a, b], Counters(), 32)
     assert m.identical is False and m.differing == 1
+
+
+def test_an_answer_that_leaves_the_reference_at_a_near_tie_is_counted_apart_not_as_differing():
+    tie, far, late = ((5,) * 40, (6,) * 40, (7,) * 40)
+    reference = {**answers({tie: (1, 2, 3), far: (1, 2, 3)}, leads=(3.0, 0.1, 4.0)),
+                 **answers({late: (1, 2, 3)}, leads=(3.0, 2.0, 0.01))}
+    got = [record(0, 0.0, 0.1, ids=(1, 8, 9), prompt=tie),  # left it where the lead was 0.1: rounding
+           record(1, 0.0, 0.1, ids=(7, 2, 3), prompt=far),  # left it where the lead was 3: not rounding
+           record(2, 0.0, 0.1, ids=(1, 2, 3), prompt=late)]
+    a, b, c = checked(got, reference, tie_nats=0.25)
+    assert (a.identical, a.near_tie, b.identical, b.near_tie, c.identical, c.near_tie) == (
+        False, True, False, False, True, False)
+    m = measure([a, b, c], Counters(), 32)
+    assert (m.identical, m.differing, m.near_ties) == (False, 1, 1)
+    assert measure([a, c], Counters(), 32).identical is True  # a near-tie alone does not fail the check
+    x, = checked(got[:1], reference, tie_nats=0.0)  # float32: only identical answers pass
+    assert (x.near_tie, measure([x], Counters(), 32).differing) == (False, 1)
+    assert lead({"token_id:4": -0.1, "token_id:9": -2.6}) == pytest.approx(2.5) and lead({"token_id:4": 0.0}) == math.inf
 
 
 def test_ratios_are_per_round_then_the_median_with_its_spread():
@@ -140,7 +165,7 @@ def test_the_report_checks_every_run_and_splits_the_two_servers_turns():
                    for _ in range(2))
     ran = RunLog(rounds, run(Instance.SECOND, a, b, counters=ours), RestartRun(Instance.SECOND, run(Instance.SECOND, b), 19.0, ""),
                  None)
-    reference = {a: (1, 2), b: (1, 3)}  # b's answer differs from the reference's
+    reference = answers({a: (1, 2), b: (1, 3)})  # b's answer differs from the reference's
     report = build_report(config, "t", plans, ran, reference, None, (None, "none", 2), "--no-pool", {}, {}, 9.0)
     assert len(report.kvstrata.requests) == 4 and report.kvstrata.wall_s == pytest.approx(2 * 1.2)
     assert report.kvstrata.hits[Medium.HOST].blocks == 24  # both rounds' counters
@@ -182,7 +207,7 @@ def test_a_no_reuse_report_has_the_rounds_alone_and_says_why_the_rest_was_skippe
                                                                  Instance.OURS: run(Instance.OURS, sent[1])}),),
                  None, None, None)
     assert len(ran.runs()) == 2
-    reference = {r.prompt: (1, 2) for run in ran.runs() for r in run.records}
+    reference = answers({r.prompt: (1, 2) for run in ran.runs() for r in run.records})
     assert len(reference) == 4  # each server of the round was sent prompts of its own
     report = build_report(config, "t", sent[0], ran, reference, None, (None, "none", 2), None, {}, {}, 9.0)
     why = "--workload no-reuse"
