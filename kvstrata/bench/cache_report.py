@@ -21,7 +21,7 @@ from kvstrata.bench.goals import (
 )
 from kvstrata.bench.lookup import LookupTimes
 from kvstrata.bench.kvdata import KVSetup
-from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
+from kvstrata.rounds import Compared, Environment, Rounds, Summary
 from kvstrata.report import FLATTEN, OMIT_NONE, flatten
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvstrata.bench.goals import LOOKUP_OF_EXISTS, REMOTE_OF_RAW, SEALED_OF_UNSEALED, Goal, RemoteFigure
 from kvstrata.bench.poolcache import ROUTES
 from kvstrata.bench.kvdata import KVSetup
-from kvstrata.bench.rounds import Compared, Environment, Rounds, Skipped, Summary
+from kvstrata.rounds import Compared, Environment, Rounds, Skipped, Summary
 from kvstrata.media import FetchPath, Route
 from kvstrata.pool.config import RemoteMode
 from kvstrata.pool.scoped import PoolSource

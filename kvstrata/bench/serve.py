@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.rounds import rotated
+from kvstrata.rounds import rotated
 from kvstrata.bench.serve_burst import BurstPhase, BurstPlan, BurstRun, plan_bursts
 from kvstrata.bench.serve_client import Endpoint, Handoff, Route, ask_each, drive
 from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path

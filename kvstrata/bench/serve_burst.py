@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstrata.bench.rounds import Spread
+from kvstrata.rounds import Spread
 from kvstrata.bench.serve_config import Instance
 from kvstrata.bench.serve_plan import ServeWorkload, draw
 from kvstrata.bench.serve_report import Measured, PhaseRun, measure, percentile, total

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.rounds import Skipped, Spread
+from kvstrata.rounds import Skipped, Spread
 from kvstrata.bench.serve_config import Instance
 from kvstrata.bench.serve_counters import ByteRates, ConnectorCpu, Counters, HitsSource
 from kvstrata.bench.serve_plan import WorkloadKind

@@ -29,7 +29,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstrata.bench.rounds import rotated
+from kvstrata.rounds import rotated
 from kvstrata.bench.serve_config import CPU_HALF, Instance
 from kvstrata.bench.serve_counters import Counters
 from kvstrata.bench.serve_plan import (

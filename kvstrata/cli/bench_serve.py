@@ -248,7 +248,7 @@ _NEW = {  # what the workload line adds for each kind
 
 
 def _print_serve(report: ServeBenchReport) -> None:
-    from kvstrata.bench.rounds import Skipped
+    from kvstrata.rounds import Skipped
 
     c, w = report.config, report.config.workload
     tiers = f"device {c.device_bytes / MiB:g} MiB, host {c.host_bytes / MiB:g} MiB, disk {c.disk_bytes / MiB:g} MiB"

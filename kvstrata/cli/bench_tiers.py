@@ -25,7 +25,7 @@ from kvstrata.cli.bench_common import (
 if TYPE_CHECKING:
     from kvstrata.bench.cache_report import CacheBenchReport
     from kvstrata.bench.remote_report import RemoteBenchReport
-    from kvstrata.bench.rounds import Compared
+    from kvstrata.rounds import Compared
 
 
 def register(bench: BenchParser) -> None:
@@ -271,7 +271,7 @@ def run_remote(args: argparse.Namespace) -> int:
 
 def _print_remote(report: RemoteBenchReport) -> None:
     from kvstrata.bench.goals import RemoteFigure, goals_for
-    from kvstrata.bench.rounds import Skipped
+    from kvstrata.rounds import Skipped
     from kvstrata.media import FetchPath
     from kvstrata.pool.scoped import PoolOrigin
 

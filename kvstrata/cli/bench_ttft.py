@@ -20,7 +20,7 @@ from kvstrata.report import dumps
 if TYPE_CHECKING:
     from kvstrata.bench.e2e import E2EBenchReport
     from kvstrata.bench.recompute import RecomputeBenchReport
-    from kvstrata.bench.rounds import Spread
+    from kvstrata.rounds import Spread
 
 
 def register(bench: BenchParser) -> None:
@@ -143,7 +143,7 @@ def _plot_recompute(report: RecomputeBenchReport, path: str) -> None:
 
 def run_bench_e2e(args: argparse.Namespace) -> int:
     from kvstrata.bench.e2e import E2EBenchReport, LMCacheBeside, version_note, versus
-    from kvstrata.bench.rounds import Skipped
+    from kvstrata.rounds import Skipped
     from kvstrata.cli.workload import model_dir_of, parse_tiers, workload_of
 
     if args.no_lmcache:
