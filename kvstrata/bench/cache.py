@@ -50,7 +50,7 @@ from kvstrata.bench import lmcache as lmcache_side
 from kvstrata.bench import tpread
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
 from kvstrata.bench.cache_report import CacheBenchReport, CacheRun, CacheVerified, cache_report
-from kvstrata.bench.kvdata import KVSetup, block_layout, random_kv
+from kvstrata.calibrate.kvdata import KVSetup, block_layout, random_kv
 from kvstrata.bench.ours import OursCache
 from kvstrata.bench.lookup import LookupTimes, hash_and_lookup_ms
 from kvstrata.rounds import Environment, Rounds, check_rounds, rotated

@@ -20,7 +20,7 @@ from kvstrata.bench.goals import (
     Goal,
 )
 from kvstrata.bench.lookup import LookupTimes
-from kvstrata.bench.kvdata import KVSetup
+from kvstrata.calibrate.kvdata import KVSetup
 from kvstrata.rounds import Compared, Environment, Rounds, Summary
 from kvstrata.report import FLATTEN, OMIT_NONE, flatten
 

@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvstrata.calibrate.kvdata import VOCAB
 from kvstrata.rounds import Rounds, Spread, rotated
 from kvstrata.index.keys import KEY_BYTES, BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import PrefixIndex
 from kvstrata.media import Medium
 from kvstrata.timing import collector_paused
 
-VOCAB = 128_256  # Llama 3's vocabulary: ids need the full 17 bits, as real prompts do
 SAMPLE_S = 5e-3  # each sample calls a variant about this long in all (its median is the sample)
 MAX_CALLS = 25
 

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.bench.kvdata import MIB, KVSetup, block_layout, block_of, random_kv
-from kvstrata.bench.ours_remote import OursRemote
-from kvstrata.bench.poolcache import PoolReader
+from kvstrata.calibrate.kvdata import MIB, KVSetup, block_layout, block_of, random_kv
+from kvstrata.calibrate.ours_remote import OursRemote
+from kvstrata.calibrate.poolcache import PoolReader
 from kvstrata.bench.remote_report import (
     ModeFigures,
     RemoteBenchReport,

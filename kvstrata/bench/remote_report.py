@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.bench.goals import LOOKUP_OF_EXISTS, REMOTE_OF_RAW, SEALED_OF_UNSEALED, Goal, RemoteFigure
-from kvstrata.bench.poolcache import ROUTES
-from kvstrata.bench.kvdata import KVSetup
+from kvstrata.calibrate.poolcache import ROUTES
+from kvstrata.calibrate.kvdata import KVSetup
 from kvstrata.rounds import Compared, Environment, Rounds, Skipped, Summary
 from kvstrata.media import FetchPath, Route
 from kvstrata.pool.config import RemoteMode
