@@ -13,12 +13,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.bench.serve_counters import HitsSource
-from kvstrata.bench.serve_plan import WorkloadKind
+from kvstrata.calibrate.serving.counters import HitsSource
+from kvstrata.calibrate.serving.workload import WorkloadKind
 from kvstrata.cli.bench_common import BenchParser, run_and_report, spread_x
 
 if TYPE_CHECKING:
-    from kvstrata.bench.serve_report import Measured, ServeBenchReport
+    from kvstrata.bench.serve_report import ServeBenchReport
+    from kvstrata.calibrate.serving.measured import Measured
 
 MiB = 1 << 20
 
@@ -103,7 +104,7 @@ def _connector_extra(text: str | None) -> dict[str, object]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvstrata.bench.serve_plan import ServeWorkload
+    from kvstrata.calibrate.serving.workload import ServeWorkload
 
     # what needs no model and no vLLM first: a bad flag is one line at once
     workload = ServeWorkload(args.conversations, args.turns, args.max_tokens, args.user_tokens, args.block_size,
@@ -116,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise cli.CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.server_cpus is not None:
-        from kvstrata.bench.serve_config import server_cpu_set
+        from kvstrata.calibrate.serving.servers import server_cpu_set
 
         try:
             server_cpu_set(args.server_cpus)
@@ -128,9 +129,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         calibration = load_calibration(args.profile)
     pool, use_pool, why = _pool(args)
-    from kvstrata.bench.serve import model_facts, run_serve_bench
-    from kvstrata.bench.serve_client import RequestFailed
-    from kvstrata.bench.serve_config import ServeBenchConfig
+    from kvstrata.bench.serve import run_serve_bench
+    from kvstrata.calibrate.serving.host import model_facts
+    from kvstrata.calibrate.serving.client import RequestFailed
+    from kvstrata.calibrate.serving.servers import ServeBenchConfig
     from kvstrata.cli.workload import model_dir_of
     from kvstrata.integrations.vllm.server import ServerFailed
     from kvstrata.pool.client import PoolUnavailable
@@ -148,7 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.trace is not None:  # a bad line, or fewer requests than conversations: one line, before any server
         from kvstrata.bench.serve import load_trace
-        from kvstrata.bench.serve_plan import round_plans
+        from kvstrata.calibrate.serving.workload import round_plans
 
         round_plans(load_trace(config)[0], workload, facts.vocab, config.rounds)
     reports: list[ServeBenchReport] = []
