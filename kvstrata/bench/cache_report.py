@@ -2,7 +2,7 @@
 LMCache's figures when it ran, hash+lookup times, what was verified, and the goals judged.
 
 Built from the rounds of :func:`kvstrata.bench.cache.run_cache_bench`; serialized by
-:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.cli.bench_tiers``.
+:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.bench.cli.tiers``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 built on (per block size, through ``PrefixIndex`` and through ``TieredCache.lookup``), and the
 lookup with 1M blocks indexed against 1K; the goals judged. Measured by
 :mod:`kvstrata.bench.lookup`; serialized by :func:`kvstrata.report.to_json`; drawn by
-``kvstrata.cli.bench_lookup``.
+``kvstrata.bench.cli.lookup``.
 """
 
 from __future__ import annotations

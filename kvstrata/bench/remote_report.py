@@ -3,7 +3,7 @@ calls (restore, store, first byte, lookup) and the ratios, the whole cache's res
 path, what was verified, where the pool was, and the goals judged.
 
 Built from the rounds of :func:`kvstrata.bench.remote.run_remote_bench`; serialized by
-:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.cli.bench_tiers``.
+:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.bench.cli.tiers``.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def test_no_server_is_left_running(run):
 
 
 def test_the_table_names_each_configuration(run):
-    from kvstrata.cli.bench_serve import _print_serve
+    from kvstrata.bench.cli.serve import _print_serve
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

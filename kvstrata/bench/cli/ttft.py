@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.cli.bench_common import BenchParser, dir_arg, rounds_args, run_and_report, spread_x
+from kvstrata.bench.cli.common import BenchParser, dir_arg, rounds_args, run_and_report, spread_x
 from kvstrata.cli.workload import add_workload_args, ms, render_tiers, run_workload
 from kvstrata.report import dumps
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench recompute`` and ``bench e2e`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench recompute`` and ``bench e2e`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     recompute = bench(
         "recompute", run_recompute,
         "load or recompute: the auto plan's TTFT vs load-only and recompute-only, disk tier throttled",

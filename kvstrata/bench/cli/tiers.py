@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench_common import (
+from kvstrata.bench.cli.common import (
     MIB,
     BenchParser,
     dir_arg,
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench cache`` and ``bench remote`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench cache`` and ``bench remote`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     cache = bench(
         "cache", run_cache, "store/restore GB/s of each cache tier vs copies, file I/O and LMCache",
         "Store and restore GB/s of the device, host and disk tiers of TieredCache on "

@@ -15,7 +15,7 @@ from rich.table import Table
 from kvstrata import cli
 from kvstrata.calibrate.serving.counters import HitsSource
 from kvstrata.calibrate.serving.workload import WorkloadKind
-from kvstrata.cli.bench_common import BenchParser, run_and_report, spread_x
+from kvstrata.bench.cli.common import BenchParser, run_and_report, spread_x
 
 if TYPE_CHECKING:
     from kvstrata.bench.serve_report import ServeBenchReport
@@ -25,7 +25,7 @@ MiB = 1 << 20
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench serve`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench serve`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     p = bench(
         "serve", run_serve, "vllm serve with and without kvstrata: TTFT, throughput, hits per tier, P/D, same tokens",
         "Start vLLM's own OpenAI server (vllm serve) on 127.0.0.1 without and with the KVStrata connector, "

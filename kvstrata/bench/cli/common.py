@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 MIB = 1 << 20
 R = TypeVar("R")
-# ``kvstrata.cli.bench``'s sub-command maker, as each bench command module's ``register`` gets it:
+# ``kvstrata.bench.cli``'s sub-command maker, as each bench command module's ``register`` gets it:
 # (name, run, help, description) -> the sub-command's parser.
 BenchParser = Callable[[str, Callable[[argparse.Namespace], int], str, str], argparse.ArgumentParser]
 
