@@ -12,7 +12,7 @@ import pytest
 
 from kvstrata.bench.goals import CacheFigure, Goal, RemoteFigure
 from kvstrata.bench.remote_report import PathRestore
-from kvstrata.bench.rounds import Rounds, Skipped
+from kvstrata.rounds import Rounds, Skipped
 from kvstrata.media import FetchPath, Medium
 from kvstrata.pool.config import PoolConfig, RemoteMode
 from kvstrata.pool.scoped import PoolOrigin, PoolSource

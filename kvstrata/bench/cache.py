@@ -6,7 +6,7 @@ The bytes: KV of a real model's geometry (Llama-3-8B by default, bf16, one TP ra
 is random, so nothing compresses or dedupes, and every restore is verified bit-exact.
 
 Each round runs these phases, in order (the cache's state carries from one to the next); the
-steps within a phase run in an order that rotates from round to round (``kvstrata.bench.rounds``):
+steps within a phase run in an order that rotates from round to round (``kvstrata.rounds``):
 
 ============  =====================================  ==========================  =====================
 phase         ours (``TieredCache``)                 baseline                    LMCache
@@ -50,10 +50,10 @@ from kvstrata.bench import lmcache as lmcache_side
 from kvstrata.bench import tpread
 from kvstrata.bench.baselines import Buffers, RawFile, copy_s
 from kvstrata.bench.cache_report import CacheBenchReport, CacheRun, CacheVerified, cache_report
-from kvstrata.bench.kvdata import KVSetup, block_layout, random_kv
+from kvstrata.calibrate.kvdata import KVSetup, block_layout, random_kv
 from kvstrata.bench.ours import OursCache
 from kvstrata.bench.lookup import LookupTimes, hash_and_lookup_ms
-from kvstrata.bench.rounds import Environment, Rounds, check_rounds, rotated
+from kvstrata.rounds import Environment, Rounds, check_rounds, rotated
 from kvstrata.bench.tpread_report import tp_report
 from kvstrata.calibrate.ballast import Ballast
 from kvstrata.kv.layout import KVLayout

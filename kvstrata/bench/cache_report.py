@@ -2,7 +2,7 @@
 LMCache's figures when it ran, hash+lookup times, what was verified, and the goals judged.
 
 Built from the rounds of :func:`kvstrata.bench.cache.run_cache_bench`; serialized by
-:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.cli.bench_tiers``.
+:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.bench.cli.tiers``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from kvstrata.bench.goals import (
     Goal,
 )
 from kvstrata.bench.lookup import LookupTimes
-from kvstrata.bench.kvdata import KVSetup
-from kvstrata.bench.rounds import Compared, Environment, Rounds, Summary
+from kvstrata.calibrate.kvdata import KVSetup
+from kvstrata.rounds import Compared, Environment, Rounds, Summary
 from kvstrata.report import FLATTEN, OMIT_NONE, flatten
 
 if TYPE_CHECKING:

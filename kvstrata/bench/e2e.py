@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import lmcache_e2e
-from kvstrata.bench.rounds import Skipped, Spread
+from kvstrata.rounds import Skipped, Spread
 from kvstrata.media import Medium
 from kvstrata.report import FLATTEN
 from kvstrata.workload import WorkloadReport

@@ -15,7 +15,7 @@ Everything runs in one process on the same random token ids (uint32, as engines 
   chained hash driven from Python, and the baseline of the goal. It yields the same keys as
   ``block_keys``.
 
-Method (:mod:`kvstrata.bench.rounds`): rounds; a variant's sample in a round is the median of
+Method (:mod:`kvstrata.rounds`): rounds; a variant's sample in a round is the median of
 as many calls as fill :data:`SAMPLE_S` (a call at 256 tokens a block is ~0.2 ms), and the calls
 of the variants alternate one by one (ours, baseline, ours, baseline ...) in an order that
 rotates from round to round; the garbage collector is off. A ratio is the median over rounds of the
@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvstrata.bench.rounds import Rounds, Spread, rotated
+from kvstrata.calibrate.kvdata import VOCAB
+from kvstrata.rounds import Rounds, Spread, rotated
 from kvstrata.index.keys import KEY_BYTES, BlockKey, Namespace, block_keys
 from kvstrata.index.prefix import PrefixIndex
 from kvstrata.media import Medium
 from kvstrata.timing import collector_paused
 
-VOCAB = 128_256  # Llama 3's vocabulary: ids need the full 17 bits, as real prompts do
 SAMPLE_S = 5e-3  # each sample calls a variant about this long in all (its median is the sample)
 MAX_CALLS = 25
 

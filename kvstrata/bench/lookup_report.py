@@ -2,7 +2,7 @@
 built on (per block size, through ``PrefixIndex`` and through ``TieredCache.lookup``), and the
 lookup with 1M blocks indexed against 1K; the goals judged. Measured by
 :mod:`kvstrata.bench.lookup`; serialized by :func:`kvstrata.report.to_json`; drawn by
-``kvstrata.cli.bench_lookup``.
+``kvstrata.bench.cli.lookup``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvstrata.bench.cache_report import lookup_goals
 from kvstrata.bench.goals import LOOKUP_1M_OF_1K, Goal, LookupFigure
 from kvstrata.bench.lookup import IndexScaling, LookupTimes, hash_and_lookup_ms, index_scaling
-from kvstrata.bench.rounds import Environment
+from kvstrata.rounds import Environment
 from kvstrata.progress import NoProgress, Progress
 from kvstrata.report import FLATTEN
 

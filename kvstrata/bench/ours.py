@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.bench.kvdata import kv_block, timed_restore
+from kvstrata.calibrate.kvdata import kv_block, timed_restore
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium

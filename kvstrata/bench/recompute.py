@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.bench.rounds import check_rounds, rotated
+from kvstrata.rounds import check_rounds, rotated
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.media import Medium
 from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, PrefillFit, fit_path

@@ -15,7 +15,7 @@ Before the first mode, most of the pool's segment is faulted in (``RawPool.prefa
 daemon maps it lazily and places each round's objects at new offsets). Per mode (``tcp``,
 ``shm``), one warm-up round (untimed: it faults in the shared memory the daemon maps and every
 buffer's first use), then ``repeats`` rounds of three phases, the competing steps of each in
-an order that rotates from round to round (``kvstrata.bench.rounds``):
+an order that rotates from round to round (``kvstrata.rounds``):
 
 ==============  ===============================================  ===============================
 phase           ours                                             raw (``kvstrata.pool.raw``)
@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.bench.kvdata import MIB, KVSetup, block_layout, block_of, random_kv
-from kvstrata.bench.ours_remote import OursRemote
-from kvstrata.bench.poolcache import PoolReader
+from kvstrata.calibrate.kvdata import MIB, KVSetup, block_layout, block_of, random_kv
+from kvstrata.calibrate.ours_remote import OursRemote
+from kvstrata.calibrate.poolcache import PoolReader
 from kvstrata.bench.remote_report import (
     ModeFigures,
     RemoteBenchReport,
@@ -60,7 +60,7 @@ from kvstrata.bench.remote_report import (
     mode_figures,
     remote_report,
 )
-from kvstrata.bench.rounds import Environment, Rounds, Skipped, check_rounds, rotated
+from kvstrata.rounds import Environment, Rounds, Skipped, check_rounds, rotated
 from kvstrata.cache import CacheConfig
 from kvstrata.index.keys import block_keys
 from kvstrata.kv.layout import KVLayout

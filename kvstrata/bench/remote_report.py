@@ -3,7 +3,7 @@ calls (restore, store, first byte, lookup) and the ratios, the whole cache's res
 path, what was verified, where the pool was, and the goals judged.
 
 Built from the rounds of :func:`kvstrata.bench.remote.run_remote_bench`; serialized by
-:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.cli.bench_tiers``.
+:func:`kvstrata.report.to_json`; drawn as a table by ``kvstrata.bench.cli.tiers``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.bench.goals import LOOKUP_OF_EXISTS, REMOTE_OF_RAW, SEALED_OF_UNSEALED, Goal, RemoteFigure
-from kvstrata.bench.poolcache import ROUTES
-from kvstrata.bench.kvdata import KVSetup
-from kvstrata.bench.rounds import Compared, Environment, Rounds, Skipped, Summary
+from kvstrata.calibrate.poolcache import ROUTES
+from kvstrata.calibrate.kvdata import KVSetup
+from kvstrata.rounds import Compared, Environment, Rounds, Skipped, Summary
 from kvstrata.media import FetchPath, Route
 from kvstrata.pool.config import RemoteMode
 from kvstrata.pool.scoped import PoolSource

@@ -2,10 +2,10 @@
 kvstrata, driven by the ``openai`` package (an edge: processes, HTTP, files; the workload, the
 servers' specs and the figures are built by the pure modules beside it).
 
-What runs, in order (see :mod:`kvstrata.bench.serve_config` for the servers):
+What runs, in order (see :mod:`kvstrata.calibrate.serving.servers` for the servers):
 
 1. Rounds. The baseline (vLLM, its prefix caching on) and kvstrata (vLLM + the connector) serve
-   the round's conversations (:mod:`kvstrata.bench.serve_plan`) one after the other, the order
+   the round's conversations (:mod:`kvstrata.calibrate.serving.workload`) one after the other, the order
    rotating from round to round; each round draws fresh tokens for the same conversations, so
    no round finds another's KV. vLLM's KV memory is a few requests' worth: by a conversation's
    next turn its blocks have been evicted from vLLM, and only kvstrata can serve them.
@@ -27,7 +27,7 @@ What runs, in order (see :mod:`kvstrata.bench.serve_config` for the servers):
 
 Without a pool (none configured and the pool engine not installed, or ``pool=False``) parts 2
 and 5 are skipped, kvstrata has no pool tier, and the kvstrata server restarts and replays the
-last round's turns. The no-reuse workload (:attr:`~kvstrata.bench.serve_plan.WorkloadKind.NO_REUSE`)
+last round's turns. The no-reuse workload (:attr:`~kvstrata.calibrate.serving.workload.WorkloadKind.NO_REUSE`)
 runs the rounds alone, each round's two servers sent prompts of their own: parts 2-5 exist to
 reuse KV, and the reference checks the rounds' completions.
 Every server and an embedded pool are stopped however the run ends: an exception, Ctrl-C or
@@ -47,16 +47,16 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.rounds import rotated
+from kvstrata.rounds import rotated
 from kvstrata.bench.serve_burst import BurstPhase, BurstPlan, BurstRun, plan_bursts
-from kvstrata.bench.serve_client import Endpoint, Handoff, Route, ask_each, drive
-from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
-from kvstrata.bench.serve_counters import ByteRates, Counters, counters_of
-from kvstrata.bench.serve_plan import (
+from kvstrata.calibrate.serving.host import wait_quiet
+from kvstrata.calibrate.serving.client import Endpoint, Handoff, Route, ask_each, drive
+from kvstrata.calibrate.serving.servers import Instance, ServeBenchConfig, cpu_halves, server_specs, stats_path
+from kvstrata.calibrate.serving.counters import ByteRates, Counters, counters_of
+from kvstrata.calibrate.serving.workload import (
     TurnPlan,
     WorkloadKind,
     alternate,
@@ -65,9 +65,9 @@ from kvstrata.bench.serve_plan import (
     round_plans,
     warm_prompts,
 )
+from kvstrata.calibrate.serving.measured import RequestRecord
 from kvstrata.bench.serve_report import (
     PhaseRun,
-    RequestRecord,
     RestartRun,
     RoundRun,
     RunLog,
@@ -89,32 +89,9 @@ ROUND_SERVERS = (Instance.BASELINE, Instance.OURS)  # in this order in round_pla
 SETTLE_S = 0.3  # after a phase's last answer, before its counters are read (the stats file is rewritten after a step)
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the bench needs of the model before any server starts (read from its config.json)."""
-
-    vocab: int
-    bytes_per_token: int  # KV of one token, every layer, K and V
-
-
-def model_facts(model_dir: Path, dtype: str) -> ModelFacts:
-    """The model's vocabulary size and KV bytes per token served as ``dtype``.
-
-    Raises:
-        ValueError: no usable config.json (the message names it).
-    """
-    from kvstrata.kv.presets import load_geometry
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-    if not isinstance(vocab, int):
-        raise ValueError(f"{model_dir}/config.json: no vocab_size to draw prompts from")
-    return ModelFacts(vocab, load_geometry(str(model_dir), dtype).bytes_per_token)
-
-
 def load_trace(config: ServeBenchConfig) -> tuple[list[Request], str]:
     """The trace's requests and what it is: the file's, or one generated with the workload's seed."""
-    from kvstrata.bench.serve_plan import generated_trace
+    from kvstrata.calibrate.serving.workload import generated_trace
     from kvstrata.sim.traceio import read_trace
 
     w = config.workload
@@ -363,40 +340,6 @@ class _Fleet:
 
 
 # --- the edges' helpers -----------------------------------------------------------------------------
-
-
-QUIET_BUSY = 0.25  # the host's CPUs at most this busy over QUIET_WINDOW_S: quiet
-QUIET_WINDOW_S = 0.5
-QUIET_WAIT_S = 20.0
-
-
-def wait_quiet() -> float:
-    """Wait until the host's CPUs are at most ``QUIET_BUSY`` busy over ``QUIET_WINDOW_S``
-    (``/proc/stat``), ``QUIET_WAIT_S`` at most; the seconds waited (0 where there is no ``/proc/stat``)."""
-    begin = time.perf_counter()
-    while time.perf_counter() - begin < QUIET_WAIT_S:
-        before = _cpu_ticks()
-        time.sleep(QUIET_WINDOW_S)
-        after = _cpu_ticks()
-        if before is None or after is None or after[1] <= before[1]:
-            break
-        if (after[0] - before[0]) / (after[1] - before[1]) <= QUIET_BUSY:
-            break
-    return time.perf_counter() - begin
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy, all) ticks of every CPU so far, from ``/proc/stat``; None where there is none.
-    Busy: user, nice, system, irq, softirq; all: those and idle and iowait."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    if len(fields) < 7:
-        return None
-    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
-    return busy, busy + fields[3] + fields[4]
 
 
 RATE_BYTES = 32 << 20  # a few cache blocks' worth, far past the CPU caches

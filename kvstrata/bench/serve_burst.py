@@ -20,10 +20,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstrata.bench.rounds import Spread
-from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_plan import ServeWorkload, draw
-from kvstrata.bench.serve_report import Measured, PhaseRun, measure, percentile, total
+from kvstrata.rounds import Spread
+from kvstrata.calibrate.serving.servers import Instance
+from kvstrata.calibrate.serving.workload import ServeWorkload, draw
+from kvstrata.bench.serve_report import PhaseRun
+from kvstrata.calibrate.serving.measured import Measured, measure, percentile, total
 
 BURST_REQUESTS = 16
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.bench.rounds import Environment, Rounds, Spread, check_rounds, rotated
+from kvstrata.rounds import Environment, Rounds, Spread, check_rounds, rotated
 from kvstrata.kv import load_geometry
 from kvstrata.kv.groups import GroupKind
 from kvstrata.pool.config import PoolConfig, RemoteMode

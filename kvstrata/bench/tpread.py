@@ -28,7 +28,7 @@ after: the tensor is compared byte for byte with the heads stored, so a restore 
 nothing or the wrong bytes fails the run.
 
 Sources, each a warm-up round then ``repeats`` rounds, matched and sliced back to back in an
-order that rotates (:mod:`kvstrata.bench.rounds`): the host tier (blocks on the host only);
+order that rotates (:mod:`kvstrata.rounds`): the host tier (blocks on the host only);
 the disk tier cold (blocks on disk only, every file dropped from the page cache and the ballast
 released first, as ``bench cache``'s cold disk restore) and warm (the files read into the page
 cache first, as its warm one).
@@ -48,7 +48,7 @@ import torch
 
 from kvstrata.bench.baselines import synchronize
 from kvstrata.bench.lookup import interleaved, token_ids
-from kvstrata.bench.rounds import Rounds, rotated
+from kvstrata.rounds import Rounds, rotated
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.cache.sliced import SlicedRank, instance_matches, pack_layout
 from kvstrata.calibrate.ballast import Ballast

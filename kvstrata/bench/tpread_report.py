@@ -17,7 +17,7 @@ from kvstrata.bench.goals import (
     sliced_lookup_figure,
     sliced_restore_figure,
 )
-from kvstrata.bench.rounds import Compared, Spread
+from kvstrata.rounds import Compared, Spread
 from kvstrata.bench.tpread import Layout, LookupRounds, Source, TPData, TPRun, step_name
 from kvstrata.report import flatten
 

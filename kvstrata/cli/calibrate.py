@@ -140,7 +140,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         cli.model_dir(model_dir)  # a bad one fails before minutes of measuring
     run = _calibrate(args.quick, args.threads, args.dir, pool, args.sizes_mib, args.repeats)
     if args.model_dir and args.engine == "vllm":
-        from kvstrata.cli.bench_steps import with_vllm_steps  # measured through bench serve's servers and client
+        from kvstrata.cli.calibrate_steps import with_vllm_steps  # measured through bench serve's servers and client
 
         run.calibration = with_vllm_steps(run.calibration, args.model_dir, args.dtype, pool)
     elif args.model_dir:
@@ -239,7 +239,7 @@ def _stall_sizes(sizes: tuple[float, ...]) -> str:
 
 def run_validate(args: argparse.Namespace) -> int:
     if args.serve:
-        from kvstrata.cli.bench_validate import run_validate_serve
+        from kvstrata.cli.validate_serve import run_validate_serve
 
         return run_validate_serve(args)
     if args.plot:

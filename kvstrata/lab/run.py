@@ -14,7 +14,7 @@ processes on the inference hosts:
 3. **shared uplink**: two inference hosts behind one shaped uplink, restoring alone and at once.
 
 Rounds: a warm-up round (dropped), then ``repeats`` rounds; in each, the steps run in an order
-rotated from the round before (``kvstrata.bench.rounds.rotated``). Figures are medians over rounds.
+rotated from the round before (``kvstrata.rounds.rotated``). Figures are medians over rounds.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstrata.bench.rounds import rotated
+from kvstrata.rounds import rotated
 from kvstrata.lab import spec as specs
 from kvstrata.lab.hosts import LabPool, WorkerProcess, start_pool
 from kvstrata.lab.model import Bound, LabPaths, Restore, predict

@@ -10,7 +10,7 @@ Commands, each answered with ``{"seconds": s}`` (or ``{"error": "..."}``, then i
 
 - ``{"op": "restore", "path": "direct" | "staged", "blocks": n}``: ``TieredCache.load`` of the first
   ``n`` blocks, found in the pool only, to the device tier, by that path (see
-  ``kvstrata.bench.poolcache``), verified byte for byte (untimed);
+  ``kvstrata.calibrate.poolcache``), verified byte for byte (untimed);
 - ``{"op": "copy", "bytes": n}``: one torch copy of ``n`` bytes, as a load copies host -> device on
   a CPU stand-in (the staged restore's second hop);
 - ``{"op": "quit"}``: close the caches and exit 0 (the objects stay in the pool).
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from kvstrata.bench.kvdata import random_kv
-from kvstrata.bench.ours_remote import OursRemote
-from kvstrata.bench.poolcache import PoolReader
+from kvstrata.calibrate.kvdata import random_kv
+from kvstrata.calibrate.ours_remote import OursRemote
+from kvstrata.calibrate.poolcache import PoolReader
 from kvstrata.cache import CacheConfig
 from kvstrata.calibrate.probes import one_torch_copy
 from kvstrata.index.keys import block_keys

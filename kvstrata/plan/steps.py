@@ -10,12 +10,21 @@ tokens in all is fitted as
 by least squares on relative error (each point weighted by 1 / seconds, as the prefill fit in
 :mod:`kvstrata.plan.host` is: step times span an order of magnitude across batch sizes); a term
 fitted negative is dropped and the rest refitted (every term is a cost).
+
+The connector's own cost per request and per load (:func:`connector_fit`) and a load from the
+pool as served (:func:`remote_load_fit`) are fitted here too, from the points ``calibrate
+--engine vllm`` measures (:mod:`kvstrata.calibrate.serving.steps`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstrata.plan.fits import PrefillFit
 
 
 @dataclass(frozen=True)
@@ -154,3 +163,32 @@ def fit_decode(points: Sequence[tuple[int, int, float]]) -> DecodeFit:
         if 1 not in keep and 2 not in keep:
             raise ValueError("decode fit: step time does not grow with the batch or its tokens; measure larger batches")
     return DecodeFit(float(values.get(0, 0.0)), float(values.get(1, 0.0)), float(values.get(2, 0.0)))
+
+
+def connector_fit(plain: Sequence[float], ours: Sequence[float], points: Sequence[tuple[int, float, float]],
+                  prefill: PrefillFit, restore_s: Callable[[int], float], store_s: Callable[[int], float],
+                  block_size: int, prompt: int) -> ConnectorFit:
+    """``request_s``: the median time to first token of ``ours`` (a stream of new ``prompt``-token
+    prompts to the connector's server) beyond that of ``plain`` (the same pace to the plain
+    server) and their store; ``load_s``: over ``(tokens, miss, hit)`` pairs, the median of
+    what each repeat took beyond the prefill of what was left and the restore of its hit, less
+    what its miss took beyond its prefill and store. Both at least 0.
+
+    Raises:
+        ValueError: either stream or the pairs empty.
+    """
+    if not (plain and ours and points):
+        raise ValueError("the connector's cost needs a stream to each server and at least one pair")
+    request = max(0.0, statistics.median(ours) - statistics.median(plain) - store_s(prompt // block_size))
+    loads = []
+    for n, miss, hit in points:
+        cached = (n - 1) // block_size * block_size
+        lone = miss - prefill.seconds(n, 0) - store_s(n // block_size)
+        loads.append(hit - prefill.seconds(n - cached, cached) - restore_s(cached // block_size) - lone)
+    return ConnectorFit(request, max(0.0, statistics.median(loads)))
+
+
+def remote_load_fit(points: Sequence[tuple[int, float]], remote_restore_s: Callable[[int], float]) -> float:
+    """What loads from the pool took beyond its restore path: the median over ``(blocks,
+    seconds)`` points of ``seconds - remote_restore_s(blocks)``, at least 0."""
+    return max(0.0, statistics.median(t - remote_restore_s(blocks) for blocks, t in points))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvstrata.bench.lookup import hash_and_lookup_ms, index_scaling, sha256_pickle_keys, xxh3_loop_keys
-from kvstrata.bench.rounds import Rounds, Spread
+from kvstrata.rounds import Rounds, Spread
 from kvstrata.index.keys import Namespace, block_keys
 
 

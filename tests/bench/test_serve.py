@@ -49,6 +49,7 @@ def pool_file(request):
 def run(tiny_model_dir, pool_file, tmp_path_factory):
     """(the --json document, the typed report, the plot's path)."""
     from kvstrata.bench import serve
+    from kvstrata.calibrate.serving import host
 
     tmp = tmp_path_factory.mktemp("serve")
     reports = []
@@ -63,7 +64,7 @@ def run(tiny_model_dir, pool_file, tmp_path_factory):
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
         patch.setattr(serve, "run_serve_bench", keep)
-        patch.setattr(serve, "QUIET_WAIT_S", 3.0)  # a test waits this long at most for a quiet host: it times nothing
+        patch.setattr(host, "QUIET_WAIT_S", 3.0)  # a test waits this long at most for a quiet host: it times nothing
         code = main(argv)
     assert code == 0
     return json.loads(out.getvalue()), reports[0], tmp / "ttft.png"
@@ -148,7 +149,7 @@ def test_no_server_is_left_running(run):
 
 
 def test_the_table_names_each_configuration(run):
-    from kvstrata.cli.bench_serve import _print_serve
+    from kvstrata.bench.cli.serve import _print_serve
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

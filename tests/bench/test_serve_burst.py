@@ -7,10 +7,11 @@ import math
 import pytest
 
 from kvstrata.bench.serve_burst import BurstPhase, BurstRun, concurrency, plan_bursts
-from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_counters import Counters
-from kvstrata.bench.serve_plan import ServeWorkload, hit_blocks
-from kvstrata.bench.serve_report import PhaseRun, RequestRecord
+from kvstrata.calibrate.serving.servers import Instance
+from kvstrata.calibrate.serving.counters import Counters
+from kvstrata.calibrate.serving.workload import ServeWorkload, hit_blocks
+from kvstrata.bench.serve_report import PhaseRun
+from kvstrata.calibrate.serving.measured import RequestRecord
 from kvstrata.media import Medium
 
 VOCAB = 4096

@@ -11,23 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench.serve_client import lead
-from kvstrata.bench.serve_config import Instance, ServeBenchConfig, cpu_halves, server_specs
-from kvstrata.bench.serve_counters import Counters, counters_of
-from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind, plan_conversations, round_plans
+from kvstrata.calibrate.serving.client import lead
+from kvstrata.calibrate.serving.servers import Instance, ServeBenchConfig, cpu_halves, server_specs
+from kvstrata.calibrate.serving.counters import Counters, counters_of
+from kvstrata.calibrate.serving.workload import ServeWorkload, WorkloadKind, plan_conversations, round_plans
 from kvstrata.bench.serve_report import (
     PhaseRun,
-    RequestRecord,
     RestartRun,
     RoundRun,
     RunLog,
     ServeRound,
     build_report,
     checked,
-    measure,
-    percentile,
     versus,
 )
+from kvstrata.calibrate.serving.measured import RequestRecord, measure, percentile
 from kvstrata.media import Medium
 from kvstrata.report import dumps
 from kvstrata.sim.trace import Request

@@ -16,7 +16,7 @@ import pytest
 
 from kvstrata.bench.cache import CacheBenchConfig, run_cache_bench
 from kvstrata.cli import main
-from kvstrata.cli.bench_tiers import _print_cache
+from kvstrata.bench.cli.tiers import _print_cache
 from kvstrata.report import dumps
 
 MIB = 1 << 20

@@ -72,13 +72,13 @@ def test_a_bad_or_short_trace_is_one_line_naming_it(capsys, model_dir, tmp_path)
 def test_the_table_says_which_parts_were_skipped_and_why(capsys):
     from pathlib import Path
 
-    from kvstrata.bench.serve_config import Instance, ServeBenchConfig
-    from kvstrata.bench.serve_counters import counters_of
-    from kvstrata.bench.serve_plan import ServeWorkload
-    from kvstrata.bench.serve_report import (
-        RequestRecord, Restart, ServeBenchReport, ServeRound, Skipped, measure, versus,
-    )
-    from kvstrata.cli.bench_serve import _print_serve
+    from kvstrata.calibrate.serving.servers import Instance, ServeBenchConfig
+    from kvstrata.calibrate.serving.counters import counters_of
+    from kvstrata.calibrate.serving.workload import ServeWorkload
+    from kvstrata.bench.serve_report import Restart, ServeBenchReport, ServeRound, versus
+    from kvstrata.calibrate.serving.measured import RequestRecord, measure
+    from kvstrata.rounds import Skipped
+    from kvstrata.bench.cli.serve import _print_serve
 
     metrics = 'vllm:prefix_cache_queries_total 1000\nvllm:prefix_cache_hits_total 250\n'
     stats = {"load_paths": {"host -> device": 6, "disk -> device": 2}, "load_requests": 2, "load_seconds": 0.004}
@@ -107,13 +107,15 @@ def test_the_table_says_which_parts_were_skipped_and_why(capsys):
 def test_a_no_reuse_table_skips_the_later_parts_and_prints_the_ratios_and_the_connectors_cpu(capsys):
     from pathlib import Path
 
-    from kvstrata.bench.serve_config import Instance, ServeBenchConfig
+    from kvstrata.calibrate.serving.servers import Instance, ServeBenchConfig
     from dataclasses import replace
 
-    from kvstrata.bench.serve_counters import ByteRates, ConnectorCpu, Counters
-    from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind
-    from kvstrata.bench.serve_report import RequestRecord, ServeBenchReport, ServeRound, Skipped, measure, versus
-    from kvstrata.cli.bench_serve import _print_serve
+    from kvstrata.calibrate.serving.counters import ByteRates, ConnectorCpu, Counters
+    from kvstrata.calibrate.serving.workload import ServeWorkload, WorkloadKind
+    from kvstrata.bench.serve_report import ServeBenchReport, ServeRound, versus
+    from kvstrata.calibrate.serving.measured import RequestRecord, measure
+    from kvstrata.rounds import Skipped
+    from kvstrata.bench.cli.serve import _print_serve
 
     def measured(instance: Instance, tpot_s: float):
         records = [RequestRecord(i, 0, instance, 128, (1, 2), 0.02, tpot_s, 0.03, 0.25 * i, identical=True)

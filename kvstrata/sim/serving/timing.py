@@ -3,7 +3,7 @@
 Every figure comes from one calibrated profile (``kvstrata calibrate --model-dir DIR --engine
 vllm``): the engine's prefill and decode-step fits for the model, and the host's restore paths.
 
-Both fits were measured as a client of ``vllm serve`` sees them (:mod:`kvstrata.bench.serve_steps`):
+Both fits were measured as a client of ``vllm serve`` sees them (:mod:`kvstrata.calibrate.serving.steps`):
 a decode step as the time between tokens (as the client read them, or as the engine stamped
 them where the client read a burst), a prefill as the time to the first token.
 So a request's first token pays, beyond one engine step, what serving adds around it:

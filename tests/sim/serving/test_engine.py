@@ -22,7 +22,7 @@ from kvstrata.plan.host import (
     PrefillFit,
 )
 from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
-from kvstrata.bench.serve_sim import counters_of
+from kvstrata.calibrate.serving.sim import counters_of
 from kvstrata.sim.serving.cpus import HostCpus
 from kvstrata.sim.serving.engine import Clock, EngineLimits, ServerSim, SimRequest
 from kvstrata.sim.serving.store import ServerStore, StoreHit, TierLRU
@@ -49,7 +49,7 @@ def _prompt(n: int, first: int) -> tuple[int, ...]:
 
 
 class _Client:
-    """The bench's client (:mod:`kvstrata.bench.serve_sim`): a request reaches the engine
+    """The bench's client (:mod:`kvstrata.calibrate.serving.sim`): a request reaches the engine
     ``request_in_s`` after it is sent; each token reaches the client ``response_out_s`` after
     it is sampled."""
 

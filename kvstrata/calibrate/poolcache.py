@@ -1,6 +1,7 @@
-"""Our side of the remote benchmark, through the whole cache: blocks found only in the pool.
+"""Restores through the whole cache of blocks found only in the pool (``kvstrata lab``'s workers;
+kvstrata's side of ``bench remote``).
 
-Another instance (``kvstrata.bench.ours_remote``, a RemoteTier under this cache's namespace)
+Another instance (``kvstrata.calibrate.ours_remote``, a RemoteTier under this cache's namespace)
 put the blocks in the pool; a ``TieredCache`` of the same namespace finds them with
 ``lookup`` (its index misses, so it asks the pool ``exists`` and adopts what it finds) and
 ``load`` brings them to the device tier by one of the two restore paths of the seed:
@@ -26,7 +27,7 @@ import torch
 
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.index.prefix import Match
-from kvstrata.bench.kvdata import timed_restore
+from kvstrata.calibrate.kvdata import timed_restore
 from kvstrata.media import FetchPath, Medium, Route, route_text
 from kvstrata.pool.client import PoolUnavailable
 from kvstrata.tiers.memory import MemoryTier
@@ -38,7 +39,7 @@ ROUTES: dict[FetchPath, Route] = {
 
 
 class PoolReader:
-    """A ``TieredCache`` on the pool that restores the benchmark's blocks by one path.
+    """A ``TieredCache`` on the pool that restores the measured blocks by one path.
 
     Args:
         base: the cache's configuration (layout, namespace, pool, mode); ``remote_path`` and

@@ -38,6 +38,7 @@ CONNECTOR_CPU = "kvstrata_connector_cpu_seconds_total"
 LOADED_BYTES = "kvstrata_connector_loaded_bytes_total"
 SAVED_BYTES = "kvstrata_connector_saved_bytes_total"
 MOVED_BYTES = "kvstrata_connector_moved_bytes_total"
+INTER_TOKEN = "vllm:inter_token_latency_seconds"  # vLLM's histogram of the gaps between a request's tokens, engine-stamped
 _CHECKSUMMED = frozenset({Medium.DISK.label, Medium.REMOTE.label})  # a move to or from these hashes its bytes
 TIER_LABELS = ("tier", "medium", "source")  # the label of CONNECTOR_HITS that names the tier
 
@@ -263,3 +264,21 @@ def _exported_hits(metrics: Mapping[str, list[tuple[dict[str, str], float]]]) ->
             return None  # a shape this bench does not know: the stats file says it instead
         by_tier[medium] = by_tier.get(medium, 0) + int(value)
     return by_tier
+
+
+def cache_loads(metrics_text: str) -> tuple[float, int, int]:
+    """The connector's loads so far on a server: the cache's seconds loading, how many loads, and
+    how many blocks came from the pool."""
+    metrics = parse_metrics(metrics_text)
+    total = lambda name: sum(v for _, v in metrics.get(name, []))  # noqa: E731
+    remote = sum(v for labels, v in metrics.get("kvstrata_connector_loaded_blocks_total", [])
+                 if labels.get("tier") == "remote")
+    return (total("kvstrata_connector_load_seconds_total"), int(total("kvstrata_connector_loads_total")), int(remote))
+
+
+def engine_gaps(metrics_text: str) -> tuple[float, int]:
+    """The seconds between tokens a server's engine has stamped so far, and how many gaps: the
+    sum and the count of its ``vllm:inter_token_latency_seconds`` histogram."""
+    metrics = parse_metrics(metrics_text)
+    return (sum(v for _, v in metrics.get(f"{INTER_TOKEN}_sum", [])),
+            int(sum(v for _, v in metrics.get(f"{INTER_TOKEN}_count", []))))

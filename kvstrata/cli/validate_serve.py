@@ -1,5 +1,5 @@
 """``kvstrata validate --serve BENCH.json --profile PROFILE.toml``: the serving simulator beside
-what ``bench serve`` measured (:mod:`kvstrata.bench.serve_validate`); the files are read here."""
+what ``bench serve`` measured (:mod:`kvstrata.calibrate.serving.validate`); the files are read here."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ PLOT_FIGURES = ("ttft", "tpot")
 
 
 def run_validate_serve(args: argparse.Namespace) -> int:
-    from kvstrata.bench.serve_validate import (
+    from kvstrata.calibrate.serving.validate import (
         BadReport,
         compare,
         measured_figures,
@@ -26,7 +26,7 @@ def run_validate_serve(args: argparse.Namespace) -> int:
         summary,
     )
     from kvstrata.calibrate import load_calibration
-    from kvstrata.bench.serve_sim import simulate_serve
+    from kvstrata.calibrate.serving.sim import simulate_serve
 
     if not args.profile:
         raise cli.CliError("--serve needs --profile PROFILE.toml: a profile from kvstrata calibrate --model-dir DIR "
@@ -102,8 +102,8 @@ def _read(path: str) -> dict:
 
 
 def _trace(doc: dict) -> list:
-    from kvstrata.bench.serve_plan import generated_trace
-    from kvstrata.bench.serve_validate import report_workload
+    from kvstrata.calibrate.serving.workload import generated_trace
+    from kvstrata.calibrate.serving.validate import report_workload
     from kvstrata.sim.traceio import read_trace
 
     trace = doc["config"].get("trace")
@@ -162,7 +162,7 @@ def _finite(x: float) -> float | None:
 
 def _plot(validations: list, path: str, json_output: bool) -> None:
     from kvstrata.plots import png_bytes, save_png
-    from kvstrata.bench.serve_validate_plot import validation_figure
+    from kvstrata.plots.serving import validation_figure
 
     save_png(png_bytes(validation_figure([(p, v) for p, v, _ in validations])), path)
     cli.wrote("measured and simulated CDFs", path, json_output)

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from kvstrata.bench.serve_plan import ServeWorkload
-from kvstrata.bench.serve_validate import (
+from kvstrata.calibrate.serving.workload import ServeWorkload
+from kvstrata.calibrate.serving.validate import (
     BadReport,
     Figures,
     compare,

@@ -13,18 +13,18 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.cli.bench_common import BenchParser, dir_arg, rounds_args, run_and_report, spread_x
+from kvstrata.bench.cli.common import BenchParser, dir_arg, rounds_args, run_and_report, spread_x
 from kvstrata.cli.workload import add_workload_args, ms, render_tiers, run_workload
 from kvstrata.report import dumps
 
 if TYPE_CHECKING:
     from kvstrata.bench.e2e import E2EBenchReport
     from kvstrata.bench.recompute import RecomputeBenchReport
-    from kvstrata.bench.rounds import Spread
+    from kvstrata.rounds import Spread
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench recompute`` and ``bench e2e`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench recompute`` and ``bench e2e`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     recompute = bench(
         "recompute", run_recompute,
         "load or recompute: the auto plan's TTFT vs load-only and recompute-only, disk tier throttled",
@@ -143,7 +143,7 @@ def _plot_recompute(report: RecomputeBenchReport, path: str) -> None:
 
 def run_bench_e2e(args: argparse.Namespace) -> int:
     from kvstrata.bench.e2e import E2EBenchReport, LMCacheBeside, version_note, versus
-    from kvstrata.bench.rounds import Skipped
+    from kvstrata.rounds import Skipped
     from kvstrata.cli.workload import model_dir_of, parse_tiers, workload_of
 
     if args.no_lmcache:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench_common import (
+from kvstrata.bench.cli.common import (
     MIB,
     BenchParser,
     dir_arg,
@@ -25,11 +25,11 @@ from kvstrata.cli.bench_common import (
 if TYPE_CHECKING:
     from kvstrata.bench.cache_report import CacheBenchReport
     from kvstrata.bench.remote_report import RemoteBenchReport
-    from kvstrata.bench.rounds import Compared
+    from kvstrata.rounds import Compared
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench cache`` and ``bench remote`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench cache`` and ``bench remote`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     cache = bench(
         "cache", run_cache, "store/restore GB/s of each cache tier vs copies, file I/O and LMCache",
         "Store and restore GB/s of the device, host and disk tiers of TieredCache on "
@@ -271,7 +271,7 @@ def run_remote(args: argparse.Namespace) -> int:
 
 def _print_remote(report: RemoteBenchReport) -> None:
     from kvstrata.bench.goals import RemoteFigure, goals_for
-    from kvstrata.bench.rounds import Skipped
+    from kvstrata.rounds import Skipped
     from kvstrata.media import FetchPath
     from kvstrata.pool.scoped import PoolOrigin
 

@@ -1,6 +1,7 @@
-"""``bench serve``'s load generator: the ``openai`` package's own async client streaming
-completions from ``vllm serve`` (an edge: HTTP; what to send comes from
-:mod:`kvstrata.bench.serve_plan`, what it records goes to :mod:`kvstrata.bench.serve_report`).
+"""A serving run's load generator (``bench serve``'s, and ``calibrate --engine vllm``'s): the
+``openai`` package's own async client streaming completions from ``vllm serve`` (an edge: HTTP;
+what to send comes from :mod:`kvstrata.calibrate.serving.workload`, what it records is a
+:class:`~kvstrata.calibrate.serving.measured.RequestRecord`).
 
 Every request is a completion (the tiny model has no chat template) of a prompt of token ids,
 ``stream=True``, greedy (``temperature=0``), ``max_tokens`` answer tokens with the end of
@@ -12,7 +13,7 @@ the first chunk carrying a token arrives.
 Before a phase's clock starts, the client asks each of its servers for its model list, so the
 client library's own first call is not in the first request's TTFT. Conversations run at once,
 each a closed loop: a turn is sent at its slot in the schedule
-(:func:`~kvstrata.bench.serve_plan.arrival_s`) or when the previous answer is back, whichever is
+(:func:`~kvstrata.calibrate.serving.workload.arrival_s`) or when the previous answer is back, whichever is
 later. A route says where each turn goes: one server, or a :class:`Handoff` (the prompt to a
 prefill server for one token, then to a decode server). A failed request fails the phase.
 """
@@ -26,9 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_plan import TurnPlan, arrival_s
-from kvstrata.bench.serve_report import RequestRecord
+from kvstrata.calibrate.serving.servers import Instance
+from kvstrata.calibrate.serving.workload import TurnPlan, arrival_s
+from kvstrata.calibrate.serving.measured import RequestRecord
 from kvstrata.progress import NoProgress, Progress
 
 REQUEST_TIMEOUT_S = 300.0  # a request queued behind a busy 2-core host's others

@@ -4,7 +4,7 @@
 For each configuration the bench measured (vLLM alone; vLLM with kvstrata, its hits from host
 DRAM and the device tier; two servers on one pool; the restarted server, its hits from disk;
 the decode server of P/D, its hits from the pool), the same figures from the simulation of the
-same run (:mod:`kvstrata.bench.serve_sim`): TTFT p50/p90/p99, TPOT p50/p90, throughput, and
+same run (:mod:`kvstrata.calibrate.serving.sim`): TTFT p50/p90/p99, TPOT p50/p90, throughput, and
 the hit rate of vLLM's own prefix cache and of each kvstrata tier.
 
 Goals (the issue's): hit rates within 2 percentage points; TTFT and TPOT p50 within 15% and p90
@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.bench.serve_plan import ServeWorkload, WorkloadKind, workload_of
-from kvstrata.bench.serve_report import Measured, percentile
+from kvstrata.calibrate.serving.workload import ServeWorkload, WorkloadKind, workload_of
+from kvstrata.calibrate.serving.measured import Measured, percentile
 from kvstrata.media import Medium
 from kvstrata.plan.host import HostCalibration
-from kvstrata.bench.serve_sim import ServeSetup, SimulatedServe
+from kvstrata.calibrate.serving.sim import ServeSetup, SimulatedServe
 from kvstrata.sim.serving.engine import EngineLimits
 from kvstrata.sim.serving.timing import ServingTimes
 from kvstrata.sim.trace import Request

@@ -2,7 +2,7 @@
 
 What a run of :mod:`kvstrata.bench.serve` does, in the same order, each server a
 :class:`~kvstrata.sim.serving.engine.ServerSim` with the same KV memory, scheduler limits and
-kvstrata tiers (:mod:`kvstrata.bench.serve_config`):
+kvstrata tiers (:mod:`kvstrata.calibrate.serving.servers`):
 
 1. the rounds: vLLM alone and vLLM with kvstrata, one after the other, the order rotating;
 2. two kvstrata servers on one pool, each conversation's turns alternating between them;
@@ -12,7 +12,7 @@ kvstrata tiers (:mod:`kvstrata.bench.serve_config`):
 
 Every server warms up with the same two prompts the bench sends it (a server that warms with
 another's prompts finds them where that one stored them). The conversations are the bench's
-own (:func:`~kvstrata.bench.serve_plan.plan_conversations`, a variant per phase); the answers
+own (:func:`~kvstrata.calibrate.serving.workload.plan_conversations`, a variant per phase); the answers
 are token ids of their own, one set per request, since what the model says changes no timing.
 Each phase begins once the workers have stopped spinning, as the bench waits for a quiet host.
 The client is the bench's: a turn goes at its slot or when its previous answer is back,
@@ -20,7 +20,7 @@ whichever is later; a request reaches its server's engine ``request_in_s`` after
 now and then a stall later, the measured share of them: :mod:`~kvstrata.sim.serving.cpus`),
 and each token the client ``response_out_s`` after it is sampled
 (:mod:`~kvstrata.sim.serving.timing`). Each configuration's figures are computed by the bench's
-own :func:`~kvstrata.bench.serve_report.measure`, on simulated records and counters.
+own :func:`~kvstrata.calibrate.serving.measured.measure`, on simulated records and counters.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstrata.bench.rounds import rotated
-from kvstrata.bench.serve_config import CPU_HALF, Instance
-from kvstrata.bench.serve_counters import Counters
-from kvstrata.bench.serve_plan import (
+from kvstrata.rounds import rotated
+from kvstrata.calibrate.serving.servers import CPU_HALF, Instance
+from kvstrata.calibrate.serving.counters import Counters
+from kvstrata.calibrate.serving.workload import (
     ConversationPlan,
     ServeWorkload,
     alternate,
@@ -41,7 +41,7 @@ from kvstrata.bench.serve_plan import (
     replay_plans,
     warm_prompts,
 )
-from kvstrata.bench.serve_report import Measured, RequestRecord, measure, total
+from kvstrata.calibrate.serving.measured import Measured, RequestRecord, measure, total
 from kvstrata.media import Medium
 from kvstrata.sim.serving.cpus import HostCpus
 from kvstrata.sim.serving.engine import Clock, EngineLimits, ServerSim, SimRequest

@@ -22,16 +22,16 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
     import dataclasses
     import os
 
-    from kvstrata.bench import serve, serve_steps
-    from kvstrata.bench.serve_config import cpu_halves
-    from kvstrata.bench.serve_steps import measure_vllm_steps
+    from kvstrata.calibrate.serving import host, steps
+    from kvstrata.calibrate.serving.servers import cpu_halves
+    from kvstrata.calibrate.serving.steps import measure_vllm_steps
 
     logs = tmp_path_factory.mktemp("steps")
     with pytest.MonkeyPatch.context() as patch:  # fewer points than a calibration: each section still runs
-        patch.setattr(serve_steps, "TOGETHER", TOGETHER)
-        patch.setattr(serve_steps, "CONNECTOR_PROMPTS", CONNECTOR_PROMPTS)
-        patch.setattr(serve_steps, "STALL_REQUESTS", STALL_REQUESTS)
-        patch.setattr(serve, "QUIET_WAIT_S", QUIET_WAIT_S)
+        patch.setattr(steps, "TOGETHER", TOGETHER)
+        patch.setattr(steps, "CONNECTOR_PROMPTS", CONNECTOR_PROMPTS)
+        patch.setattr(steps, "STALL_REQUESTS", STALL_REQUESTS)
+        patch.setattr(host, "QUIET_WAIT_S", QUIET_WAIT_S)
         return dataclasses.asdict(measure_vllm_steps(tiny_model_dir, logs, lambda blocks: 0.0, lambda blocks: 0.0,
                                                      repeats=2, cpus=cpu_halves(sorted(os.sched_getaffinity(0)))))
 
@@ -39,7 +39,7 @@ def steps(tiny_model_dir, tmp_path_factory) -> dict:
 def test_the_connector_s_server_runs_where_the_plain_one_does_and_the_other_server_apart(tmp_path):
     """The connector's cost is what its server took beyond the plain server's fits: on other CPUs
     it would count their difference in speed as the connector's."""
-    from kvstrata.bench.serve_steps import BIND, server_specs
+    from kvstrata.calibrate.serving.steps import BIND, server_specs
 
     plain, ours, other = server_specs("/models/m", tmp_path, 1 << 17, "float32", 32, ("0-3", "4-7"), None)
     assert (plain.env[BIND], ours.env[BIND], other.env[BIND]) == ("0-3", "0-3", "4-7")
@@ -52,7 +52,7 @@ def test_the_connector_s_server_runs_where_the_plain_one_does_and_the_other_serv
 
 
 def test_misfit_is_how_far_the_points_lie_from_their_fits():
-    from kvstrata.bench.serve_steps import EngineSteps
+    from kvstrata.calibrate.serving.steps import EngineSteps
     from kvstrata.plan.host import PrefillFit
     from kvstrata.plan.steps import ConnectorFit, DecodeFit
 
@@ -65,7 +65,7 @@ def test_misfit_is_how_far_the_points_lie_from_their_fits():
 
 
 def test_engine_gaps_are_the_sum_and_count_of_vllm_s_inter_token_histogram():
-    from kvstrata.bench.serve_steps import engine_gaps
+    from kvstrata.calibrate.serving.counters import engine_gaps
 
     text = """# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
 # TYPE vllm:inter_token_latency_seconds histogram
@@ -79,7 +79,7 @@ vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.28
 
 
 def test_a_load_from_the_pool_as_served_costs_what_it_took_beyond_the_pool_s_path():
-    from kvstrata.bench.serve_steps import remote_load_fit
+    from kvstrata.plan.steps import remote_load_fit
 
     path = lambda blocks: 0.001 + 0.0002 * blocks  # noqa: E731
     points = [(1, path(1) + 0.010), (3, path(3) + 0.013), (13, path(13) + 0.012), (7, path(7) + 0.030)]
@@ -88,7 +88,7 @@ def test_a_load_from_the_pool_as_served_costs_what_it_took_beyond_the_pool_s_pat
 
 
 def test_cache_loads_reads_the_connector_s_seconds_loads_and_blocks_from_the_pool():
-    from kvstrata.bench.serve_steps import cache_loads
+    from kvstrata.calibrate.serving.counters import cache_loads
 
     text = """kvstrata_connector_loads_total{engine="0",model_name="m"} 25.0
 kvstrata_connector_load_seconds_total{engine="0",model_name="m"} 0.3609
@@ -103,7 +103,7 @@ def test_the_connector_s_cost_per_request_is_its_stream_beyond_the_plain_server_
     """A stream of 128-token prompts (4 blocks) to the connector's server took 20 ms more (median)
     than the plain server's; the store of 4 blocks is 2 ms: the connector costs 18 ms a request,
     whatever a lone request after a pause costs (the pairs' misses here 30-60 ms beyond their prefill)."""
-    from kvstrata.bench.serve_steps import connector_fit
+    from kvstrata.plan.steps import connector_fit
     from kvstrata.plan.host import PrefillFit
 
     prefill = PrefillFit(0.02, 10_000.0)
@@ -114,21 +114,21 @@ def test_the_connector_s_cost_per_request_is_its_stream_beyond_the_plain_server_
         cached = (n - 1) // 32 * 32
         miss = prefill.seconds(n, 0) + store(n // 32) + lone
         points.append((n, miss, prefill.seconds(n - cached, cached) + restore(cached // 32) + lone + load))
-    fit = connector_fit([0.05, 0.06, 0.09], [0.07, 0.08, 0.2], points, prefill, restore, store, 32)
+    fit = connector_fit([0.05, 0.06, 0.09], [0.07, 0.08, 0.2], points, prefill, restore, store, 32, 128)
     assert abs(fit.request_s - 0.018) < 1e-9
     assert abs(fit.load_s - 0.0035) < 1e-9  # the median of the repeats' 2-9 ms beyond their own misses
 
 
 def test_the_connector_s_cost_is_never_below_zero_and_needs_its_streams():
-    from kvstrata.bench.serve_steps import connector_fit
+    from kvstrata.plan.steps import connector_fit
     from kvstrata.plan.host import PrefillFit
 
     prefill = PrefillFit(0.02, 10_000.0)
     points = [(64, 0.05, 0.01)]  # a repeat faster than its prefill could be
-    fit = connector_fit([0.08], [0.05], points, prefill, lambda b: 0.0, lambda b: 0.0, 32)
+    fit = connector_fit([0.08], [0.05], points, prefill, lambda b: 0.0, lambda b: 0.0, 32, 128)
     assert fit.request_s == 0.0 and fit.load_s == 0.0
     with pytest.raises(ValueError, match="stream to each server"):
-        connector_fit([], [0.05], points, prefill, lambda b: 0.0, lambda b: 0.0, 32)
+        connector_fit([], [0.05], points, prefill, lambda b: 0.0, lambda b: 0.0, 32, 128)
 
 
 def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
@@ -141,7 +141,7 @@ def test_prefill_grows_with_new_tokens_and_the_fit_follows_the_points(steps):
 
 
 def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
-    from kvstrata.bench.serve_steps import DECODE_BATCHES, DECODE_CONTEXTS
+    from kvstrata.calibrate.serving.steps import DECODE_BATCHES, DECODE_CONTEXTS
     from kvstrata.plan.steps import DecodeFit
 
     fit = DecodeFit(**steps["decode"])
@@ -153,7 +153,7 @@ def test_every_decode_point_is_measured_and_the_fit_follows_them(steps):
 def test_a_step_beside_the_other_server_decoding_is_timed_against_one_alone(steps):
     assert [(b, s // b - 16) for b, s, _, _, _ in steps["together_points"]] == list(TOGETHER)
     assert all(alone > 0 and stepping > 0 and spinning > 0 for _, _, alone, stepping, spinning in steps["together_points"])
-    from kvstrata.bench.serve_steps import _stretch
+    from kvstrata.calibrate.serving.steps import _stretch
     from kvstrata.plan.steps import DecodeFit
 
     fit = DecodeFit(**steps["decode"])  # each factor from its own column of points, against the fit
@@ -164,7 +164,7 @@ def test_a_step_beside_the_other_server_decoding_is_timed_against_one_alone(step
 def test_a_vllm_worker_is_seen_spinning_after_its_last_step(steps):
     """vLLM's worker busy-polls its queue about a second after a step (its shared-memory reader):
     the server's processes keep a CPU busy after the last token is out, and stop within the watch."""
-    from kvstrata.bench.serve_steps import SPIN_WATCH_S
+    from kvstrata.calibrate.serving.steps import SPIN_WATCH_S
 
     assert len(steps["spin_points"]) == 2
     assert 0 < steps["decode"]["spin_s"] < SPIN_WATCH_S - 0.5

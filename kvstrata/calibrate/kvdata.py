@@ -1,5 +1,6 @@
-"""The bytes every benchmark moves: KV of a real model's geometry, random, cut into blocks;
-and the check that a restore brought back exactly those bytes.
+"""The bytes a measured restore moves (``kvstrata lab``'s workers, the benchmarks): KV of a real
+model's geometry, random, cut into blocks; and the check that a restore brought back exactly
+those bytes.
 
 Random bytes, so nothing compresses or dedupes; a fixed seed, so two runs move the same bytes.
 """
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstrata.bench.lookup import VOCAB
 from kvstrata.cache import LoadResult, TieredCache
 from kvstrata.index.prefix import Match
 from kvstrata.kv import load_geometry
@@ -20,6 +20,7 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.timing import VerificationError
 
 MIB = 1 << 20
+VOCAB = 128_256  # Llama 3's vocabulary: ids need the full 17 bits, as real prompts do
 
 
 @dataclass(frozen=True)

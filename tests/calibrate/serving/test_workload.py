@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvstrata.bench.serve_plan import (
+from kvstrata.calibrate.serving.workload import (
     FIRST_TOKEN_ID,
     ServeWorkload,
     WorkloadKind,

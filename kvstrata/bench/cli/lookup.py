@@ -9,7 +9,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench_common import BenchParser, figure_table, run_and_report, spread_x, verdict_cells
+from kvstrata.bench.cli.common import BenchParser, figure_table, run_and_report, spread_x, verdict_cells
 
 if TYPE_CHECKING:
     from kvstrata.bench.lookup_report import LookupBenchReport
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench lookup`` and ``bench restart`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench lookup`` and ``bench restart`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     lookup = bench(
         "lookup", run_lookup, "hash+lookup time vs the bare xxh3 chain; lookup with 1M blocks indexed vs 1K",
         "Key and look up a 128K-token prompt (every block cached: the worst case) through "

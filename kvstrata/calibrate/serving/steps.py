@@ -95,7 +95,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstrata.plan.host import PrefillFit, fit_prefill
-from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls, fit_decode, fit_stalls
+from kvstrata.calibrate.serving.counters import cache_loads, engine_gaps
+from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls, connector_fit, fit_decode, fit_stalls, remote_load_fit
 
 if TYPE_CHECKING:
     from kvstrata.integrations.vllm.server import ServerSpec
@@ -112,7 +113,6 @@ SPIN_WINDOW_S = 0.1  # a few of /proc's 10 ms ticks
 SPIN_WATCH_S = 3.0  # vLLM's reader busy-polls 1 s after its last read
 CONNECTOR_PROMPTS = (64, 128, 256, 448)
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
-INTER_TOKEN = "vllm:inter_token_latency_seconds"  # vLLM's histogram of the gaps between a request's tokens, engine-stamped
 GAPS_RECORDED_S = 0.05  # the API server records a batch's gaps just after it streams their tokens out
 STALL_REQUESTS = 48  # per stream: twice a bench serve phase's requests
 STALL_RATE_PER_S = 4.0  # bench serve's default rate
@@ -191,9 +191,9 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
         ValueError: ``repeats`` < 1.
         ServerFailed: a server did not start (its log's tail in the message).
     """
-    from kvstrata.bench.serve import model_facts
-    from kvstrata.bench.serve_client import Endpoint
-    from kvstrata.bench.serve_config import Instance
+    from kvstrata.calibrate.serving.host import model_facts
+    from kvstrata.calibrate.serving.client import Endpoint
+    from kvstrata.calibrate.serving.servers import Instance
     from kvstrata.integrations.vllm.server import VllmServer, start_together
 
     if repeats < 1:
@@ -225,7 +225,7 @@ def measure_vllm_steps(model_dir: str | Path, log_dir: Path, restore_s: Callable
     decode = dataclasses.replace(decode, together=_stretch(decode, [(b, held, t) for b, held, _, t, _ in together_points]),
                                  beside_spin=_stretch(decode, [(b, held, t) for b, held, _, _, t in together_points]),
                                  spin_s=statistics.median(spin_points) if spin_points else 0.0)
-    connector = connector_fit(alone, paced, connector_points, prefill, restore_s, store_s, block_size)
+    connector = connector_fit(alone, paced, connector_points, prefill, restore_s, store_s, block_size, STALL_PROMPT)
     if pool_points and remote_restore_s is not None:
         connector = dataclasses.replace(connector, remote_load_s=remote_load_fit(pool_points, remote_restore_s))
     stalls = Stalls(*fit_stalls([alone, paced]), *fit_stalls(beside))
@@ -257,62 +257,11 @@ def server_specs(model_dir: str | Path, log_dir: Path, block_bytes: int, dtype: 
     return spec(0, False), spec(0, True), spec(1, True)
 
 
-def connector_fit(plain: Sequence[float], ours: Sequence[float], points: Sequence[tuple[int, float, float]],
-                  prefill: PrefillFit, restore_s: Callable[[int], float], store_s: Callable[[int], float],
-                  block_size: int, prompt: int = STALL_PROMPT) -> ConnectorFit:
-    """``request_s``: the median time to first token of ``ours`` (a stream of new ``prompt``-token
-    prompts to the connector's server) beyond that of ``plain`` (the same pace to the plain
-    server) and their store; ``load_s``: over ``(tokens, miss, hit)`` pairs, the median of
-    what each repeat took beyond the prefill of what was left and the restore of its hit, less
-    what its miss took beyond its prefill and store. Both at least 0.
-
-    Raises:
-        ValueError: either stream or the pairs empty.
-    """
-    if not (plain and ours and points):
-        raise ValueError("the connector's cost needs a stream to each server and at least one pair")
-    request = max(0.0, statistics.median(ours) - statistics.median(plain) - store_s(prompt // block_size))
-    loads = []
-    for n, miss, hit in points:
-        cached = (n - 1) // block_size * block_size
-        lone = miss - prefill.seconds(n, 0) - store_s(n // block_size)
-        loads.append(hit - prefill.seconds(n - cached, cached) - restore_s(cached // block_size) - lone)
-    return ConnectorFit(request, max(0.0, statistics.median(loads)))
-
-
-def remote_load_fit(points: Sequence[tuple[int, float]], remote_restore_s: Callable[[int], float]) -> float:
-    """What loads from the pool took beyond its restore path: the median over ``(blocks,
-    seconds)`` points of ``seconds - remote_restore_s(blocks)``, at least 0."""
-    return max(0.0, statistics.median(t - remote_restore_s(blocks) for blocks, t in points))
-
-
-def cache_loads(metrics_text: str) -> tuple[float, int, int]:
-    """The connector's loads so far on a server: the cache's seconds loading, how many loads, and
-    how many blocks came from the pool."""
-    from kvstrata.bench.serve_counters import parse_metrics
-
-    metrics = parse_metrics(metrics_text)
-    total = lambda name: sum(v for _, v in metrics.get(name, []))  # noqa: E731
-    remote = sum(v for labels, v in metrics.get("kvstrata_connector_loaded_blocks_total", [])
-                 if labels.get("tier") == "remote")
-    return (total("kvstrata_connector_load_seconds_total"), int(total("kvstrata_connector_loads_total")), int(remote))
-
-
-def engine_gaps(metrics_text: str) -> tuple[float, int]:
-    """The seconds between tokens a server's engine has stamped so far, and how many gaps: the
-    sum and the count of its ``vllm:inter_token_latency_seconds`` histogram."""
-    from kvstrata.bench.serve_counters import parse_metrics
-
-    metrics = parse_metrics(metrics_text)
-    return (sum(v for _, v in metrics.get(f"{INTER_TOKEN}_sum", [])),
-            int(sum(v for _, v in metrics.get(f"{INTER_TOKEN}_count", []))))
-
-
 async def _measure(endpoints, prompts: _Prompts, repeats: int, cpu_seconds: Callable[[], float | None],
                    gaps: Callable[[], tuple[float, int]], loads: Callable[[], tuple[float, int, int]] | None,
                    block_size: int):
-    from kvstrata.bench.serve import wait_quiet
-    from kvstrata.bench.serve_client import Clients, complete
+    from kvstrata.calibrate.serving.host import wait_quiet
+    from kvstrata.calibrate.serving.client import Clients, complete
 
     async def quiet() -> None:
         await asyncio.to_thread(wait_quiet)

@@ -17,17 +17,17 @@ from kvstrata.timing import VerificationError
 
 if TYPE_CHECKING:
     from kvstrata.bench.goals import Goal
-    from kvstrata.bench.rounds import Spread
+    from kvstrata.rounds import Spread
 
 MIB = 1 << 20
 R = TypeVar("R")
-# ``kvstrata.cli.bench``'s sub-command maker, as each bench command module's ``register`` gets it:
+# ``kvstrata.bench.cli``'s sub-command maker, as each bench command module's ``register`` gets it:
 # (name, run, help, description) -> the sub-command's parser.
 BenchParser = Callable[[str, Callable[[argparse.Namespace], int], str, str], argparse.ArgumentParser]
 
 
 def rounds_args(p: argparse.ArgumentParser, repeats: int, per: str, workers_help: str | None = None) -> None:
-    """``--repeats`` (see :mod:`kvstrata.bench.rounds`), and ``--workers`` when it has a help text."""
+    """``--repeats`` (see :mod:`kvstrata.rounds`), and ``--workers`` when it has a help text."""
     p.add_argument("--repeats", type=int, default=repeats,
                    help=f"timed rounds{per} after one warm-up, >= 3 (default: {repeats})")
     if workers_help is not None:

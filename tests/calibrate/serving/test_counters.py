@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.bench.serve_counters import ByteRates, ConnectorCpu, Counters, HitsSource, counters_of, parse_metrics
+from kvstrata.calibrate.serving.counters import ByteRates, ConnectorCpu, Counters, HitsSource, counters_of, parse_metrics
 from kvstrata.media import Medium
 
 METRICS = """# HELP vllm:prefix_cache_queries_total Prefix cache queries.

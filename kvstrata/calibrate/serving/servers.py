@@ -28,7 +28,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.serve_plan import ServeWorkload
+from kvstrata.calibrate.serving.workload import ServeWorkload
 from kvstrata.transfer.placement import parse_cpu_list
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class ServeBenchConfig:
     """What ``bench serve`` runs. Capacities in bytes (1 MiB = 2**20).
 
     Attributes:
-        workload: the conversations (:mod:`kvstrata.bench.serve_plan`).
+        workload: the conversations (:mod:`kvstrata.calibrate.serving.workload`).
         model_dir: the model every server loads.
         vocab: its vocabulary size (prompts draw token ids below it).
         block_bytes: one block's KV (every layer, K and V) of that model at ``block_tokens``.

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.cli.bench_common import BenchParser, run_and_report
+from kvstrata.bench.cli.common import BenchParser, run_and_report
 
 if TYPE_CHECKING:
     from kvstrata.bench.sim import SimBenchReport
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench sim`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench sim`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     sim = bench(
         "sim", run_sim, "wall seconds of the simulator per architecture vs a plain replay of the trace",
         "Time kvstrata's trace-driven simulator, one run per architecture (the seven and "

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from kvstrata.bench.serve_validate import ServeValidation
+from kvstrata.calibrate.serving.validate import ServeValidation
 
 
 

@@ -13,19 +13,20 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstrata import cli
-from kvstrata.bench.serve_counters import HitsSource
-from kvstrata.bench.serve_plan import WorkloadKind
-from kvstrata.cli.bench_common import BenchParser, run_and_report, spread_x
+from kvstrata.bench.cli.common import BenchParser, run_and_report, spread_x
+from kvstrata.calibrate.serving.counters import HitsSource
+from kvstrata.calibrate.serving.workload import WorkloadKind
 from kvstrata.cli.workload import add_model_args
 
 if TYPE_CHECKING:
-    from kvstrata.bench.serve_report import Measured, ServeBenchReport
+    from kvstrata.bench.serve_report import ServeBenchReport
+    from kvstrata.calibrate.serving.measured import Measured
 
 MiB = 1 << 20
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench serve`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench serve`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     p = bench(
         "serve", run_serve, "vllm serve with and without kvstrata: TTFT, throughput, hits per tier, P/D, same tokens",
         "Start vLLM's own OpenAI server (vllm serve) on 127.0.0.1 without and with the KVStrata connector, "
@@ -104,7 +105,7 @@ def _connector_extra(text: str | None) -> dict[str, object]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvstrata.bench.serve_plan import ServeWorkload
+    from kvstrata.calibrate.serving.workload import ServeWorkload
 
     # what needs no model and no vLLM first: a bad flag is one line at once
     workload = ServeWorkload(args.conversations, args.turns, args.max_tokens, args.user_tokens, args.block_size,
@@ -117,7 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise cli.CliError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.server_cpus is not None:
-        from kvstrata.bench.serve_config import server_cpu_set
+        from kvstrata.calibrate.serving.servers import server_cpu_set
 
         try:
             server_cpu_set(args.server_cpus)
@@ -129,9 +130,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         calibration = load_calibration(args.profile)
     pool, use_pool, why = _pool(args)
-    from kvstrata.bench.serve import model_facts, run_serve_bench
-    from kvstrata.bench.serve_client import RequestFailed
-    from kvstrata.bench.serve_config import ServeBenchConfig
+    from kvstrata.bench.serve import run_serve_bench
+    from kvstrata.calibrate.serving.host import model_facts
+    from kvstrata.calibrate.serving.client import RequestFailed
+    from kvstrata.calibrate.serving.servers import ServeBenchConfig
     from kvstrata.cli.workload import model_dir_of
     from kvstrata.integrations.vllm.server import ServerFailed
     from kvstrata.pool.client import PoolUnavailable
@@ -149,7 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.trace is not None:  # a bad line, or fewer requests than conversations: one line, before any server
         from kvstrata.bench.serve import load_trace
-        from kvstrata.bench.serve_plan import round_plans
+        from kvstrata.calibrate.serving.workload import round_plans
 
         round_plans(load_trace(config)[0], workload, facts.vocab, config.rounds)
     reports: list[ServeBenchReport] = []
@@ -262,7 +264,7 @@ _NEW = {  # what the workload line adds for each kind
 
 
 def _print_serve(report: ServeBenchReport) -> None:
-    from kvstrata.bench.rounds import Skipped
+    from kvstrata.rounds import Skipped
 
     c, w = report.config, report.config.workload
     tiers = f"device {c.device_bytes / MiB:g} MiB, host {c.host_bytes / MiB:g} MiB, disk {c.disk_bytes / MiB:g} MiB"

@@ -1,5 +1,5 @@
 """``kvstrata calibrate --engine vllm``'s measurement: vLLM's steps, the connector's cost and two
-servers at once, through ``bench serve``'s servers and client (:mod:`kvstrata.bench.serve_steps`)."""
+servers at once, through ``bench serve``'s servers and client (:mod:`kvstrata.calibrate.serving.steps`)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
     import os
     import tempfile
 
-    from kvstrata.bench.serve import model_facts
-    from kvstrata.bench.serve_config import CPU_HALF, Instance, cpu_halves
-    from kvstrata.bench.serve_plan import ServeWorkload
-    from kvstrata.bench.serve_steps import measure_vllm_steps
+    from kvstrata.calibrate.serving.host import model_facts
+    from kvstrata.calibrate.serving.servers import CPU_HALF, Instance, cpu_halves
+    from kvstrata.calibrate.serving.workload import ServeWorkload
+    from kvstrata.calibrate.serving.steps import measure_vllm_steps
     from kvstrata.media import Medium
     from kvstrata.plan.host import DISK_WRITE, MEMCPY_ONE, POOL_PUT
 

@@ -7,14 +7,14 @@ import dataclasses
 
 import pytest
 
-from kvstrata.bench.serve_config import Instance
-from kvstrata.bench.serve_counters import HitsSource
-from kvstrata.bench.serve_plan import ServeWorkload, generated_trace
-from kvstrata.bench.serve_validate import simulated_figures
+from kvstrata.calibrate.serving.servers import Instance
+from kvstrata.calibrate.serving.counters import HitsSource
+from kvstrata.calibrate.serving.workload import ServeWorkload, generated_trace
+from kvstrata.calibrate.serving.validate import simulated_figures
 from kvstrata.media import Medium
 from kvstrata.plan.host import PrefillFit
 from kvstrata.plan.steps import DecodeFit, Stalls
-from kvstrata.bench.serve_sim import ServeSetup, SimulatedServe, simulate_serve
+from kvstrata.calibrate.serving.sim import ServeSetup, SimulatedServe, simulate_serve
 from kvstrata.sim.serving.engine import EngineLimits
 from kvstrata.sim.serving.timing import ServingTimes
 

@@ -12,9 +12,10 @@ and a restart's first hit. ``bench sglang``: kvstrata as SGLang's HiCache storag
 serve``: vLLM serving with the connector against without.
 
 This module registers the command; each family of sub-commands is a module of its own, which
-makes its tables and every label in them: ``bench_tiers`` (cache, remote), ``bench_sim``,
-``bench_ttft`` (recompute, e2e), ``bench_lookup`` (lookup, restart), ``bench_sglang`` and
-``bench_serve``; what they share is ``bench_common``. Progress goes to stderr; ``--json`` prints
+makes its tables and every label in them: ``tiers`` (cache, remote), ``sim``, ``ttft``
+(recompute, e2e), ``lookup`` (lookup, restart), ``sglang`` and ``serve``; what they share is
+``common``. ``kvstrata.cli`` registers this command by its module's name: the one place the
+product names its benchmarks. Progress goes to stderr; ``--json`` prints
 the report alone on stdout (:func:`kvstrata.report.to_json`). Decimal GB/s (1 GB = 1e9 bytes).
 """
 from __future__ import annotations
@@ -22,10 +23,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from kvstrata.cli import bench_lookup, bench_serve, bench_sglang, bench_sim, bench_tiers, bench_ttft
+from kvstrata.bench.cli import lookup, serve, sglang, sim, tiers, ttft
 
 # Each family's ``register``, in help order.
-_FAMILIES = (bench_tiers, bench_sim, bench_ttft, bench_lookup, bench_sglang, bench_serve)
+_FAMILIES = (tiers, sim, ttft, lookup, sglang, serve)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

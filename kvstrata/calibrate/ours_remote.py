@@ -1,4 +1,5 @@
-"""Our side of the remote benchmark, at the tier: ``RemoteTier`` driven by the transfer worker.
+"""Blocks stored in and restored from the pool at the tier: ``RemoteTier`` driven by the transfer
+worker (how ``kvstrata lab``'s workers fill the pool; kvstrata's side of ``bench remote``).
 
 This is the first hop of every pool transfer the cache makes: the worker's byte movers (two by
 default, as in the cache) run the cache's own handlers between the pool and a host tier (built as
@@ -34,7 +35,7 @@ OP_TIMEOUT_S = 60.0  # a benchmark may move large blocks over a slow link: bound
 
 
 class OursRemote:
-    """The benchmark's blocks as objects of a RemoteTier, stored and restored through the worker.
+    """The blocks as objects of a RemoteTier, stored and restored through the worker.
 
     Args:
         layout: the block layout.
@@ -43,7 +44,7 @@ class OursRemote:
         keys: one key per block.
         blocks: the blocks, uint8 ``[blocks, layers, layer_bytes]`` (CPU).
         namespace_tag: the objects' name prefix (the cache's namespace tag, so a cache of
-            that namespace finds them: see ``kvstrata.bench.poolcache``).
+            that namespace finds them: see ``kvstrata.calibrate.poolcache``).
         workers: the worker's byte movers.
         secret, encrypt: seal (and encrypt) the values, as a cache with the pool's secret does.
 

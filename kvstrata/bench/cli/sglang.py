@@ -9,14 +9,14 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from kvstrata import cli
-from kvstrata.cli.bench_common import BenchParser, figure_table, gbps_cell, run_and_report, spread_x
+from kvstrata.bench.cli.common import BenchParser, figure_table, gbps_cell, run_and_report, spread_x
 
 if TYPE_CHECKING:
     from kvstrata.bench.sglang import SGLangBenchReport
 
 
 def register(bench: BenchParser) -> None:
-    """Add ``bench sglang`` through ``bench`` (``kvstrata.cli.bench``'s sub-command maker)."""
+    """Add ``bench sglang`` through ``bench`` (``kvstrata.bench.cli``'s sub-command maker)."""
     p = bench(
         "sglang", run_sglang, "kvstrata as SGLang's HiCache storage vs HiCacheFile (disk) and raw Mooncake (pool)",
         "Back up and prefetch SGLang host-pool pages through kvstrata's HiCache backend (zero-copy interface) "

@@ -1,4 +1,5 @@
-"""What every benchmark shares: rounds of timed steps and their summaries.
+"""What every measurement in rounds shares (the benchmarks, ``kvstrata lab``, the serving
+simulator's replay of ``bench serve``): rounds of timed steps and their summaries.
 
 Method. A benchmark runs one warm-up round, then ``repeats`` rounds; each round runs every
 step once, and the steps that compete (ours, a baseline, another system) run back to back in
