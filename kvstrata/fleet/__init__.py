@@ -2,7 +2,7 @@
 
 * :mod:`~kvstrata.fleet.events`: kvstrata's tiers as vLLM's KV events (pure records).
 * :mod:`~kvstrata.fleet.wire`: those events as bytes, vLLM's msgpack format (msgspec; edge).
-* :mod:`~kvstrata.fleet.recorder`: a server's stores and drops per tier, gathered as batches (pure).
+* :mod:`~kvstrata.fleet.recorder`: a server's stores and drops per tier, heard from its block managers, as batches (pure).
 * :mod:`~kvstrata.fleet.publisher`: published over ZMQ as vLLM publishes its own (edge).
 * :mod:`~kvstrata.fleet.feed`: received messages into the index, a bad one one line (edge).
 * :mod:`~kvstrata.fleet.hashes`: a prompt's vLLM block hashes, as a router computes them (edge: vLLM).

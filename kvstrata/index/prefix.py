@@ -7,6 +7,11 @@ leaves). A lookup is one probe per block of the second dict, in C (``map``), up 
 miss; its values are the match's media as they stand, so no block costs Python bytecode. A
 probe costs the same at 1K and 1M entries but for the CPU cache misses of a bigger table
 (``kvstrata bench lookup`` measures both).
+
+A listener (:meth:`PrefixIndex.listen`, one at most) is told of every change: a medium that
+comes to hold a key READY, or stops holding it; a call that changes nothing (a key added where
+it is, discarded where it is not) tells it nothing. It is called under the index's lock, in the
+order of the changes, so what it hears is the index's history; it must not call the index back.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 from kvstrata.index.keys import BlockKey
 from kvstrata.media import FASTEST_BY_MASK, Medium
@@ -79,6 +86,13 @@ class Match:
 RUNS_COUNTED = 64
 
 
+class IndexListener(Protocol):
+    """Told of each change of a :class:`PrefixIndex` (see the module text)."""
+
+    def changed(self, medium: Medium, keys: Sequence[BlockKey], held: bool) -> None:
+        """``keys`` are now READY on ``medium`` (``held``), or no longer are."""
+
+
 class PrefixIndex:
     """Where each block is READY (see the module text); thread-safe."""
 
@@ -86,31 +100,60 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._mask: dict[BlockKey, int] = {}  # never 0: a key on no medium is not in either dict
         self._fastest: dict[BlockKey, Medium] = {}  # FASTEST_BY_MASK[self._mask[key]], same keys
+        self._listener: IndexListener | None = None
+
+    def listen(self, listener: IndexListener) -> None:
+        """Tell ``listener`` of every change from now on, after telling it, per medium, the keys
+        held now (as held: so its view starts as the index's).
+
+        Raises:
+            ValueError: a listener is already set.
+        """
+        with self._lock:
+            if self._listener is not None:
+                raise ValueError("the prefix index already has a listener")
+            self._listener = listener
+            for medium in Medium:
+                held = [key for key, mask in self._mask.items() if mask & medium.bit]
+                if held:
+                    listener.changed(medium, held, True)
 
     def add(self, key: BlockKey, medium: Medium) -> None:
         with self._lock:
-            mask = self._mask.get(key, 0) | medium.bit
+            before = self._mask.get(key, 0)
+            mask = before | medium.bit
             self._mask[key] = mask
             self._fastest[key] = FASTEST_BY_MASK[mask]
+            if self._listener is not None and mask != before:
+                self._listener.changed(medium, (key,), True)
 
     def add_many(self, keys: list[BlockKey], medium: Medium) -> None:
         """:meth:`add` of each of ``keys`` (recovery adopts a whole tier at once)."""
         with self._lock:
             mask_of, fastest = self._mask, self._fastest
+            new = []
             for key in keys:
-                mask = mask_of.get(key, 0) | medium.bit
+                before = mask_of.get(key, 0)
+                mask = before | medium.bit
                 mask_of[key] = mask
                 fastest[key] = FASTEST_BY_MASK[mask]
+                if mask != before:
+                    new.append(key)
+            if self._listener is not None and new:
+                self._listener.changed(medium, new, True)
 
     def discard(self, key: BlockKey, medium: Medium) -> None:
         with self._lock:
-            mask = self._mask.get(key, 0) & ~medium.bit
+            before = self._mask.get(key, 0)
+            mask = before & ~medium.bit
             if mask:
                 self._mask[key] = mask
                 self._fastest[key] = FASTEST_BY_MASK[mask]
             else:
                 self._mask.pop(key, None)
                 self._fastest.pop(key, None)
+            if self._listener is not None and mask != before:
+                self._listener.changed(medium, (key,), False)
 
     def media(self, key: BlockKey) -> tuple[Medium, ...]:
         with self._lock:

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from kvstrata.index.keys import BlockKey
-from kvstrata.index.prefix import Match
+from kvstrata.index.prefix import IndexListener, Match
 from kvstrata.manager.config import ManagerConfig
 from kvstrata.manager.loads import LoadPlanner
 from kvstrata.manager.plans import (
@@ -78,6 +78,13 @@ class BlockManager:
 
     def indexed_blocks(self) -> int:
         return len(self._index)
+
+    def listen(self, listener: IndexListener) -> None:
+        """Tell ``listener`` which blocks each tier holds READY now, then each change (a block
+        stored, promoted, written down, evicted, dropped, forgotten) as it is made, under this
+        manager's lock (see :meth:`PrefixIndex.listen`: it must not call the manager back)."""
+        with self._lock:
+            self._index.listen(listener)
 
     def skip_writes(self, media: Iterable[Medium]) -> None:
         """Write nothing down to ``media`` from now on (a tier whose loads do not pay: its

@@ -12,13 +12,15 @@ sliding-window model then keeps every token in its sliding layers) and hands eve
 block ids of every group (:mod:`kvstrata.integrations.vllm.groups`).
 
 Its counters go to vLLM's own ``/metrics`` through vLLM's connector-stats hooks
-(:mod:`kvstrata.integrations.vllm.prom`), and the tiers of each hit to vLLM's
-``prompt_tokens_cached_by_source``.
+(:mod:`kvstrata.integrations.vllm.prom`), the tiers of each hit to vLLM's
+``prompt_tokens_cached_by_source``, and what its tiers store and drop to vLLM's own KV event
+publisher (``--kv-events-config``: :mod:`kvstrata.integrations.vllm.events`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstrata.integrations.vllm.events import KVStrataKVEvents, publishes
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta
 from kvstrata.integrations.vllm.groups import group_spans, rank_block_bytes
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata
@@ -43,6 +46,7 @@ from kvstrata.media import Medium
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -75,6 +79,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         self.connector_scheduler: KVStrataConnectorScheduler | None = None
         self.connector_worker: KVStrataConnectorWorker | None = None
+        self._kv_events: list[KVCacheEvent] = []  # the workers' KV events, until vLLM's publisher takes them
         if role == KVConnectorRole.SCHEDULER:
             if (lost := self.settings.stop_loses_host(getattr(vllm_config, "shutdown_timeout", 0))) is not None:
                 _log.warning("%s", lost)
@@ -91,6 +96,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
                 # no pool: the caches hold what this server stores, and what a disk kept (the workers say)
                 own_blocks_only=self.settings.pool is None,
                 held_blocks=self.settings.held_blocks(rank_block_bytes(kv_cache_config)),
+                block_hashes=publishes(vllm_config, kv_cache_config),  # the workers' KV events name them
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStrataConnectorWorker(
@@ -162,6 +168,10 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.build_connector_worker_meta()
 
+    def get_kv_connector_kv_cache_events(self) -> KVStrataKVEvents | None:
+        """kvstrata's tiers' changes since the last step, as vLLM's KV events (TP rank 0's)."""
+        return self._worker.kv_cache_events()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
@@ -195,6 +205,14 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, KVStrataWorkerMeta):
             with self._scheduler.counting_cpu():
                 self._scheduler.measured(meta)
+        if isinstance(events := connector_output.kv_cache_events, KVStrataKVEvents):
+            self._kv_events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The workers' events of kvstrata's tiers since the last call, for vLLM's KV event
+        publisher (:mod:`~kvstrata.integrations.vllm.events`)."""
+        events, self._kv_events = self._kv_events, []
+        return events
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)

@@ -55,6 +55,9 @@ class SaveSpec:
     req_id: str
     tokens: list[int]
     groups: list[GroupBlocks]
+    # vLLM's hashes of the full blocks of ``tokens`` (``ExternalBlockHash``: bytes, or ints), as its
+    # own KV events name them; empty where vLLM publishes no KV events (kvstrata's name them too)
+    block_hashes: list[bytes | int] = field(default_factory=list)
 
     @property
     def blocks(self) -> int:

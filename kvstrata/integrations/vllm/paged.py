@@ -45,6 +45,7 @@ from kvstrata.cache.results import StoreResult
 from kvstrata.cache.sliced import SlicedLoad, SlicedRank, combined_stores
 from kvstrata.index.keys import BlockKey
 from kvstrata.index.prefix import Match
+from kvstrata.integrations.vllm.events import LOCAL_TIERS, POOL, EventSource
 from kvstrata.integrations.vllm.groups import VLLMGroup
 from kvstrata.kv.groups import GroupKind, KVGroup
 from kvstrata.kv.layout import KVLayout
@@ -73,6 +74,10 @@ class OpaqueGroup:
 
     def keys(self, tokens: list[int]) -> list[BlockKey]:
         return self.cache.keys(tokens)
+
+    def event_sources(self) -> tuple[EventSource, ...]:
+        """Its cache, its blocks keyed as they are (:mod:`~kvstrata.integrations.vllm.events`)."""
+        return (EventSource(self.cache, LOCAL_TIERS | POOL, list),)
 
     def match(self, keys: list[BlockKey]) -> Match:
         return self.cache.match(keys)
@@ -119,6 +124,13 @@ class SlicedGroup:
 
     def keys(self, tokens: list[int]) -> list[BlockKey]:
         return self.rank.keys(tokens)
+
+    def event_sources(self) -> tuple[EventSource, ...]:
+        """The rank's packs in its own tiers, its slices in the pool (:mod:`~kvstrata.integrations.vllm.events`)."""
+        rank = self.rank
+        packs = (EventSource(rank.packs, LOCAL_TIERS, rank.pack_keys),) if rank.packs is not None else ()
+        slices = POOL if rank.packs is not None else LOCAL_TIERS | POOL  # no packs: the slices are in every tier
+        return packs + ((EventSource(rank.cache, slices, rank.slice_keys),) if rank.cache is not None else ())
 
     def match(self, keys: list[BlockKey]) -> Match:
         """The leading blocks of ``keys`` of which every slice this rank holds is cached."""

@@ -38,6 +38,7 @@ from kvstrata.integrations.vllm.stats import PendingSave
 from kvstrata.transfer.placement import io_thread_started
 
 if TYPE_CHECKING:
+    from kvstrata.integrations.vllm.events import TierEvents
     from kvstrata.integrations.vllm.paged import OpaqueGroup, SlicedGroup
 
 
@@ -108,12 +109,15 @@ class Saves:
         self._copier = _CountingSaver(clock.save_cpu, "kvstrata-copy")
         self._copies_off_step = False  # set once the caches are registered
         self._copying: list[Future] = []  # copies out of vLLM's blocks not yet fenced
+        self._events: TierEvents | None = None  # set once the caches are registered, where KV events are on
 
-    def registered(self, holds: bool, copies_off_step: bool) -> None:
-        """vLLM's KV caches are registered: whether saves wait for verdicts (TP > 1), and whether
-        they are copied out after the step (vLLM's blocks in CPU memory, no ``sync_save``)."""
+    def registered(self, holds: bool, copies_off_step: bool, events: TierEvents | None = None) -> None:
+        """vLLM's KV caches are registered: whether saves wait for verdicts (TP > 1), whether
+        they are copied out after the step (vLLM's blocks in CPU memory, no ``sync_save``), and
+        the recorder each save teaches vLLM's hashes of its blocks (None: no KV events)."""
         self._holds = holds
         self._copies_off_step = copies_off_step
+        self._events = events
 
     @property
     def stages_layers(self) -> bool:
@@ -237,7 +241,10 @@ class Saves:
                 if not done:
                     group.stage_layer(kv, layer, block_ids)
             first = spec.groups[g].first_block
-            save.stores.append((g, group.keys(spec.tokens)[first : first + len(block_ids)], kv))
+            keys = group.keys(spec.tokens)[first : first + len(block_ids)]
+            if g == 0 and self._events is not None and spec.block_hashes:  # before the store: its events name them
+                self._events.learn(keys, spec.block_hashes[first : first + len(keys)])
+            save.stores.append((g, keys, kv))
         return save
 
     def _store(self, staged: list[_StagedSave]) -> Pending:

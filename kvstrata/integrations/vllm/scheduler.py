@@ -146,13 +146,16 @@ class KVStrataConnectorScheduler:
             lookup of a prompt whose first block it never stored is a miss it answers itself,
             once the workers report their caches started empty.
         held_blocks: how many blocks the tiers hold at most (that many first blocks are remembered).
+        block_hashes: each save carries vLLM's hashes of its blocks, for the workers' KV events
+            (:mod:`~kvstrata.integrations.vllm.events`).
     """
 
     def __init__(self, block_size: int, engine_id: str, *, loads_enabled: bool, saves_enabled: bool,
                  spans: tuple[int | None, ...] = (None,), horizon_blocks: int = 0, judge_saves: bool = False,
                  load_budget: float | None = BUDGET_FACTOR, ranks: int = 1, own_blocks_only: bool = False,
-                 held_blocks: int = 0) -> None:
+                 held_blocks: int = 0, block_hashes: bool = False) -> None:
         self._block_size = block_size
+        self._block_hashes = block_hashes
         self._spans = spans  # per KV cache group: its window or chunk in tokens, None for full attention
         self._windowed = any(span is not None for span in spans)
         # vLLM takes a failed load's blocks (invalid_block_ids) only from a model of one KV cache
@@ -324,7 +327,7 @@ class KVStrataConnectorScheduler:
             if external:
                 meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external, null))
             if save:
-                meta.saves.append(self._save_spec(req_id, prompt, block_ids, end, null))
+                meta.saves.append(self._save_spec(req_id, request, prompt, block_ids, end, null))
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
         for req_id, external in self._to_fetch.items():  # vLLM set its computed tokens to the hit's end
             request = self._requests[req_id]
@@ -378,16 +381,22 @@ class KVStrataConnectorScheduler:
                         [load_window(ids[first : end // bs], first, null) for ids in block_ids],
                         granted.budget_s if (granted := self._granted.get(req_id)) is not None else None)
 
-    def _save_spec(self, req_id: str, prompt: list[int], block_ids: tuple[list[int], ...], end: int,
-                   null: int) -> SaveSpec:
-        """The request's full prompt blocks up to ``end`` tokens (more than already sent to save: ``_saves_more``)."""
+    def _save_spec(self, req_id: str, request: Request, prompt: list[int], block_ids: tuple[list[int], ...],
+                   end: int, null: int) -> SaveSpec:
+        """The request's full prompt blocks up to ``end`` tokens (more than already sent to save:
+        ``_saves_more``), and vLLM's hashes of them where the workers publish KV events."""
         bs = self._block_size
         full = min(end, len(prompt)) // bs
         self._saved_blocks[req_id] = full
         if self._firsts is not None:  # every block it stores is keyed from its first block's tokens on
             self._firsts.stored(prompt)
+        hashes: list[bytes | int] = []
+        if self._block_hashes and len(request.block_hashes) >= full:  # a model of one group: its block size
+            from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # as vLLM's own events name them
+
+            hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[:full]]
         return SaveSpec(req_id, prompt[: full * bs], [save_window(ids[:full], span, bs, null)
-                                                      for ids, span in zip(block_ids, self._spans)])
+                                                      for ids, span in zip(block_ids, self._spans)], hashes)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; vLLM may free its blocks now (nothing here holds them)."""

@@ -38,6 +38,7 @@ from kvstrata.cache import TieredCache
 from kvstrata.cache.grouped import longest_hit
 from kvstrata.cache.sliced import SlicedRank
 from kvstrata.integrations.vllm.channel import LookupServer
+from kvstrata.integrations.vllm.events import KVStrataKVEvents, TierEvents, publishes
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, StepClock
 from kvstrata.integrations.vllm.groups import VLLMGroup, hit_tiers, vllm_groups
 from kvstrata.integrations.vllm.loads import Loads
@@ -79,6 +80,8 @@ class KVStrataConnectorWorker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings,
                  engine_id: str, saves_enabled: bool) -> None:
         self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._events: TierEvents | None = None  # kvstrata's tiers as vLLM's KV events (events.py)
         self.settings = settings
         self._block_size = vllm_config.cache_config.block_size
         self._group_specs = vllm_groups(kv_cache_config, _VLLM_DTYPES)  # a group it cannot cache fails the start
@@ -156,7 +159,11 @@ class KVStrataConnectorWorker:
         self._layer_of = {name: (g, i) for g, group in enumerate(self._groups)
                           for i, name in enumerate(group.spec.layer_names)}
         self._report.describe(self._groups, self._caches, paged[0][0], tp_rank, tp_size)
-        self._saves.registered(holds=tp_size > 1, copies_off_step=not paged[0][0].is_cuda and not self.settings.sync_save)
+        # TP rank 0's tiers are what the scheduler looks up: its changes are the server's KV events
+        if tp_rank == 0 and publishes(self._vllm_config, self._kv_cache_config):
+            self._events = TierEvents(self._groups[0].event_sources(), self._block_size)
+        copies_off_step = not paged[0][0].is_cuda and not self.settings.sync_save
+        self._saves.registered(holds=tp_size > 1, copies_off_step=copies_off_step, events=self._events)
         # The scheduler asks rank 0: every rank caches the same token blocks (head-sliced: its own
         # heads' slices of them). A rank that then misses its part of a granted hit reports those
         # blocks as load errors (start_load_kv), and vLLM recomputes them.
@@ -249,6 +256,10 @@ class KVStrataConnectorWorker:
     def cpu_s(self) -> float:
         """CPU seconds the connector used in this worker: its hooks, and its threads."""
         return self._report.cpu_s()
+
+    def kv_cache_events(self) -> KVStrataKVEvents | None:
+        """The tiers' changes since the last call, as vLLM's KV events (None: none, or not published)."""
+        return self._events.take() if self._events is not None else None
 
     def build_connector_worker_meta(self) -> KVStrataWorkerMeta | None:
         """What this step measured, for the scheduler's decisions (:mod:`~kvstrata.integrations.vllm.feedback`)."""
