@@ -33,11 +33,11 @@ def default_model_dir() -> Path:
     return Path(base) / "kvstrata" / "tiny-llama"
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model-dir DIR`` or ``--like MODEL`` (default: the tiny model)."""
+def add_model_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    """``--model-dir DIR`` or ``--like MODEL``; ``default``: what neither means (else the tiny model)."""
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--model-dir", help=f"a local Hugging Face model directory (default: the tiny model in "
-                                           f"{default_model_dir()})")
+    which.add_argument("--model-dir", help="a local Hugging Face model directory (default: "
+                                           f"{default or f'the tiny model in {default_model_dir()}'})")
     which.add_argument("--like", metavar="MODEL",
                        help="a random-weight model of this real model's shape: a preset (qwen2.5-0.5b, qwen3-0.6b, "
                             "llama-3.2-1b, qwen2.5-1.5b, ...) or a config.json; made once in "

@@ -34,7 +34,7 @@ def refused(capsys, argv: list[str]) -> str:
     (["--rate", "0"], "rate must be a number of requests/s > 0, got 0.0"),
     (["--rate", "-3"], "rate must be a number of requests/s > 0"),
     (["--conversations", "0"], "conversations must be a whole number >= 1, got 0"),
-    (["--turns", "40"], "40 turns of 16 answer + 48 user tokens leave no room"),
+    (["--turns", "40"], "40 turns of 16 answer + 64 user tokens leave no room"),
     (["--trace", "/no/such/trace.jsonl"], "--trace /no/such/trace.jsonl: no such file"),
     (["--host-mib", "0"], "--host-mib must be >= 1, got 0"),
     (["--server-cpus", "1-0"], "--server-cpus must be a CPU list such as '0-3' or '0,2', got '1-0'"),
@@ -58,11 +58,35 @@ def test_a_model_and_sizes_that_do_not_fit_are_one_line(capsys, model_dir, tmp_p
     assert "--kv-blocks >= 17" in err  # 512 tokens in blocks of 32, and vLLM's null block
 
 
+def test_the_defaults_follow_the_model_the_tiny_ones_for_the_tiny_model_and_flags_win(model_dir, tmp_path):
+    import argparse
+
+    from kvstrata.bench.cli.serve import DEFAULT_LIKE, SHAPED, TINY, sized
+    from kvstrata.integrations.tiny import TINY_MARKER
+
+    def args(**given) -> argparse.Namespace:
+        flags = dict(model_dir=None, like=None, conversations=None, rate=None, user_tokens=None, max_model_len=None,
+                     block_size=None, kv_blocks=None, dtype=None, host_mib=None)
+        return argparse.Namespace(**{**flags, **given})
+
+    default = args()
+    assert sized(default) is SHAPED and default.like == DEFAULT_LIKE and default.block_size == 128
+    assert default.dtype == "bfloat16"
+    assert sized(args(model_dir=str(model_dir))) is SHAPED  # a model directory kvstrata did not make: a real one
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / TINY_MARKER).write_text(json.dumps({"hidden": 256, "layers": 4}))
+    mine = args(model_dir=str(tiny), kv_blocks=40)
+    assert sized(mine) is TINY and (mine.block_size, mine.dtype, mine.kv_blocks, mine.like) == (32, "float32", 40, None)
+    (tiny / TINY_MARKER).write_text(json.dumps({"like": "qwen2.5-0.5b", "dtype": "bfloat16"}))
+    assert sized(args(model_dir=str(tiny))) is SHAPED  # kvstrata model make's: a real model's shape
+
+
 def test_a_bad_or_short_trace_is_one_line_naming_it(capsys, model_dir, tmp_path):
     short = tmp_path / "short.jsonl"
     short.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n')
     err = refused(capsys, ["--model-dir", str(model_dir), "--trace", str(short), "--no-pool"])
-    assert "the trace has 1 requests; 8 conversations need one each" in err
+    assert "the trace has 1 requests; 6 conversations need one each" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
     err = refused(capsys, ["--model-dir", str(model_dir), "--trace", str(bad), "--conversations", "1", "--no-pool"])

@@ -5,7 +5,9 @@ and its labels are made here (``--json``: the report alone; ``--plot``: TTFT CDF
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,32 +38,34 @@ def register(bench: BenchParser) -> None:
         "configuration TTFT p50/p90/p99, TPOT, throughput, vLLM's prefix hit rate and kvstrata's per tier. Then "
         "two servers on one pool (turns alternating), a restart (hits from the disk tier), and prefill/decode "
         "servers handing the KV over in the pool, beside the prediction for this host. Every completion is "
-        "compared with a cold server's (prefix caching off). Makes the tiny model if --model-dir is not given. "
+        "compared with a cold server's (prefix caching off). The model: --model-dir, or --like MODEL's random-weight "
+        f"model of a real model's shape (default: {DEFAULT_LIKE}, made once); the workload's sizes follow it "
+        "(a real shape: prompts of 1-2K tokens; the tiny model: 100-500). "
         "--workload no-reuse: the same shapes and pace with every prompt new (no block shared in the run), the "
         "rounds alone: what the connector costs a server it never serves a hit to.",
     )
-    add_model_args(p)
+    add_model_args(p, f"--like {DEFAULT_LIKE}")
     p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default=WorkloadKind.CONVERSATIONS.value,
                    help="conversations (each turn extends the last) or no-reuse (the same shapes and pace, every "
                         "prompt new; the rounds alone) (default: conversations)")
     p.add_argument("--trace", metavar="FILE", help="Mooncake-format JSON-lines trace (default: one generated "
                                                    "with --seed, as kvstrata trace generate makes it)")
-    p.add_argument("--conversations", type=int, default=8, help="conversations at once (default: 8)")
+    p.add_argument("--conversations", type=int, help=_sized("conversations at once", "conversations"))
     p.add_argument("--turns", type=int, default=3, help="turns per conversation (default: 3)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of vLLM alone and with kvstrata (default: 2)")
-    p.add_argument("--rate", type=float, default=4.0, help="requests per second the schedule sends (default: 4)")
+    p.add_argument("--rate", type=float, help=_sized("requests per second the schedule sends", "rate"))
     p.add_argument("--max-tokens", type=int, default=16, help="answer tokens per turn (default: 16)")
-    p.add_argument("--user-tokens", type=int, default=48, help="new user tokens per later turn (default: 48)")
-    p.add_argument("--max-model-len", type=int, default=512, help="vLLM's max_model_len (default: 512)")
-    p.add_argument("--block-size", type=int, default=32, help="vLLM's block size in tokens, one 512-token trace "
-                                                              "block each (default: 32)")
-    p.add_argument("--kv-blocks", type=int, default=32, help="vLLM's KV memory in blocks (default: 32)")
+    p.add_argument("--user-tokens", type=int, help=_sized("new user tokens per later turn", "user_tokens"))
+    p.add_argument("--max-model-len", type=int, help=_sized("vLLM's max_model_len", "max_model_len"))
+    p.add_argument("--block-size", type=int, help=_sized("vLLM's block size in tokens, one 512-token trace block each",
+                                                         "block_size"))
+    p.add_argument("--kv-blocks", type=int, help=_sized("vLLM's KV memory in blocks", "kv_blocks"))
     p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs (default: 8)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="the servers' dtype (default: float32, so that a greedy completion's near-ties do not flip "
-                        "with bf16 rounding between a prefill in one piece and one continuing cached KV, and 'same "
-                        "as cold' tests the KV kvstrata restored, not rounding)")
-    p.add_argument("--host-mib", type=int, default=64, help="kvstrata's host DRAM tier, MiB (default: 64)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help=_sized("the servers' dtype (float32 on the tiny model, whose random logits tie often: "
+                               "'same as cold' then allows no near-tie; in bf16 a completion that leaves the "
+                               "reference's only where its top two were within rounding is counted apart)", "dtype"))
+    p.add_argument("--host-mib", type=int, help=_sized("kvstrata's host DRAM tier, MiB", "host_mib"))
     p.add_argument("--disk-mib", type=int, default=256, help="kvstrata's disk tier, MiB (default: 256)")
     p.add_argument("--disk-read-gbps", type=float, metavar="GBPS",
                    help="cap the disk tiers' reads at this many GB/s (a slow drive the connector is not told of: "
@@ -81,6 +85,68 @@ def register(bench: BenchParser) -> None:
                                                 "temporary directory, removed)")
     p.add_argument("--plot", metavar="PATH", help="also write TTFT CDFs with and without kvstrata (PNG) to PATH")
     cli.add_json_arg(p)
+
+
+DEFAULT_LIKE = "qwen2.5-0.5b"  # the smallest shape people serve; its prefill here is ~1000x its KV's host restore
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """bench serve's defaults for a kind of model: the flags left out take these.
+
+    A real model's shape (``--like``, a model directory of one): prompts of 1-2K tokens, as chat
+    and agents send, in 128-token blocks; vLLM's KV 17 blocks (about one conversation's), so a
+    conversation's next turn finds its history evicted by the others' turns; a request every ~3 s,
+    under what one of this host's cores prefills (a 1.5K-token opener of Qwen2.5-0.5B's shape:
+    about 4 s in bf16), so queues come from bursts, not from an overloaded server; bf16, as served.
+    The tiny model (``kvstrata model make-tiny``): the same shapes at a 32-token block, float32
+    (its random logits tie often, see ``--dtype``).
+    """
+
+    conversations: int
+    rate: float
+    user_tokens: int
+    max_model_len: int
+    block_size: int
+    kv_blocks: int
+    dtype: str
+    host_mib: int
+
+
+SHAPED = Sizing(conversations=6, rate=0.3, user_tokens=64, max_model_len=2048, block_size=128, kv_blocks=17,
+                dtype="bfloat16", host_mib=512)
+TINY = Sizing(conversations=8, rate=4.0, user_tokens=48, max_model_len=512, block_size=32, kv_blocks=32,
+              dtype="float32", host_mib=64)
+
+
+def _sized(text: str, name: str) -> str:
+    return f"{text} (default: {getattr(SHAPED, name)} for a real model's shape, {getattr(TINY, name)} for the tiny model)"
+
+
+def sizing_of(args: argparse.Namespace) -> Sizing:
+    """The defaults for ``args``' model, known without building it: the tiny model's for a
+    directory ``kvstrata model make-tiny`` wrote, else a real shape's."""
+    if args.model_dir is None:
+        return SHAPED  # --like, or the default DEFAULT_LIKE
+    from kvstrata.integrations.tiny import TINY_MARKER
+
+    marker = Path(args.model_dir) / TINY_MARKER
+    try:
+        made = json.loads(marker.read_text()) if marker.is_file() else None
+    except (OSError, ValueError):
+        made = None
+    return TINY if isinstance(made, dict) and "like" not in made else SHAPED
+
+
+def sized(args: argparse.Namespace) -> Sizing:
+    """Fill ``args``' sized flags left out (and the model: ``DEFAULT_LIKE``); the sizing used."""
+    if args.model_dir is None and args.like is None:
+        args.like = DEFAULT_LIKE
+    sizing = sizing_of(args)
+    for f in fields(Sizing):
+        if getattr(args, f.name) is None:
+            setattr(args, f.name, getattr(sizing, f.name))
+    return sizing
 
 
 def _connector_extra(text: str | None) -> dict[str, object]:
@@ -108,6 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvstrata.calibrate.serving.workload import ServeWorkload
 
     # what needs no model and no vLLM first: a bad flag is one line at once
+    sized(args)
     workload = ServeWorkload(args.conversations, args.turns, args.max_tokens, args.user_tokens, args.block_size,
                              args.max_model_len, args.rate, args.seed, WorkloadKind(args.workload))
     if args.trace is not None and not os.path.isfile(args.trace):
