@@ -188,6 +188,7 @@ class ServeBenchReport:
     wall_s: float
     byte_rates: ByteRates | None = field(default=None, metadata=OMIT_NONE)
     connector_cpu_beyond_bytes_per_request_s: float | None = field(default=None, metadata=OMIT_NONE)
+    prefill_vs_restore: PrefillVsRestore | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,31 @@ class RunLog:
         optional = (self.shared, self.restart.run if self.restart is not None else None, self.prefill_decode)
         return ([run for r in self.rounds for run in r.runs.values()] + [run for run in optional if run is not None]
                 + [run for b in self.bursts for run in b.runs()])
+
+
+@dataclass(frozen=True)
+class PrefillVsRestore:
+    """What recomputing a prompt token costs this model on this host, against bringing its KV
+    back: the ratio that bounds what any KV cache can gain here.
+
+    Attributes:
+        prefill_s_per_token: vLLM alone's quickest first turn (the least queued) over its tokens.
+        restore_s_per_token: a token's KV bytes at the rate kvstrata's loads brought bytes back.
+        ratio: the first over the second.
+    """
+
+    prefill_s_per_token: float
+    restore_s_per_token: float
+    ratio: float
+
+
+def prefill_vs_restore(baseline: Measured, ours: Measured, bytes_per_token: float) -> PrefillVsRestore | None:
+    """From the rounds (None: no first turn, or no load)."""
+    firsts = [r.ttft_s / r.prompt_tokens for r in baseline.requests if r.turn == 0 and r.prompt_tokens]
+    if not firsts or not ours.restore_bytes_per_s:
+        return None
+    prefill, restore = min(firsts), bytes_per_token / ours.restore_bytes_per_s
+    return PrefillVsRestore(prefill, restore, prefill / restore)
 
 
 def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[TurnPlan], ran: RunLog,
@@ -287,7 +313,8 @@ def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[Tur
     return ServeBenchReport(config, trace, tuple(len(p.opener) for p in first_plans), baseline, ours, rounds,
                             versus(rounds), shared, restart, pd, bursts, pool, len(reference),
                             all(m.identical is True for m in every), start_s, metrics_text, wall_s, byte_rates,
-                            _beyond_bytes(ours.connector_cpu_per_request, byte_rates))
+                            _beyond_bytes(ours.connector_cpu_per_request, byte_rates),
+                            prefill_vs_restore(baseline, ours, config.block_bytes / config.workload.block_tokens))
 
 
 def _beyond_bytes(cpu: ConnectorCpu | None, rates: ByteRates | None) -> float | None:

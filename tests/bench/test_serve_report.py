@@ -211,3 +211,16 @@ def test_a_no_reuse_report_has_the_rounds_alone_and_says_why_the_rest_was_skippe
     why = "--workload no-reuse"
     assert report.shared_pool.skipped == report.restart.skipped == report.prefill_decode.skipped == why
     assert report.identical and report.kvstrata.identical and report.reference_prompts == 4
+
+
+def test_prefill_against_restore_is_the_quickest_first_turn_over_the_loads_rate():
+    from kvstrata.bench.serve_report import prefill_vs_restore
+
+    first = [replace(record(i, 0.0, ttft, prompt=(7,) * 1000), turn=0) for i, ttft in enumerate((4.0, 2.0))]
+    later = [replace(record(2, 0.0, 0.1, prompt=(7,) * 10), turn=1)]  # a later turn's TTFT is no prefill of its prompt
+    baseline = measure(first + later, Counters(), 128)
+    ours = measure(later, Counters(load_requests=2, load_seconds=0.5, restored_bytes=10**9), 128)
+    pr = prefill_vs_restore(baseline, ours, bytes_per_token=12288)
+    assert pr.prefill_s_per_token == pytest.approx(2.0 / 1000)
+    assert pr.restore_s_per_token == pytest.approx(12288 / 2e9) and pr.ratio == pytest.approx(0.002 / (12288 / 2e9))
+    assert prefill_vs_restore(baseline, measure(later, Counters(), 128), 12288) is None  # no load: no rate

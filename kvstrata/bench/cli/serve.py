@@ -424,6 +424,10 @@ def _print_serve(report: ServeBenchReport) -> None:
     else:
         lines.append("[bold red]Completions: some differ from the reference's (prefix caching off, no connector).[/]")
     starts = ", ".join(f"{i.value} {s:.0f}" for i, s in report.server_start_s.items())
+    if (pr := report.prefill_vs_restore) is not None:
+        lines.append(f"This model on this host: a prompt token's prefill {pr.prefill_s_per_token * 1e3:.2f} ms (vLLM "
+                     f"alone's quickest first turn) against {pr.restore_s_per_token * 1e6:.1f} us to bring its KV back "
+                     f"(kvstrata's loads): recomputing costs {pr.ratio:,.0f}x restoring, the most a KV cache can save.")
     lines.append(f"Server starts, s: {starts}. Wall {report.wall_s:.0f} s.")
     for line in lines:
         out.print(line, highlight=False)
