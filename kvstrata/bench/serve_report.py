@@ -228,11 +228,12 @@ class RunLog:
 @dataclass(frozen=True)
 class PrefillVsRestore:
     """What recomputing a prompt token costs this model on this host, against bringing its KV
-    back: the ratio that bounds what any KV cache can gain here.
+    back from the host tier: the ratio that bounds what any KV cache can gain here.
 
     Attributes:
         prefill_s_per_token: vLLM alone's quickest first turn (the least queued) over its tokens.
-        restore_s_per_token: a token's KV bytes at the rate kvstrata's loads brought bytes back.
+        restore_s_per_token: a copy and an xxh3 checksum of a token's KV bytes at this host's
+            one-thread rates (what a host-tier load does to them).
         ratio: the first over the second.
     """
 
@@ -241,12 +242,13 @@ class PrefillVsRestore:
     ratio: float
 
 
-def prefill_vs_restore(baseline: Measured, ours: Measured, bytes_per_token: float) -> PrefillVsRestore | None:
-    """From the rounds (None: no first turn, or no load)."""
+def prefill_vs_restore(baseline: Measured, rates: ByteRates | None, bytes_per_token: float) -> PrefillVsRestore | None:
+    """From the rounds and the run's byte rates (None: no first turn, or no rates)."""
     firsts = [r.ttft_s / r.prompt_tokens for r in baseline.requests if r.turn == 0 and r.prompt_tokens]
-    if not firsts or not ours.restore_bytes_per_s:
+    if not firsts or rates is None:
         return None
-    prefill, restore = min(firsts), bytes_per_token / ours.restore_bytes_per_s
+    prefill = min(firsts)
+    restore = bytes_per_token / (rates.copy_gbps * 1e9) + bytes_per_token / (rates.checksum_gbps * 1e9)
     return PrefillVsRestore(prefill, restore, prefill / restore)
 
 
@@ -314,7 +316,7 @@ def build_report(config: ServeBenchConfig, trace: str, first_plans: Sequence[Tur
                             versus(rounds), shared, restart, pd, bursts, pool, len(reference),
                             all(m.identical is True for m in every), start_s, metrics_text, wall_s, byte_rates,
                             _beyond_bytes(ours.connector_cpu_per_request, byte_rates),
-                            prefill_vs_restore(baseline, ours, config.block_bytes / config.workload.block_tokens))
+                            prefill_vs_restore(baseline, byte_rates, config.block_bytes / config.workload.block_tokens))
 
 
 def _beyond_bytes(cpu: ConnectorCpu | None, rates: ByteRates | None) -> float | None:

@@ -213,14 +213,15 @@ def test_a_no_reuse_report_has_the_rounds_alone_and_says_why_the_rest_was_skippe
     assert report.identical and report.kvstrata.identical and report.reference_prompts == 4
 
 
-def test_prefill_against_restore_is_the_quickest_first_turn_over_the_loads_rate():
+def test_prefill_against_restore_is_the_quickest_first_turn_over_a_copy_and_checksum_of_its_kv():
     from kvstrata.bench.serve_report import prefill_vs_restore
+    from kvstrata.calibrate.serving.counters import ByteRates
 
     first = [replace(record(i, 0.0, ttft, prompt=(7,) * 1000), turn=0) for i, ttft in enumerate((4.0, 2.0))]
     later = [replace(record(2, 0.0, 0.1, prompt=(7,) * 10), turn=1)]  # a later turn's TTFT is no prefill of its prompt
     baseline = measure(first + later, Counters(), 128)
-    ours = measure(later, Counters(load_requests=2, load_seconds=0.5, restored_bytes=10**9), 128)
-    pr = prefill_vs_restore(baseline, ours, bytes_per_token=12288)
+    pr = prefill_vs_restore(baseline, ByteRates(copy_gbps=4.0, checksum_gbps=12.0), bytes_per_token=12000)
     assert pr.prefill_s_per_token == pytest.approx(2.0 / 1000)
-    assert pr.restore_s_per_token == pytest.approx(12288 / 2e9) and pr.ratio == pytest.approx(0.002 / (12288 / 2e9))
-    assert prefill_vs_restore(baseline, measure(later, Counters(), 128), 12288) is None  # no load: no rate
+    assert pr.restore_s_per_token == pytest.approx(12000 / 4e9 + 12000 / 12e9)
+    assert pr.ratio == pytest.approx(0.002 / 4e-6)
+    assert prefill_vs_restore(baseline, None, 12000) is None  # no rates measured: no ratio

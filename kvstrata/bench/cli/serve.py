@@ -427,7 +427,8 @@ def _print_serve(report: ServeBenchReport) -> None:
     if (pr := report.prefill_vs_restore) is not None:
         lines.append(f"This model on this host: a prompt token's prefill {pr.prefill_s_per_token * 1e3:.2f} ms (vLLM "
                      f"alone's quickest first turn) against {pr.restore_s_per_token * 1e6:.1f} us to bring its KV back "
-                     f"(kvstrata's loads): recomputing costs {pr.ratio:,.0f}x restoring, the most a KV cache can save.")
+                     f"from the host tier (a copy and an xxh3 of its bytes at this host's one-thread rates): recomputing "
+                     f"costs {pr.ratio:,.0f}x restoring.")
     lines.append(f"Server starts, s: {starts}. Wall {report.wall_s:.0f} s.")
     for line in lines:
         out.print(line, highlight=False)

@@ -110,7 +110,6 @@ class Measured:
         identical: no completion differs from the reference's, near-ties apart (None: not checked).
         differing: completions that differ (near-ties apart).
         near_ties: completions that left the reference's at a near-tie (see the module text).
-        restore_bytes_per_s: the bytes kvstrata's loads brought back over their time (None: no loads).
         load_seconds_per_load: kvstrata's own time per load (None: no loads).
         connector_cpu_per_request: the connector's CPU seconds per side over the counters' span,
             over the requests (None, and not in the JSON: not exported, or no requests).
@@ -136,7 +135,6 @@ class Measured:
     load_seconds_per_load: float | None
     connector_cpu_per_request: ConnectorCpu | None = field(default=None, metadata=OMIT_NONE)
     near_ties: int = 0
-    restore_bytes_per_s: float | None = field(default=None, metadata=OMIT_NONE)
 
 
 def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: int,
@@ -166,7 +164,6 @@ def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: 
         counters.load_seconds / counters.load_requests if counters.load_requests else None,
         counters.connector_cpu.per_request(len(records)) if counters.connector_cpu is not None and records else None,
         sum(1 for r in records if r.near_tie),
-        counters.restored_bytes / counters.load_seconds if counters.load_seconds > 0 else None,
     )
 
 
