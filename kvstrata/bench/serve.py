@@ -97,7 +97,7 @@ def load_trace(config: ServeBenchConfig) -> tuple[list[Request], str]:
     w = config.workload
     if config.trace is not None:
         return read_trace(config.trace), str(config.trace)
-    return generated_trace(w), f"generated (kvstrata trace generate --requests {w.conversations} --seed {w.seed} --kind mix)"
+    return generated_trace(w), f"generated (kvstrata trace generate --requests {w.conversations} --seed {w.seed} --kind {w.traffic.value})"
 
 
 def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,

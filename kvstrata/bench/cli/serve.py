@@ -18,6 +18,7 @@ from kvstrata import cli
 from kvstrata.bench.cli.common import BenchParser, run_and_report, spread_x
 from kvstrata.calibrate.serving.counters import HitsSource
 from kvstrata.calibrate.serving.workload import WorkloadKind
+from kvstrata.sim.synthetic import TraceKind
 from kvstrata.cli.workload import add_model_args
 
 if TYPE_CHECKING:
@@ -48,6 +49,10 @@ def register(bench: BenchParser) -> None:
     p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default=WorkloadKind.CONVERSATIONS.value,
                    help="conversations (each turn extends the last) or no-reuse (the same shapes and pace, every "
                         "prompt new; the rounds alone) (default: conversations)")
+    p.add_argument("--traffic", choices=[k.value for k in TraceKind], default=TraceKind.MIX.value,
+                   help="the generated trace's traffic: chat sessions, requests behind a few shared system prompts, "
+                        "agents looping over one long prefix of tools and documents (RAG-like), or their mix "
+                        "(default: mix; kvstrata trace generate --kind)")
     p.add_argument("--trace", metavar="FILE", help="Mooncake-format JSON-lines trace (default: one generated "
                                                    "with --seed, as kvstrata trace generate makes it)")
     p.add_argument("--conversations", type=int, help=_sized("conversations at once", "conversations"))
@@ -176,7 +181,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # what needs no model and no vLLM first: a bad flag is one line at once
     sized(args)
     workload = ServeWorkload(args.conversations, args.turns, args.max_tokens, args.user_tokens, args.block_size,
-                             args.max_model_len, args.rate, args.seed, WorkloadKind(args.workload))
+                             args.max_model_len, args.rate, args.seed, WorkloadKind(args.workload),
+                             TraceKind(args.traffic))
     if args.trace is not None and not os.path.isfile(args.trace):
         raise cli.CliError(f"--trace {args.trace}: no such file")
     if args.disk_read_gbps is not None and not args.disk_read_gbps > 0:

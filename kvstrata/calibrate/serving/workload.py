@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstrata.sim.synthetic import TraceKind
 from kvstrata.sim.trace import BLOCK_TOKENS as TRACE_BLOCK_TOKENS
 from kvstrata.sim.trace import Request, sort_by_time
 
@@ -75,6 +76,9 @@ class ServeWorkload:
         rate_per_s: requests a second the schedule allows (see the module text).
         seed: the token ids' seed.
         kind: conversations, or the same shapes with every prompt new (see the module text).
+        traffic: the generated trace's traffic (``kvstrata trace generate --kind``): chat
+            sessions, requests behind a few shared system prompts, agents looping over one long
+            prefix of tools and documents (RAG-like), or their mix; a given ``--trace`` is its own.
     """
 
     conversations: int = 8
@@ -86,10 +90,13 @@ class ServeWorkload:
     rate_per_s: float = 4.0
     seed: int = 0
     kind: WorkloadKind = WorkloadKind.CONVERSATIONS
+    traffic: TraceKind = TraceKind.MIX
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, WorkloadKind):
             raise ValueError(f"bench serve: the workload must be a WorkloadKind, got {self.kind!r}")
+        if not isinstance(self.traffic, TraceKind):
+            raise ValueError(f"bench serve: the traffic must be a TraceKind, got {self.traffic!r}")
         for name in ("conversations", "turns", "max_tokens", "user_tokens", "block_tokens", "max_model_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -200,20 +207,27 @@ def workload_of(doc: Mapping[str, Any]) -> ServeWorkload:
     """
     fields = dict(doc)
     kind = fields.pop("kind", WorkloadKind.CONVERSATIONS.value)
+    traffic = fields.pop("traffic", TraceKind.MIX.value)  # a report from before it: the mix, the only trace then
     try:
         parsed = WorkloadKind(kind)
     except ValueError:
         known = ", ".join(k.value for k in WorkloadKind)
         raise ValueError(f"bench serve: workload kind must be one of {known}, got {kind!r}") from None
-    return ServeWorkload(**fields, kind=parsed)
+    try:
+        made = TraceKind(traffic)
+    except ValueError:
+        known = ", ".join(k.value for k in TraceKind)
+        raise ValueError(f"bench serve: workload traffic must be one of {known}, got {traffic!r}") from None
+    return ServeWorkload(**fields, kind=parsed, traffic=made)
 
 
 def generated_trace(workload: ServeWorkload) -> list[Request]:
     """The trace ``bench serve`` generates when given none: ``kvstrata trace generate``'s, seeded
     with the workload's seed, one request per conversation at its rate."""
-    from kvstrata.sim.synthetic import SyntheticConfig, generate
+    from kvstrata.sim.synthetic import Mix, SyntheticConfig, generate
 
-    return generate(SyntheticConfig(requests=workload.conversations, seed=workload.seed, rate=workload.rate_per_s))
+    return generate(SyntheticConfig(requests=workload.conversations, seed=workload.seed, rate=workload.rate_per_s,
+                                    mix=Mix.of(workload.traffic)))
 
 
 def opener_tokens(request: Request, workload: ServeWorkload) -> int:

@@ -138,3 +138,17 @@ def test_the_workload_from_a_reports_json():
     assert workload_of({"turns": 2}).kind is WorkloadKind.CONVERSATIONS  # a report from before kinds
     with pytest.raises(ValueError, match="workload kind must be one of conversations, no-reuse, got 'x'"):
         workload_of({"kind": "x"})
+
+
+def test_the_traffic_kind_shapes_the_generated_trace_and_reads_back_from_json():
+    from kvstrata.calibrate.serving.workload import generated_trace
+    from kvstrata.sim.synthetic import TraceKind
+
+    agents = generated_trace(ServeWorkload(conversations=6, traffic=TraceKind.AGENT))
+    firsts = {r.hash_ids[0] for r in agents}
+    assert len(agents) == 6 and len(firsts) < 6  # agents loop over a long prefix: openers share leading blocks
+    assert generated_trace(ServeWorkload(conversations=6)) != agents  # the mix is another trace
+    assert workload_of({"turns": 2}).traffic is TraceKind.MIX  # a report from before traffic kinds
+    assert workload_of({"traffic": "agent"}).traffic is TraceKind.AGENT
+    with pytest.raises(ValueError, match="workload traffic must be one of chat, system, agent, mix, got 'rag'"):
+        workload_of({"traffic": "rag"})
