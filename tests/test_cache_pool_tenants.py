@@ -29,10 +29,9 @@ from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.pool import ops
-from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig, make_secret
 from kvstrata.tiers import poolvalue
+from tests.pool_support import RawPool
 
 LAYOUT = KVLayout(num_layers=2, block_tokens=16, kv_heads=2, head_dim=32, dtype=DType.BF16)  # 8 KiB a block
 VALUE = poolvalue.HEADER_BYTES + LAYOUT.block_bytes
@@ -75,17 +74,13 @@ def assert_no_plaintext(value: bytes, keys: list[bytes]) -> None:
 
 def raw_get(pool: PoolConfig, names: list[str]) -> list[bytes]:
     """The pool's values of ``names``, read by a raw client (no secret)."""
-    client = PoolClient(pool)
+    reader = RawPool(pool, VALUE)
     try:
-        buffer = client.allocate(VALUE)
-        values = []
-        for name in names:
-            (got,) = client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE])
-            assert got == VALUE, got
-            values.append(buffer.numpy().tobytes())
-        return values
+        values = [reader.get(name) for name in names]
     finally:
-        client.close()
+        reader.close()
+    assert all(value is not None and len(value) == VALUE for value in values)
+    return values
 
 
 def test_a_cache_encrypts_its_pool_values_by_default_where_the_pool_has_a_secret(tmp_path):

@@ -14,7 +14,6 @@ import time
 import uuid
 
 import pytest
-import torch
 from cache_support import assert_loaded_bytes, assert_quiescent, kv_for, tokens
 
 from kvstrata.cache import CacheConfig, TieredCache
@@ -23,10 +22,9 @@ from kvstrata.kv.layout import KVLayout
 from kvstrata.manager.plans import Failure, StopReason
 from kvstrata.media import Medium
 from kvstrata.policies.write import WritePolicy, WriteRule
-from kvstrata.pool import ops
-from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers import poolvalue
+from tests.pool_support import RawPool
 
 LAYOUT = KVLayout(num_layers=2, block_tokens=16, kv_heads=2, head_dim=32, dtype=DType.BF16)  # 8 KiB a block
 B = LAYOUT.block_bytes
@@ -57,24 +55,9 @@ def caches():
 @pytest.fixture(scope="module")
 def raw(pool):
     """A raw client of the pool and a registered buffer of two values."""
-    client = PoolClient(pool)
-    buffer = client.allocate(2 * VALUE)
-    yield client, buffer
-    client.close()
-
-
-def raw_get(raw, name: str) -> bytes:
-    client, buffer = raw
-    (got,) = client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE])
-    assert got == VALUE, got
-    return buffer[:VALUE].numpy().tobytes()
-
-
-def raw_put(raw, name: str, value: bytes) -> None:
-    client, buffer = raw
-    client.call("raw remove", ops.REMOVE, name, True)
-    buffer[: len(value)] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [len(value)]) == [0]
+    raw = RawPool(pool, 2 * VALUE)
+    yield raw
+    raw.close()
 
 
 def store(cache: TieredCache, toks: list[int]) -> None:
@@ -92,8 +75,9 @@ def test_without_a_secret_another_blocks_bytes_under_a_valid_header_are_a_counte
     store(writer, toks)
     keys = reader.keys(toks)
     tier = reader.tier(R)
-    a, b = (raw_get(raw, tier.object_name(keys[i])) for i in (1, 2))
-    raw_put(raw, tier.object_name(keys[1]), a[: poolvalue.HEADER_BYTES] + b[poolvalue.HEADER_BYTES :])
+    a, b = (raw.get(tier.object_name(keys[i])) for i in (1, 2))
+    assert len(a) == len(b) == VALUE
+    raw.put(tier.object_name(keys[1]), a[: poolvalue.HEADER_BYTES] + b[poolvalue.HEADER_BYTES :])
     match = reader.lookup(toks)
     assert match.media == (R,) * 4
     handle = reader.load(match)

@@ -242,31 +242,23 @@ class RankSet:
 
     def _restore_rank_s(self, r: int, medium: Medium) -> tuple[float, float]:
         """Rank ``r``'s restore: seconds in all, and of its load alone (to its ``wait()``)."""
-        cache, out, bt = self.caches[r], self.outs[r], self.data.block_tokens
-        if self.layout is not Layout.MATCHED:
-            rank = self.ranks[r]
-            match = rank.match(self.block_keys[r])
-            self._check_match(r, match, medium)
-            start = time.perf_counter()
-            with rank.load(match) as load:
-                load.wait()
-                loaded_s = time.perf_counter() - start
-                load.kv(out)
-                synchronize(out)
-                seconds = time.perf_counter() - start
-                loaded = load.blocks
-        else:
-            match = cache.match(self.block_keys[r])
-            self._check_match(r, match, medium)
-            start = time.perf_counter()
-            with cache.load(match) as handle:
-                handle.wait()
-                loaded_s = time.perf_counter() - start
-                loaded = handle.blocks
+        out, bt = self.outs[r], self.data.block_tokens
+        matched = self.layout is Layout.MATCHED
+        source = self.caches[r] if matched else self.ranks[r]  # the paged blocks as stored, or the rank's heads
+        match = source.match(self.block_keys[r])
+        self._check_match(r, match, medium)
+        start = time.perf_counter()
+        with source.load(match) as load:
+            load.wait()
+            loaded_s = time.perf_counter() - start
+            loaded = load.blocks
+            if matched:
                 torch._foreach_copy_([out[:, :, b * bt:(b + 1) * bt] for b in range(loaded)],
-                                     [handle.block(b) for b in range(loaded)])
-                synchronize(out)
-                seconds = time.perf_counter() - start
+                                     [load.block(b) for b in range(loaded)])
+            else:
+                load.kv(out)
+            synchronize(out)
+            seconds = time.perf_counter() - start
         if loaded != self.data.blocks:
             raise VerificationError(f"{self.layout.value} TP={self.tp} rank {r} restored {loaded} of {self.data.blocks} blocks")
         return seconds, loaded_s

@@ -62,6 +62,18 @@ def choice(kind: type[Enum], label: str) -> Parser:
     return parse
 
 
+def check_whole(label: str, name: str, value: Any, least: int, what: str) -> None:
+    """A setting that must be a whole number >= ``least`` (a bool is not one); ``what`` says so."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{label}{name} must be {what}, got {value!r}")
+
+
+def check_text(label: str, name: str, value: Any) -> None:
+    """A setting that is not given (None) or a non-empty string (a pool file, a model id)."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{label}{name} must be a non-empty string or None, got {value!r}")
+
+
 def pool_of(value: str | None, label: str) -> PoolConfig | None:
     """The pool a ``pool`` key names: a pool config file (TOML, or an embedded pool's pool.json),
     ``"env"`` for ``$KVSTRATA_POOL``; None: no pool (the file is read here, at the edge)."""

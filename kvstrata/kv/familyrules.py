@@ -161,6 +161,10 @@ def _nemotron_head_dim(section: Section) -> int:
 
 
 _QWEN_MOE = {"decoder_sparse_step": 1, "mlp_only_layers": []}
+# The gated-delta-net families' defaults that Qwen3-Next's config set and Qwen3.5's kept.
+_GATED_DELTA = {"head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                "max_position_embeddings": 32768, "tie_word_embeddings": False}
 
 FAMILIES: dict[str, Family] = {
     "gemma2": Family(
@@ -205,24 +209,15 @@ FAMILIES: dict[str, Family] = {
          "num_experts_per_tok": 8, "moe_intermediate_size": 768, **_QWEN_MOE},
         _qwen3_moe),
     "qwen3_next": Family(
-        {"head_dim": 256, "num_key_value_heads": 2, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-         "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10,
-         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "max_position_embeddings": 32768,
-         "vocab_size": 151936, "tie_word_embeddings": False, **_QWEN_MOE},
+        {"num_key_value_heads": 2, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+         "shared_expert_intermediate_size": 512, "vocab_size": 151936, **_GATED_DELTA, **_QWEN_MOE},
         _gated_delta, state=StateKind.GDN),
     "qwen3_5_text": Family(
-        {"head_dim": 256, "num_key_value_heads": 4, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-         "linear_num_value_heads": 32, "max_position_embeddings": 32768, "vocab_size": 248320,
-         "tie_word_embeddings": False},
+        {"num_key_value_heads": 4, "vocab_size": 248320, **_GATED_DELTA},
         _gated_delta, state=StateKind.GDN),
     "qwen3_5_moe_text": Family(
-        {"head_dim": 256, "num_key_value_heads": 2, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-         "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
-         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "max_position_embeddings": 32768,
-         "vocab_size": 248320, "tie_word_embeddings": False, **_QWEN_MOE},
+        {"num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+         "shared_expert_intermediate_size": 512, "vocab_size": 248320, **_GATED_DELTA, **_QWEN_MOE},
         _gated_delta, state=StateKind.GDN),
     "jamba": Family(
         {"num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2,

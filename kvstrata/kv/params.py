@@ -25,7 +25,7 @@ DeepSeek config classes (family defaults, :mod:`kvstrata.kv.families`, supply th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -292,16 +292,8 @@ def _qwen_moe_ffn(read: _Reader, section: Section, hidden: int):
     shared_width = read.optional("shared_expert_intermediate_size")
     shared = _MLP_MATRICES * hidden * shared_width + hidden if shared_width else 0
     moe = _moe(hidden, experts, per_token, _MLP_MATRICES * hidden * read.int("moe_intermediate_size"), shared)
-    dense: list[_FFN] = []
-
-    def block(index: int, kind: LayerKind) -> _FFN:
-        if index not in dense_only and (index + 1) % step == 0:
-            return moe
-        if not dense:
-            dense.append(_dense(hidden, read.int("intermediate_size")))
-        return dense[0]
-
-    return block
+    return _routed_or_dense(read, hidden, moe, lambda index: index not in dense_only and (index + 1) % step == 0,
+                            "intermediate_size")
 
 
 def _deepseek_ffn(read: _Reader, section: Section, hidden: int, layers: int):
@@ -312,16 +304,8 @@ def _deepseek_ffn(read: _Reader, section: Section, hidden: int, layers: int):
     shared = read.optional("n_shared_experts", minimum=0) or 0
     expert = _MLP_MATRICES * hidden * read.int("moe_intermediate_size")
     moe = _moe(hidden, read.int("n_routed_experts"), read.int("num_experts_per_tok"), expert, shared * expert)
-    dense: list[_FFN] = []
-
-    def block(index: int, kind: LayerKind) -> _FFN:
-        if index >= first_dense and index % every == 0:
-            return moe
-        if not dense:
-            dense.append(_dense(hidden, read.int("intermediate_size")))
-        return dense[0]
-
-    return block
+    return _routed_or_dense(read, hidden, moe, lambda index: index >= first_dense and index % every == 0,
+                            "intermediate_size")
 
 
 def _jamba_ffn(read: _Reader, section: Section, hidden: int):
@@ -344,13 +328,20 @@ def _llama4_ffn(read: _Reader, section: Section, hidden: int, layers: int):
     width = read.int("intermediate_size")
     expert = _MLP_MATRICES * hidden * width
     moe = _moe(hidden, read.int("num_local_experts"), read.int("num_experts_per_tok"), expert, expert)
+    return _routed_or_dense(read, hidden, moe, moe_layers.__contains__, "intermediate_size_mlp")
+
+
+def _routed_or_dense(read: _Reader, hidden: int, moe: _FFN, routes: Callable[[int], bool], dense_width: str):
+    """The FFN of layer ``index``: ``moe`` where ``routes(index)``, else a dense MLP of the
+    ``dense_width`` field, read only once a layer is dense (a config whose layers all route may
+    leave it out)."""
     dense: list[_FFN] = []
 
     def block(index: int, kind: LayerKind) -> _FFN:
-        if index in moe_layers:
+        if routes(index):
             return moe
         if not dense:
-            dense.append(_dense(hidden, read.int("intermediate_size_mlp")))
+            dense.append(_dense(hidden, read.int(dense_width)))
         return dense[0]
 
     return block

@@ -43,18 +43,29 @@ class DecodeFit:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"decode fit {name} must be >= 0, got {value!r}")
-        if not self.together >= 1:
-            raise ValueError(f"decode fit together must be >= 1 (a step no faster for another's), got {self.together!r}")
-        if not self.beside_spin >= 1:
-            raise ValueError(f"decode fit beside_spin must be >= 1 (a step no faster for another's), got {self.beside_spin!r}")
-        if not self.spin_s >= 0:
-            raise ValueError(f"decode fit spin_s must be >= 0, got {self.spin_s!r}")
+        check_beside(self.together, self.spin_s, self.beside_spin, "decode fit ")
 
     def step_s(self, batch: int, held_tokens: int) -> float:
         """One step of ``batch`` requests holding ``held_tokens`` tokens in all (0 for no batch)."""
         if batch <= 0:
             return 0.0
         return self.latency_s + batch * self.per_request_s + held_tokens * self.per_token_s
+
+
+def check_beside(together: float, spin_s: float, beside_spin: float, what: str = "") -> None:
+    """Check the figures of a server's work beside another server's worker on the same host
+    (:class:`DecodeFit`'s, and the simulator's ``HostCpus``): a step is no faster for another's
+    (``together``, ``beside_spin`` >= 1), and a worker spins for no negative time.
+
+    Raises:
+        ValueError: naming the figure, after ``what``.
+    """
+    if not together >= 1:
+        raise ValueError(f"{what}together must be >= 1 (a step no faster for another's), got {together!r}")
+    if not beside_spin >= 1:
+        raise ValueError(f"{what}beside_spin must be >= 1 (a step no faster for another's), got {beside_spin!r}")
+    if not spin_s >= 0:
+        raise ValueError(f"{what}spin_s must be >= 0, got {spin_s!r}")
 
 
 @dataclass(frozen=True)

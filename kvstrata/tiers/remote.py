@@ -62,7 +62,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvstrata.errors import BlockMissing
 from kvstrata.index.keys import BlockKey
@@ -73,11 +73,11 @@ from kvstrata.pool.client import PoolClient, PoolUnavailable, Reconnected
 from kvstrata.pool.codes import Code
 from kvstrata.pool.config import DEFAULT_BUDGETS, PoolConfig, RemoteMode
 from kvstrata.tiers import poolvalue
-from kvstrata.tiers.base import Tier, TierCapabilities
+from kvstrata.tiers.base import Pieces, Tier, TierCapabilities
 from kvstrata.tiers.remote_gets import NAMES_KEPT, GetPath
 from kvstrata.tiers.remote_puts import PoolRefused, PutPath
 from kvstrata.tiers.segments import Segments
-from kvstrata.tiers.staging import Lanes
+from kvstrata.tiers.staging import BatchMove, Lanes
 
 __all__ = ["BlockMissing", "PoolRefused", "PoolUnavailable", "Reconnected", "RemoteMode", "RemoteTier"]
 
@@ -250,6 +250,20 @@ class RemoteTier(PutPath, GetPath, Tier):
         if client is None:
             raise RuntimeError("remote tier is closed")
         return client
+
+    def _staged_batch(self, keys: list[BlockKey], blocks: Sequence[Pieces], move: BatchMove) -> list[BaseException | None]:
+        """Run ``move`` (the gets' or the puts' pipeline) over whole blocks, given as their non-empty
+        pieces, through this thread's lane, its staging made before the first call. Making it
+        can find the pool DOWN (and this thread's buffers to be made again): then every block
+        fails with that PoolUnavailable, and ``move`` does not run."""
+        client = self._live()
+        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
+        try:
+            lane = self._lanes.get(client)
+            lane.rows(client, 0, 0)
+        except PoolUnavailable as error:
+            return [error] * len(keys)
+        return move(client, lane, keys, parts)
 
     def _now_ns(self) -> int:
         """A written_ns for a value about to be sealed: the wall clock, strictly increasing."""

@@ -97,14 +97,7 @@ class PutPath:
         self._check_pieces(blocks)
         if self._seal.encrypt or len(set(keys)) != len(keys):
             return super().write_pieces(slots, keys, blocks)
-        client = self._live()
-        parts = [[p for p in pieces if p.numel()] for pieces in blocks]
-        try:
-            lane = self._lanes.get(client)
-            lane.rows(client, 0, 0)  # the staging, made before the first put
-        except PoolUnavailable as error:  # DOWN, and this thread's buffers must be made again
-            return [error] * len(keys)
-        return self._put_blocks(client, lane, keys, parts)
+        return self._staged_batch(keys, blocks, self._put_blocks)
 
     def _put_blocks(self, client: PoolClient, lane: Lane, keys: list[BlockKey],
                     blocks: list[list[torch.Tensor]]) -> list[BaseException | None]:

@@ -14,12 +14,14 @@ or write (a call abandoned when its caller's budget ran out) is *retired*: kept,
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvstrata.pool.calls import PoolUnavailable
 from kvstrata.pool.client import PoolClient
+from kvstrata.index.keys import BlockKey
 from kvstrata.tiers import poolvalue
 
 # A lane's registered headers: two halves, one per call in flight or being checked; 128 a half, so
@@ -76,6 +78,11 @@ class Lane:
             rows = stage_rows(self.block_bytes)
             self.stage = client.allocate(2 * rows * self.block_bytes).view(2, rows, self.block_bytes)
         return self.stage[half, :count]
+
+
+# A batched pipeline through one lane (the gets' or the puts'): whole blocks of ``keys`` as their
+# parts (CPU, flat uint8, in order); per block None or its error.
+BatchMove = Callable[[PoolClient, Lane, list[BlockKey], list[list[torch.Tensor]]], list[BaseException | None]]
 
 
 class Lanes:

@@ -7,16 +7,7 @@ import json
 import pytest
 
 from kvstrata.cli import main
-
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-}
+from tests.config_support import TINY_LLAMA
 
 REQUIRED_KEYS = {
     "model", "attention", "dtype", "tp", "bytes_per_token", "bytes_per_token_per_gpu",
@@ -77,7 +68,7 @@ def test_mla_per_gpu_bytes_do_not_shrink_with_tp(capsys):
 def test_config_path_in_a_model_directory(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(TINY))
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
     report = run_json(capsys, "--model", str(model_dir / "config.json"))
     assert report["model"] == "tiny"
     assert report["bytes_per_token"] == 2 * 4 * 2 * 64 * 2
@@ -96,7 +87,7 @@ def test_table_output(capsys):
 
 def test_bad_config_exits_2_naming_the_field(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({key: v for key, v in TINY.items() if key != "num_attention_heads"}))
+    path.write_text(json.dumps({key: v for key, v in TINY_LLAMA.items() if key != "num_attention_heads"}))
     assert main(["kv-size", "--model", str(path)]) == 2
     captured = capsys.readouterr()
     assert "num_attention_heads" in captured.err
@@ -197,10 +188,10 @@ def test_context_beyond_the_model_exits_2_naming_both_numbers(capsys):
 @pytest.mark.parametrize(
     ("config", "says"),
     [
-        ({**TINY, "layer_types": ["full_attention", "foo", "full_attention", "full_attention"]},
+        ({**TINY_LLAMA, "layer_types": ["full_attention", "foo", "full_attention", "full_attention"]},
          "config field 'layer_types' declares ['foo'], which is not modelled"),
-        ({**TINY, "num_key_value_heads": 3}, "config field 'num_key_value_heads' (3) must divide the 4"),
-        ({**TINY, "model_type": "deepseek_v32", "kv_lora_rank": 32, "qk_rope_head_dim": 16},
+        ({**TINY_LLAMA, "num_key_value_heads": 3}, "config field 'num_key_value_heads' (3) must divide the 4"),
+        ({**TINY_LLAMA, "model_type": "deepseek_v32", "kv_lora_rank": 32, "qk_rope_head_dim": 16},
          "config field 'model_type' ('deepseek_v32') gives its layers the kind ['indexed_attention']"),
     ],
     ids=["unknown-kind", "heads", "indexer"],
@@ -219,7 +210,7 @@ def test_a_config_that_cannot_be_sized_exits_2_in_one_line_naming_the_file_and_f
 
 def test_missing_weight_fields_are_named_not_fatal(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({key: value for key, value in TINY.items() if key != "vocab_size"}))
+    path.write_text(json.dumps({key: value for key, value in TINY_LLAMA.items() if key != "vocab_size"}))
     report = run_json(capsys, "--model", str(path))
     assert report["uncounted_params"] == ["vocab_size"]
     assert report["bytes_per_token"] == 2 * 4 * 2 * 64 * 2

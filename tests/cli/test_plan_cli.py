@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvstrata.cli import main
+from tests.config_support import TINY_LLAMA
 
 PATHS = [
     "local DRAM -> HBM (CUDA copy)",
@@ -143,16 +144,7 @@ def test_bad_input_exits_2_naming_it(capsys, argv, named):
 def test_a_config_json_path_for_model(tmp_path, capsys):
     folder = tmp_path / "tiny-gqa"
     folder.mkdir()
-    config = {
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 4096,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
     doc = plan_json(capsys, "--model", str(folder / "config.json"), "--context", "1000")
     assert doc["model"] == "tiny-gqa"
     head_dim = 256 // 4

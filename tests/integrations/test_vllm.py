@@ -115,6 +115,22 @@ def namespaces() -> dict[str, str]:
     return {"remote": f"vllm-remote-{uuid.uuid4().hex[:8]}", "pd": f"vllm-pd-{uuid.uuid4().hex[:8]}"}
 
 
+def _kept_across_rounds(model, tmp, pool_file, namespaces, run: str) -> dict[str, dict]:
+    """The children of round ``run`` ("a", "b") whose tiers outlive them: a disk tier on the
+    same directory, head-sliced and TP-matched (each rank's paged block as opaque bytes), and,
+    with a pool, the pool under the same model id; round b finds what round a stored."""
+    specs = {
+        f"disk_{run}": spec(model, tmp, f"disk_{run}", host_bytes=16 * MiB, disk_dir=str(tmp / "disk"),
+                            disk_bytes=64 * MiB),
+        f"tm_{run}": spec(model, tmp, f"tm_{run}", host_bytes=16 * MiB, disk_dir=str(tmp / "disk-tm"),
+                          disk_bytes=64 * MiB, kv_sharing="tp-matched"),
+    }
+    if pool_file is not None:
+        specs[f"remote_{run}"] = spec(model, tmp, f"remote_{run}", host_bytes=0, pool=str(pool_file),
+                                      remote_bytes=16 * MiB, pool_timeout_s=POOL_CALL_S, model_id=namespaces["remote"])
+    return specs
+
+
 @pytest.fixture(scope="module")
 def round_one(model, tmp, pool_file, namespaces) -> dict[str, dict]:
     specs = {
@@ -122,14 +138,9 @@ def round_one(model, tmp, pool_file, namespaces) -> dict[str, dict]:
         # 5 out of it; the third pass must find them in the host tier
         "host": spec(model, tmp, "host", passes=[PROMPTS, FILLER, PROMPTS], device_bytes=6 * BLOCK_BYTES,
                      host_bytes=16 * MiB, multiprocessing=True),
-        "disk_a": spec(model, tmp, "disk_a", host_bytes=16 * MiB, disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB),
-        # TP-matched: each rank's paged block as opaque bytes (head-sliced is the default)
-        "tm_a": spec(model, tmp, "tm_a", host_bytes=16 * MiB, disk_dir=str(tmp / "disk-tm"), disk_bytes=64 * MiB,
-                     kv_sharing="tp-matched"),
+        **_kept_across_rounds(model, tmp, pool_file, namespaces, "a"),
     }
     if pool_file is not None:
-        specs["remote_a"] = spec(model, tmp, "remote_a", host_bytes=0, pool=str(pool_file),
-                                 remote_bytes=16 * MiB, pool_timeout_s=POOL_CALL_S, model_id=namespaces["remote"])
         specs["prefill"] = spec(model, tmp, "prefill", role="kv_producer", max_tokens=1, host_bytes=0,
                                 pool=str(pool_file), remote_bytes=16 * MiB, pool_timeout_s=POOL_CALL_S, model_id=namespaces["pd"])
     return run_children(specs, tmp)
@@ -137,14 +148,8 @@ def round_one(model, tmp, pool_file, namespaces) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def round_two(round_one, model, tmp, pool_file, namespaces) -> dict[str, dict]:
-    specs = {
-        "disk_b": spec(model, tmp, "disk_b", host_bytes=16 * MiB, disk_dir=str(tmp / "disk"), disk_bytes=64 * MiB),
-        "tm_b": spec(model, tmp, "tm_b", host_bytes=16 * MiB, disk_dir=str(tmp / "disk-tm"), disk_bytes=64 * MiB,
-                     kv_sharing="tp-matched"),
-    }
+    specs = _kept_across_rounds(model, tmp, pool_file, namespaces, "b")
     if pool_file is not None:
-        specs["remote_b"] = spec(model, tmp, "remote_b", host_bytes=0, pool=str(pool_file),
-                                 remote_bytes=16 * MiB, pool_timeout_s=POOL_CALL_S, model_id=namespaces["remote"])
         specs["decode"] = spec(model, tmp, "decode", role="kv_consumer", host_bytes=0, multiprocessing=True,
                                pool=str(pool_file), remote_bytes=16 * MiB, pool_timeout_s=POOL_CALL_S, model_id=namespaces["pd"])
     return run_children(specs, tmp)

@@ -8,6 +8,7 @@ import pytest
 
 from kvstrata.kv import DType, GeometryError, list_presets, load_config, load_geometry
 from kvstrata.kv.groups import GroupKind
+from tests.config_support import TINY_LLAMA
 
 PRESETS = {
     "deepseek-v2-lite",
@@ -28,16 +29,7 @@ PRESETS = {
     "tiny-llama",
 }
 
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-    "torch_dtype": "bfloat16",
-}
+TINY = {**TINY_LLAMA, "torch_dtype": "bfloat16"}
 
 
 def test_list_presets_is_sorted_and_complete():

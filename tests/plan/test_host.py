@@ -13,14 +13,15 @@ from kvstrata.plan import host as h
 from kvstrata.media import Medium
 
 
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
 @given(
     latency=st.floats(0, 1e-2),
     gbps=st.floats(0.1, 500),
     sizes=st.lists(st.integers(4096, 1 << 30), min_size=2, max_size=6, unique=True),
 )
-def test_fit_of_exact_data_recovers_latency_and_bandwidth(latency, gbps, sizes):
+def test_fit_of_exact_data_recovers_latency_and_bandwidth(relative, latency, gbps, sizes):
     times = [latency + s / (gbps * 1e9) for s in sizes]
-    fit = h.fit_path(sizes, times)
+    fit = h.fit_path(sizes, times, relative=relative)
     assert fit.gbps == pytest.approx(gbps, rel=1e-6)
     assert fit.latency_s == pytest.approx(latency, rel=1e-6, abs=1e-9)
     assert fit.seconds(sizes[0]) == pytest.approx(times[0], rel=1e-6)
@@ -29,18 +30,6 @@ def test_fit_of_exact_data_recovers_latency_and_bandwidth(latency, gbps, sizes):
 def test_fit_of_one_size_goes_through_the_origin():
     fit = h.fit_path([1_000_000], [0.001])
     assert (fit.latency_s, fit.gbps) == (0.0, pytest.approx(1.0))
-
-
-@given(
-    latency=st.floats(0, 1e-2),
-    gbps=st.floats(0.1, 500),
-    sizes=st.lists(st.integers(4096, 1 << 30), min_size=2, max_size=6, unique=True),
-)
-def test_relative_fit_of_exact_data_recovers_latency_and_bandwidth(latency, gbps, sizes):
-    times = [latency + s / (gbps * 1e9) for s in sizes]
-    fit = h.fit_path(sizes, times, relative=True)
-    assert fit.gbps == pytest.approx(gbps, rel=1e-6)
-    assert fit.latency_s == pytest.approx(latency, rel=1e-6, abs=1e-9)
 
 
 def test_relative_fit_weighs_every_size_alike():

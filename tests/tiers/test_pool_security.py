@@ -17,11 +17,10 @@ import xxhash
 from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
-from kvstrata.pool import ops
-from kvstrata.pool.client import PoolClient
 from kvstrata.pool.config import PoolConfig, read_secret
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.remote import RemoteMode, RemoteTier, fresh_tag
+from tests.pool_support import RawPool
 
 LAYOUT = KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DType.BF16)  # 4 x 1 KiB
 VALUE = poolvalue.HEADER_BYTES + LAYOUT.block_bytes
@@ -54,23 +53,9 @@ def tiers(pool, secret):
 @pytest.fixture(scope="module")
 def attacker(pool):
     """A raw client of the pool (no secret) and a registered buffer of two values."""
-    client = PoolClient(pool)
-    buffer = client.allocate(2 * VALUE)
-    yield client, buffer
-    client.close()
-
-
-def raw_get(attacker, name: str) -> bytes | None:
-    client, buffer = attacker
-    (got,) = client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE])
-    return None if got < 0 else buffer[:got].numpy().tobytes()
-
-
-def raw_put(attacker, name: str, value: bytes) -> None:
-    client, buffer = attacker
-    client.call("raw remove", ops.REMOVE, name, True)
-    buffer[: len(value)] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [len(value)]) == [0]
+    attacker = RawPool(pool, 2 * VALUE)
+    yield attacker
+    attacker.close()
 
 
 def store(tier: RemoteTier, key: bytes) -> None:
@@ -105,7 +90,7 @@ def test_names_are_not_derivable_from_the_public_key_scheme(tiers, attacker):
     store(tier, key)
     public_name = f"kvstrata/{tier.namespace_tag}/{key.hex()}"  # what an unkeyed tier would use
     assert tier.object_name(key) != public_name
-    assert raw_get(attacker, public_name) is None
+    assert attacker.get(public_name) is None
     assert tier.exists([key]) == [True]
 
 
@@ -116,7 +101,7 @@ def test_a_forged_value_with_a_valid_header_and_checksum_is_a_miss(tiers, attack
     forged = torch.full((LAYOUT.num_layers, LAYOUT.layer_bytes), 0x5A, dtype=torch.uint8)
     checksum = xxhash.xxh3_64_intdigest(forged.numpy())
     header = poolvalue.encode_header(key, poolvalue.layout_digest(LAYOUT.describe()), forged.numel(), checksum)
-    raw_put(attacker, tier.object_name(key), header + forged.numpy().tobytes())  # an upsert over the real one
+    attacker.put(tier.object_name(key), header + forged.numpy().tobytes())  # an upsert over the real one
     with pytest.raises(CorruptBlock, match="not sealed"):
         read(tier, key)
 
@@ -127,13 +112,13 @@ def test_a_sealed_value_altered_anywhere_is_a_miss(tiers, attacker, where, encry
     tier = tiers(encrypt=encrypt)
     key = key_of(4)
     store(tier, key)
-    value = bytearray(raw_get(attacker, tier.object_name(key)))
+    value = bytearray(attacker.get(tier.object_name(key)))
     offset = {"payload": poolvalue.HEADER_BYTES + 100, "nonce": 60, "key field": 20, "last byte": len(value) - 1}[where]
     value[offset] ^= 0x01
     if where != "payload":  # keep the header's own accident check consistent, as an attacker would
         body = bytes(value[:96])  # the header's body, then its own checksum (tiers/poolvalue.py)
         value[96:104] = xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
-    raw_put(attacker, tier.object_name(key), bytes(value))
+    attacker.put(tier.object_name(key), bytes(value))
     with pytest.raises(CorruptBlock):
         read(tier, key)
 
@@ -143,7 +128,7 @@ def test_a_replayed_value_under_another_blocks_name_is_a_miss(tiers, attacker):
     a, b = key_of(5), key_of(6)
     store(tier, a)
     store(tier, b)
-    raw_put(attacker, tier.object_name(b), raw_get(attacker, tier.object_name(a)))
+    attacker.put(tier.object_name(b), attacker.get(tier.object_name(a)))
     with pytest.raises(CorruptBlock, match="holds block"):
         read(tier, b)
     assert torch.equal(read(tier, a), content(a))
@@ -157,12 +142,12 @@ def test_an_older_value_of_the_same_block_put_back_after_a_newer_one_is_a_miss(t
     tier = tiers(with_secret=with_secret)
     key = key_of(8)
     store(tier, key)
-    old = raw_get(attacker, tier.object_name(key))
+    old = attacker.get(tier.object_name(key))
     assert tier.remove_from_pool([key], force=True) == [True]
     newer = content(key) ^ 0xFF
     tier.write(0, key, newer)
     assert torch.equal(read(tier, key), newer)
-    raw_put(attacker, tier.object_name(key), old)
+    attacker.put(tier.object_name(key), old)
     with pytest.raises(CorruptBlock, match="replay"):
         read(tier, key)
     batch = torch.zeros(LAYOUT.block_bytes, dtype=torch.uint8).view(1, LAYOUT.num_layers, LAYOUT.layer_bytes)
@@ -175,11 +160,11 @@ def test_without_the_secret_sealed_values_are_refused_and_the_payload_hidden_whe
     sealed, blind = tiers(encrypt=True, tag=tag), tiers(tag=tag, with_secret=False)
     key = key_of(7)
     store(sealed, key)
-    stored = raw_get(attacker, sealed.object_name(key))
+    stored = attacker.get(sealed.object_name(key))
     plain = content(key).numpy().tobytes()
     assert stored is not None and plain[:64] not in stored and plain[-64:] not in stored  # ciphertext only
     blind_name = blind.object_name(key)  # an unkeyed tier's name: a different object
-    assert blind_name != sealed.object_name(key) and raw_get(attacker, blind_name) is None
+    assert blind_name != sealed.object_name(key) and attacker.get(blind_name) is None
 
 
 @pytest.mark.parametrize(("text", "mode", "message"), [

@@ -28,8 +28,7 @@ from kvstrata import errors  # noqa: E402
 from kvstrata.errors import CorruptBlock
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
-from kvstrata.pool import embedded, ops
-from kvstrata.pool.client import PoolClient
+from kvstrata.pool import embedded
 from kvstrata.pool.config import PoolConfig
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.remote import (
@@ -38,6 +37,7 @@ from kvstrata.tiers.remote import (
     RemoteMode,
     RemoteTier,
 )
+from tests.pool_support import RawPool
 
 LAYOUT = KVLayout(num_layers=4, block_tokens=16, kv_heads=2, head_dim=8, dtype=DType.BF16)  # 4 x 1 KiB
 MODES = [RemoteMode.TCP, RemoteMode.SHM]
@@ -73,16 +73,9 @@ def load(tier: RemoteTier, key: bytes, dst: torch.Tensor | None = None) -> torch
 @pytest.fixture(scope="module")
 def raw(pool):
     """The raw store API (Mooncake calls, through a bounded client) and a registered buffer."""
-    client = PoolClient(pool)
-    buffer = client.allocate(2 * (poolvalue.HEADER_BYTES + LAYOUT.block_bytes))
-    yield client, buffer
-    client.close()
-
-
-def put_raw(raw, name: str, value: bytes) -> None:
-    client, buffer = raw
-    buffer[: len(value)] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [len(value)]) == [0]
+    raw = RawPool(pool, 2 * (poolvalue.HEADER_BYTES + LAYOUT.block_bytes))
+    yield raw
+    raw.close()
 
 
 def value_bytes(key: bytes, payload: torch.Tensor, layout_text: str = LAYOUT.describe(),
@@ -209,7 +202,7 @@ def test_value_of_the_wrong_size_is_rejected(make_remote_tier, raw, extra_bytes)
     key = make_key(6)
     good = value_bytes(key, content(key))
     value = good + bytes(extra_bytes) if extra_bytes > 0 else good[:extra_bytes]
-    put_raw(raw, tier.object_name(key), value)
+    raw.put(tier.object_name(key), value)
     with pytest.raises(CorruptBlock, match="wrong size") as caught:
         load(tier, key)
     assert not isinstance(caught.value, BlockMissing)
@@ -229,7 +222,7 @@ def test_wrong_header_is_rejected(make_remote_tier, raw, defect):
         value = bytearray(value_bytes(key, payload))
         value[0 if defect == "bad magic" else 20] ^= 0xFF
         value = bytes(value)
-    put_raw(raw, tier.object_name(key), value)
+    raw.put(tier.object_name(key), value)
     with pytest.raises(CorruptBlock) as caught:
         load(tier, key)
     assert not isinstance(caught.value, BlockMissing)
@@ -246,7 +239,7 @@ def test_without_a_secret_a_value_whose_payload_is_not_its_headers_is_a_miss(mak
     payload = {"another block's bytes": content(b), "a flipped byte": content(a).clone(), "no checksum": content(a)}[defect]
     payload[2, 5] ^= 1 if defect == "a flipped byte" else 0
     checksum_of = torch.empty(0, dtype=torch.uint8) if defect == "no checksum" else content(a)
-    put_raw(raw, tier.object_name(a), value_bytes(a, payload, checksum_of=checksum_of))
+    raw.put(tier.object_name(a), value_bytes(a, payload, checksum_of=checksum_of))
     dst = torch.full((LAYOUT.num_layers, LAYOUT.layer_bytes), 0xAA, dtype=torch.uint8)
     with pytest.raises(CorruptBlock, match="checksum") as caught:
         load(tier, a, dst)
@@ -310,7 +303,7 @@ def test_a_bad_block_in_a_pipelined_batch_fails_alone(make_remote_tier, raw):
     assert tier.write_many([0] * 6, keys, list(src)) == [None] * 6
     assert tier.remove_from_pool([keys[1]], force=True) == [True]  # in the first call
     tier.remove_from_pool([keys[4]], force=True)  # in a later call: a value of another key instead
-    put_raw(raw, tier.object_name(keys[4]), value_bytes(keys[5], content(keys[5])))
+    raw.put(tier.object_name(keys[4]), value_bytes(keys[5], content(keys[5])))
     dst = torch.zeros(6 * LAYOUT.block_bytes, dtype=torch.uint8).view(6, LAYOUT.num_layers, LAYOUT.layer_bytes)
     got = tier.read_many_into([0] * 6, keys, list(dst))
     assert isinstance(got[1], BlockMissing)

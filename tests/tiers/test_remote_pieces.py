@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from kvstrata.errors import CorruptBlock
-from kvstrata.pool import ops
-from kvstrata.pool.client import PoolClient
 from kvstrata.tiers import poolvalue
 from kvstrata.tiers.remote import BlockMissing, PoolUnavailable, RemoteMode, RemoteTier
+from tests.pool_support import RawPool
 from tests.tiers.conformance import cut
 from tests.tiers.test_remote import LAYOUT, MODES, SLACK_S, content, make_key, timed
 
@@ -66,18 +65,17 @@ def exposed(tier: RemoteTier, memory: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def attacker(pool):
     """A raw client of the pool (no secret) and a registered buffer of one value."""
-    client = PoolClient(pool)
-    yield client, client.allocate(VALUE)
-    client.close()
+    attacker = RawPool(pool, VALUE)
+    yield attacker
+    attacker.close()
 
 
-def tamper(attacker, name: str, offset: int) -> None:
+def tamper(attacker: RawPool, name: str, offset: int) -> None:
     """Flip one byte of the object ``name`` in place (a raw get, remove, put)."""
-    client, buffer = attacker
-    assert client.call("raw get", ops.BATCH_GET, [name], [buffer.data_ptr()], [VALUE]) == [VALUE]
-    buffer[offset] ^= 0xFF
-    client.call("raw remove", ops.REMOVE, name, True)
-    assert client.call("raw put", ops.BATCH_PUT, [name], [buffer.data_ptr()], [VALUE]) == [0]
+    value = bytearray(attacker.get(name))
+    assert len(value) == VALUE
+    value[offset] ^= 0xFF
+    attacker.put(name, bytes(value))
 
 
 # --- through the tier's own staging -----------------------------------------------------------

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
-from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_budgets, pool_of, whole
+from kvstrata.integrations.extra_config import (
+    Parser, as_is, check_text, check_whole, choice, empty_is_none, path, pool_budgets, pool_of, whole,
+)
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.eviction import Eviction
 from kvstrata.policies.write import WritePolicy, WriteRule
@@ -83,17 +85,15 @@ class StorageSettings:
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes", "remote_bytes"):
-            _check_int(name, getattr(self, name), 0, "a number of bytes >= 0")
-        _check_int("workers", self.workers, 1, "a number of threads >= 1")
-        _check_int("selective_hits", self.selective_hits, 1, "a number of hits >= 1")
+            check_whole(_LABEL, name, getattr(self, name), 0, "a number of bytes >= 0")
+        check_whole(_LABEL, "workers", self.workers, 1, "a number of threads >= 1")
+        check_whole(_LABEL, "selective_hits", self.selective_hits, 1, "a number of hits >= 1")
         if self.disk_dir is not None and not isinstance(self.disk_dir, Path):
             raise ValueError(f"{_PREFIX} {KEY_PREFIX}disk_dir must be a pathlib.Path or None, got {self.disk_dir!r}")
         if self.disk_bytes and self.disk_dir is None:
             raise ValueError(f"{_PREFIX} {KEY_PREFIX}disk_bytes > 0 needs a {KEY_PREFIX}disk_dir")
         for name in ("pool", "model_id"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be a non-empty string, got {value!r}")
+            check_text(_LABEL, name, getattr(self, name))
         if not isinstance(self.tenant, str):
             raise ValueError(f"{_PREFIX} {KEY_PREFIX}tenant must be a string, got {self.tenant!r}")
         for name, kind in (("remote_mode", RemoteMode), ("write", WritePolicy), ("eviction", Eviction)):
@@ -131,13 +131,6 @@ class StorageSettings:
             remote_mode=self.remote_mode,
             **pool_budgets(self),
         )
-
-
-
-
-def _check_int(name: str, value: Any, least: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{_PREFIX} {KEY_PREFIX}{name} must be {what}, got {value!r}")
 
 
 _LABEL = f"{_PREFIX} {KEY_PREFIX}"

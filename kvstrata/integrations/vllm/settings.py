@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.cache import CacheConfig
-from kvstrata.integrations.extra_config import Parser, as_is, choice, empty_is_none, path, pool_budgets, pool_of, whole
+from kvstrata.integrations.extra_config import (
+    Parser, as_is, check_text, check_whole, choice, empty_is_none, path, pool_budgets, pool_of, whole,
+)
 from kvstrata.kv.heads import KVSharing
 from kvstrata.kv.layout import KVLayout
 from kvstrata.policies.payoff import BUDGET_FACTOR
@@ -113,16 +115,12 @@ class ConnectorSettings:
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes", "save_backlog_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{_PREFIX} {name} must be a number of bytes >= 0, got {value!r}")
+            check_whole(f"{_PREFIX} ", name, getattr(self, name), 0, "a number of bytes >= 0")
         for name in ("disk_dir", "stats_path"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), Path):
                 raise ValueError(f"{_PREFIX} {name} must be a pathlib.Path or None, got {getattr(self, name)!r}")
         for name in ("pool", "model_id"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{_PREFIX} {name} must be a non-empty string or None, got {value!r}")
+            check_text(f"{_PREFIX} ", name, getattr(self, name))
         if not isinstance(self.remote_mode, RemoteMode):
             raise ValueError(f"{_PREFIX} remote_mode must be a RemoteMode, got {self.remote_mode!r}")
         if not isinstance(self.kv_sharing, KVSharing):

@@ -34,7 +34,7 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from kvstrata.plan.steps import Stalls
+from kvstrata.plan.steps import Stalls, check_beside
 
 
 @dataclass
@@ -58,12 +58,7 @@ class HostCpus:
     _stalled: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
 
     def __post_init__(self) -> None:
-        if not self.together >= 1:
-            raise ValueError(f"together must be >= 1, got {self.together!r}")
-        if not self.beside_spin >= 1:
-            raise ValueError(f"beside_spin must be >= 1, got {self.beside_spin!r}")
-        if not self.spin_s >= 0:
-            raise ValueError(f"spin_s must be >= 0, got {self.spin_s!r}")
+        check_beside(self.together, self.spin_s, self.beside_spin)
 
     def bind(self, server: int, cpus: Hashable) -> None:
         """``server``'s worker runs on ``cpus`` (any label: servers with equal labels share CPUs;

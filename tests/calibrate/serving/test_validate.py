@@ -116,21 +116,19 @@ def test_a_document_without_config_or_baseline_is_not_a_report(doc):
         measured_figures(doc)
 
 
-def test_a_configuration_lacking_a_field_is_named():
+@pytest.mark.parametrize(("path", "named"), [
+    (("kvstrata", "hits"), "kvstrata lacks 'hits'"),
+    (("restart", "replay", "requests", 0, "ttft_s"), "restart.replay lacks 'ttft_s'"),
+    (("baseline", "requests"), "baseline"),
+])
+def test_a_configuration_lacking_a_field_is_a_bad_report_naming_it(path, named):
     doc = _report()
-    del doc["kvstrata"]["hits"]
-    with pytest.raises(BadReport, match="kvstrata lacks 'hits'"):
-        measured_figures(doc)
-    doc = _report()
-    del doc["restart"]["replay"]["requests"][0]["ttft_s"]
-    with pytest.raises(BadReport, match="restart.replay lacks 'ttft_s'"):
-        measured_figures(doc)
-
-
-def test_a_baseline_lacking_requests_is_a_bad_report():
-    doc = _report()
-    del doc["baseline"]["requests"]
-    with pytest.raises(BadReport, match="baseline"):
+    *parents, field = path
+    holder = doc
+    for step in parents:
+        holder = holder[step]
+    del holder[field]
+    with pytest.raises(BadReport, match=named):
         measured_figures(doc)
 
 

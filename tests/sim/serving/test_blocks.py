@@ -19,6 +19,15 @@ def _held(blocks: PrefixBlocks, prompt: tuple[int, ...]) -> list[int]:
     return taken
 
 
+def _released(capacity: int, tokens: int) -> tuple[PrefixBlocks, list]:
+    """``capacity`` blocks after one request held a prompt of ``tokens`` and let it go (its full
+    blocks free and still cached), and the prompt's keys."""
+    blocks = PrefixBlocks(capacity)
+    prompt = tuple(range(tokens))
+    blocks.release(_held(blocks, prompt))
+    return blocks, chain_keys(prompt, BT)
+
+
 # --- keys -----------------------------------------------------------------------------------------
 
 
@@ -103,10 +112,7 @@ def test_the_least_recently_freed_request_is_evicted_first():
 
 
 def test_a_hit_block_leaves_the_free_queue_and_is_never_taken_while_held():
-    blocks = PrefixBlocks(4)
-    prompt = tuple(range(12))
-    keys = chain_keys(prompt, BT)
-    blocks.release(_held(blocks, prompt))
+    blocks, keys = _released(4, 12)
     hit = blocks.hit(keys[:2])
     assert hit == [0, 1]
     assert blocks.free == 2
@@ -118,10 +124,7 @@ def test_a_hit_block_leaves_the_free_queue_and_is_never_taken_while_held():
 
 
 def test_a_block_two_requests_hit_is_freed_when_both_let_go():
-    blocks = PrefixBlocks(2)
-    prompt = tuple(range(8))
-    keys = chain_keys(prompt, BT)
-    blocks.release(_held(blocks, prompt))
+    blocks, keys = _released(2, 8)
     first, second = blocks.hit(keys[:1]), blocks.hit(keys[:1])
     assert first == second == [0]
     blocks.release(first)
@@ -131,10 +134,7 @@ def test_a_block_two_requests_hit_is_freed_when_both_let_go():
 
 
 def test_can_take_counts_the_hit_blocks_that_sit_in_the_free_queue():
-    blocks = PrefixBlocks(4)
-    prompt = tuple(range(12))
-    keys = chain_keys(prompt, BT)
-    blocks.release(_held(blocks, prompt))
+    blocks, keys = _released(4, 12)
     cached = blocks.blocks_of(keys[:2])
     # four free, two of them the hit's own: two more fit, not three
     assert blocks.can_take(cached, 2)

@@ -309,12 +309,19 @@ def test_a_prompt_vllm_still_holds_is_not_loaded_again():
     assert counters.hit_blocks == {} and counters.load_requests == 0
 
 
-def test_a_synchronous_save_holds_the_step_for_the_slowest_tiers_write():
+def _one_saved(sync_save: bool):
+    """A server saving to the host and disk tiers (SAVING) after one 100-token prompt ran to its end:
+    the server, its client, the request."""
     clock = Clock()
-    server = _connected(clock, sync_save=True, calibration=SAVING)
+    server = _connected(clock, sync_save=sync_save, calibration=SAVING)
     client = _Client(clock, server.times)
     r = client.send(server, _prompt(100, 1), 2, 0.0)
     clock.run()
+    return server, client, r
+
+
+def test_a_synchronous_save_holds_the_step_for_the_slowest_tiers_write():
+    server, client, r = _one_saved(sync_save=True)
     disk_write_s = 6 * BLOCK_BYTES / (DISK_WRITE_GBPS * 1e9)  # the 6 full blocks, slower than the host copy
     assert client.ttft_s(r) == pytest.approx(PREFILL.seconds(100) + disk_write_s)
     keys = r.keys[:6]
@@ -324,11 +331,7 @@ def test_a_synchronous_save_holds_the_step_for_the_slowest_tiers_write():
 
 
 def test_a_save_behind_the_engine_costs_the_step_nothing_and_lands_after_each_tiers_write():
-    clock = Clock()
-    server = _connected(clock, sync_save=False, calibration=SAVING)
-    client = _Client(clock, server.times)
-    r = client.send(server, _prompt(100, 1), 2, 0.0)
-    clock.run()
+    server, client, r = _one_saved(sync_save=False)
     assert client.ttft_s(r) == pytest.approx(PREFILL.seconds(100))
     keys, done = r.keys[:6], r.first_token_s
     for tier, rate in ((Medium.HOST, HOST_GBPS), (Medium.DISK, DISK_WRITE_GBPS)):
