@@ -146,9 +146,9 @@ def ttft_figure(report: RouteBenchReport) -> Figure:
     from kvstrata.plots.cdf import Latency, cdf_figure
 
     c, w = report.config, report.config.serve.workload
-    subject = (f"{c.serve.model_dir.name}, {c.servers} servers on one pool: {w.conversations} conversations x "
-               f"{w.turns} turns at {w.rate_per_s:g} req/s, {c.serve.rounds} round(s); vLLM KV {c.serve.kv_blocks} "
-               f"blocks x {w.block_tokens} tokens")
+    subject = (f"{c.serve.model_dir.name}, {c.servers} servers, one pool: {w.conversations} conversations x "
+               f"{w.turns} turns at {w.rate_per_s:g} req/s, {c.serve.rounds} round(s); vLLM KV {c.serve.kv_blocks} x "
+               f"{w.block_tokens} tokens")
     samples = {r.policy.value: r.measured.ttft_s for r in report.results}
     latency = Latency("TTFT", "time to first token", "ms", 1e3, "ttft_s")
     fig = cdf_figure(samples, latency, subject, None)

@@ -119,3 +119,18 @@ def test_a_completion_unlike_the_cold_servers_is_reported():
     wrong = {run.records[0].prompt: record(0.05, prompt=run.records[0].prompt, answer=(9, 9))}
     report = build_report(cfg, "t", ["server-1", "server-2"], [run], wrong, Skipped("x"), "", None, {}, 1.0)
     assert not report.identical and report.result(RR).measured.differing == 1
+
+
+def test_the_table_renders_every_policy_and_says_why_sglang_did_not_run(capsys, monkeypatch):
+    from kvstrata.bench.cli.route import _print_route
+
+    cfg = config(policies=(RR, PRED), rounds=1)
+    runs = [pass_run(p, [0.05, 0.2], {"server-1": 2}) for p in plan_passes(cfg.policies, 1)[0]]
+    reference = {r.prompt: r for run in runs for r in run.records}
+    report = build_report(cfg, "generated", ["server-1", "server-2"], runs, reference,
+                          Skipped("sglang-router is not installed here"), "a test", None, {"server-1": 20.0}, 5.0)
+    monkeypatch.setenv("COLUMNS", "250")  # no line wraps inside a phrase asserted
+    _print_route(report)
+    out = capsys.readouterr().out
+    assert "round-robin" in out and "predicted-ttft" in out and "sglang-router is not installed here" in out
+    assert "TTFT <= 100 ms and TPOT <= 50 ms" in out and "every one equals the reference's" in out
