@@ -9,11 +9,12 @@ plain replay of the same trace (``analyze``). ``bench recompute``: load or recom
 model over capped disk rates. ``bench e2e``: the workload of ``kvstrata demo`` with LMCache
 beside it. ``bench lookup`` and ``bench restart``: the lookup path against the bare hash chain,
 and a restart's first hit. ``bench sglang``: kvstrata as SGLang's HiCache storage. ``bench
-serve``: vLLM serving with the connector against without.
+serve``: vLLM serving with the connector against without. ``bench route``: ``kvstrata route``'s
+policies over vLLM servers on one pool.
 
 This module registers the command; each family of sub-commands is a module of its own, which
 makes its tables and every label in them: ``tiers`` (cache, remote), ``sim``, ``ttft``
-(recompute, e2e), ``lookup`` (lookup, restart), ``sglang`` and ``serve``; what they share is
+(recompute, e2e), ``lookup`` (lookup, restart), ``sglang``, ``serve`` and ``route``; what they share is
 ``common``. ``kvstrata.cli`` registers this command by its module's name: the one place the
 product names its benchmarks. Progress goes to stderr; ``--json`` prints
 the report alone on stdout (:func:`kvstrata.report.to_json`). Decimal GB/s (1 GB = 1e9 bytes).
@@ -23,15 +24,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from kvstrata.bench.cli import lookup, serve, sglang, sim, tiers, ttft
+from kvstrata.bench.cli import lookup, route, serve, sglang, sim, tiers, ttft
 
 # Each family's ``register``, in help order.
-_FAMILIES = (tiers, sim, ttft, lookup, sglang, serve)
+_FAMILIES = (tiers, sim, ttft, lookup, sglang, serve, route)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` and, through each family's ``register``, its sub-commands: ``cache``, ``remote``,
-    ``sim``, ``recompute``, ``e2e``, ``lookup``, ``restart``, ``sglang`` and ``serve``."""
+    ``sim``, ``recompute``, ``e2e``, ``lookup``, ``restart``, ``sglang``, ``serve`` and ``route``."""
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: ours beside baselines measured in the same run",
