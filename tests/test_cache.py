@@ -534,10 +534,11 @@ def test_prefetch_timeout_waits_up_to_its_deadline(tmp_path, caches):
 
 def deadline_cache(tmp_path, caches, predicted_s):
     """Three blocks on disk only, and a calibration predicting ``predicted_s`` to promote them."""
-    from kvstrata.plan.host import DISK_READ_WARM, MEMCPY_1T, HostCalibration, PathFit
+    from kvstrata.plan.calpaths import CalPath
+    from kvstrata.plan.host import HostCalibration, PathFit
 
     gbps = 3 * B / predicted_s / 1e9
-    paths = {DISK_READ_WARM: PathFit(0.0, gbps), MEMCPY_1T: PathFit(0.0, 1e9)}  # copies: free
+    paths = {CalPath.DISK_READ_WARM: PathFit(0.0, gbps), CalPath.MEMCPY_1T: PathFit(0.0, 1e9)}  # copies: free
     calibration = HostCalibration("test", "cpu", 1, paths)
     config = dataclasses.replace(make_config(tmp_path, device=4, host=4, disk=8, write=WritePolicy.WRITE_THROUGH),
                                  calibration=calibration, workers=1)

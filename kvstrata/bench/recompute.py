@@ -37,7 +37,8 @@ import torch
 from kvstrata.rounds import check_rounds, rotated
 from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.media import Medium
-from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, PrefillFit, fit_path
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration, PathFit, PrefillFit, fit_path
 from kvstrata.plan.recompute import PlanKind, Strategy
 from kvstrata.progress import NoProgress, Progress
 from kvstrata.report import FLATTEN
@@ -206,7 +207,7 @@ def _run_rate(
             raise RuntimeError(f"the cached prefix is not on the disk tier alone at {gbps} GB/s")
         progress.step(f"{gbps:g} GB/s: probe")
         probe, cpu = _probe_disk(cache, keys)
-        paths = {DISK_READ_COLD: probe, DISK_READ_WARM: cpu}
+        paths = {CalPath.DISK_READ_COLD: probe, CalPath.DISK_READ_WARM: cpu}
         calibration = HostCalibration(platform.node(), "cpu", cache_config.workers, paths)
         lm = KVStrataLM(model, cache, calibration=calibration, prefill=prefill)
         ttft: dict[Strategy, list[float]] = {p: [] for p in PLANS}

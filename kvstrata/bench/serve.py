@@ -354,11 +354,11 @@ def byte_rates(work: Path) -> ByteRates:
     import torch
 
     from kvstrata.calibrate.probes import Prober, blocks_layout
-    from kvstrata.plan import host as h
+    from kvstrata.plan.calpaths import CalPath
 
     prober = Prober(work / "rates", 1, torch.device("cpu"), blocks_layout(1 << 20))
     try:
-        copy, checksum = prober.step(h.MEMCPY_1T, RATE_BYTES), prober.step(h.CHECKSUM, RATE_BYTES)
+        copy, checksum = prober.step(CalPath.MEMCPY_1T, RATE_BYTES), prober.step(CalPath.CHECKSUM, RATE_BYTES)
         copy(), checksum()  # warm
         copy_s = statistics.median(copy() for _ in range(RATE_RUNS))
         checksum_s = statistics.median(checksum() for _ in range(RATE_RUNS))

@@ -46,6 +46,7 @@ from kvstrata.calibrate.probes import (
 )
 from kvstrata.media import Medium
 from kvstrata.plan import host as h
+from kvstrata.plan.calpaths import CalPath
 from kvstrata.pool.config import PoolConfig
 from kvstrata.progress import NoProgress, Progress
 
@@ -92,7 +93,7 @@ class CalibrateConfig:
 class Measurement:
     """One path at one size: the timed runs (seconds)."""
 
-    path: h.CalPath
+    path: CalPath
     size_bytes: int
     runs_s: tuple[float, ...]
 
@@ -116,7 +117,7 @@ class CalibrationRun:
 
     calibration: h.HostCalibration
     measurements: list[Measurement] = field(default_factory=list)
-    skipped: dict[h.CalPath, str] = field(default_factory=dict)  # path -> why
+    skipped: dict[CalPath, str] = field(default_factory=dict)  # path -> why
     seconds: float = 0.0
 
 
@@ -129,37 +130,40 @@ def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> Cali
     run = CalibrationRun(h.HostCalibration(platform.node() or "unknown", str(device), config.threads))
     n = config.threads
     plans: list[tuple[str, Callable[[Scratch, int], Callable[[], float]]]] = [
-        (h.MEMCPY_1T, memcpy_1t),
-        (h.MEMCPY_NT, memcpy_nt),
-        (h.MEMCPY_ONE, memcpy_one),
-        (h.CHECKSUM, checksum),
-        (h.CHECKSUM_NT, threaded_checksum),
-        (h.DISK_WRITE, disk_write),
-        (h.DISK_READ_WARM, lambda s, b: disk_read(s, b, cold=False, threaded=False)),
-        (h.DISK_READ_WARM_NT, lambda s, b: disk_read(s, b, cold=False, threaded=True)),
+        (CalPath.MEMCPY_1T, memcpy_1t),
+        (CalPath.MEMCPY_NT, memcpy_nt),
+        (CalPath.MEMCPY_ONE, memcpy_one),
+        (CalPath.CHECKSUM, checksum),
+        (CalPath.CHECKSUM_NT, threaded_checksum),
+        (CalPath.DISK_WRITE, disk_write),
+        (CalPath.DISK_READ_WARM, lambda s, b: disk_read(s, b, cold=False, threaded=False)),
+        (CalPath.DISK_READ_WARM_NT, lambda s, b: disk_read(s, b, cold=False, threaded=True)),
     ]
-    plans.append((h.DISK_BLOCKS_WARM, lambda s, b: disk_blocks(s, b, False, blocks_of(config.object_bytes, b))))
+    plans.append((CalPath.DISK_BLOCKS_WARM,
+                  lambda s, b: disk_blocks(s, b, False, blocks_of(config.object_bytes, b))))
     if config.cold:
-        plans.append((h.DISK_BLOCKS_COLD, lambda s, b: disk_blocks(s, b, True, blocks_of(config.object_bytes, b))))
+        plans.append((CalPath.DISK_BLOCKS_COLD,
+                      lambda s, b: disk_blocks(s, b, True, blocks_of(config.object_bytes, b))))
         plans += [
-            (h.DISK_READ_COLD, lambda s, b: disk_read(s, b, cold=True, threaded=False)),
-            (h.DISK_READ_COLD_NT, lambda s, b: disk_read(s, b, cold=True, threaded=True)),
+            (CalPath.DISK_READ_COLD, lambda s, b: disk_read(s, b, cold=True, threaded=False)),
+            (CalPath.DISK_READ_COLD_NT, lambda s, b: disk_read(s, b, cold=True, threaded=True)),
         ]
     else:
-        for path in (h.DISK_READ_COLD, h.DISK_READ_COLD_NT, h.DISK_BLOCKS_COLD):
+        for path in (CalPath.DISK_READ_COLD, CalPath.DISK_READ_COLD_NT, CalPath.DISK_BLOCKS_COLD):
             run.skipped[path] = "cold reads not asked for"
     if cuda:
         plans += [
-            (h.H2D_PINNED, lambda s, b: device_copy(b, device, True, True)),
-            (h.H2D_PAGEABLE, lambda s, b: device_copy(b, device, False, True)),
-            (h.D2H_PINNED, lambda s, b: device_copy(b, device, True, False)),
+            (CalPath.H2D_PINNED, lambda s, b: device_copy(b, device, True, True)),
+            (CalPath.H2D_PAGEABLE, lambda s, b: device_copy(b, device, False, True)),
+            (CalPath.D2H_PINNED, lambda s, b: device_copy(b, device, True, False)),
         ]
     else:
-        for path in (h.H2D_PINNED, h.H2D_PAGEABLE, h.D2H_PINNED):
+        for path in (CalPath.H2D_PINNED, CalPath.H2D_PAGEABLE, CalPath.D2H_PINNED):
             run.skipped[path] = "no CUDA device"
     pool_steps = len(config.sizes) * (1 + config.repeats) * 2 if config.pool is not None else 0
     if config.pool is None:
-        run.skipped[h.POOL_GET] = run.skipped[h.POOL_PUT] = "no pool configured (--pool FILE or $KVSTRATA_POOL)"
+        no_pool = "no pool configured (--pool FILE or $KVSTRATA_POOL)"
+        run.skipped[CalPath.POOL_GET] = run.skipped[CalPath.POOL_PUT] = no_pool
     progress.start(len(plans) * len(config.sizes) * (1 + config.repeats) + pool_steps)
 
     with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-", dir=config.directory) as scratch_dir:
@@ -183,9 +187,9 @@ def calibrate(config: CalibrateConfig, progress: Progress | None = None) -> Cali
         try:
             run.measurements += _measure_pool(config, progress)
         except Exception as exc:  # noqa: BLE001 - a pool that fails is reported, not fatal
-            run.skipped[h.POOL_GET] = run.skipped[h.POOL_PUT] = f"pool failed: {exc}"
+            run.skipped[CalPath.POOL_GET] = run.skipped[CalPath.POOL_PUT] = f"pool failed: {exc}"
     with tempfile.TemporaryDirectory(prefix="kvstrata-calibrate-", dir=config.directory) as scratch_dir:
-        pool = config.pool if h.POOL_GET not in run.skipped else None  # a pool that failed above is skipped
+        pool = config.pool if CalPath.POOL_GET not in run.skipped else None  # a pool that failed above is skipped
         run.measurements += restore_fixed(device, n, config.repeats, Path(scratch_dir), pool)
     run.calibration = _fit(run.calibration, run.measurements)
     run.seconds = time.perf_counter() - started
@@ -227,23 +231,24 @@ def _measure_pool(config: CalibrateConfig, progress: Progress) -> list[Measureme
         try:
             puts, gets = [], []
             for i in range(1 + config.repeats):
-                progress.step(f"{h.POOL_PUT}, {size / MIB:g} MiB")
+                progress.step(f"{CalPath.POOL_PUT}, {size / MIB:g} MiB")
                 put = raw.put_s()
-                progress.step(f"{h.POOL_GET}, {size / MIB:g} MiB")
+                progress.step(f"{CalPath.POOL_GET}, {size / MIB:g} MiB")
                 get = raw.get_s()
                 if i:
                     puts.append(put)
                     gets.append(get)
         finally:
             raw.close()
-        out += [Measurement(h.POOL_PUT, count * per, tuple(puts)), Measurement(h.POOL_GET, count * per, tuple(gets))]
+        out += [Measurement(CalPath.POOL_PUT, count * per, tuple(puts)),
+                Measurement(CalPath.POOL_GET, count * per, tuple(gets))]
     return out
 
 
-def fit_paths(measurements: list[Measurement]) -> dict[h.CalPath, h.PathFit]:
+def fit_paths(measurements: list[Measurement]) -> dict[CalPath, h.PathFit]:
     """One fit per path, on relative error (every size predicted as well as the others); the
     paths a restore's bytes move along as a rate alone (``RATE_PATHS``)."""
-    by_path: dict[h.CalPath, list[Measurement]] = {}
+    by_path: dict[CalPath, list[Measurement]] = {}
     for m in measurements:
         by_path.setdefault(m.path, []).append(m)
     return {path: h.fit_path([m.size_bytes for m in ms], [m.median_s for m in ms], max(m.spread for m in ms),
@@ -254,8 +259,8 @@ def fit_paths(measurements: list[Measurement]) -> dict[h.CalPath, h.PathFit]:
 def _fit(base: h.HostCalibration, measurements: list[Measurement]) -> h.HostCalibration:
     paths = fit_paths(measurements)
     efficiency = {}
-    if h.H2D_PINNED in paths and torch.cuda.is_available():
-        efficiency = _pcie_efficiency(paths[h.H2D_PINNED].gbps)
+    if CalPath.H2D_PINNED in paths and torch.cuda.is_available():
+        efficiency = _pcie_efficiency(paths[CalPath.H2D_PINNED].gbps)
     return h.HostCalibration(base.host, base.device, base.threads, paths, base.prefill, efficiency)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstrata.plan import host as h
+from kvstrata.plan.calpaths import CalPath
 from kvstrata.pool.config import PoolConfig
 from kvstrata.kv.geometry import DType
 from kvstrata.kv.layout import KVLayout
@@ -114,7 +114,8 @@ def memcpy_one(s: Scratch, nbytes: int) -> Callable[[], float]:
 def one_torch_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
     """A timed step: one ``torch._foreach_copy_`` of ``src`` into ``dst`` (flat uint8, as long) in
     COPY_PIECE_BYTES pieces, on torch's intra-op threads: a load into a CPU device tier (one
-    dispatch of its blocks' copies); ``MEMCPY_ONE``, and the lab's staged restore's second hop."""
+    dispatch of its blocks' copies); ``CalPath.MEMCPY_ONE``, and the lab's staged restore's second
+    hop."""
     cuts = range(0, dst.numel(), COPY_PIECE_BYTES)
     dsts = [dst[c : c + COPY_PIECE_BYTES] for c in cuts]
     srcs = [src[c : c + COPY_PIECE_BYTES] for c in cuts]
@@ -309,7 +310,7 @@ class Prober:
         threads: the N of the N-thread paths.
         device: the device tier's torch device (host -> device paths on CUDA).
         layout: the cache's block layout.
-        pool: the remote pool (``POOL_GET``), or None.
+        pool: the remote pool (``CalPath.POOL_GET``), or None.
     """
 
     def __init__(self, directory: Path, threads: int, device: torch.device, layout: KVLayout,
@@ -319,28 +320,28 @@ class Prober:
         self._steps: dict[tuple[str, int], Callable[[], float]] = {}
         self._raws: list = []
 
-    def step(self, path: h.CalPath, nbytes: int) -> Callable[[], float]:
+    def step(self, path: CalPath, nbytes: int) -> Callable[[], float]:
         """One timed run of ``path`` over ``nbytes`` (made once, then reused)."""
         key = (path, nbytes)
         if key not in self._steps:
             self._steps[key] = self._make(path, nbytes)
         return self._steps[key]
 
-    def _make(self, path: h.CalPath, nbytes: int) -> Callable[[], float]:
+    def _make(self, path: CalPath, nbytes: int) -> Callable[[], float]:
         s = self._scratch
-        if path == h.MEMCPY_1T:
+        if path == CalPath.MEMCPY_1T:
             return memcpy_1t(s, nbytes)
-        if path == h.MEMCPY_NT:
+        if path == CalPath.MEMCPY_NT:
             return memcpy_nt(s, nbytes)
-        if path == h.MEMCPY_ONE:
+        if path == CalPath.MEMCPY_ONE:
             return memcpy_one(s, nbytes)
-        if path == h.CHECKSUM:
+        if path == CalPath.CHECKSUM:
             return checksum(s, nbytes)
-        if path in (h.DISK_BLOCKS_WARM, h.DISK_BLOCKS_COLD):
-            return disk_blocks(s, nbytes, path == h.DISK_BLOCKS_COLD, self._layout)
-        if path == h.H2D_PINNED:
+        if path in (CalPath.DISK_BLOCKS_WARM, CalPath.DISK_BLOCKS_COLD):
+            return disk_blocks(s, nbytes, path == CalPath.DISK_BLOCKS_COLD, self._layout)
+        if path == CalPath.H2D_PINNED:
             return device_copy(nbytes, self._device, True, True)
-        if path == h.POOL_GET and self._pool is not None:
+        if path == CalPath.POOL_GET and self._pool is not None:
             return self._pool_get(nbytes, self._layout.block_bytes)
         raise ValueError(f"no probe for path {path.label!r} here")
 

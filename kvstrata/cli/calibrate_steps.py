@@ -24,19 +24,20 @@ def with_vllm_steps(calibration, model_dirs: list[str], dtype: str, pool: PoolCo
     from kvstrata.calibrate.serving.workload import ServeWorkload
     from kvstrata.calibrate.serving.steps import measure_vllm_steps
     from kvstrata.media import Medium
-    from kvstrata.plan.host import DISK_WRITE, MEMCPY_ONE, POOL_PUT
+    from kvstrata.plan.calpaths import CalPath
 
     halves = cpu_halves(sorted(os.sched_getaffinity(0)))  # bench serve's servers run on half the CPUs each
     cpus = None if halves is None else (halves[CPU_HALF[Instance.OURS]], halves[CPU_HALF[Instance.SECOND]])
     block_tokens = ServeWorkload().block_tokens  # bench serve's default block size
     pool_file = None
-    if pool is not None and POOL_PUT in calibration.paths:  # the connector's server stores in the pool too
+    if pool is not None and CalPath.POOL_PUT in calibration.paths:  # the connector's server stores in the pool too
         pool_file = pool.config_file
     prefill, decode, connector = dict(calibration.prefill), dict(calibration.decode), dict(calibration.connector)
     stalls = dict(calibration.stalls)
     for model_dir in model_dirs:
         block_bytes = model_facts(Path(model_dir), dtype).bytes_per_token * block_tokens
-        written = [MEMCPY_ONE, DISK_WRITE] + ([POOL_PUT] if pool_file is not None else [])  # the server's tiers
+        written = [CalPath.MEMCPY_ONE, CalPath.DISK_WRITE]  # the server's tiers
+        written += [CalPath.POOL_PUT] if pool_file is not None else []
         restore = lambda blocks: calibration.restore_s(Medium.HOST, blocks * block_bytes, blocks)  # noqa: E731
         store = lambda blocks: max(calibration.path(p).seconds(blocks * block_bytes) for p in written)  # noqa: E731
         remote = (lambda blocks: calibration.restore_s(Medium.REMOTE, blocks * block_bytes, blocks)) if pool_file else None  # noqa: E731

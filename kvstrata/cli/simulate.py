@@ -21,7 +21,7 @@ from kvstrata.plan.sharing import KVSharing
 from kvstrata.plan.sizing import InstanceSizing, WeightsDoNotFit, size_instances
 from kvstrata.sim.config import Routing, SimConfig
 from kvstrata.sim.instance import pack_servers
-from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S
+from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S, Summary
 from kvstrata.sim.run import offered_load, scale_time, simulate, trace_span_s
 from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES
 from kvstrata.sim.traceio import read_trace
@@ -143,18 +143,25 @@ def _policies(name: str | None) -> list[Policy]:
     return list(Policy) if name == "all" else [Policy.parse(name)]
 
 
-def render_policies(out: Console | HtmlPage, summaries) -> None:
+def versus_round_robin(summaries: list[Summary]) -> list[tuple[Summary, float | None]]:
+    """Each run with its TTFT p90 over round robin's on the same architecture and sharing mode
+    (None where round robin did not run there), by architecture, then fastest first. Runs are
+    matched by what ran (``spec``, ``sharing``, ``policy``), never by their labels."""
+    setup = lambda s: (s.spec, s.sharing)  # noqa: E731
+    rr = {setup(s): s.ttft_s["p90"] for s in summaries if s.policy is Policy.ROUND_ROBIN}
+    rows = sorted(summaries, key=lambda s: (s.spec.label, s.sharing.value, s.ttft_s["p90"]))
+    return [(s, s.ttft_s["p90"] / base if (base := rr.get(setup(s))) else None) for s in rows]
+
+
+def render_policies(out: Console | HtmlPage, summaries: list[Summary]) -> None:
     """TTFT per architecture and routing policy (labelled ``arch / policy``), each against round
-    robin's on the same architecture where it ran."""
+    robin's on the same architecture where it ran (:func:`versus_round_robin`)."""
     t = Table(title="TTFT per routing policy (the router's own policies, fed by the instances' caches)")
     for col in ("arch / policy", "TTFT p50 s", "TTFT p90 s", "p90 / round robin", "hit rate", "SLO"):
         t.add_column(col, justify="left" if col == "arch / policy" else "right")
-    arch_of = lambda s: s.arch.rsplit(" / ", 1)[0]  # noqa: E731
-    rr = {arch_of(s): s.ttft_s["p90"] for s in summaries if s.arch.endswith(f" / {Policy.ROUND_ROBIN.value}")}
-    for s in sorted(summaries, key=lambda s: (arch_of(s), s.ttft_s["p90"])):
-        base = rr.get(arch_of(s))
+    for s, ratio in versus_round_robin(summaries):
         t.add_row(s.arch, f"{s.ttft_s['p50']:.3f}", f"{s.ttft_s['p90']:.3f}",
-                  f"{s.ttft_s['p90'] / base:.2f}x" if base else "-",
+                  f"{ratio:.2f}x" if ratio is not None else "-",
                   " ".join(f"{HARDWARE_NAME[m]} {v:.0%}" for m, v in s.hit_rate.items()),
                   "[green]yes[/]" if s.meets_slo else "[red]no[/]")
     out.print(t)

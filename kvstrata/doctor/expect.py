@@ -16,7 +16,8 @@ from enum import Enum
 
 from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.media import Medium
-from kvstrata.plan.host import DISK_BLOCKS_COLD, RESTORE_FIXED, HostCalibration, PrefillFit
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import RESTORE_FIXED, HostCalibration, PrefillFit
 from kvstrata.plan.restore import RestoreEstimate, RestorePath, RestorePlanner, instance_gpus
 
 # The seed's path a restore from each tier takes into one GPU: a pool restore is a batched get
@@ -98,7 +99,7 @@ class Expectations:
         if medium is Medium.DEVICE or nbytes <= 0 or restores <= 0:
             return None
         if self.calibration is not None:
-            cold = medium is Medium.DISK and DISK_BLOCKS_COLD in self.calibration.paths
+            cold = medium is Medium.DISK and CalPath.DISK_BLOCKS_COLD in self.calibration.paths
             per_restore_bytes = int(nbytes / restores)
             try:
                 one = self.calibration.restore_s(medium, per_restore_bytes, max(1, round(blocks / restores)),

@@ -27,7 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvstrata.media import Medium
-from kvstrata.plan.host import DISK_READ_COLD, HostCalibration
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration
 from kvstrata.policies.payoff import MARGIN, DecayingFit, LoadOrRecompute, best_prefix
 
 
@@ -144,7 +145,7 @@ class ServerCost:
         prefill = calibration.prefill.get(model_id)
         if prefill is None:
             raise ValueError(f"no prefill calibrated for {model_id!r} on {calibration.host}")
-        cold = DISK_READ_COLD in calibration.paths
+        cold = CalPath.DISK_READ_COLD in calibration.paths
         lines = {}
         for medium in (Medium.HOST, Medium.DISK, Medium.REMOTE):
             try:

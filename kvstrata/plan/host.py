@@ -31,32 +31,9 @@ from kvstrata.plan.fits import GB, PathFit, PrefillFit, fit_path, fit_prefill
 from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 
 __all__ = [
-    "CHECKSUM", "CHECKSUM_NT", "D2H_PINNED", "DISK_BLOCKS_COLD", "DISK_BLOCKS_WARM", "DISK_READ_COLD",
-    "DISK_READ_COLD_NT", "DISK_READ_WARM", "DISK_READ_WARM_NT", "DISK_WRITE", "FIXED_COST_PATHS", "GB",
-    "H2D_PAGEABLE", "H2D_PINNED", "MEMCPY_1T", "MEMCPY_NT", "MEMCPY_ONE", "PATHS", "POOL_GET", "POOL_PUT",
-    "RATE_PATHS", "RESTORE_DISPATCH", "RESTORE_FIXED", "TIERS", "CalPath", "HostCalibration", "PathFit",
+    "FIXED_COST_PATHS", "GB", "PATHS", "RATE_PATHS", "RESTORE_FIXED", "TIERS", "CalPath", "HostCalibration", "PathFit",
     "PrefillFit", "fit_path", "fit_prefill", "restore_paths",
 ]
-
-# The paths by their short names, as ``calibrate`` measures them and ``validate`` checks them.
-MEMCPY_1T = CalPath.MEMCPY_1T
-MEMCPY_NT = CalPath.MEMCPY_NT
-MEMCPY_ONE = CalPath.MEMCPY_ONE
-H2D_PINNED = CalPath.H2D_PINNED
-H2D_PAGEABLE = CalPath.H2D_PAGEABLE
-D2H_PINNED = CalPath.D2H_PINNED
-DISK_READ_COLD = CalPath.DISK_READ_COLD
-DISK_READ_WARM = CalPath.DISK_READ_WARM
-DISK_READ_COLD_NT = CalPath.DISK_READ_COLD_NT
-DISK_READ_WARM_NT = CalPath.DISK_READ_WARM_NT
-DISK_WRITE = CalPath.DISK_WRITE
-CHECKSUM = CalPath.CHECKSUM
-CHECKSUM_NT = CalPath.CHECKSUM_NT
-POOL_GET = CalPath.POOL_GET
-POOL_PUT = CalPath.POOL_PUT
-DISK_BLOCKS_COLD = CalPath.DISK_BLOCKS_COLD
-DISK_BLOCKS_WARM = CalPath.DISK_BLOCKS_WARM
-RESTORE_DISPATCH = CalPath.RESTORE_DISPATCH
 
 RECALIBRATE = "run `kvstrata calibrate` again to write a new profile"
 
@@ -125,54 +102,54 @@ class HostCalibration:
           path stages them), then one pinned H2D copy.
         * remote: one batched pool get per worker's share, straight into the device slots on
           a CPU-only host (the pool path), then a pinned H2D copy on a GPU host.
-        * every restore that moves bytes also pays kvstrata's dispatch (``RESTORE_DISPATCH``),
-          when calibrated.
+        * every restore that moves bytes also pays kvstrata's dispatch
+          (``CalPath.RESTORE_DISPATCH``), when calibrated.
         """
         paths = restore_paths(tier, cold, self.device.startswith("cuda"), max(1, workers))
-        if MEMCPY_ONE in paths:
+        if CalPath.MEMCPY_ONE in paths:
             paths = (self._cpu_copy(workers),)
         if nbytes <= 0:
             return 0.0
         fixed = self.paths.get(RESTORE_FIXED[tier])
         if fixed is not None and all(p in self.paths for p in paths):
             return fixed.latency_s + sum(nbytes / (self.paths[p].gbps * GB) for p in paths)
-        dispatch = self.paths[RESTORE_DISPATCH].latency_s if RESTORE_DISPATCH in self.paths else 0.0
+        dispatch = self.paths[CalPath.RESTORE_DISPATCH].latency_s if CalPath.RESTORE_DISPATCH in self.paths else 0.0
         return dispatch + self._moved_s(tier, nbytes, blocks, workers, cold)
 
     def _moved_s(self, tier: Medium, nbytes: int, blocks: int, workers: int, cold: bool) -> float:
         workers = max(1, workers)
         cuda = self.device.startswith("cuda")
-        to_device = self.path(H2D_PINNED).seconds(nbytes) if cuda else 0.0
+        to_device = self.path(CalPath.H2D_PINNED).seconds(nbytes) if cuda else 0.0
         if tier is Medium.HOST:
             return self._copy_path(workers).seconds(nbytes)
         if tier is Medium.DISK:
-            blocks_path = DISK_BLOCKS_COLD if cold else DISK_BLOCKS_WARM
+            blocks_path = CalPath.DISK_BLOCKS_COLD if cold else CalPath.DISK_BLOCKS_WARM
             if blocks_path in self.paths:  # the tier's own pattern, measured whole
                 return self.paths[blocks_path].seconds(nbytes) + to_device
-            one = self.path(DISK_READ_COLD if cold else DISK_READ_WARM)
-            read = self._threaded(DISK_READ_COLD_NT if cold else DISK_READ_WARM_NT, one, workers, cold)
+            one = self.path(CalPath.DISK_READ_COLD if cold else CalPath.DISK_READ_WARM)
+            read = self._threaded(CalPath.DISK_READ_COLD_NT if cold else CalPath.DISK_READ_WARM_NT, one, workers, cold)
             per_file = math.ceil(max(1, blocks) / workers) * one.latency_s
             read_s = nbytes / (read.gbps * GB)
             check_s = 0.0
-            if CHECKSUM in self.paths:
-                check = self._threaded(CHECKSUM_NT, self.paths[CHECKSUM], workers, False)
+            if CalPath.CHECKSUM in self.paths:
+                check = self._threaded(CalPath.CHECKSUM_NT, self.paths[CalPath.CHECKSUM], workers, False)
                 check_s = nbytes / (check.gbps * GB)
             return per_file + read_s + check_s + to_device
         if tier is Medium.REMOTE:
-            return self.path(POOL_GET).seconds(nbytes) + to_device
+            return self.path(CalPath.POOL_GET).seconds(nbytes) + to_device
         raise ValueError(f"no restore from tier {tier.label!r}: expected host, disk or remote")
 
     def _copy_path(self, workers: int) -> PathFit:
         if self.device.startswith("cuda"):
-            return self.path(H2D_PINNED)
+            return self.path(CalPath.H2D_PINNED)
         return self.path(self._cpu_copy(workers))
 
     def _cpu_copy(self, workers: int) -> CalPath:
         """The path a load into a CPU device copies on; in a profile from before those loads
         were one copy, the closest it has."""
-        if MEMCPY_ONE in self.paths:
-            return MEMCPY_ONE
-        return MEMCPY_NT if workers > 1 and MEMCPY_NT in self.paths else MEMCPY_1T
+        if CalPath.MEMCPY_ONE in self.paths:
+            return CalPath.MEMCPY_ONE
+        return CalPath.MEMCPY_NT if workers > 1 and CalPath.MEMCPY_NT in self.paths else CalPath.MEMCPY_1T
 
     def _threaded(self, name: CalPath, one: PathFit, workers: int, cold: bool) -> PathFit:
         """The N-thread fit of a path when measured and ``workers`` > 1, else the one-thread

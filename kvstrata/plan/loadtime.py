@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import Counter
 
 from kvstrata.media import Medium
-from kvstrata.plan.host import DISK_READ_COLD, HostCalibration
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration
 from kvstrata.plan.recompute import LoadTime
 
 
@@ -37,7 +38,7 @@ def calibrated_load_time(
     Returns:
         ``L``; it raises KeyError for a tier whose path was not calibrated.
     """
-    cold = DISK_READ_COLD in calibration.paths
+    cold = CalPath.DISK_READ_COLD in calibration.paths
 
     def load_s(blocks: int) -> float:
         return sum(

@@ -113,7 +113,7 @@ def simulation_figures(outcomes: Sequence[SimOutcome], subject: str) -> dict[str
     figures = {}
     for latency in (TTFT, TPOT):
         samples = {
-            o.arch.label: [v for r in o.records if (v := getattr(r, latency.record_attr)) is not None]
+            o.label: [v for r in o.records if (v := getattr(r, latency.record_attr)) is not None]
             for o in outcomes
         }
         figures[f"{latency.name.lower()}_cdf"] = cdf_figure(samples, latency, subject, SIM_SLOS[latency])

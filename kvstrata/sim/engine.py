@@ -132,6 +132,7 @@ class Simulation:
             self.event_times,
             self.pool.stats() if Medium.REMOTE in self.arch.tiers else None,
             self.config.sharing,
+            self.config.policy,
         )
 
     def _net_wake(self, version: int) -> None:

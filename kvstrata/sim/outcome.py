@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from kvstrata.fleet.scorer import Policy
 from kvstrata.media import Medium
 from kvstrata.plan.sharing import KVSharing
 from kvstrata.sim.pool import PoolStats
@@ -37,6 +38,13 @@ class RequestRecord:
         return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
 
 
+def run_label(arch: ArchSpec, policy: Policy | None) -> str:
+    """How reports and plots name a run: the architecture's label, with the fleet policy that
+    routed it after `` / `` (``hbm / dynamo``, ``hbm / dynamo (write-back)``). For display only:
+    code that groups runs compares their :class:`ArchSpec` and :class:`Policy`."""
+    return arch.label if policy is None else replace(arch, name=f"{arch.name} / {policy.value}").label
+
+
 @dataclass
 class SimOutcome:
     """Raw results of one run; :mod:`kvstrata.sim.results` summarises them."""
@@ -53,3 +61,9 @@ class SimOutcome:
     event_times: list[float] = field(default_factory=list)
     pool: PoolStats | None = None  # what the shared pool held and served; None: no pool tier
     sharing: KVSharing = KVSharing.SLICED
+    policy: Policy | None = None  # the fleet policy that routed the run; None: the config's ``routing``
+
+    @property
+    def label(self) -> str:
+        """The run's display label (:func:`run_label`)."""
+        return run_label(self.arch, self.policy)

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstrata.fleet.scorer import Policy
 from kvstrata.media import Medium
 from kvstrata.plan.sharing import KVSharing
 from kvstrata.sim.outcome import SimOutcome
 from kvstrata.sim.pool import PoolStats
-from kvstrata.sim.tiers import HARDWARE_NAME
+from kvstrata.sim.tiers import HARDWARE_NAME, ArchSpec
 
 TTFT_P90_SLO_S = 2.0
 TPOT_P99_SLO_S = 0.100
@@ -29,6 +30,9 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Summary:
+    """One run's figures. ``arch`` is its display label (:func:`kvstrata.sim.outcome.run_label`);
+    ``spec``, ``sharing`` and ``policy`` say what ran, for code that groups or compares runs."""
+
     arch: str
     ttft_s: dict[str, float]
     tpot_s: dict[str, float]
@@ -39,23 +43,28 @@ class Summary:
     link_bytes: dict[str, float]
     link_utilisation: dict[str, float]
     meets_slo: bool
+    spec: ArchSpec
     gpus: int = 0
     tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
     pool: PoolStats | None = None  # the shared pool's own hits and copies; None: no pool tier
     sharing: KVSharing = KVSharing.SLICED
+    policy: Policy | None = None  # the fleet policy that routed the run; None: the config's routing
 
     @property
     def throughput_per_gpu(self) -> float:
         return self.throughput_tok_s / self.gpus if self.gpus else math.nan
 
     def to_json(self, pool: bool = False) -> dict:
-        """The summary; ``pool``: with the sharing mode and the pool's figures (a fleet's report)."""
+        """The summary; with ``policy`` where a fleet policy routed it; ``pool``: with the sharing
+        mode and the pool's figures (a fleet's report)."""
 
         def clean(x: float) -> float | None:
             return None if math.isnan(x) else x
 
+        routed = {"policy": self.policy.value} if self.policy is not None else {}
         return {
             "arch": self.arch,
+            **routed,
             "ttft_s": {k: clean(v) for k, v in self.ttft_s.items()},
             "tpot_s": {k: clean(v) for k, v in self.tpot_s.items()},
             "throughput_tok_s": self.throughput_tok_s,
@@ -91,7 +100,7 @@ def summarise(outcome: SimOutcome) -> Summary:
     ttft_q, tpot_q = quant(ttft), quant(tpot)
     meets = ttft_q["p90"] <= TTFT_P90_SLO_S and (not tpot or tpot_q["p99"] <= TPOT_P99_SLO_S)
     return Summary(
-        outcome.arch.label,
+        outcome.label,
         ttft_q,
         tpot_q,
         sum(ttft) / len(ttft) if ttft else math.nan,
@@ -101,10 +110,12 @@ def summarise(outcome: SimOutcome) -> Summary:
         link_bytes,
         util,
         bool(meets),
+        outcome.arch,
         outcome.gpus,
         dict(outcome.tier_writes),
         outcome.pool,
         outcome.sharing,
+        outcome.policy,
     )
 
 

@@ -9,7 +9,7 @@ from kvstrata.fleet.scorer import Policy
 from kvstrata.plan.sharing import KVSharing
 from kvstrata.sim.config import SimConfig
 from kvstrata.sim.engine import Simulation
-from kvstrata.sim.outcome import SimOutcome
+from kvstrata.sim.outcome import SimOutcome, run_label
 from kvstrata.sim.model import TimeModel
 from kvstrata.sim.results import Summary, rank, summarise
 from kvstrata.policies.write import WritePolicy
@@ -62,8 +62,9 @@ def simulate(
     policies: Sequence[Policy] = (),
 ) -> tuple[list[Summary], list[SimOutcome]]:
     """Run each architecture (in each of ``sharings``, labelled by it, when given; else in
-    ``config.sharing``; and routed by each of ``policies``, labelled ``arch / policy``, when
-    given; else as ``config`` routes); summaries ranked (see :func:`kvstrata.sim.results.rank`).
+    ``config.sharing``; and routed by each of ``policies``, carried as each outcome's and
+    summary's ``policy``, when given; else as ``config`` routes); summaries ranked (see
+    :func:`kvstrata.sim.results.rank`).
 
     Raises:
         ValueError: no requests (their percentiles would be undefined).
@@ -79,8 +80,6 @@ def simulate(
                 spec = parse_arch(name, write)
                 if sharing is not None:
                     spec = replace(spec, name=f"{spec.name} ({sharing.value})")
-                if policy is not None:
-                    spec = replace(spec, name=f"{spec.name} / {policy.value}")
-                cb = (lambda d, t, n=spec.name: progress(n, d, t)) if progress else None
+                cb = (lambda d, t, n=run_label(spec, policy): progress(n, d, t)) if progress else None
                 outcomes.append(Simulation(requests, setting, spec, cb).run())
     return rank([summarise(o) for o in outcomes]), outcomes

@@ -34,7 +34,8 @@ from kvstrata.cache import CacheConfig, TieredCache
 from kvstrata.errors import TierUnavailable
 from kvstrata.index.prefix import Match
 from kvstrata.media import Medium
-from kvstrata.plan.host import POOL_GET, HostCalibration
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration
 from kvstrata.pool.config import PoolConfig
 from kvstrata.workload.report import Tally, TierReport, TurnFigures, WorkloadReport
 from kvstrata.workload.spec import ALONE_REPEATS, TIERS, Texts, Workload
@@ -202,7 +203,7 @@ def run_e2e(
             if report.skipped is None:
                 report = dataclasses.replace(report, predicted_restore_s=_calibrated(calibration, tier, report.load_sizes))
             reports[tier] = report
-    pool_get = calibration.paths.get(POOL_GET)
+    pool_get = calibration.paths.get(CalPath.POOL_GET)
     return WorkloadReport(Path(model_dir), workload, reports, load_average, os.cpu_count(),
                           pool_gbps=pool_get.gbps if pool_get is not None else None)
 

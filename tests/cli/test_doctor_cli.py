@@ -9,7 +9,8 @@ from pathlib import Path
 
 from kvstrata.calibrate import base_profile_text, profile_text
 from kvstrata.cli import main
-from kvstrata.plan.host import DISK_BLOCKS_COLD, RESTORE_FIXED, HostCalibration, PathFit, PrefillFit
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import RESTORE_FIXED, HostCalibration, PathFit, PrefillFit
 from kvstrata.media import Medium
 
 DATA = Path(__file__).parents[1] / "doctor" / "data"
@@ -33,7 +34,7 @@ def doctor_json(capsys, *argv):
 
 
 def calibrated_profile(tmp_path: Path) -> Path:
-    cal = HostCalibration("vm", "cpu", 2, {DISK_BLOCKS_COLD: PathFit(0.0, 1.1),
+    cal = HostCalibration("vm", "cpu", 2, {CalPath.DISK_BLOCKS_COLD: PathFit(0.0, 1.1),
                                            RESTORE_FIXED[Medium.DISK]: PathFit(3e-4, math.inf)},
                           {"tiny": PrefillFit(0.02, 4000.0)})
     path = tmp_path / "calibrated.toml"

@@ -21,20 +21,14 @@ from kvstrata.doctor.observation import (
 )
 from kvstrata.hardware.profile import load_profile
 from kvstrata.media import Medium
-from kvstrata.plan.host import (
-    DISK_BLOCKS_COLD,
-    DISK_BLOCKS_WARM,
-    MEMCPY_ONE,
-    RESTORE_FIXED,
-    HostCalibration,
-    PathFit,
-    PrefillFit,
-)
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import RESTORE_FIXED, HostCalibration, PathFit, PrefillFit
 
 BLOCK = 64 * 1024  # the tiny model's 32-token block
 MB = 10**6
 CALIBRATION = HostCalibration("vm", "cpu", 2, {
-    MEMCPY_ONE: PathFit(0.0, 1.2), DISK_BLOCKS_WARM: PathFit(0.0, 5.4), DISK_BLOCKS_COLD: PathFit(0.0, 1.1),
+    CalPath.MEMCPY_ONE: PathFit(0.0, 1.2), CalPath.DISK_BLOCKS_WARM: PathFit(0.0, 5.4),
+    CalPath.DISK_BLOCKS_COLD: PathFit(0.0, 1.1),
     RESTORE_FIXED[Medium.HOST]: PathFit(1.6e-4, math.inf), RESTORE_FIXED[Medium.DISK]: PathFit(3.0e-4, math.inf),
 })
 

@@ -13,7 +13,8 @@ from kvstrata.fleet.index import FleetIndex, UnknownServer
 from kvstrata.fleet.scorer import (DYNAMO, LLM_D, OverlapWeights, PredictedTTFT, Request, RoundRobin, ServerState,
                                    predict)
 from kvstrata.media import Medium
-from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, MEMCPY_1T, HostCalibration, PathFit, PrefillFit
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration, PathFit, PrefillFit
 from kvstrata.plan.loadtime import calibrated_load_time
 from kvstrata.policies.payoff import LoadOrRecompute
 
@@ -176,7 +177,8 @@ def test_the_blocks_predicted_loaded_are_what_the_connector_grants(tiers, warmin
 def test_the_cost_from_a_calibration_is_the_planners_load_time():
     calibration = HostCalibration(
         "test", "cpu", 2,
-        {MEMCPY_1T: PathFit(0.0, 10.0), DISK_READ_COLD: PathFit(0.0, 1.0), DISK_READ_WARM: PathFit(0.0, 4.0)},
+        {CalPath.MEMCPY_1T: PathFit(0.0, 10.0), CalPath.DISK_READ_COLD: PathFit(0.0, 1.0),
+         CalPath.DISK_READ_WARM: PathFit(0.0, 4.0)},
         prefill={"m": PrefillFit(0.0, 1000.0)},
     )
     block_bytes = 1_000_000

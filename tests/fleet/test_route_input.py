@@ -90,6 +90,7 @@ def test_a_calibrated_host_prices_the_servers(tmp_path):
     from kvstrata.cli.route import calibrated_cost, register
     from kvstrata.hardware.profile import builtin_text
     from kvstrata.plan import host as h
+    from kvstrata.plan.calpaths import CalPath
 
     model = tmp_path / "my-model"
     model.mkdir()
@@ -97,7 +98,8 @@ def test_a_calibrated_host_prices_the_servers(tmp_path):
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 1000,
         "torch_dtype": "bfloat16", "max_position_embeddings": 2048}))
-    cal = h.HostCalibration("box", "cpu", 2, {h.MEMCPY_1T: h.PathFit(0.0, 10.0)}, {"my-model": h.PrefillFit(0.01, 2e4)})
+    cal = h.HostCalibration("box", "cpu", 2, {CalPath.MEMCPY_1T: h.PathFit(0.0, 10.0)},
+                            {"my-model": h.PrefillFit(0.01, 2e4)})
     profile = tmp_path / "p.toml"
     profile.write_text(profile_text(cal, builtin_text("workstation")))
     import argparse

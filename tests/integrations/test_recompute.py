@@ -13,7 +13,8 @@ from kvstrata.cache import CacheConfig, TieredCache  # noqa: E402
 from kvstrata.integrations.hf import KVStrataLM, model_layout  # noqa: E402
 from kvstrata.integrations.recompute import measure_prefill  # noqa: E402
 from kvstrata.media import Medium  # noqa: E402
-from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, HostCalibration, PathFit, PrefillFit  # noqa: E402
+from kvstrata.plan.calpaths import CalPath  # noqa: E402
+from kvstrata.plan.host import HostCalibration, PathFit, PrefillFit  # noqa: E402
 from kvstrata.plan.recompute import PlanKind  # noqa: E402
 
 BLOCK = 32
@@ -53,7 +54,8 @@ def disk_only(cache):
 
 def calibration(gbps: float, cpu_gbps: float = 1e3) -> HostCalibration:
     """Storage at ``gbps``; reads costing the cores ``cpu_gbps`` (the contention on a CPU host)."""
-    return HostCalibration("test", "cpu", 2, {DISK_READ_COLD: PathFit(0.0, gbps), DISK_READ_WARM: PathFit(0.0, cpu_gbps)})
+    return HostCalibration("test", "cpu", 2, {CalPath.DISK_READ_COLD: PathFit(0.0, gbps),
+                                              CalPath.DISK_READ_WARM: PathFit(0.0, cpu_gbps)})
 
 
 def test_each_strategy_gives_the_cold_tokens(model, ids, warm):
@@ -105,7 +107,8 @@ def test_on_the_cpu_a_load_that_takes_the_cores_rules_out_the_split(model, ids, 
 
 def test_auto_reads_the_cache_calibration_and_its_prefill(model, ids, warm):
     cache, cold = warm
-    cal = HostCalibration("test", "cpu", 2, {DISK_READ_COLD: PathFit(0.0, 1e3)}, {cache.config.model_id: PREFILL})
+    cal = HostCalibration("test", "cpu", 2, {CalPath.DISK_READ_COLD: PathFit(0.0, 1e3)},
+                          {cache.config.model_id: PREFILL})
     object.__setattr__(cache.config, "calibration", cal)  # as if configured so
     disk_only(cache)
     got = KVStrataLM(model, cache).generate(ids, NEW_TOKENS, store=False, strategy="auto")

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.plan import host as h
+from kvstrata.plan.calpaths import CalPath
 from kvstrata.media import Medium
 
 
@@ -62,20 +63,20 @@ def test_fit_rejects_bad_input_by_name(sizes, seconds, match):
 
 def _calibration(**extra) -> h.HostCalibration:
     paths = {
-        h.MEMCPY_1T: h.PathFit(1e-5, 10.0, 0.05, (1, 2)),
-        h.MEMCPY_NT: h.PathFit(2e-5, 16.0),
-        h.DISK_READ_WARM: h.PathFit(3e-5, 12.0),
-        h.DISK_READ_WARM_NT: h.PathFit(3e-5, 20.0),
-        h.DISK_READ_COLD: h.PathFit(1e-4, 3.0),
-        h.CHECKSUM: h.PathFit(0.0, 30.0),
-        h.POOL_GET: h.PathFit(1e-3, 5.0),
+        CalPath.MEMCPY_1T: h.PathFit(1e-5, 10.0, 0.05, (1, 2)),
+        CalPath.MEMCPY_NT: h.PathFit(2e-5, 16.0),
+        CalPath.DISK_READ_WARM: h.PathFit(3e-5, 12.0),
+        CalPath.DISK_READ_WARM_NT: h.PathFit(3e-5, 20.0),
+        CalPath.DISK_READ_COLD: h.PathFit(1e-4, 3.0),
+        CalPath.CHECKSUM: h.PathFit(0.0, 30.0),
+        CalPath.POOL_GET: h.PathFit(1e-3, 5.0),
     }
     return h.HostCalibration('host "a"', "cpu", 2, paths, {"m": h.PrefillFit(0.01, 5000.0, 1e-9)}, **extra)
 
 
 def test_toml_round_trip():
     cal = _calibration(efficiency={"pcie": 0.8})
-    cal.paths[h.RESTORE_DISPATCH] = h.fit_path([2048], [2e-4], fixed=True)  # gbps = inf: TOML's inf
+    cal.paths[CalPath.RESTORE_DISPATCH] = h.fit_path([2048], [2e-4], fixed=True)  # gbps = inf: TOML's inf
     assert h.HostCalibration.from_mapping(tomllib.loads(cal.to_toml())) == cal
 
 
@@ -96,12 +97,12 @@ def test_restore_composition_adds_up_per_tier():
 
 def test_restore_paths_per_tier():
     # Into a CPU device: one torch copy, however many workers (see CacheConfig.layer_ranges).
-    assert h.restore_paths(Medium.HOST, False, cuda=False, workers=2) == (h.MEMCPY_ONE,)
-    assert h.restore_paths(Medium.HOST, False, cuda=False, workers=1) == (h.MEMCPY_ONE,)
-    assert h.restore_paths(Medium.HOST, False, cuda=True, workers=2) == (h.H2D_PINNED,)
-    assert h.restore_paths(Medium.DISK, True, cuda=False, workers=2) == (h.DISK_BLOCKS_COLD,)
-    assert h.restore_paths(Medium.DISK, False, cuda=True, workers=2) == (h.DISK_BLOCKS_WARM, h.H2D_PINNED)
-    assert h.restore_paths(Medium.REMOTE, False, cuda=True, workers=2) == (h.POOL_GET, h.H2D_PINNED)
+    assert h.restore_paths(Medium.HOST, False, cuda=False, workers=2) == (CalPath.MEMCPY_ONE,)
+    assert h.restore_paths(Medium.HOST, False, cuda=False, workers=1) == (CalPath.MEMCPY_ONE,)
+    assert h.restore_paths(Medium.HOST, False, cuda=True, workers=2) == (CalPath.H2D_PINNED,)
+    assert h.restore_paths(Medium.DISK, True, cuda=False, workers=2) == (CalPath.DISK_BLOCKS_COLD,)
+    assert h.restore_paths(Medium.DISK, False, cuda=True, workers=2) == (CalPath.DISK_BLOCKS_WARM, CalPath.H2D_PINNED)
+    assert h.restore_paths(Medium.REMOTE, False, cuda=True, workers=2) == (CalPath.POOL_GET, CalPath.H2D_PINNED)
     with pytest.raises(ValueError, match="no restore from tier 'device'"):
         h.restore_paths(Medium.DEVICE, False, cuda=False, workers=2)
 
@@ -109,14 +110,14 @@ def test_restore_paths_per_tier():
 def test_restore_with_a_tier_fixed_cost_adds_the_paths_rates_only():
     cal = _calibration()
     cal.paths.update({
-        h.DISK_BLOCKS_WARM: h.PathFit(5e-4, 8.0), h.DISK_BLOCKS_COLD: h.PathFit(1e-3, 2.0),
-        h.RESTORE_DISPATCH: h.PathFit(9.0, math.inf),  # an old profile's: not used beside a tier's own
+        CalPath.DISK_BLOCKS_WARM: h.PathFit(5e-4, 8.0), CalPath.DISK_BLOCKS_COLD: h.PathFit(1e-3, 2.0),
+        CalPath.RESTORE_DISPATCH: h.PathFit(9.0, math.inf),  # an old profile's: not used beside a tier's own
         h.RESTORE_FIXED[Medium.HOST]: h.PathFit(1e-3, math.inf), h.RESTORE_FIXED[Medium.DISK]: h.PathFit(2e-3, math.inf),
     })
     n = 64 * 10**6
-    assert cal.restore_s(Medium.HOST, n, 8, workers=2) == pytest.approx(1e-3 + n / 16e9)  # MEMCPY_NT's latency not added
+    assert cal.restore_s(Medium.HOST, n, 8, workers=2) == pytest.approx(1e-3 + n / 16e9)  # memcpy_nt's latency not added
     assert cal.restore_s(Medium.HOST, n, 8, workers=1) == pytest.approx(1e-3 + n / 10e9)
-    cal.paths[h.MEMCPY_ONE] = h.PathFit(3e-5, 12.0)  # a profile that has it: the path a CPU load takes
+    cal.paths[CalPath.MEMCPY_ONE] = h.PathFit(3e-5, 12.0)  # a profile that has it: the path a CPU load takes
     assert cal.restore_s(Medium.HOST, n, 8, workers=2) == pytest.approx(1e-3 + n / 12e9)
     assert cal.restore_s(Medium.HOST, n, 8, workers=1) == pytest.approx(1e-3 + n / 12e9)
     assert cal.restore_s(Medium.DISK, n, 8, workers=2) == pytest.approx(2e-3 + n / 8e9)
@@ -170,7 +171,7 @@ def test_a_profile_written_before_stable_keys_still_loads(tmp_path):
     path = tmp_path / "old.toml"
     path.write_text(OLD_PROFILE)
     cal = h.HostCalibration.from_mapping(tomllib.loads(path.read_text()))
-    assert cal.paths == {h.MEMCPY_ONE: h.PathFit(3e-5, 12.0, 0.05, (2097152, 4194304)),
+    assert cal.paths == {CalPath.MEMCPY_ONE: h.PathFit(3e-5, 12.0, 0.05, (2097152, 4194304)),
                          h.RESTORE_FIXED[Medium.HOST]: h.PathFit(1e-3, math.inf, 0.0, (2048,))}
     assert cal.restore_s(Medium.HOST, 12 * 10**6, 1) == pytest.approx(1e-3 + 1e-3)
     assert (cal.host, cal.prefill["m"].tokens_per_s, cal.efficiency) == ("old-host", 5000.0, {"pcie": 0.8})

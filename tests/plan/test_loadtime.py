@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.media import Medium
-from kvstrata.plan.host import DISK_READ_COLD, DISK_READ_WARM, MEMCPY_1T, HostCalibration, PathFit
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration, PathFit
 from kvstrata.plan.loadtime import calibrated_contention, calibrated_load_time
 
 BLOCK_BYTES = 1_000_000
 # Fits with no latency: seconds are bytes over rate, so every figure below is exact.
 CALIBRATION = HostCalibration(
     "test", "cpu", 2,
-    {MEMCPY_1T: PathFit(0.0, 10.0), DISK_READ_COLD: PathFit(0.0, 1.0), DISK_READ_WARM: PathFit(0.0, 4.0)},
+    {CalPath.MEMCPY_1T: PathFit(0.0, 10.0), CalPath.DISK_READ_COLD: PathFit(0.0, 1.0),
+     CalPath.DISK_READ_WARM: PathFit(0.0, 4.0)},
 )
 MEDIA = (Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.DISK)  # the hit's blocks, in prompt order
 
@@ -35,7 +37,7 @@ def test_contention_is_the_warm_path_on_a_cpu_and_none_on_a_gpu():
 
 
 def test_contention_falls_back_to_the_whole_load_where_a_path_is_missing():
-    cold_only = HostCalibration("test", "cpu", 2, {DISK_READ_COLD: PathFit(0.0, 1.0)})
+    cold_only = HostCalibration("test", "cpu", 2, {CalPath.DISK_READ_COLD: PathFit(0.0, 1.0)})
     load = calibrated_load_time(cold_only, (Medium.DISK,) * 2, BLOCK_BYTES, workers=1)
     contention = calibrated_contention(cold_only, (Medium.DISK,) * 2, BLOCK_BYTES, load, on_cpu=True)
     assert contention(2) == load(2) == pytest.approx(2e-3)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.plan.host import MEMCPY_1T, POOL_GET, HostCalibration, PathFit, PrefillFit
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration, PathFit, PrefillFit
 from kvstrata.plan.sittings import combine
 from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 
 
 def _sitting(together: float, request_s: float, stalls: Stalls, gbps: float = 10.0, pool: bool = False) -> HostCalibration:
-    paths = {MEMCPY_1T: PathFit(1e-5 * together, gbps, together / 10, (1 << 20,))}
+    paths = {CalPath.MEMCPY_1T: PathFit(1e-5 * together, gbps, together / 10, (1 << 20,))}
     if pool:
-        paths[POOL_GET] = PathFit(2e-4, 3.0, 0.1, (4 << 20,))
+        paths[CalPath.POOL_GET] = PathFit(2e-4, 3.0, 0.1, (4 << 20,))
     return HostCalibration("box", "cpu", 2, paths, {"tiny": PrefillFit(0.01 * together, 2e4)}, {},
                            {"tiny": DecodeFit(0.004, 1e-4, 0.0, together, 0.9, 1.2)},
                            {"tiny": ConnectorFit(request_s, 0.002)}, {"tiny": stalls})
@@ -27,8 +28,8 @@ def test_each_figure_is_the_median_of_its_sittings_and_the_stalls_are_pooled():
     assert c.decode["tiny"] == DecodeFit(0.004, 1e-4, 0.0, 1.6, 0.9, 1.2)
     assert c.connector["tiny"] == ConnectorFit(0.018, 0.002)
     assert c.prefill["tiny"].latency_s == pytest.approx(0.016)
-    assert c.paths[MEMCPY_1T].gbps == 10.0 and c.paths[MEMCPY_1T].spread == pytest.approx(0.22)
-    assert c.paths[POOL_GET] == sittings[2].paths[POOL_GET]  # one sitting had it: its own
+    assert c.paths[CalPath.MEMCPY_1T].gbps == 10.0 and c.paths[CalPath.MEMCPY_1T].spread == pytest.approx(0.22)
+    assert c.paths[CalPath.POOL_GET] == sittings[2].paths[CalPath.POOL_GET]  # one sitting had it: its own
     stalls = c.stalls["tiny"]
     assert (stalls.alone, stalls.beside) == pytest.approx((0.05 / 3, 0.1))
     assert (stalls.alone_s, stalls.beside_s) == ((0.08,), (0.1, 0.2, 0.3))

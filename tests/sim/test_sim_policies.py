@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
 from kvstrata.fleet.scorer import Policy
 from kvstrata.hardware.profile import load_profile
 from kvstrata.kv.presets import load_geometry
+from kvstrata.cli.simulate import versus_round_robin
 from kvstrata.media import Medium
+from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.config import SimConfig
 from kvstrata.sim.engine import Simulation
 from kvstrata.sim.run import simulate
@@ -61,8 +64,6 @@ def test_a_policys_run_is_deterministic(config):
 
 
 def test_the_index_ends_as_the_caches_and_the_queues_empty(config):
-    from dataclasses import replace
-
     sim = Simulation(prefix_reuse(requests=150), replace(config, policy=Policy.DYNAMO), parse_arch("hbm"))
     sim.run()
     for inst in sim.instances:
@@ -83,7 +84,28 @@ def test_simulate_policy_all_prints_a_ttft_table_per_policy(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["policies"] == [p.value for p in Policy]
     assert {a["arch"] for a in doc["architectures"]} == {f"hbm / {p.value}" for p in Policy}
+    assert {a["arch"]: a["policy"] for a in doc["architectures"]} == {f"hbm / {p.value}": p.value for p in Policy}
     assert main([*argv, "--policy", "all"]) == 0
     assert "TTFT per routing policy" in capsys.readouterr().out
+    # Write-back's label ends "hbm / round-robin (write-back)": round robin's row is still found, by its policy.
+    assert main([*argv, "--policy", "all", "--write", "back"]) == 0
+    assert "1.00x" in capsys.readouterr().out
     assert main([*argv, "--policy", "fastest"]) == 2
     assert "unknown routing policy 'fastest'" in capsys.readouterr().err
+
+
+def test_each_run_is_compared_with_round_robin_on_what_ran_not_on_its_label(config):
+    summaries, _ = simulate(prefix_reuse(requests=150), config, ["hbm", "hbm+dram"], write=WritePolicy.WRITE_BACK,
+                            policies=[Policy.DYNAMO, Policy.ROUND_ROBIN])
+    assert "hbm / round-robin (write-back)" in {s.arch for s in summaries}  # the policy inside the label
+    rr = {s.spec: s.ttft_s["p90"] for s in summaries if s.policy is Policy.ROUND_ROBIN}
+    # Labels that name nothing (an architecture or policy renamed for display): the same comparison.
+    relabelled = [replace(s, arch=f"x / y / {i}") for i, s in enumerate(summaries)]
+    rows = versus_round_robin(relabelled)
+    assert len(rows) == 4 and {(s.spec.name, s.policy) for s, _ in rows} == \
+        {(a, p) for a in ("hbm", "hbm+dram") for p in (Policy.DYNAMO, Policy.ROUND_ROBIN)}
+    for s, ratio in rows:
+        assert ratio == pytest.approx(s.ttft_s["p90"] / rr[s.spec]), s.arch
+        if s.policy is Policy.ROUND_ROBIN:
+            assert ratio == 1.0
+    assert [s.spec.name for s, _ in rows] == ["hbm", "hbm", "hbm+dram", "hbm+dram"]  # grouped by architecture

@@ -33,12 +33,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstrata.media import Medium
-from kvstrata.plan.host import MEMCPY_ONE, POOL_PUT, DISK_WRITE, HostCalibration, PrefillFit
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import HostCalibration, PrefillFit
 from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 from kvstrata.sim.serving.store import StoreHit
 
 LOAD_TIER = {Medium.DEVICE: Medium.HOST, Medium.HOST: Medium.HOST, Medium.DISK: Medium.DISK, Medium.REMOTE: Medium.REMOTE}
-STORE_PATH = {Medium.HOST: MEMCPY_ONE, Medium.DISK: DISK_WRITE, Medium.REMOTE: POOL_PUT}
+STORE_PATH = {Medium.HOST: CalPath.MEMCPY_ONE, Medium.DISK: CalPath.DISK_WRITE, Medium.REMOTE: CalPath.POOL_PUT}
 
 
 @dataclass(frozen=True)

@@ -22,27 +22,18 @@ from kvstrata.calibrate.serving.validate import (
 from kvstrata.cli import main
 from kvstrata.media import Medium
 from kvstrata.report import to_json
-from kvstrata.plan.host import (
-    DISK_BLOCKS_WARM,
-    DISK_WRITE,
-    MEMCPY_ONE,
-    POOL_GET,
-    POOL_PUT,
-    RESTORE_FIXED,
-    HostCalibration,
-    PathFit,
-    PrefillFit,
-)
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import RESTORE_FIXED, HostCalibration, PathFit, PrefillFit
 from kvstrata.plan.steps import DecodeFit
 
 MODEL = "tiny-llama"
 WORKLOAD = ServeWorkload(conversations=4, turns=2, max_tokens=8, user_tokens=16, block_tokens=16,
                          max_model_len=256, rate_per_s=8.0)
-PATHS = {MEMCPY_ONE: PathFit(0.0, 5.0), RESTORE_FIXED[Medium.HOST]: PathFit(0.001, math.inf),
-         DISK_BLOCKS_WARM: PathFit(0.0, 2.0), RESTORE_FIXED[Medium.DISK]: PathFit(0.002, math.inf),
-         DISK_WRITE: PathFit(0.0005, 1.0)}
-POOL_PATHS = {POOL_GET: PathFit(0.0, 1.0), RESTORE_FIXED[Medium.REMOTE]: PathFit(0.003, math.inf),
-              POOL_PUT: PathFit(0.0005, 1.0)}
+PATHS = {CalPath.MEMCPY_ONE: PathFit(0.0, 5.0), RESTORE_FIXED[Medium.HOST]: PathFit(0.001, math.inf),
+         CalPath.DISK_BLOCKS_WARM: PathFit(0.0, 2.0), RESTORE_FIXED[Medium.DISK]: PathFit(0.002, math.inf),
+         CalPath.DISK_WRITE: PathFit(0.0005, 1.0)}
+POOL_PATHS = {CalPath.POOL_GET: PathFit(0.0, 1.0), RESTORE_FIXED[Medium.REMOTE]: PathFit(0.003, math.inf),
+              CalPath.POOL_PUT: PathFit(0.0005, 1.0)}
 
 
 def _calibration(paths: dict[str, PathFit] = PATHS) -> HostCalibration:

@@ -11,16 +11,8 @@ from collections import Counter
 import pytest
 
 from kvstrata.media import Medium
-from kvstrata.plan.host import (
-    DISK_BLOCKS_WARM,
-    DISK_WRITE,
-    MEMCPY_ONE,
-    POOL_GET,
-    RESTORE_FIXED,
-    HostCalibration,
-    PathFit,
-    PrefillFit,
-)
+from kvstrata.plan.calpaths import CalPath
+from kvstrata.plan.host import RESTORE_FIXED, HostCalibration, PathFit, PrefillFit
 from kvstrata.plan.steps import ConnectorFit, DecodeFit, Stalls
 from kvstrata.calibrate.serving.sim import counters_of
 from kvstrata.sim.serving.cpus import HostCpus
@@ -39,8 +31,9 @@ HOST_FIXED_S, HOST_GBPS = 0.003, 1.0
 DISK_FIXED_S, DISK_GBPS = 0.005, 0.5
 CALIBRATION = HostCalibration(
     "test-host", "cpu", 2,
-    paths={MEMCPY_ONE: PathFit(0.0, HOST_GBPS), RESTORE_FIXED[Medium.HOST]: PathFit(HOST_FIXED_S, math.inf),
-           DISK_BLOCKS_WARM: PathFit(0.0, DISK_GBPS), RESTORE_FIXED[Medium.DISK]: PathFit(DISK_FIXED_S, math.inf)},
+    paths={CalPath.MEMCPY_ONE: PathFit(0.0, HOST_GBPS), RESTORE_FIXED[Medium.HOST]: PathFit(HOST_FIXED_S, math.inf),
+           CalPath.DISK_BLOCKS_WARM: PathFit(0.0, DISK_GBPS),
+           RESTORE_FIXED[Medium.DISK]: PathFit(DISK_FIXED_S, math.inf)},
     prefill={MODEL: PREFILL}, decode={MODEL: DECODE})
 
 
@@ -96,10 +89,11 @@ def test_serving_times_of_names_what_the_profile_lacks():
         ServingTimes.of(CALIBRATION, "other", BLOCK_BYTES)
     with pytest.raises(ValueError, match=r"load from remote \(calibrate with --pool\).*'pool get'"):
         ServingTimes.of(CALIBRATION, MODEL, BLOCK_BYTES, tiers=(Medium.HOST, Medium.REMOTE))
-    no_disk = HostCalibration("h", "cpu", 2, {MEMCPY_ONE: PathFit(0.0, 1.0)}, {MODEL: PREFILL}, decode={MODEL: DECODE})
+    no_disk = HostCalibration("h", "cpu", 2, {CalPath.MEMCPY_ONE: PathFit(0.0, 1.0)}, {MODEL: PREFILL},
+                              decode={MODEL: DECODE})
     with pytest.raises(ValueError, match="load from disk"):
         ServingTimes.of(no_disk, MODEL, BLOCK_BYTES)
-    with_pool = HostCalibration("h", "cpu", 2, {**CALIBRATION.paths, POOL_GET: PathFit(0.0, 2.0)},
+    with_pool = HostCalibration("h", "cpu", 2, {**CALIBRATION.paths, CalPath.POOL_GET: PathFit(0.0, 2.0)},
                                 {MODEL: PREFILL}, decode={MODEL: DECODE})
     assert ServingTimes.of(with_pool, MODEL, BLOCK_BYTES, tiers=(Medium.HOST, Medium.REMOTE)).block_bytes == BLOCK_BYTES
 
@@ -116,7 +110,7 @@ def test_a_load_takes_each_tiers_restore_one_after_another():
 
 
 def test_a_load_from_the_pool_pays_what_loads_from_it_took_beyond_its_path_as_served():
-    with_pool = HostCalibration("h", "cpu", 2, {**CALIBRATION.paths, POOL_GET: PathFit(0.0, 2.0)},
+    with_pool = HostCalibration("h", "cpu", 2, {**CALIBRATION.paths, CalPath.POOL_GET: PathFit(0.0, 2.0)},
                                 {MODEL: PREFILL}, decode={MODEL: DECODE})
     path = ServingTimes(PREFILL, DECODE, with_pool, BLOCK_BYTES)
     served = dataclasses.replace(path, connector=ConnectorFit(0.0, 0.001, 0.012))
@@ -253,7 +247,8 @@ def test_the_null_block_is_left_out_of_the_servers_kv_memory():
 # --- kvstrata's store behind the server -----------------------------------------------------------
 
 DISK_WRITE_GBPS = 0.25  # slower than the host's copy: a synchronous save waits for the disk
-SAVING = dataclasses.replace(CALIBRATION, paths={**CALIBRATION.paths, DISK_WRITE: PathFit(0.0, DISK_WRITE_GBPS)})
+SAVING = dataclasses.replace(CALIBRATION,
+                             paths={**CALIBRATION.paths, CalPath.DISK_WRITE: PathFit(0.0, DISK_WRITE_GBPS)})
 
 
 def _connected(clock: Clock, host_blocks: int = 32, disk_blocks: int = 64, sync_save: bool = False,
