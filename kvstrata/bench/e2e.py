@@ -1,7 +1,7 @@
 """``kvstrata bench e2e``: the workload runner's report (:mod:`kvstrata.workload`, what
 ``kvstrata demo`` runs) with LMCache beside it on the same prompts, turn by turn.
 
-LMCache runs in a venv of its own (:class:`kvstrata.bench.lmcache_e2e.SideSession`), for the
+LMCache runs in a venv of its own (:class:`kvstrata.bench.lmcache_side.SideSession`), for the
 tiers both have (host, disk), with LMCache's chunk = our block. Its turns are interleaved with
 ours: each of our turns is followed (or, every other turn, preceded) by LMCache's turn on the
 same prompt through the same tier, and plain transformers' cold TTFT on that prompt is timed
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import lmcache_e2e
+from kvstrata.bench.lmcache_side import SideSession, SideSessionError
 from kvstrata.rounds import Skipped, Spread
 from kvstrata.media import Medium
 from kvstrata.report import FLATTEN
@@ -82,19 +83,19 @@ class LMCacheBeside:
         self.answer_tokens = workload.answer_tokens
         self.turns: dict[Medium, list[dict[str, Any]]] = {t: [] for t in self.tiers}
         self.failed: str | None = None
-        self._side: lmcache_e2e.SideSession | None = None
+        self._side: SideSession | None = None
         self._about: dict[str, Any] = {}
         if not self.tiers:
             self.failed = "no tier LMCache has (host, disk) was asked for"
             return
         try:
-            self._side = lmcache_e2e.SideSession(
+            self._side = SideSession(
                 python_exe, model_dir, [t.label for t in self.tiers],
                 capacity_tokens=workload.capacity_blocks() * workload.block_tokens,
                 chunk_tokens=workload.block_tokens,
                 drop_page_cache=False,  # ours reads just-written files from the page cache too
             )
-        except lmcache_e2e.SideSessionError as exc:
+        except SideSessionError as exc:
             self.failed = str(exc)
 
     def __call__(self, tier: Medium, index: int, prompt: list[int]) -> None:
@@ -102,7 +103,7 @@ class LMCacheBeside:
             return
         try:
             turn = self._side.turn(index, prompt, self.answer_tokens, [tier.label])[tier.label]
-        except lmcache_e2e.SideSessionError as exc:
+        except SideSessionError as exc:
             self.failed = f"stopped at {tier.label} turn {index}: {exc}"
             self.close()
             return

@@ -96,7 +96,7 @@ def test_paired_ratios_are_per_turn_medians_with_their_spread():
 
 
 def test_a_side_session_without_lmcache_fails_with_its_stderr(tmp_path):
-    from kvstrata.bench.lmcache_e2e import SideSession, SideSessionError
+    from kvstrata.bench.lmcache_side import SideSession, SideSessionError
 
     if importlib.util.find_spec("lmcache") is not None:
         pytest.skip("this interpreter has lmcache")
@@ -109,7 +109,7 @@ def test_a_side_session_without_lmcache_fails_with_its_stderr(tmp_path):
 
 @needs_lmcache
 def test_a_side_session_answers_turn_by_turn_and_names_a_bad_request(tiny_model):
-    from kvstrata.bench.lmcache_e2e import SideSession, SideSessionError
+    from kvstrata.bench.lmcache_side import SideSession, SideSessionError
 
     prompts = _prompts()
     with SideSession(sys.executable, tiny_model, ["host"], capacity_tokens=4096, chunk_tokens=CHUNK) as side:
