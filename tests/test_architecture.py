@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvstrata"
 
 # The pure core: deterministic, testable anywhere, no torch, no I/O but its loaders'.
 PURE_PACKAGES = ("hardware", "kv", "index", "policies", "plan", "sim", "manager")
-PURE_MODULES = ("media", "errors", "lab/spec", "lab/model",  # the lab's cluster and the planner's view of it
+PURE_MODULES = ("media", "errors", "slo", "lab/spec", "lab/model",  # the lab's cluster and the planner's view of it
                 # a fleet's events, index and routing (not their wire or socket: fleet/wire, fleet/publisher)
                 "fleet/events", "fleet/index", "fleet/cost", "fleet/scorer", "fleet/recorder", "fleet/router",
                 "fleet/prompt")

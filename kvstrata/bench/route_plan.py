@@ -7,44 +7,24 @@ conversations (the same trace, lengths and pace) with token ids of its own
 (:func:`~kvstrata.calibrate.serving.workload.plan_conversations`' ``variant``: one per pass,
 never reused in the run), so no pass finds another's KV on any server or in the pool.
 
-Goodput. A request meets the SLO when its TTFT is at most ``Slo.ttft_s`` and its TPOT at most
-``Slo.tpot_s`` (a one-token answer has no TPOT: TTFT alone). A pass's goodput is the share of
-its requests that meet it, and those requests over the pass's wall time (requests/s meeting the
-SLO at the offered load), as DistServe counts goodput at one rate rather than searching rates.
+Goodput (:mod:`kvstrata.slo`, as the simulator counts it): a pass's share of requests with TTFT
+and TPOT within the SLO, and those requests over the pass's wall time.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstrata.calibrate.serving.measured import RequestRecord
 from kvstrata.calibrate.serving.servers import ServeBenchConfig
 from kvstrata.fleet.scorer import Policy
 from kvstrata.rounds import rotated
+from kvstrata.slo import Slo
 
 BASELINE = Policy.ROUND_ROBIN  # every ratio is over it
 POLICIES = (Policy.ROUND_ROBIN, Policy.DYNAMO, Policy.LLM_D, Policy.PREDICTED_TTFT)
 SERVERS = (2, 3)  # on one pool; CPU halves are dealt in turn
-
-
-@dataclass(frozen=True)
-class Slo:
-    """A request's targets: time to the first token and time per output token, seconds."""
-
-    ttft_s: float = 0.1
-    tpot_s: float = 0.05
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"bench route: the SLO's {name} must be a number of seconds > 0, got {value!r}")
-
-    def met(self, record: RequestRecord) -> bool:
-        return record.ttft_s <= self.ttft_s and (record.tpot_s is None or record.tpot_s <= self.tpot_s)
 
 
 @dataclass(frozen=True)
@@ -62,7 +42,7 @@ class RouteBenchConfig:
     serve: ServeBenchConfig
     servers: int = 2
     policies: tuple[Policy, ...] = POLICIES
-    slo: Slo = Slo()
+    slo: Slo = Slo(ttft_s=0.1, tpot_s=0.05)  # the tiny model on a CPU host
 
     def __post_init__(self) -> None:
         if self.servers not in SERVERS:
@@ -90,23 +70,6 @@ def plan_passes(policies: Sequence[Policy], rounds: int) -> tuple[tuple[Pass, ..
         raise ValueError(f"bench route: needs >= 1 round and >= 1 policy, got {rounds} and {len(policies)}")
     return tuple(tuple(Pass(r, i, p, r * len(policies) + i) for i, p in enumerate(rotated(policies, r)))
                  for r in range(rounds))
-
-
-@dataclass(frozen=True)
-class Goodput:
-    """Requests that met the SLO: how many, their share, and per second of the passes' wall time."""
-
-    met: int
-    requests: int
-    share: float
-    per_s: float
-
-
-def goodput(records: Sequence[RequestRecord], slo: Slo, wall_s: float) -> Goodput:
-    """``records``' goodput under ``slo`` over ``wall_s`` seconds (see the module text)."""
-    met = sum(1 for r in records if slo.met(r))
-    return Goodput(met, len(records), met / len(records) if records else math.nan,
-                   met / wall_s if wall_s > 0 else math.nan)
 
 
 def per_token_s(short: Sequence[tuple[int, float]], long: Sequence[tuple[int, float]]) -> float:

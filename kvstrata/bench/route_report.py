@@ -16,12 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvstrata.bench.route_plan import BASELINE, Goodput, Pass, RouteBenchConfig, goodput
+from kvstrata.bench.route_plan import BASELINE, Pass, RouteBenchConfig
 from kvstrata.bench.serve_report import TIE_NATS, checked
 from kvstrata.calibrate.serving.counters import Counters
 from kvstrata.calibrate.serving.measured import Measured, RequestRecord, measure, total
 from kvstrata.fleet.scorer import Policy
 from kvstrata.rounds import Skipped, Spread
+from kvstrata.slo import Goodput, goodput
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -21,10 +21,11 @@ from kvstrata.plan.sharing import KVSharing
 from kvstrata.plan.sizing import InstanceSizing, WeightsDoNotFit, size_instances
 from kvstrata.sim.config import Routing, SimConfig
 from kvstrata.sim.instance import pack_servers
-from kvstrata.sim.results import TPOT_P99_SLO_S, TTFT_P90_SLO_S, Summary
+from kvstrata.sim.results import GOODPUT_SLO, TPOT_P99_SLO_S, TTFT_P90_SLO_S, Summary
 from kvstrata.sim.run import offered_load, scale_time, simulate, trace_span_s
 from kvstrata.sim.tiers import HARDWARE_NAME, WRITE_NAMES
 from kvstrata.sim.traceio import read_trace
+from kvstrata.slo import Slo
 
 if TYPE_CHECKING:
     from kvstrata.page import HtmlPage
@@ -57,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"route by a fleet policy, the router's own ({', '.join(x.value for x in Policy)}), or "
                         "'all' to run each on the same trace, a TTFT table per policy; instead of --route")
     p.add_argument("--pool-tokens", type=int, default=None, help="the pool's capacity in tokens (default: the profile's)")
+    p.add_argument("--slo-ttft-ms", type=float, default=GOODPUT_SLO.ttft_s * 1e3,
+                   help="goodput: a request meets the SLO with TTFT at most this (default %(default)g)")
+    p.add_argument("--slo-tpot-ms", type=float, default=GOODPUT_SLO.tpot_s * 1e3,
+                   help="... and TPOT at most this (default %(default)g; a one-token answer: TTFT alone)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF plots here (ttft_cdf.png, tpot_cdf.png)")
     cli.add_html_arg(p, "the ranking table and the CDF plots")
@@ -84,6 +89,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     geometry, profile = load_geometry(args.model), resolve_profile(args.hardware)
     sharings = _sharings(args)
     policies = _policies(args.policy)
+    slo = _slo(args)
     extra = {"tier_tokens": _pool_tokens(args), "routing": Routing(args.route), "restore_slots": args.restore_slots}
     if args.fleet_tp is not None:
         sizing, fleet = None, _fleet(geometry, profile, args)
@@ -106,10 +112,11 @@ def run_simulate(args: argparse.Namespace) -> int:
             bar.update(tasks[a], completed=done)
 
         summaries, outcomes = simulate(requests, config, archs, step, write=WRITE_NAMES[args.write], sharings=sharings,
-                                       policies=policies)
+                                       policies=policies, slo=slo)
     if args.json:
         doc = {"gpus_per_instance": config.gpus_per_instance, "instances": config.instance_count,
-               "gpus_basis": sizing.basis.value if sizing else "fleet", "offered_load": load}
+               "gpus_basis": sizing.basis.value if sizing else "fleet", "offered_load": load,
+               "goodput_slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}}
         if sharings:
             doc |= {"fleet_tp": list(config.instance_tps), "routing": config.routing.value,
                     "kv_sharing": [m.value for m in sharings]}
@@ -118,13 +125,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         doc["architectures"] = [s.to_json(pool=bool(sharings)) for s in summaries]
         print(json.dumps(doc, indent=2))
     else:
-        render(cli.console(), requests, summaries, load, setting, config.instance_count)
+        render(cli.console(), requests, summaries, load, setting, config.instance_count, slo)
         if sharings:
             render_pool(cli.console(), summaries)
         if policies:
             render_policies(cli.console(), summaries)
     if args.plot or args.html:
-        _pictures(args, config, requests, summaries, outcomes, load, setting, bool(sharings))
+        _pictures(args, config, requests, summaries, outcomes, load, setting, bool(sharings), slo)
     return 0
 
 
@@ -134,6 +141,20 @@ def _sharings(args: argparse.Namespace) -> list[KVSharing]:
     if args.kv_sharing == "both" or (args.kv_sharing is None and args.fleet_tp is not None):
         return list(KVSharing)
     return [KVSharing(args.kv_sharing)] if args.kv_sharing else []
+
+
+def _slo(args: argparse.Namespace) -> Slo:
+    """``--slo-ttft-ms`` and ``--slo-tpot-ms``, checked; errors name the flags."""
+    try:
+        return Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    except ValueError:
+        raise cli.CliError(f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {args.slo_ttft_ms:g} and "
+                           f"{args.slo_tpot_ms:g}") from None
+
+
+def goodput_text(s: Summary) -> str:
+    """A run's goodput: the share of requests within the SLO, and those per simulated second."""
+    return f"{s.goodput.share:.0%} ({s.goodput.per_s:.2f}/s)"
 
 
 def _policies(name: str | None) -> list[Policy]:
@@ -157,11 +178,11 @@ def render_policies(out: Console | HtmlPage, summaries: list[Summary]) -> None:
     """TTFT per architecture and routing policy (labelled ``arch / policy``), each against round
     robin's on the same architecture where it ran (:func:`versus_round_robin`)."""
     t = Table(title="TTFT per routing policy (the router's own policies, fed by the instances' caches)")
-    for col in ("arch / policy", "TTFT p50 s", "TTFT p90 s", "p90 / round robin", "hit rate", "SLO"):
+    for col in ("arch / policy", "TTFT p50 s", "TTFT p90 s", "p90 / round robin", "goodput", "hit rate", "SLO"):
         t.add_column(col, justify="left" if col == "arch / policy" else "right")
     for s, ratio in versus_round_robin(summaries):
         t.add_row(s.arch, f"{s.ttft_s['p50']:.3f}", f"{s.ttft_s['p90']:.3f}",
-                  f"{ratio:.2f}x" if ratio is not None else "-",
+                  f"{ratio:.2f}x" if ratio is not None else "-", goodput_text(s),
                   " ".join(f"{HARDWARE_NAME[m]} {v:.0%}" for m, v in s.hit_rate.items()),
                   "[green]yes[/]" if s.meets_slo else "[red]no[/]")
     out.print(t)
@@ -212,10 +233,13 @@ def render_pool(out: Console | HtmlPage, summaries) -> None:
     out.print(t)
 
 
-def render(out: Console | HtmlPage, requests, summaries, load: float | None, sizing: str, instances: int) -> None:
+def render(out: Console | HtmlPage, requests, summaries, load: float | None, sizing: str, instances: int,
+           slo: Slo = GOODPUT_SLO) -> None:
     """The GPUs chosen, the ranking table and the offered-load line, to a console or an HTML page."""
-    t = Table(title=f"{len(requests):,} requests; SLO: TTFT p90 <= {TTFT_P90_SLO_S:g} s, TPOT p99 <= {TPOT_P99_SLO_S * 1e3:g} ms")
-    for col in ("rank", "arch", "GPUs", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "tok/s/GPU", "hit rate", "SLO"):
+    t = Table(title=f"{len(requests):,} requests; SLO: TTFT p90 <= {TTFT_P90_SLO_S:g} s, TPOT p99 <= {TPOT_P99_SLO_S * 1e3:g} ms; "
+                    f"goodput: requests with TTFT <= {slo.ttft_s * 1e3:g} ms and TPOT <= {slo.tpot_s * 1e3:g} ms")
+    for col in ("rank", "arch", "GPUs", "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "tok/s", "tok/s/GPU", "hit rate",
+                "goodput", "SLO"):
         t.add_column(col)
     for i, s in enumerate(summaries, 1):
         t.add_row(
@@ -227,6 +251,7 @@ def render(out: Console | HtmlPage, requests, summaries, load: float | None, siz
             f"{s.throughput_tok_s:,.0f}",
             f"{s.throughput_per_gpu:,.1f}",
             " ".join(f"{HARDWARE_NAME[m]} {v:.0%}" for m, v in s.hit_rate.items()),
+            goodput_text(s),
             "[green]yes[/]" if s.meets_slo else "[red]no[/]",
         )
     out.print(f"{instances} instance(s); {sizing}", highlight=False)
@@ -262,7 +287,7 @@ def _sizing(geometry, profile, args: argparse.Namespace) -> InstanceSizing:
 
 
 def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, outcomes, load: float | None,
-              sizing: str, pool_table: bool) -> None:
+              sizing: str, pool_table: bool, slo: Slo) -> None:
     """``--plot DIR`` and ``--html FILE``: the TTFT and TPOT CDFs, and the page of table and CDFs
     (and the shared pool's table where sharing modes were compared, as on the terminal)."""
     from kvstrata.page import HtmlPage
@@ -279,7 +304,7 @@ def _pictures(args: argparse.Namespace, config: SimConfig, requests, summaries, 
             cli.wrote("plot", save_png(png, Path(args.plot) / f"{name}.png"), args.json)
     if args.html:
         page = HtmlPage(f"kvstrata simulate: {Path(args.trace).name}, {setting}")
-        render(page, requests, summaries, load, sizing, config.instance_count)
+        render(page, requests, summaries, load, sizing, config.instance_count, slo)
         if pool_table:
             render_pool(page, summaries)
         for name, fig in figures.items():

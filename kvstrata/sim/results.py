@@ -1,5 +1,11 @@
 """Summaries of simulation runs: percentiles, hit rates per tier, link use, SLOs and ranking.
 
+Two SLOs, both judged on the simulated times. The ranking's is on the run's percentiles: TTFT
+p90 <= :data:`TTFT_P90_SLO_S` and TPOT p99 <= :data:`TPOT_P99_SLO_S` (``meets_slo``). Goodput is
+per request (:mod:`kvstrata.slo`, as ``bench route`` counts it on real servers): the share of
+requests with TTFT and TPOT within a :class:`~kvstrata.slo.Slo` (default :data:`GOODPUT_SLO`, the
+same thresholds applied to each request), and those requests per simulated second (the makespan).
+
 Per-tier figures are keyed by :class:`kvstrata.media.Medium`; :meth:`Summary.to_json` writes each
 tier by its hardware name (:data:`kvstrata.sim.tiers.HARDWARE_NAME`: ``hbm``, ``dram``, ...).
 """
@@ -18,9 +24,11 @@ from kvstrata.plan.sharing import KVSharing
 from kvstrata.sim.outcome import SimOutcome
 from kvstrata.sim.pool import PoolStats
 from kvstrata.sim.tiers import HARDWARE_NAME, ArchSpec
+from kvstrata.slo import Goodput, Slo, goodput
 
 TTFT_P90_SLO_S = 2.0
 TPOT_P99_SLO_S = 0.100
+GOODPUT_SLO = Slo(TTFT_P90_SLO_S, TPOT_P99_SLO_S)  # per request: the ranking's thresholds
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -43,6 +51,7 @@ class Summary:
     link_bytes: dict[str, float]
     link_utilisation: dict[str, float]
     meets_slo: bool
+    goodput: Goodput  # per request, at the SLO the run was summarised at
     spec: ArchSpec
     gpus: int = 0
     tier_writes: dict[Medium, int] = field(default_factory=dict)  # blocks written into each tier
@@ -75,10 +84,12 @@ class Summary:
             "link_bytes": self.link_bytes,
             "link_utilisation": self.link_utilisation,
             "meets_slo": self.meets_slo,
+            "goodput": self.goodput.to_json(),
         } | ({"kv_sharing": self.sharing.value, "pool": self.pool.to_json()} if pool and self.pool else {})
 
 
-def summarise(outcome: SimOutcome) -> Summary:
+def summarise(outcome: SimOutcome, slo: Slo = GOODPUT_SLO) -> Summary:
+    """``outcome``'s figures, its goodput at ``slo`` (see the module text)."""
     recs = outcome.records
     ttft = [r.ttft_s for r in recs]
     tpot = [t for r in recs if (t := r.tpot_s) is not None]
@@ -110,6 +121,7 @@ def summarise(outcome: SimOutcome) -> Summary:
         link_bytes,
         util,
         bool(meets),
+        goodput(recs, slo, span),
         outcome.arch,
         outcome.gpus,
         dict(outcome.tier_writes),

@@ -11,10 +11,11 @@ from kvstrata.sim.config import SimConfig
 from kvstrata.sim.engine import Simulation
 from kvstrata.sim.outcome import SimOutcome, run_label
 from kvstrata.sim.model import TimeModel
-from kvstrata.sim.results import Summary, rank, summarise
+from kvstrata.sim.results import GOODPUT_SLO, Summary, rank, summarise
 from kvstrata.policies.write import WritePolicy
 from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import Request
+from kvstrata.slo import Slo
 
 
 def offered_load(requests: Sequence[Request], config: SimConfig) -> float:
@@ -60,11 +61,12 @@ def simulate(
     write: WritePolicy = WritePolicy.WRITE_THROUGH,
     sharings: Sequence[KVSharing] = (),
     policies: Sequence[Policy] = (),
+    slo: Slo = GOODPUT_SLO,
 ) -> tuple[list[Summary], list[SimOutcome]]:
     """Run each architecture (in each of ``sharings``, labelled by it, when given; else in
     ``config.sharing``; and routed by each of ``policies``, carried as each outcome's and
-    summary's ``policy``, when given; else as ``config`` routes); summaries ranked (see
-    :func:`kvstrata.sim.results.rank`).
+    summary's ``policy``, when given; else as ``config`` routes); summaries with their goodput
+    at ``slo``, ranked (see :func:`kvstrata.sim.results.rank`).
 
     Raises:
         ValueError: no requests (their percentiles would be undefined).
@@ -82,4 +84,4 @@ def simulate(
                     spec = replace(spec, name=f"{spec.name} ({sharing.value})")
                 cb = (lambda d, t, n=run_label(spec, policy): progress(n, d, t)) if progress else None
                 outcomes.append(Simulation(requests, setting, spec, cb).run())
-    return rank([summarise(o) for o in outcomes]), outcomes
+    return rank([summarise(o, slo) for o in outcomes]), outcomes

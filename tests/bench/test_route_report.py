@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench.route_plan import (POLICIES, Pass, RouteBenchConfig, Slo, goodput, per_token_s,
-                                       plan_passes)
+from kvstrata.bench.route_plan import POLICIES, Pass, RouteBenchConfig, per_token_s, plan_passes
 from kvstrata.bench.route_report import PassRun, build_report, ttft_figure
 from kvstrata.calibrate.serving.counters import Counters
 from kvstrata.calibrate.serving.measured import RequestRecord
@@ -20,6 +19,7 @@ from kvstrata.fleet.scorer import Policy
 from kvstrata.media import Medium
 from kvstrata.report import dumps
 from kvstrata.rounds import Skipped
+from kvstrata.slo import Slo, goodput
 
 RR, DYN, PRED = Policy.ROUND_ROBIN, Policy.DYNAMO, Policy.PREDICTED_TTFT
 
@@ -59,7 +59,7 @@ def test_round_robin_is_always_compared_and_the_config_refuses_what_it_cannot_ru
 def test_goodput_counts_requests_meeting_both_targets_and_a_one_token_answer_by_ttft_alone():
     slo = Slo(0.1, 0.05)
     records = [record(0.05), record(0.2), record(0.05, tpot_s=0.06), record(0.1, tpot_s=None)]
-    g = goodput(records, slo, wall_s=2.0)
+    g = goodput(records, slo, span_s=2.0)
     assert (g.met, g.requests, g.share, g.per_s) == (2, 4, 0.5, 1.0)
     assert math.isnan(goodput([], slo, 1.0).share)
 

@@ -97,7 +97,8 @@ def _policies(text: str) -> tuple[Policy, ...]:
 
 def _config(args: argparse.Namespace, use_pool: bool) -> RouteBenchConfig:
     """The run's configuration, every flag checked (a bad one: one line, before any server)."""
-    from kvstrata.bench.route_plan import RouteBenchConfig, Slo
+    from kvstrata.bench.route_plan import RouteBenchConfig
+    from kvstrata.slo import Slo
     from kvstrata.calibrate.serving.host import model_facts
     from kvstrata.calibrate.serving.servers import ServeBenchConfig
     from kvstrata.calibrate.serving.workload import ServeWorkload
