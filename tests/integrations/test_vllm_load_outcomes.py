@@ -51,3 +51,20 @@ def test_blocks_evicted_since_the_lookup_leave_the_tier_in_use_and_a_load_given_
     scheduler.measured(KVStrataWorkerMeta(loads=[LoadTiming("r2", 0.5, LoadOutcome.FAILED)]))
     assert ask(scheduler, "r3") == 0  # given up: the disk is failing, its blocks computed until a probe pays
     assert scheduler.decision.probes_due(1e12) == (Medium.DISK,)  # ... and its probe falls due
+
+
+@pytest.mark.parametrize("other", ["lora", "cache_salt"])
+def test_a_request_whose_kv_is_more_than_its_tokens_is_neither_loaded_nor_stored(scheduler, other):
+    """A LoRA adapter's or a salted tenant's KV is not the plain prompt's: kvstrata's keys name
+    tokens only, so such a request gets no hit and offers no block to store (vLLM's own cache,
+    whose hashes carry them, still serves it)."""
+    from vllm.lora.request import LoRARequest
+
+    given = {"lora": dict(lora_request=LoRARequest("adapter", 1, "/nonexistent/adapter")),
+             "cache_salt": dict(cache_salt="tenant-a")}[other]
+    tokens = list(range(1, HIT_BLOCKS * BLOCK + 2))
+    request = Request("r-" + other, tokens, SamplingParams(max_tokens=1), None, **given)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # the plain prompt's blocks are on disk
+    assert ask(scheduler, "plain") == HIT_BLOCKS * BLOCK  # ... as a plain request of the same tokens finds
+    assert not scheduler._stores(request.request_id, request, len(tokens))  # its blocks are not offered to store
+    assert scheduler._stores("plain", Request("plain", tokens, SamplingParams(max_tokens=1), None), len(tokens))

@@ -128,6 +128,18 @@ class _Granted:
     off_step: bool = False
 
 
+def keyed_by_tokens(request: Request) -> bool:
+    """Whether a request's KV is a function of its token ids alone, which is all kvstrata's keys
+    name: not with a LoRA adapter (its K and V projections are the adapter's), multimodal inputs
+    (an image's placeholder tokens say nothing of the image), prompt embeddings (no token ids), or
+    a cache salt (its tenant asked for a prefix cache of its own). vLLM puts these in its own block
+    hashes; kvstrata's keys do not carry them yet, so it neither loads into such a request (KV
+    another adapter, image or tenant computed) nor stores from one (KV a plain request would then
+    be served)."""
+    return (getattr(request, "lora_request", None) is None and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None and not getattr(request, "cache_salt", None))
+
+
 class KVStrataConnectorScheduler:
     """The scheduler-side half of :class:`~kvstrata.integrations.vllm.KVStrataConnector`.
 
@@ -197,7 +209,7 @@ class KVStrataConnectorScheduler:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``, and
         whether they load off the step (asynchronously); None: a load off the step brings some of
         them for another request, ask again next step."""
-        if not self._loads_enabled or request.request_id in self._no_reload:
+        if not self._loads_enabled or request.request_id in self._no_reload or not keyed_by_tokens(request):
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         # vLLM computes at least the last prompt token itself: look up full blocks before it.
@@ -363,7 +375,8 @@ class KVStrataConnectorScheduler:
         made at its first); skipped ones are counted and never offered again."""
         storing = self._storing.get(req_id)
         if storing is None:
-            storing = self._storing[req_id] = not self._judge_saves or self.saving.save(self.decision.per_token_s)
+            storing = self._storing[req_id] = keyed_by_tokens(request) and (
+                not self._judge_saves or self.saving.save(self.decision.per_token_s))
         full = min(end, request.num_prompt_tokens) // self._block_size
         new = full - self._saved_blocks.get(req_id, 0)
         self.saving.computed(new, stored=storing)
