@@ -128,7 +128,8 @@ def test_simulate_report_renders_its_table_and_cdfs_in_chromium(tmp_path, capsys
     dom, pixels = rendered(tmp_path, page)
     assert dom.text["h1"] == ["kvstrata simulate: chat.jsonl, llama-3-8b on h200-cx7-gen5, 2 instance(s) x 1 GPU(s)"]
     assert dom.tables == 1
-    assert dom.text["caption"] == ["40 requests; SLO: TTFT p90 <= 2 s, TPOT p99 <= 100 ms"]
+    assert dom.text["caption"] == ["40 requests; SLO: TTFT p90 <= 2 s, TPOT p99 <= 100 ms; goodput: requests with "
+                                   "TTFT <= 2000 ms and TPOT <= 100 ms"]
     assert {"TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "SLO"} <= set(dom.text["th"])
     assert {"hbm", "remote-gdr"} <= set(dom.text["td"])
     assert any(p.startswith("offered prefill load") for p in dom.text["p"])

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -435,8 +436,9 @@ def test_blocks_shared_between_processes_and_outlive_their_writer(make_remote_ti
         store(tier, key)
     args = {"pool": tier.pool.to_json(), "tag": tier.namespace_tag, "read": [k.hex() for k in mine],
             "write": [k.hex() for k in theirs]}
-    child = subprocess.run([sys.executable, __file__, "child", json.dumps(args)], capture_output=True, text=True,
-                           timeout=60, check=False)
+    root = Path(__file__).resolve().parents[2]  # the child imports tests.pool_support, as this module does
+    child = subprocess.run([sys.executable, "-m", "tests.tiers.test_remote", "child", json.dumps(args)], cwd=root,
+                           capture_output=True, text=True, timeout=60, check=False)
     assert child.returncode == 0, child.stderr[-3000:]
     assert json.loads(child.stdout.strip().splitlines()[-1]) == {"read_ok": [True, True, True]}
     # The child has exited: its blocks live on in the pool.
