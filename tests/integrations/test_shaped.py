@@ -60,8 +60,9 @@ def test_the_model_loads_in_transformers_and_the_same_spec_is_reused(small):
     _, _, out = small
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     assert type(model).__name__ == "Qwen3ForCausalLM"
+    written = (out / "model.safetensors").stat().st_mtime_ns
     again = make_shaped(out, ShapedSpec(str(small[0])))  # the same spec: reused, not rewritten
-    assert again.parameters == small[1].parameters
+    assert (out / "model.safetensors").stat().st_mtime_ns == written and again.parameters == small[1].parameters
     assert model(torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, 6000)
 
 
