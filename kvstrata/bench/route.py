@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 
 from kvstrata.bench.route_plan import Pass, RouteBenchConfig, per_token_s, plan_passes
 from kvstrata.bench.route_report import PassRun, RouteBenchReport, build_report
-from kvstrata.bench.serve import (SETTLE_S, _Fleet, _ignore_sigint, _pool, _pool_file, _Run, _server_env,
-                                  _signals_end_the_run, _work_dir, load_trace)
+from kvstrata.bench.serve import (SETTLE_S, Fleet, ignore_sigint, pool_source, write_pool_file, Phases, server_env,
+                                  signals_end_the_run, work_dir, load_trace)
 from kvstrata.bench.serve_report import PhaseRun
 from kvstrata.cache import CacheConfig
 from kvstrata.calibrate.serving.client import Endpoint, ask_each, drive
@@ -104,9 +104,9 @@ def run_route_bench(config: RouteBenchConfig, pool: PoolConfig | None = None,
     conversations = {p.variant: plan_conversations(trace, w, s.vocab, p.variant) for p in passes}  # checks the trace
     members = SERVERS[: config.servers]
     with ExitStack() as stack:
-        stack.enter_context(_signals_end_the_run())
-        work = _work_dir(s, stack)
-        source = _pool(s, pool, stack)
+        stack.enter_context(signals_end_the_run())
+        work = work_dir(s, stack)
+        source = pool_source(s, pool, stack)
         basis = "the profile given"
         if calibration is None:
             from kvstrata.workload.runner import quick_calibration
@@ -115,15 +115,15 @@ def run_route_bench(config: RouteBenchConfig, pool: PoolConfig | None = None,
             progress.step("calibrating this host's restore paths (a few seconds)")
             calibration = quick_calibration(s.block_bytes, work, source.config if source is not None else None)
             basis = "a quick calibration of this host's restore paths"
-        specs, events = member_specs(config, work, _pool_file(source, work))
-        fleet = stack.enter_context(_Fleet(specs, s, work, progress))
-        stack.callback(_ignore_sigint)  # unwinds first: nothing interrupts the stops below
+        specs, events = member_specs(config, work, write_pool_file(source, work))
+        fleet = stack.enter_context(Fleet(specs, s, work, progress))
+        stack.callback(ignore_sigint)  # unwinds first: nothing interrupts the stops below
         fleet.start(*members)
         cost, cost_text = _server_cost(fleet, members[0], config, calibration, basis, progress)
         urls = {fleet.servers[m].url: m for m in members}
         runs = [_pass(fleet, urls, events, p, conversations[p.variant], cost, config, progress) for p in passes]
         fleet.stop(*members)
-        reference = _Run(s, fleet, progress).reference([PhaseRun(r.records, {}) for r in runs])
+        reference = Phases(s, fleet, progress).reference([PhaseRun(r.records, {}) for r in runs])
     return build_report(config, trace_text, [m.value for m in members], runs, reference, sglang_router(), cost_text,
                         source, {m.value: fleet.start_s[m] for m in members}, time.perf_counter() - began)
 
@@ -134,7 +134,7 @@ def member_specs(config: RouteBenchConfig, work: Path, pool_file: Path | None
     file, a CPU half and a KV event endpoint of its own) and the cold reference's; and each
     server's event endpoint."""
     halves = cpu_halves(sorted(os.sched_getaffinity(0)), config.serve.server_cpus)
-    specs = server_specs(config.serve, work, pool_file, f"bench-route-{uuid.uuid4().hex[:8]}", _server_env(), halves)
+    specs = server_specs(config.serve, work, pool_file, f"bench-route-{uuid.uuid4().hex[:8]}", server_env(), halves)
     base = specs[Instance.OURS]
     out: dict[object, ServerSpec] = {Instance.REFERENCE: specs[Instance.REFERENCE]}
     events = {}
@@ -157,7 +157,7 @@ def sglang_router() -> Skipped:
     return Skipped("sglang-router is installed, but bench route does not start it in front of vLLM: not run")
 
 
-def _server_cost(fleet: _Fleet, member: Member, config: RouteBenchConfig, calibration: HostCalibration, basis: str,
+def _server_cost(fleet: Fleet, member: Member, config: RouteBenchConfig, calibration: HostCalibration, basis: str,
                  progress: Progress) -> tuple[ServerCost, str]:
     """Every server's cost model for kvstrata's scorer, and what it rests on."""
     from kvstrata.fleet.cost import ServerCost
@@ -186,7 +186,7 @@ def _server_cost(fleet: _Fleet, member: Member, config: RouteBenchConfig, calibr
     return cost, f"restores ({tiers}) from {basis}; {how}"
 
 
-def _pass(fleet: _Fleet, urls: Mapping[str, Member], events: Mapping[Member, str], plan: Pass,
+def _pass(fleet: Fleet, urls: Mapping[str, Member], events: Mapping[Member, str], plan: Pass,
           conversations: Sequence[ConversationPlan], cost: ServerCost, config: RouteBenchConfig,
           progress: Progress) -> PassRun:
     """One policy's pass through a router of its own, on a quiet host (``bench serve``'s phases')."""

@@ -126,17 +126,17 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
     reuse = w.kind is WorkloadKind.CONVERSATIONS  # no-reuse: the rounds alone (see the module text)
     later = [plan_conversations(trace, w, config.vocab, config.rounds + i) for i in range(2)] if reuse else []
     with ExitStack() as stack:
-        stack.enter_context(_signals_end_the_run())
-        work = _work_dir(config, stack)
+        stack.enter_context(signals_end_the_run())
+        work = work_dir(config, stack)
         rates = byte_rates(work)  # before any server: the host as quiet as the run finds it
-        source = _pool(config, pool, stack)
-        pool_file = _pool_file(source, work)
-        fleet = stack.enter_context(_Fleet(
-            server_specs(config, work, pool_file, f"bench-serve-{uuid.uuid4().hex[:8]}", _server_env(),
+        source = pool_source(config, pool, stack)
+        pool_file = write_pool_file(source, work)
+        fleet = stack.enter_context(Fleet(
+            server_specs(config, work, pool_file, f"bench-serve-{uuid.uuid4().hex[:8]}", server_env(),
                          cpu_halves(sorted(os.sched_getaffinity(0)), config.server_cpus)),
             config, work, progress))
-        stack.callback(_ignore_sigint)  # unwinds first: nothing interrupts the stops below
-        run = _Run(config, fleet, progress)
+        stack.callback(ignore_sigint)  # unwinds first: nothing interrupts the stops below
+        run = Phases(config, fleet, progress)
         rounds = run.rounds(rounds_plans)
         bursts = run.bursts(plan_bursts(w, config.vocab, config.rounds, config.vllm_kv_tokens)) if reuse else ()
         shared: PhaseRun | None = None
@@ -163,10 +163,10 @@ def run_serve_bench(config: ServeBenchConfig, pool: PoolConfig | None = None,
                         rates)
 
 
-class _Run:
+class Phases:
     """The phases, each returning its raw runs (checked against the reference at the end)."""
 
-    def __init__(self, config: ServeBenchConfig, fleet: _Fleet, progress: Progress) -> None:
+    def __init__(self, config: ServeBenchConfig, fleet: Fleet, progress: Progress) -> None:
         self.config, self.fleet, self.progress = config, fleet, progress
         self.w = config.workload
 
@@ -250,7 +250,7 @@ class _Run:
         return dict(zip(prompts, answers, strict=True))
 
 
-class _Fleet:
+class Fleet:
     """The servers of a run: started, warmed up, stopped (their last /metrics kept); a context
     manager that stops every one still running on exit."""
 
@@ -268,7 +268,7 @@ class _Fleet:
         self.metrics_text: dict[Instance, str] = {}
         self._timeout_s = config.start_timeout_s
 
-    def __enter__(self) -> _Fleet:
+    def __enter__(self) -> Fleet:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -367,7 +367,7 @@ def byte_rates(work: Path) -> ByteRates:
     return ByteRates(RATE_BYTES / copy_s / 1e9, RATE_BYTES / checksum_s / 1e9)
 
 
-def _work_dir(config: ServeBenchConfig, stack: ExitStack) -> Path:
+def work_dir(config: ServeBenchConfig, stack: ExitStack) -> Path:
     if config.directory is not None:
         config.directory.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix="serve-", dir=config.directory))  # a run of its own: disk tiers are locked
@@ -377,7 +377,7 @@ def _work_dir(config: ServeBenchConfig, stack: ExitStack) -> Path:
     return work
 
 
-def _pool(config: ServeBenchConfig, pool: PoolConfig | None, stack: ExitStack) -> PoolSource | None:
+def pool_source(config: ServeBenchConfig, pool: PoolConfig | None, stack: ExitStack) -> PoolSource | None:
     if not config.pool:
         return None
     from kvstrata.pool.scoped import scoped_pool
@@ -385,7 +385,7 @@ def _pool(config: ServeBenchConfig, pool: PoolConfig | None, stack: ExitStack) -
     return stack.enter_context(scoped_pool(pool, POOL_SEGMENT_BYTES))
 
 
-def _pool_file(source: PoolSource | None, work: Path) -> Path | None:
+def write_pool_file(source: PoolSource | None, work: Path) -> Path | None:
     """A file the servers' connectors read the pool from (the pool's own, else written here)."""
     if source is None:
         return None
@@ -397,7 +397,7 @@ def _pool_file(source: PoolSource | None, work: Path) -> Path | None:
     return path
 
 
-def _server_env() -> dict[str, str]:
+def server_env() -> dict[str, str]:
     """The servers import this kvstrata (the connector's module), whichever the venv installed."""
     import kvstrata
 
@@ -413,9 +413,9 @@ def _quick_calibration(config: ServeBenchConfig, work: Path, pool: PoolConfig) -
 
 
 @contextmanager
-def _signals_end_the_run() -> Iterator[None]:
+def signals_end_the_run() -> Iterator[None]:
     """SIGTERM and SIGHUP end the run as Ctrl-C does (the stack unwinds, the servers stop);
-    SIGINT's handler is put back after (``_ignore_sigint`` sets it aside while they stop)."""
+    SIGINT's handler is put back after (``ignore_sigint`` sets it aside while they stop)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -433,6 +433,6 @@ def _signals_end_the_run() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _ignore_sigint() -> None:
+def ignore_sigint() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from kvstrata import cli
 from kvstrata.bench.cli.common import BenchParser, run_and_report, spread_x
-from kvstrata.bench.cli.serve import _hits, _ms, _pct, _pool, _same
+from kvstrata.bench.cli.serve import hits_text, ms_text, pct_text, pool_choice, same_text
 from kvstrata.cli.workload import add_model_args
 from kvstrata.fleet.scorer import Policy
 
@@ -130,7 +130,7 @@ def _failures() -> dict[type[BaseException], str]:
 
 
 def run_route(args: argparse.Namespace) -> int:
-    pool, use_pool, _ = _pool(args)
+    pool, use_pool, _ = pool_choice(args)
     config = _config(args, use_pool)
     calibration = None
     if args.profile:
@@ -178,10 +178,10 @@ def _print_route(report: RouteBenchReport) -> None:
         table.add_column(name, justify="left" if name in ("policy", "kvstrata hit by tier", "same") else "right")
     for r in report.results:
         m, v = r.measured, r.versus_round_robin
-        table.add_row(r.policy.value, str(len(m.requests)), _ms(m.ttft_p50_s), _ms(m.ttft_p90_s), _ms(m.tpot_p50_s),
-                      _pct(m.vllm_prefix_hit_rate), _hits(m), "/".join(map(str, r.requests_per_server.values())),
+        table.add_row(r.policy.value, str(len(m.requests)), ms_text(m.ttft_p50_s), ms_text(m.ttft_p90_s), ms_text(m.tpot_p50_s),
+                      pct_text(m.vllm_prefix_hit_rate), hits_text(m), "/".join(map(str, r.requests_per_server.values())),
                       f"{r.goodput.share:.0%}", spread_x(v.ttft_p50), spread_x(v.ttft_p90),
-                      spread_x(v.goodput_share), _same(m))
+                      spread_x(v.goodput_share), same_text(m))
     out = cli.console()
     out.print(table)
     lines = [

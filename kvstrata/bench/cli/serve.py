@@ -202,7 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvstrata.calibrate import load_calibration
 
         calibration = load_calibration(args.profile)
-    pool, use_pool, why = _pool(args)
+    pool, use_pool, why = pool_choice(args)
     from kvstrata.bench.serve import run_serve_bench
     from kvstrata.calibrate.serving.host import model_facts
     from kvstrata.calibrate.serving.client import RequestFailed
@@ -249,7 +249,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return code
 
 
-def _pool(args: argparse.Namespace) -> tuple[object, bool, str | None]:
+def pool_choice(args: argparse.Namespace) -> tuple[object, bool, str | None]:
     """(the configured pool or None, whether to run the pool's parts, why not)."""
     if args.no_pool:
         return None, False, "--no-pool"
@@ -283,21 +283,21 @@ def _near_ties(report: ServeBenchReport) -> str:
             f"{ties[1]} over the rounds)")
 
 
-def _ms(seconds: float | None) -> str:
+def ms_text(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
 
 
-def _pct(rate: float | None) -> str:
+def pct_text(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.0%}"
 
 
-def _hits(m: Measured) -> str:
+def hits_text(m: Measured) -> str:
     if not m.hits:
         return "-"
     return " ".join(f"{tier.label} {h.rate:.0%}" for tier, h in m.hits.items())
 
 
-def _same(m: Measured) -> str:
+def same_text(m: Measured) -> str:
     if m.identical is None:
         return "-"
     ties = f" ({m.near_ties} near-tie{'s' if m.near_ties > 1 else ''})" if m.near_ties else ""
@@ -354,9 +354,9 @@ def _print_serve(report: ServeBenchReport) -> None:
         table.add_column(name, justify=justify, no_wrap=name != "kvstrata hit by tier")  # type: ignore[arg-type]
 
     def row(label: str, m: Measured) -> None:
-        table.add_row(label, str(len(m.requests)), _ms(m.ttft_p50_s), _ms(m.ttft_p90_s), _ms(m.ttft_p99_s),
-                      _ms(m.tpot_p50_s), f"{m.requests_per_s:.1f}", f"{m.output_tokens_per_s:.0f}",
-                      _pct(m.vllm_prefix_hit_rate), _hits(m), _same(m))
+        table.add_row(label, str(len(m.requests)), ms_text(m.ttft_p50_s), ms_text(m.ttft_p90_s), ms_text(m.ttft_p99_s),
+                      ms_text(m.tpot_p50_s), f"{m.requests_per_s:.1f}", f"{m.output_tokens_per_s:.0f}",
+                      pct_text(m.vllm_prefix_hit_rate), hits_text(m), same_text(m))
 
     def skipped(label: str, why: str) -> None:
         table.add_row(label, "", "[yellow]skipped[/]", *[""] * 7, f"[yellow]{why}[/]")
@@ -417,10 +417,10 @@ def _print_serve(report: ServeBenchReport) -> None:
     if not isinstance(pd, Skipped):
         predicted = "-" if pd.restore_predicted_s is None else f"{pd.restore_predicted_s * 1e3:.1f} ms"
         lines.append(
-            f"P/D handoff (the decode server's TTFT, the prompt's KV in the pool): p50 {_ms(pd.decode.ttft_p50_s)} ms, against "
-            f"{_ms(pd.prefill.ttft_p50_s)} ms for the prefill server computing it; the pair's first token as its client "
-            f"sees it (prefill latency + decode TTFT): p50 {_ms(pd.client_ttft_p50_s)} ms. kvstrata's restore on the "
-            f"decode server: {_ms(pd.restore_measured_s)} ms a load ({pd.restore_bytes / 1e3:.0f} KB on average); "
+            f"P/D handoff (the decode server's TTFT, the prompt's KV in the pool): p50 {ms_text(pd.decode.ttft_p50_s)} ms, against "
+            f"{ms_text(pd.prefill.ttft_p50_s)} ms for the prefill server computing it; the pair's first token as its client "
+            f"sees it (prefill latency + decode TTFT): p50 {ms_text(pd.client_ttft_p50_s)} ms. kvstrata's restore on the "
+            f"decode server: {ms_text(pd.restore_measured_s)} ms a load ({pd.restore_bytes / 1e3:.0f} KB on average); "
             f"predicted for this host ({pd.prediction}): {predicted}.")
     connected = [report.kvstrata] + ([] if isinstance(report.restart, Skipped) else [report.restart.replay])
     lines.append("kvstrata hits: " + "; ".join(sorted({_HITS_SOURCE[m.hits_source] for m in connected})))
