@@ -125,6 +125,11 @@ class CacheMetrics:
             self.failed_legs[(dst, failure)] += 1
         self._failures.labels(dst.label, failure.value).inc()
 
+    def failures(self) -> dict[tuple[Medium, Failure], int]:
+        """Failed block transfers so far, by destination tier and kind."""
+        with self._lock:
+            return dict(self.failed_legs)
+
     def paths(self) -> dict[tuple[Medium, Medium], PathTotals]:
         """Bytes and seconds per (source, destination) so far, read together."""
         with self._lock:

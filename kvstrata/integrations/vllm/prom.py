@@ -110,6 +110,11 @@ SAVE_SKIPPED_BLOCKS = _counter("save_skipped_blocks", (), "Prompt blocks not sto
                                f"{SAMPLE_EVERY} is stored anyway, to see whether reuse returns)")
 UNWRITTEN_BLOCKS = _counter("unwritten_blocks", ("tier",), "Blocks not written down to a tier whose loads "
                             "do not pay (a disk the scheduler declines to load from, until its next probe is due)")
+FAILED_TRANSFERS = _counter("failed_transfers", ("tier", "failure"), "Block transfers that failed, by destination "
+                            "tier (device: a read into vLLM's KV) and how: unavailable (the tier was down: a pool "
+                            "that timed out is down until a probe passes), abandoned (timed out), missing, corrupt, "
+                            "no-space, error. A failed write leaves the block out of that tier; a failed read is "
+                            "recomputed")
 PROBES = _counter("probes", ("tier", "outcome"), "Probe reads of one block from a tier whose loads failed, off the "
                   "step (no request waits on them), by outcome: pays (within a one-block load's budget: the tier "
                   "is loaded from again where its measured loads pay), slow (past that budget), failed (the read "
@@ -121,7 +126,8 @@ TIER_CAPACITY_BYTES = Metric("kvstrata_connector_tier_capacity_bytes", Kind.GAUG
 
 METRICS = (LOOKUP_HIT_BLOCKS, LOOKUP_MISS_BLOCKS, LOOKUPS, LOADED_BLOCKS, LOADED_BYTES, SAVED_BYTES, MOVED_BYTES,
            TRANSFER_SECONDS, LOADS, ASYNC_LOADS, LOAD_SECONDS, STORES, STORED_BLOCKS, STORE_SECONDS, LOAD_FAILED_BLOCKS, RECOMPUTED_BLOCKS, EVICTED_BLOCKS,
-           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, UNWRITTEN_BLOCKS, PROBES, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
+           CPU_SECONDS, DECLINED_BLOCKS, SAVE_DROPPED_BLOCKS, SAVE_SKIPPED_BLOCKS, UNWRITTEN_BLOCKS, FAILED_TRANSFERS,
+           PROBES, TIER_USED_BYTES, TIER_CAPACITY_BYTES)
 _BY_NAME = {m.name: m for m in METRICS}
 
 
@@ -311,6 +317,8 @@ class WorkerReporter:
                 add(counters, TRANSFER_SECONDS, path.seconds, src.label, dst.label)
             for medium, blocks in cache.manager.skipped_writes().items():
                 add(counters, UNWRITTEN_BLOCKS, blocks, medium.label)
+            for (medium, failure), legs in cache.metrics.failures().items():
+                add(counters, FAILED_TRANSFERS, legs, medium.label, failure.value)
             for medium, counts in cache.manager.counts().items():
                 tier = cache.tier(medium)
                 add(counters, EVICTED_BLOCKS, counts.evicted_blocks, medium.label)
