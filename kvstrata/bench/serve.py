@@ -327,7 +327,7 @@ class Fleet:
                 raise ServerFailed(f"vllm serve ({instance.value}) exited during the run:\n{server.log_tail()}")
             path = stats_path(self.work, instance)
             stats = json.loads(path.read_text()) if path.is_file() else None
-            out[instance] = counters_of(server.metrics_text(), stats)
+            out[instance] = counters_of(server.metrics_text(), stats, server.cpu_seconds())
         return out
 
     def _warm_up(self, instance: Instance) -> None:

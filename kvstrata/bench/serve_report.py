@@ -62,13 +62,15 @@ class Versus:
     ttft_p90: Spread
     tpot_p50: Spread
     output_tokens_per_s: Spread
+    server_cpu_per_request: Spread  # CPU seconds of the server's processes per request
 
 
 def versus(rounds: Sequence[ServeRound]) -> Versus:
     def ratio(of: str) -> Spread:
         return Spread.of([_ratio(getattr(r.kvstrata, of), getattr(r.baseline, of)) for r in rounds])
 
-    return Versus(ratio("ttft_p50_s"), ratio("ttft_p90_s"), ratio("tpot_p50_s"), ratio("output_tokens_per_s"))
+    return Versus(ratio("ttft_p50_s"), ratio("ttft_p90_s"), ratio("tpot_p50_s"), ratio("output_tokens_per_s"),
+                  ratio("server_cpu_per_request_s"))
 
 
 def _ratio(a: float | None, b: float | None) -> float:

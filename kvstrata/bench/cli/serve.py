@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -391,7 +392,10 @@ def _print_serve(report: ServeBenchReport) -> None:
     lines = [
         f"kvstrata / vLLM, the median over {v.ttft_p50.rounds} round(s) of the ratio within a round (lowest-highest "
         f"round): TTFT p50 {spread_x(v.ttft_p50)}, p90 {spread_x(v.ttft_p90)}, TPOT p50 {spread_x(v.tpot_p50)} "
-        f"(< 1x: faster); output tok/s {spread_x(v.output_tokens_per_s)}.",
+        f"(< 1x: faster); output tok/s {spread_x(v.output_tokens_per_s)}"
+        + ("" if math.isnan(v.server_cpu_per_request.median) else
+           f"; the server's CPU seconds per request (API server, engine core, workers, from /proc) "
+           f"{spread_x(v.server_cpu_per_request)}") + ".",
         *_cpu_line(report),
         "Rows: vLLM alone and with kvstrata over every round; two kvstrata servers on one pool, turns alternating "
         "(each server's turns); the second restarted, the same turns sent again; prefill (kv_producer, 1 token) and "

@@ -126,6 +126,8 @@ class Counters:
         prefix_hits_tokens: of those, tokens it held.
         connector_cpu: the connector's CPU seconds per side from ``/metrics``; None where the
             server does not export them (no connector, or one from before the counter).
+        server_cpu_s: CPU seconds of the server's processes (API server, engine core, workers),
+            from ``/proc``; None where not read.
     """
 
     loaded_blocks: Mapping[Medium, int] = field(default_factory=dict)
@@ -137,6 +139,7 @@ class Counters:
     prefix_queries_tokens: float = 0.0
     prefix_hits_tokens: float = 0.0
     connector_cpu: ConnectorCpu | None = None
+    server_cpu_s: float | None = None
 
     @property
     def hit_blocks(self) -> dict[Medium, int]:
@@ -169,6 +172,8 @@ class Counters:
             self.prefix_queries_tokens - earlier.prefix_queries_tokens,
             self.prefix_hits_tokens - earlier.prefix_hits_tokens,
             None if self.connector_cpu is None else self.connector_cpu.minus(earlier.connector_cpu or ConnectorCpu()),
+            None if self.server_cpu_s is None or earlier.server_cpu_s is None
+            else self.server_cpu_s - earlier.server_cpu_s,
         )
 
     def plus(self, other: Counters) -> Counters:
@@ -187,6 +192,8 @@ class Counters:
             self.prefix_queries_tokens + other.prefix_queries_tokens,
             self.prefix_hits_tokens + other.prefix_hits_tokens,
             cpu,
+            None if self.server_cpu_s is None and other.server_cpu_s is None
+            else (self.server_cpu_s or 0.0) + (other.server_cpu_s or 0.0),
         )
 
 
@@ -217,8 +224,9 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return samples
 
 
-def counters_of(metrics_text: str, stats: Mapping[str, Any] | None) -> Counters:
-    """A snapshot from a server's ``/metrics`` text and its connector's stats (None: no connector)."""
+def counters_of(metrics_text: str, stats: Mapping[str, Any] | None, server_cpu_s: float | None = None) -> Counters:
+    """A snapshot from a server's ``/metrics`` text and its connector's stats (None: no connector),
+    with its processes' CPU seconds so far (None: not read)."""
     metrics = parse_metrics(metrics_text)
     stats = stats or {}
     loaded: dict[Medium, int] = {}
@@ -229,7 +237,7 @@ def counters_of(metrics_text: str, stats: Mapping[str, Any] | None) -> Counters:
         loaded, _exported_hits(metrics), bool(stats) or CONNECTOR_HITS in metrics or CONNECTOR_CPU in metrics,
         int(stats.get("load_requests", 0)), float(stats.get("load_seconds", 0.0)), int(stats.get("restored_bytes", 0)),
         sum(v for _, v in metrics.get(PREFIX_QUERIES, [])), sum(v for _, v in metrics.get(PREFIX_HITS, [])),
-        _connector_cpu(metrics),
+        _connector_cpu(metrics), server_cpu_s,
     )
 
 

@@ -113,6 +113,9 @@ class Measured:
         load_seconds_per_load: kvstrata's own time per load (None: no loads).
         connector_cpu_per_request: the connector's CPU seconds per side over the counters' span,
             over the requests (None, and not in the JSON: not exported, or no requests).
+        server_cpu_per_request_s: the server's processes' CPU seconds over the counters' span,
+            over the requests (None, and not in the JSON: not read, or no requests). A figure
+            the host's noise moves little: what the requests cost, not when they were served.
     """
 
     requests: tuple[RequestRecord, ...]
@@ -135,6 +138,7 @@ class Measured:
     load_seconds_per_load: float | None
     connector_cpu_per_request: ConnectorCpu | None = field(default=None, metadata=OMIT_NONE)
     near_ties: int = 0
+    server_cpu_per_request_s: float | None = field(default=None, metadata=OMIT_NONE)
 
 
 def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: int,
@@ -164,6 +168,7 @@ def measure(records: Sequence[RequestRecord], counters: Counters, block_tokens: 
         counters.load_seconds / counters.load_requests if counters.load_requests else None,
         counters.connector_cpu.per_request(len(records)) if counters.connector_cpu is not None and records else None,
         sum(1 for r in records if r.near_tie),
+        counters.server_cpu_s / len(records) if counters.server_cpu_s is not None and records else None,
     )
 
 
