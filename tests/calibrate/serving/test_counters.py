@@ -96,3 +96,17 @@ def test_the_bytes_the_connectors_cpu_moved_and_its_cpu_beyond_them():
     assert (phase.copied_bytes, phase.checksummed_bytes) == (9e6, 3e6)  # saved 3e6, device->host 3e6, host->disk 3e6
     assert phase.per_request(3).copied_bytes == 3e6
     assert counters_of(CPU, None).connector_cpu.copied_bytes == 0  # a connector exporting no bytes: none counted
+
+
+def test_the_servers_cpu_seconds_over_a_phase_and_per_request():
+    from kvstrata.calibrate.serving.measured import RequestRecord, measure
+    from kvstrata.calibrate.serving.servers import Instance
+
+    before, after = counters_of(METRICS, STATS, server_cpu_s=10.0), counters_of(METRICS, STATS, server_cpu_s=16.0)
+    phase = after.minus(before)
+    assert phase.server_cpu_s == pytest.approx(6.0)
+    assert phase.plus(phase).server_cpu_s == pytest.approx(12.0) and phase.plus(Counters()).server_cpu_s == 6.0
+    assert after.minus(counters_of(METRICS, STATS)).server_cpu_s is None  # a snapshot without it: no difference
+    records = [RequestRecord(i, 0, Instance.OURS, 128, (1, 2), 0.02, 0.004, 0.03, 0.25 * i) for i in range(3)]
+    assert measure(records, phase, 16).server_cpu_per_request_s == pytest.approx(2.0)
+    assert measure(records, counters_of(METRICS, STATS), 16).server_cpu_per_request_s is None
