@@ -95,6 +95,9 @@ def test_the_report_has_each_configurations_figures_per_request(run):
     assert doc["connector_cpu_beyond_bytes_per_request_s"] == pytest.approx(
         cpu["scheduler_s"] + cpu["worker_s"] - cpu["copied_bytes"] / (rates["copy_gbps"] * 1e9)
         - cpu["checksummed_bytes"] / (rates["checksum_gbps"] * 1e9))
+    # each server's processes' CPU per request: more than the connector's alone, and their ratio per round
+    assert doc["kvstrata"]["server_cpu_per_request_s"] > cpu["scheduler_s"] + cpu["worker_s"]
+    assert doc["baseline"]["server_cpu_per_request_s"] > 0 and doc["versus"]["server_cpu_per_request"]["median"] > 0
 
 
 def test_kvstrata_serves_later_turns_from_its_host_tier_after_vllm_evicted_them(run):
