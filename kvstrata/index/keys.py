@@ -13,6 +13,7 @@ is never cached, and is recomputed by the model (vLLM and SGLang do the same).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import json
@@ -145,3 +146,24 @@ def pack_keys(keys: list[BlockKey], slices: range) -> list[BlockKey]:
     pack stands for its prefix and its heads, and differs from any one slice's key."""
     tag = b"kvstrata-pack:" + slices.start.to_bytes(4, "little") + slices.stop.to_bytes(4, "little")
     return list(map(xxhash.xxh3_128_digest, map(operator.add, keys, itertools.repeat(tag))))
+
+
+FOLD_BITS = 20  # token ids below 2**20 (every vocabulary in use) leave the bits above free for a fold
+
+
+def fold_extras(tokens: list[int], block_size: int, extras: bytes) -> list[int] | None:
+    """``tokens`` with ``extras`` (what else its KV depends on: an adapter, a tenant's salt, an
+    image) folded into its first block's ids, or None where it cannot be (an id of the first
+    block at or above ``2**FOLD_BITS``).
+
+    Each id of the first block gets 12 bits of a hash of ``extras`` above bit ``FOLD_BITS``
+    (never all zero), so the chained keys of every block differ from a plain prompt's (whose ids
+    are below ``2**FOLD_BITS``) and from another ``extras``' (12 bits an id: 192 at 16 tokens a
+    block). Nothing but keys reads the ids: the KV moved is vLLM's, by block position."""
+    first = tokens[:block_size]
+    if any(t >= 1 << FOLD_BITS or t < 0 for t in first):
+        return None
+    stream = hashlib.shake_256(b"kvstrata-extras-v1:" + extras).digest(2 * len(first))
+    folded = [t | ((int.from_bytes(stream[2 * i: 2 * i + 2], "little") % 4095 + 1) << FOLD_BITS)
+              for i, t in enumerate(first)]
+    return folded + tokens[block_size:]

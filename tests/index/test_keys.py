@@ -324,3 +324,16 @@ def test_a_slice_key_is_xxh3_of_the_block_key_and_the_slice_whichever_slices_are
         assert slice_keys(keys, range(j, j + 1)) == every[j::8]
     assert slice_keys(keys, range(2, 4)) == [k for pair in zip(every[2::8], every[3::8]) for k in pair]
     assert len(set(every)) == 32 and slice_keys([], range(3)) == []
+
+
+def test_extras_folded_into_the_first_block_key_every_block_apart():
+    from kvstrata.index.keys import FOLD_BITS, fold_extras
+
+    ns = Namespace("m", "float16", "kv", 16)
+    plain = list(range(100, 100 + 64))
+    a, again, b = fold_extras(plain, 16, b"tenant-a"), fold_extras(plain, 16, b"tenant-a"), fold_extras(plain, 16, b"b")
+    assert a == again != b and a[16:] == plain[16:] and all((1 << FOLD_BITS) <= t < 1 << 32 for t in a[:16])
+    keys = {name: block_keys(t, ns) for name, t in (("plain", plain), ("a", a), ("b", b))}
+    assert all(x != y for n, m in (("plain", "a"), ("a", "b"), ("plain", "b"))
+               for x, y in zip(keys[n], keys[m], strict=True))  # every block keyed apart, not only the first
+    assert fold_extras([1 << FOLD_BITS] + plain[1:], 16, b"a") is None  # no room left to fold into

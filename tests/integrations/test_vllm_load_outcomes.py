@@ -54,17 +54,48 @@ def test_blocks_evicted_since_the_lookup_leave_the_tier_in_use_and_a_load_given_
 
 
 @pytest.mark.parametrize("other", ["lora", "cache_salt"])
-def test_a_request_whose_kv_is_more_than_its_tokens_is_neither_loaded_nor_stored(scheduler, other):
-    """A LoRA adapter's or a salted tenant's KV is not the plain prompt's: kvstrata's keys name
-    tokens only, so such a request gets no hit and offers no block to store (vLLM's own cache,
-    whose hashes carry them, still serves it)."""
+def test_a_request_whose_kv_is_more_than_its_tokens_has_keys_of_its_own(other):
+    """A LoRA adapter's or a salted tenant's KV is not the plain prompt's: its blocks are keyed
+    apart (the extras folded into its first block's ids), so it never finds a plain prompt's
+    blocks, nor another adapter's or tenant's, and finds what the same adapter or tenant stored."""
     from vllm.lora.request import LoRARequest
 
-    given = {"lora": dict(lora_request=LoRARequest("adapter", 1, "/nonexistent/adapter")),
-             "cache_salt": dict(cache_salt="tenant-a")}[other]
+    asked: list[list[int]] = []
+    plain = list(range(1, HIT_BLOCKS * BLOCK + 2))
+
+    def answer(tokens: list[int]) -> tuple[Medium, ...]:  # the workers' caches hold the plain prompt only
+        asked.append(list(tokens))
+        return (Medium.HOST,) * (len(tokens) // BLOCK) if tokens == plain[: len(tokens)] else ()
+
+    engine_id = f"extras-{uuid.uuid4().hex[:8]}"
+    server = LookupServer(engine_id, answer)
+    try:
+        scheduler = KVStrataConnectorScheduler(BLOCK, engine_id, loads_enabled=True, saves_enabled=True)
+        given = {"lora": lambda n: dict(lora_request=LoRARequest(f"adapter-{n}", n, f"/adapters/{n}")),
+                 "cache_salt": lambda n: dict(cache_salt=f"tenant-{n}")}[other]
+        a1, a2, b = (Request(f"r{i}", plain, SamplingParams(max_tokens=1), None, **given(n))
+                     for i, n in ((1, 1), (2, 1), (3, 2)))
+        assert scheduler.get_num_new_matched_tokens(a1, 0) == (0, False)  # the plain prompt's blocks: not its own
+        assert scheduler.get_num_new_matched_tokens(Request("p", plain, SamplingParams(max_tokens=1), None),
+                                                    0)[0] == HIT_BLOCKS * BLOCK  # ... as a plain request finds
+        for request in (a2, b):
+            scheduler.get_num_new_matched_tokens(request, 0)
+        keyed_a1, _, keyed_a2, keyed_b = asked
+        assert keyed_a1 == keyed_a2 != keyed_b  # the same adapter or tenant keys alike, another apart
+        assert keyed_a1[BLOCK:] == plain[BLOCK: len(keyed_a1)] and keyed_a1[:BLOCK] != plain[:BLOCK]
+        assert scheduler._stores(a1.request_id, a1, len(plain))  # offered to store, under its own keys
+        spec = scheduler._save_spec(a1.request_id, a1, keyed_a1 + plain[len(keyed_a1):], ([7] * 8,), len(plain), 0)
+        assert spec.tokens == keyed_a1[: HIT_BLOCKS * BLOCK]
+    finally:
+        server.close()
+
+
+def test_a_request_of_prompt_embeddings_is_neither_loaded_nor_stored(scheduler):
+    """Prompt embeddings have no token ids to key the KV by."""
+    import torch
+
     tokens = list(range(1, HIT_BLOCKS * BLOCK + 2))
-    request = Request("r-" + other, tokens, SamplingParams(max_tokens=1), None, **given)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # the plain prompt's blocks are on disk
-    assert ask(scheduler, "plain") == HIT_BLOCKS * BLOCK  # ... as a plain request of the same tokens finds
-    assert not scheduler._stores(request.request_id, request, len(tokens))  # its blocks are not offered to store
-    assert scheduler._stores("plain", Request("plain", tokens, SamplingParams(max_tokens=1), None), len(tokens))
+    request = Request("embeds", tokens, SamplingParams(max_tokens=1), None,
+                      prompt_embeds=torch.zeros(len(tokens), 8))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert not scheduler._stores(request.request_id, request, len(tokens))

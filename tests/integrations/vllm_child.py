@@ -2,7 +2,7 @@
 
 Usage: ``python vllm_child.py SPEC.json``. SPEC: model (a model directory), kv_role,
 extra (kv_connector_extra_config), passes (a list of prompt batches, each a list of token id
-lists, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
+lists or TokensPrompt dicts, generated one batch after the other), max_tokens, prefix_caching (vLLM's own),
 multiprocessing (vLLM's engine core and worker in processes of their own; default true),
 max_num_batched_tokens (tokens per step; fewer than a prompt's prefills it in chunks), max_model_len
 (default 1024), copy_delay_s (each copy of saves out of vLLM's blocks starts this late), pauses
@@ -69,7 +69,9 @@ def main(spec: dict) -> dict:
     for n, batch in enumerate(spec["passes"]):
         time.sleep(spec.get("pauses", {}).get(str(n), 0.0))  # before this pass: stores in flight end, probes fall due
         t0 = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        # a prompt is its token ids, or vLLM's TokensPrompt as a dict (with a cache_salt, say)
+        outputs = llm.generate([p if isinstance(p, dict) else {"prompt_token_ids": p} for p in batch], params,
+                               use_tqdm=False)
         passes.append(
             {
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],

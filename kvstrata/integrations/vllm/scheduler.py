@@ -81,6 +81,7 @@ from kvstrata.index.stored import StoredFirstBlocks
 from kvstrata.integrations.vllm.channel import WorkerLookup
 from kvstrata.integrations.vllm.feedback import KVStrataWorkerMeta, LoadOutcome
 from kvstrata.integrations.vllm.hooktimer import HookTimer
+from kvstrata.integrations.vllm.keying import key_tokens
 from kvstrata.integrations.vllm.metadata import KVStrataMetadata, LoadSpec, SaveSpec
 from kvstrata.integrations.vllm.prom import KVStrataStats, LookupCounts
 from kvstrata.integrations.vllm.verdicts import StepVerdicts
@@ -126,18 +127,6 @@ class _Granted:
     blocks: int
     budget_s: float | None
     off_step: bool = False
-
-
-def keyed_by_tokens(request: Request) -> bool:
-    """Whether a request's KV is a function of its token ids alone, which is all kvstrata's keys
-    name: not with a LoRA adapter (its K and V projections are the adapter's), multimodal inputs
-    (an image's placeholder tokens say nothing of the image), prompt embeddings (no token ids), or
-    a cache salt (its tenant asked for a prefix cache of its own). vLLM puts these in its own block
-    hashes; kvstrata's keys do not carry them yet, so it neither loads into such a request (KV
-    another adapter, image or tenant computed) nor stores from one (KV a plain request would then
-    be served)."""
-    return (getattr(request, "lora_request", None) is None and not getattr(request, "mm_features", None)
-            and getattr(request, "prompt_embeds", None) is None and not getattr(request, "cache_salt", None))
 
 
 class KVStrataConnectorScheduler:
@@ -209,9 +198,11 @@ class KVStrataConnectorScheduler:
         """Tokens kvstrata holds, in every group, beyond vLLM's ``num_computed_tokens``, and
         whether they load off the step (asynchronously); None: a load off the step brings some of
         them for another request, ask again next step."""
-        if not self._loads_enabled or request.request_id in self._no_reload or not keyed_by_tokens(request):
+        if not self._loads_enabled or request.request_id in self._no_reload:
             return 0, False
-        prompt = list(request.prompt_token_ids or [])
+        prompt = key_tokens(request, self._block_size)  # the ids its keys chain (see keying.py)
+        if prompt is None:
+            return 0, False
         # vLLM computes at least the last prompt token itself: look up full blocks before it.
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
@@ -335,7 +326,7 @@ class KVStrataConnectorScheduler:
             if not external and not save:
                 continue  # a decode step, a prompt chunk short of a new full block, or a save skipped
             block_ids = kv_cache_manager.get_block_ids(req_id)  # one list per KV cache group
-            prompt = list(request.prompt_token_ids or [])
+            prompt = key_tokens(request, self._block_size) or []  # keyed: it loads or saves
             if external:
                 meta.loads.append(self._load_spec(req_id, prompt, block_ids, computed[req_id], external, null))
             if save:
@@ -343,7 +334,7 @@ class KVStrataConnectorScheduler:
         self._to_load.clear()  # a grant for a request not scheduled after all: asked again next time
         for req_id, external in self._to_fetch.items():  # vLLM set its computed tokens to the hit's end
             request = self._requests[req_id]
-            meta.async_loads.append(self._load_spec(req_id, list(request.prompt_token_ids or []),
+            meta.async_loads.append(self._load_spec(req_id, key_tokens(request, self._block_size) or [],
                                                     kv_cache_manager.get_block_ids(req_id),
                                                     request.num_computed_tokens, external, null))
         self._to_fetch.clear()
@@ -375,7 +366,7 @@ class KVStrataConnectorScheduler:
         made at its first); skipped ones are counted and never offered again."""
         storing = self._storing.get(req_id)
         if storing is None:
-            storing = self._storing[req_id] = keyed_by_tokens(request) and (
+            storing = self._storing[req_id] = key_tokens(request, self._block_size) is not None and (
                 not self._judge_saves or self.saving.save(self.decision.per_token_s))
         full = min(end, request.num_prompt_tokens) // self._block_size
         new = full - self._saved_blocks.get(req_id, 0)
