@@ -23,6 +23,7 @@ from kvstrata.cache.grouped import GroupedMatch, GroupMatch  # noqa: E402
 from kvstrata.index.prefix import Match  # noqa: E402
 from kvstrata.integrations.vllm import KVStrataConnector  # noqa: E402
 from kvstrata.integrations.vllm.prom import (  # noqa: E402
+    CPU_SECONDS,
     EVICTED_BLOCKS,
     LOAD_FAILED_BLOCKS,
     LOADED_BYTES,
@@ -197,3 +198,18 @@ def test_lookups_count_the_blocks_beyond_vllms_own_hit():
     report = counters(counts.report())
     assert report == {LOOKUP_HIT_BLOCKS.name: {"host": 1, "disk": 1}, LOOKUP_MISS_BLOCKS.name: {"": 2}}
     assert counts.report() is None
+
+
+def test_the_schedulers_cpu_alone_is_reported_at_most_every_second_and_with_any_counts():
+    """The scheduler's hooks use CPU every step; a report each step (nothing else in it) cost
+    vLLM's step its handling of connector stats, so CPU alone waits, and rides with counts."""
+    counts = LookupCounts()
+    counts.used_cpu(0.002)
+    assert counters(counts.report()) == {CPU_SECONDS.name: {"scheduler": 0.002}}  # the first: at once
+    counts.used_cpu(0.001)
+    assert counts.report() is None  # alone, within the second: kept
+    counts.admitted((H,), 0)
+    assert counters(counts.report()) == {LOOKUP_HIT_BLOCKS.name: {"host": 1}, CPU_SECONDS.name: {"scheduler": 0.001}}
+    counts.used_cpu(0.004)
+    counts.cpu_reported_at -= 1.0  # a second later
+    assert counters(counts.report()) == {CPU_SECONDS.name: {"scheduler": 0.004}}
