@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvstrata"
 PURE_PACKAGES = ("hardware", "kv", "index", "policies", "plan", "sim", "manager")
 PURE_MODULES = ("media", "errors", "slo", "lab/spec", "lab/model",  # the lab's cluster and the planner's view of it
                 # a fleet's events, index and routing (not their wire or socket: fleet/wire, fleet/publisher)
-                "fleet/events", "fleet/index", "fleet/cost", "fleet/scorer", "fleet/recorder", "fleet/router",
+                "fleet/events", "fleet/index", "fleet/cost", "fleet/scorer", "fleet/pace", "fleet/recorder", "fleet/router",
                 "fleet/prompt")
 # Third-party modules the pure core may use (no torch, no engines, no sockets).
 PURE_THIRD_PARTY = {"numpy", "xxhash", "tomllib", "tomli"}  # figures are drawn at the edge (kvstrata.plots)

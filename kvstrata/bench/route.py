@@ -195,7 +195,7 @@ def _pass(fleet: Fleet, urls: Mapping[str, Member], events: Mapping[Member, str]
     s, w = config.serve, config.serve.workload
     members = list(urls.values())
     front = FrontConfig(tuple(Upstream(url, events[m]) for url, m in urls.items()), plan.policy, w.block_tokens,
-                        server_cost=cost)
+                        server_cost=cost, slo=config.slo)
     with _Front(front) as router:
         wait_quiet()  # its half-second windows also let the router's event subscriptions join
         before = fleet.counters(members)

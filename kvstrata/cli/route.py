@@ -41,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"requests in flight through the router; beyond, 429 (default {Limits.total})")
     p.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL_S,
                    help=f"seconds between /health checks (default {HEALTH_INTERVAL_S:g})")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="with --slo-tpot-ms, the targets predicted-ttft routes to meet: a server is chosen among "
+                        "those predicted within both while any is (default: none, the least predicted TTFT)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="the time per output token target (with --slo-ttft-ms)")
     p.set_defaults(func=run_route)
 
 
@@ -74,7 +79,22 @@ def config(args: argparse.Namespace):
 
     return FrontConfig(upstreams(args), Policy.parse(args.policy), args.block_size, args.hash_algo,
                        Limits(args.max_inflight_per_server, args.max_inflight), args.prefill_tokens_per_s,
-                       args.health_interval, server_cost=calibrated_cost(args))
+                       args.health_interval, server_cost=calibrated_cost(args), slo=slo(args))
+
+
+def slo(args: argparse.Namespace):
+    """``--slo-ttft-ms`` and ``--slo-tpot-ms``: both or neither; None for neither."""
+    from kvstrata.slo import Slo
+
+    if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
+        return None
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise cli.CliError("give --slo-ttft-ms and --slo-tpot-ms together (the SLO has both targets)")
+    try:
+        return Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    except ValueError:
+        raise cli.CliError(f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {args.slo_ttft_ms:g} and "
+                           f"{args.slo_tpot_ms:g}") from None
 
 
 def calibrated_cost(args: argparse.Namespace):
@@ -100,7 +120,9 @@ def run_route(args: argparse.Namespace) -> int:
 
     setting = config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    print(f"kvstrata route: {setting.policy.value} over {len(setting.upstreams)} server(s) on "
+    target = (f", within TTFT {setting.slo.ttft_s * 1e3:g} ms and TPOT {setting.slo.tpot_s * 1e3:g} ms"
+              if setting.slo is not None and setting.policy is Policy.PREDICTED_TTFT else "")
+    print(f"kvstrata route: {setting.policy.value} over {len(setting.upstreams)} server(s){target} on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     web.run_app(make_app(setting), host=args.host, port=args.port, print=None)
     return 0

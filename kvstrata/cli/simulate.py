@@ -90,7 +90,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     sharings = _sharings(args)
     policies = _policies(args.policy)
     slo = _slo(args)
-    extra = {"tier_tokens": _pool_tokens(args), "routing": Routing(args.route), "restore_slots": args.restore_slots}
+    extra = {"tier_tokens": _pool_tokens(args), "routing": Routing(args.route), "restore_slots": args.restore_slots,
+             "slo": slo}
     if args.fleet_tp is not None:
         sizing, fleet = None, _fleet(geometry, profile, args)
         config = SimConfig(geometry, profile, fleet_tp=fleet, **extra)

@@ -41,6 +41,7 @@ from kvstrata.fleet.prompt import AskServer, BadRequest, Endpoint, Tokens, strea
 from kvstrata.fleet.router import (BLOCK_TOKENS, HEALTH_INTERVAL_S, PREFILL_TOKENS_PER_S, Busy, Health, Limits,
                                    NoServer, Router, Ticket, TicketState)
 from kvstrata.fleet.scorer import Policy, Request
+from kvstrata.slo import Slo
 
 log = logging.getLogger("kvstrata.route")
 
@@ -81,6 +82,8 @@ class FrontConfig:
         server_cost: every server's cost model, e.g. from a host's calibration (its prefill and its
             tiers' restores: :meth:`ServerCost.from_calibration`); None: ``prefill_tokens_per_s``
             and no tier priced but the device's.
+        slo: the targets kvstrata's policy routes to meet (:class:`~kvstrata.fleet.scorer.PredictedTTFT`);
+            None: the least predicted TTFT alone.
     """
 
     upstreams: tuple[Upstream, ...]
@@ -93,6 +96,7 @@ class FrontConfig:
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 3.0
     server_cost: ServerCost | None = None
+    slo: Slo | None = None
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -134,7 +138,8 @@ def make_app(config: FrontConfig) -> web.Application:
     """The router's aiohttp application (its watchers start and stop with it)."""
     app = web.Application(client_max_size=64 << 20)
     app[CONFIG] = config
-    app[ROUTER] = Router([(u.url, config.cost()) for u in config.upstreams], config.policy.make(), config.limits)
+    app[ROUTER] = Router([(u.url, config.cost()) for u in config.upstreams], config.policy.make(config.slo),
+                           config.limits)
     app[METRICS] = RouteMetrics()
     app.router.add_post(Endpoint.COMPLETIONS.value, _completions)
     app.router.add_post(Endpoint.CHAT.value, _chat)
@@ -252,6 +257,9 @@ async def _forward(request: web.Request, ticket: Ticket, endpoint: Endpoint, raw
                     router.started(ticket)
                     metrics.ttft.labels(ticket.server, "measured").observe(time.monotonic() - sent)
                     await out.prepare(request)
+                elif (tokens := sse_events(chunk)) > 0:  # the next tokens: the pace of the server's decode
+                    router.tokens(ticket, tokens)
+                    metrics.streamed.labels(ticket.server).inc(tokens)
                 await out.write(chunk)
             if first:
                 await out.prepare(request)
@@ -265,6 +273,11 @@ async def _forward(request: web.Request, ticket: Ticket, endpoint: Endpoint, raw
         return "connect", _one_line(str(e) or type(e).__name__)
     finally:
         router.done(ticket)
+
+
+def sse_events(chunk: bytes) -> int:
+    """The server-sent events of tokens that begin in ``chunk`` (``data:`` lines; not ``[DONE]``)."""
+    return chunk.count(b"data:") - chunk.count(b"data: [DONE]")
 
 
 async def _tokenize(app: web.Application, ask: AskServer) -> Tokens | web.Response:
@@ -308,7 +321,7 @@ async def _models(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     servers = [{"server": v.server, "health": v.health.value, "inflight": v.inflight,
-                "queued_prefill_tokens": v.queued_tokens} for v in router.view()]
+                "queued_prefill_tokens": v.queued_tokens, "tpot_s": v.tpot_s} for v in router.view()]
     up = any(v.health is Health.UP for v in router.view())
     return web.json_response({"policy": request.app[CONFIG].policy.value, "servers": servers},
                              status=200 if up else 503)

@@ -11,6 +11,10 @@ runs of several policies scraped into one Prometheus stay apart.
 ``kvstrata_route_server_up{server}``                   1 while its ``/health`` answers, else 0
 ``kvstrata_route_inflight{server}``                    requests sent and not ended
 ``kvstrata_route_queued_prefill_tokens{server}``       prompt tokens sent, not yet past a first token
+``kvstrata_route_streamed_tokens_total{server}``      streamed tokens after each answer's first (the
+                                                       pace's input: SSE events of tokens)
+``kvstrata_route_tpot_seconds{server}``                the pace of its decoding requests' tokens (the
+                                                       decayed mean gap; NaN while nothing decodes)
 ``kvstrata_route_ttft_seconds{server,kind}``           time to the first token: ``predicted`` by the
                                                        cost model at routing, ``measured`` (the first
                                                        byte of a streamed answer) by the router
@@ -19,6 +23,8 @@ runs of several policies scraped into one Prometheus stay apart.
 """
 
 from __future__ import annotations
+
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -43,6 +49,10 @@ class RouteMetrics:
         self.inflight = Gauge("kvstrata_route_inflight", "Requests in flight", ["server"], registry=r)
         self.queued = Gauge("kvstrata_route_queued_prefill_tokens", "Prompt tokens not yet past a first token",
                             ["server"], registry=r)
+        self.streamed = Counter("kvstrata_route_streamed_tokens", "Streamed tokens after each answer's first",
+                                ["server"], registry=r)
+        self.tpot = Gauge("kvstrata_route_tpot_seconds", "Time per output token of the decoding requests (NaN: none)",
+                          ["server"], registry=r)
         self.ttft = Histogram("kvstrata_route_ttft_seconds", "Time to the first token, predicted and measured",
                               ["server", "kind"], buckets=TTFT_BUCKETS_S, registry=r)
         self.event_batches = Counter("kvstrata_route_event_batches", "KV event batches taken",
@@ -54,4 +64,5 @@ class RouteMetrics:
             self.up.labels(view.server).set(1 if view.health is Health.UP else 0)
             self.inflight.labels(view.server).set(view.inflight)
             self.queued.labels(view.server).set(view.queued_tokens)
+            self.tpot.labels(view.server).set(math.nan if view.tpot_s is None else view.tpot_s)
         return generate_latest(self.registry)

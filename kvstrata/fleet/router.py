@@ -7,7 +7,10 @@ router keeps, per server:
 
 * ``inflight``: requests sent and not ended (backpressure: at most ``Limits.per_server``);
 * ``queued_tokens``: the prompt tokens of requests sent and not yet past their first token, the
-  prefill waiting on the server, which every policy weighs (:class:`~kvstrata.fleet.scorer.ServerState`).
+  prefill waiting on the server, which every policy weighs (:class:`~kvstrata.fleet.scorer.ServerState`);
+* ``decoding``: requests past their first token and not ended, and the pace their tokens come
+  at (:class:`~kvstrata.fleet.pace.TokenPace`, fed by :meth:`Router.tokens`), which kvstrata's
+  policy weighs against a TPOT target.
 
 A ticket is ``QUEUED`` (sent, no token yet), ``STARTED`` (first token seen: its tokens leave
 the queue) or ``DONE`` (ended: it leaves ``inflight``); each step happens once, in that order
@@ -23,11 +26,13 @@ nothing until marked up again; it comes back holding nothing (:meth:`FleetIndex.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 from kvstrata.fleet.cost import ServerCost
 from kvstrata.fleet.index import FleetIndex, UnknownServer
+from kvstrata.fleet.pace import TokenPace
 from kvstrata.fleet.scorer import Choice, Request, RoutingPolicy, ServerState, predict
 
 
@@ -75,6 +80,8 @@ class _Server:
     health: Health = Health.UP
     inflight: int = 0
     queued_tokens: int = 0
+    decoding: int = 0
+    pace: TokenPace = field(default_factory=TokenPace)
 
 
 @dataclass
@@ -86,6 +93,7 @@ class Ticket:
     predicted_ttft_s: float
     choice: Choice
     state: TicketState = TicketState.QUEUED
+    last_token_s: float | None = None  # when its last token came (STARTED)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class ServerView:
     health: Health
     inflight: int
     queued_tokens: int
+    tpot_s: float | None = None  # its decode's time per output token now (None: nothing decodes)
 
 
 class Router:
@@ -106,10 +115,12 @@ class Router:
         policy: chooses among the servers up with room.
         limits: in-flight bounds.
         index: what each server holds (None: a new empty one over ``servers``).
+        clock: seconds, for the pace of the servers' tokens.
     """
 
     def __init__(self, servers: Sequence[tuple[str, ServerCost]], policy: RoutingPolicy,
-                 limits: Limits = Limits(), index: FleetIndex | None = None) -> None:
+                 limits: Limits = Limits(), index: FleetIndex | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not servers:
             raise ValueError("no servers to route to")
         self._servers = {name: _Server(cost) for name, cost in servers}
@@ -117,6 +128,7 @@ class Router:
             raise ValueError(f"a server is listed twice: {[name for name, _ in servers]}")
         self.policy = policy
         self.limits = limits
+        self.clock = clock
         self.index = index if index is not None else FleetIndex(self._servers)
         for name in self._servers:
             if name not in self.index.servers:
@@ -131,7 +143,9 @@ class Router:
         return sum(s.inflight for s in self._servers.values())
 
     def view(self) -> tuple[ServerView, ...]:
-        return tuple(ServerView(n, s.health, s.inflight, s.queued_tokens) for n, s in self._servers.items())
+        now = self.clock()
+        return tuple(ServerView(n, s.health, s.inflight, s.queued_tokens, self._pace(n, now))
+                     for n, s in self._servers.items())
 
     def health(self, server: str) -> Health:
         return self._get(server).health
@@ -153,7 +167,8 @@ class Router:
         room = [n for n in up if self._servers[n].inflight < self.limits.per_server]
         if not room:
             raise Busy(f"every server up has {self.limits.per_server} requests in flight, its limit: retry later")
-        states = [ServerState(n, self._servers[n].cost, self._servers[n].queued_tokens) for n in room]
+        now = self.clock()
+        states = [ServerState(n, self._servers[n].cost, self._servers[n].queued_tokens, self._pace(n, now)) for n in room]
         choice = self.policy.choose(request, states, self.index)
         predicted = next(s.predicted_s for s in choice.scores if s.server == choice.server)
         if predicted is None:  # a policy that does not predict: the prediction, for the metrics
@@ -168,8 +183,23 @@ class Router:
         """``ticket``'s first token came: its prompt is no longer waiting on the server."""
         if ticket.state is not TicketState.QUEUED:
             raise ValueError(f"a ticket on {ticket.server!r} started twice or after it ended ({ticket.state.value})")
-        self._get(ticket.server).queued_tokens -= ticket.prompt_tokens
+        server = self._get(ticket.server)
+        server.queued_tokens -= ticket.prompt_tokens
+        ticket.last_token_s = now = self.clock()
+        server.decoding += 1
+        if server.decoding == 1:  # the server's decode begins: its open gap counts from here
+            server.pace.start(now)
         ticket.state = TicketState.STARTED
+
+    def tokens(self, ticket: Ticket, count: int = 1) -> None:
+        """``count`` more tokens of ``ticket``'s answer came (after its first): the server's pace."""
+        if ticket.state is not TicketState.STARTED or ticket.last_token_s is None:
+            raise ValueError(f"tokens of a ticket on {ticket.server!r} that is not decoding ({ticket.state.value})")
+        if count < 1:
+            return
+        now = self.clock()
+        self._get(ticket.server).pace.add(now, (now - ticket.last_token_s) / count, count)
+        ticket.last_token_s = now
 
     def done(self, ticket: Ticket) -> None:
         """``ticket``'s request ended (answered, failed or abandoned); idempotent."""
@@ -177,7 +207,9 @@ class Router:
             return
         if ticket.state is TicketState.QUEUED:
             self.started(ticket)
-        self._get(ticket.server).inflight -= 1
+        server = self._get(ticket.server)
+        server.inflight -= 1
+        server.decoding -= 1
         ticket.state = TicketState.DONE
 
     def mark_down(self, server: str) -> bool:
@@ -194,6 +226,11 @@ class Router:
         s.health = Health.UP
         self.index.reset(server)
         return True
+
+    def _pace(self, server: str, now_s: float) -> float | None:
+        """``server``'s time per output token now (None: nothing decodes there)."""
+        s = self._servers[server]
+        return s.pace.seconds_per_token(now_s) if s.decoding else None
 
     def _get(self, server: str) -> _Server:
         try:

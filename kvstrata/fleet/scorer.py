@@ -12,6 +12,9 @@ server listed first, so a choice depends only on its inputs (and a round robin's
   the server reaches (:meth:`FleetIndex.reach <kvstrata.fleet.index.FleetIndex.reach>`: its own
   tiers and the pool, each block by the fastest tier holding it), ``k`` the blocks its connector
   would load: the load-or-recompute decision the server itself makes, with its own numbers.
+  Given an SLO, only among the servers predicted to meet it (TTFT within its target, and
+  decoding requests well under the TPOT target: :attr:`ServerState.tpot_s`, the pace their tokens
+  come at), while any is.
 * :class:`OverlapWeights`, today's routers: a prefix's blocks credited by a fixed weight per tier
   (:data:`DYNAMO`: device 1.0, host 0.75, disk 0.25, Dynamo's KV router; :data:`LLM_D`: GPU 1.0,
   CPU 0.8, llm-d's scorer), in Dynamo's shape: the prompt's blocks left to compute, plus the
@@ -22,6 +25,7 @@ server listed first, so a choice depends only on its inputs (and a round robin's
 from __future__ import annotations
 
 import enum
+import math
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +35,9 @@ from kvstrata.fleet.cost import Restore, ServerCost
 from kvstrata.fleet.events import BlockHash
 from kvstrata.fleet.index import FleetIndex, UnknownServer
 from kvstrata.media import Medium
+from kvstrata.slo import Slo
+
+TPOT_HEADROOM = 0.6  # a server past 60% of the TPOT target is full: prefills routed to it stall its decodes past
 
 
 @dataclass(frozen=True)
@@ -41,15 +48,20 @@ class ServerState:
         server: its id in the fleet index.
         cost: its measured costs.
         queued_tokens: prefill tokens sent to it and not yet computed.
+        tpot_s: the time per output token its decoding requests see now
+            (:class:`~kvstrata.fleet.pace.TokenPace`); None: nothing decodes there.
     """
 
     server: str
     cost: ServerCost
     queued_tokens: int = 0
+    tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.queued_tokens < 0:
             raise ValueError(f"queued_tokens must be >= 0, got {self.queued_tokens} for {self.server!r}")
+        if self.tpot_s is not None and not (math.isfinite(self.tpot_s) and self.tpot_s >= 0):
+            raise ValueError(f"tpot_s must be finite and >= 0 s, got {self.tpot_s} for {self.server!r}")
 
 
 @dataclass(frozen=True)
@@ -118,9 +130,26 @@ def predict(request: Request, state: ServerState, index: FleetIndex) -> Predicte
 
 
 class PredictedTTFT:
-    """kvstrata's policy: the least predicted time to the first token."""
+    """kvstrata's policy: the least predicted time to the first token, among the servers on which
+    the request is predicted to meet its SLO.
+
+    With an SLO, a server is a candidate when its predicted TTFT meets the TTFT target and its
+    decoding requests see at most ``headroom`` of the TPOT target per token
+    (:attr:`ServerState.tpot_s`: a fuller server's next prefill stalls them past it, and the
+    request decodes at that pace too). The least predicted TTFT among the candidates wins; with
+    none, the least of all (the request misses a target anywhere: its first token comes soonest).
+    Without the TPOT check a prefix held in one server's HBM draws every request that shares it,
+    and the decode of all of them slows past the target while other servers idle. Without an
+    SLO, TTFT alone decides.
+    """
 
     name = "predicted-ttft"
+
+    def __init__(self, slo: Slo | None = None, headroom: float = TPOT_HEADROOM) -> None:
+        if not 0 < headroom <= 1:
+            raise ValueError(f"the TPOT headroom must be in (0, 1], got {headroom}")
+        self.slo = slo
+        self.headroom = headroom
 
     def choose(self, request: Request, servers: Sequence[ServerState], index: FleetIndex) -> Choice:
         _check(servers, index)
@@ -128,6 +157,12 @@ class PredictedTTFT:
         for state in servers:
             p = predict(request, state, index)
             scores.append(Score(state.server, p.ttft_s, p.restore.reached_blocks, predicted_s=p.ttft_s))
+        if self.slo is not None:
+            for pace in (self.headroom * self.slo.tpot_s, self.slo.tpot_s):
+                meets = [score.cost <= self.slo.ttft_s and (state.tpot_s is None or state.tpot_s <= pace)
+                         for score, state in zip(scores, servers)]
+                if any(meets):
+                    return _lowest(scores, meets)
         return _lowest(scores)
 
 
@@ -216,10 +251,11 @@ class Policy(enum.Enum):
             known = ", ".join(p.value for p in cls)
             raise ValueError(f"unknown routing policy {name!r} (known: {known})") from None
 
-    def make(self) -> RoutingPolicy:
-        """A new instance (a round robin's turn is its own)."""
+    def make(self, slo: Slo | None = None) -> RoutingPolicy:
+        """A new instance (a round robin's turn is its own); ``slo`` is the targets kvstrata's
+        policy routes to meet (the fixed-weight ones and round robin take none)."""
         if self is Policy.PREDICTED_TTFT:
-            return PredictedTTFT()
+            return PredictedTTFT(slo)
         if self is Policy.DYNAMO:
             return DYNAMO
         if self is Policy.LLM_D:
@@ -236,6 +272,7 @@ def _check(servers: Sequence[ServerState], index: FleetIndex) -> None:
             raise UnknownServer(state.server, index.servers)
 
 
-def _lowest(scores: list[Score]) -> Choice:
-    best = min(range(len(scores)), key=lambda i: (scores[i].cost, i))  # a tie: the first listed
+def _lowest(scores: list[Score], eligible: Sequence[bool] | None = None) -> Choice:
+    """The lowest cost among the ``eligible`` scores (None: all); a tie goes to the first listed."""
+    best = min((i for i in range(len(scores)) if eligible is None or eligible[i]), key=lambda i: (scores[i].cost, i))
     return Choice(scores[best].server, tuple(scores))

@@ -13,6 +13,7 @@ from kvstrata.kv.geometry import KVGeometry
 from kvstrata.media import Medium
 from kvstrata.plan.sharing import KVSharing
 from kvstrata.plan.sizing import size_instances
+from kvstrata.slo import Slo
 
 
 class Routing(enum.Enum):
@@ -42,6 +43,8 @@ class SimConfig:
             any instance hits) is what the pool modelled before fleets.
         routing: which instance each request goes to.
         policy: a fleet routing policy (:mod:`kvstrata.sim.fleet`); when set, it routes, not ``routing``.
+        slo: the targets the policy routes to meet, where it takes them
+            (:class:`~kvstrata.fleet.scorer.PredictedTTFT`); None: none.
     """
 
     geometry: KVGeometry
@@ -56,6 +59,7 @@ class SimConfig:
     sharing: KVSharing = KVSharing.SLICED
     routing: Routing = Routing.SESSION
     policy: Policy | None = None
+    slo: Slo | None = None
 
     def __post_init__(self) -> None:
         # A model whose weights overflow its GPUs' HBM is refused, never simulated.

@@ -79,7 +79,8 @@ class Simulation:
         self._tier_writes: dict[Medium, int] = dict.fromkeys(arch.tiers, 0)
         self._gpus = sum(config.instance_tps) * (2 if arch.pd_handoff else 1)
         self._fleet = None if config.policy is None else FleetRouting(
-            config.policy, [instance_cost(config.geometry, i.model, i.planner, arch) for i in self.instances])
+            config.policy, [instance_cost(config.geometry, i.model, i.planner, arch) for i in self.instances],
+            config.slo)
 
 
     # --- the loop -----------------------------------------------------------------------------
@@ -146,7 +147,8 @@ class Simulation:
         n = len(self.instances)
         session = r.hash_ids and self.config.routing is Routing.SESSION
         if self._fleet is not None:
-            inst = self.instances[self._fleet.choose(r, [i.queued_tokens for i in self.instances])]
+            paces = [i.pace.seconds_per_token(self.now) if i.running else None for i in self.instances]
+            inst = self.instances[self._fleet.choose(r, [i.queued_tokens for i in self.instances], paces)]
         else:
             inst = self.instances[(r.hash_ids[0] if session else index) % n]
         covered, hits = 0, {}
@@ -307,6 +309,8 @@ class Simulation:
     def _join(self, inst: Instance, rec: RequestRecord) -> None:
         # It finishes after output_length - 1 more steps; its context grows one token a step.
         finish_step = inst.batch.steps + rec.request.output_length - 1
+        if not inst.running:  # the pace's next gap counts from here
+            inst.pace.start(self.now)
         rid = inst.batch.join(rec.request.input_length + 1)
         heapq.heappush(inst.running, (finish_step, next(self._seq), rec, rid))
 
@@ -323,6 +327,8 @@ class Simulation:
 
     def _stepped(self, inst: Instance) -> None:
         inst.busy = False
+        last = inst.pace.last_s  # set when the batch began (_join)
+        inst.pace.add(self.now, self.now - last if last is not None else 0.0, len(inst.running))  # each one's token
         inst.batch.step()
         while inst.running and inst.running[0][0] <= inst.batch.steps:
             _, _, rec, rid = heapq.heappop(inst.running)

@@ -35,6 +35,7 @@ from kvstrata.sim.model import TimeModel
 from kvstrata.sim.tiers import ArchSpec
 from kvstrata.sim.trace import BLOCK_TOKENS
 from kvstrata.sim.trace import Request as TraceRequest
+from kvstrata.slo import Slo
 
 REFERENCE_TOKENS = 16 * BLOCK_TOKENS  # the prompt length a per-token prefill cost is taken at (8,192 tokens)
 
@@ -65,17 +66,21 @@ class FleetRouting:
     Args:
         policy: which policy (a new instance of it: a round robin's turn is the run's own).
         costs: each instance's costs, in instance order.
+        slo: the targets the policy routes to meet, where it takes them.
     """
 
-    def __init__(self, policy: Policy, costs: Sequence[ServerCost]) -> None:
-        self.policy = policy.make()
+    def __init__(self, policy: Policy, costs: Sequence[ServerCost], slo: Slo | None = None) -> None:
+        self.policy = policy.make(slo)
         self.costs = tuple(costs)
         self.names = tuple(f"instance-{i}" for i in range(len(costs)))
         self.index = FleetIndex(self.names)
 
-    def choose(self, request: TraceRequest, queued_tokens: Sequence[int]) -> int:
-        """The instance ``request`` goes to, given each instance's queued prefill tokens."""
-        states = [ServerState(n, c, q) for n, c, q in zip(self.names, self.costs, queued_tokens)]
+    def choose(self, request: TraceRequest, queued_tokens: Sequence[int],
+               tpot_s: Sequence[float | None] | None = None) -> int:
+        """The instance ``request`` goes to, given each instance's queued prefill tokens and the
+        pace of its decode (None: nothing decoding)."""
+        paces = tpot_s if tpot_s is not None else [None] * len(self.names)
+        states = [ServerState(n, c, q, t) for n, c, q, t in zip(self.names, self.costs, queued_tokens, paces)]
         routed = Request(tuple(request.hash_ids), max(1, request.input_length))
         return self.names.index(self.policy.choose(routed, states, self.index).server)
 

@@ -19,6 +19,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from kvstrata.fleet.pace import TokenPace
 from kvstrata.hardware.flows import GB, Flow, Resource, flow_along, max_min_share
 from kvstrata.hardware.specs import HardwareProfile
 from kvstrata.hardware.topology import NodeKind
@@ -86,6 +87,7 @@ class Instance:
     busy: bool = False
     prefill_busy: bool = False  # pd: the prefill group
     running: list = field(default_factory=list)  # heap of (finish_step, seq, record, batch id)
+    pace: TokenPace = field(default_factory=TokenPace)  # its decode's time per token, as a router sees it
 
 
 def _total_bytes(profile: HardwareProfile, kind: NodeKind) -> int:

@@ -9,6 +9,7 @@ from kvstrata.fleet.events import Batch, Stored
 from kvstrata.fleet.router import Busy, Health, Limits, NoServer, Router, TicketState
 from kvstrata.fleet.scorer import Policy, PredictedTTFT, Request, RoundRobin
 from kvstrata.media import Medium
+from kvstrata.slo import Slo
 
 COST = ServerCost(block_tokens=16, per_token_s=1e-3, restore={})
 
@@ -40,6 +41,35 @@ def test_a_cached_prefix_draws_the_request_despite_a_shorter_queue_elsewhere():
     hashes = tuple(range(6))
     r.index.apply("b", Batch(0.0, (Stored(hashes, Medium.DEVICE),)))
     assert r.pick(Request(hashes, 6 * 16 + 1)).server == "b"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_pace_of_a_servers_streams_keeps_new_requests_off_it_past_the_tpot_target():
+    clock = Clock()
+    r = Router([(n, COST) for n in ("a", "b")], PredictedTTFT(Slo(ttft_s=1.0, tpot_s=0.05)), index=None, clock=clock)
+    hashes = tuple(range(6))
+    r.index.apply("a", Batch(0.0, (Stored(hashes, Medium.DEVICE),)))  # a holds the prefix
+    prompt = Request(hashes, 6 * 16 + 1)
+    first = r.pick(prompt)
+    assert first.server == "a"
+    r.started(first)
+    for _ in range(10):  # its answer comes at 40 ms a token (one chunk of two tokens at a time)
+        clock.now += 0.08
+        r.tokens(first, 2)
+    assert [v.tpot_s for v in r.view()] == [pytest.approx(0.04), None]
+    assert r.pick(prompt).server == "b"  # past 0.6 x 50 ms: the prefix's next request goes to b
+    r.done(first)
+    assert [v.tpot_s for v in r.view()] == [None, None]  # nothing decodes on a: no pace to weigh
+    assert r.pick(prompt).server == "a"
+    with pytest.raises(ValueError, match="not decoding"):
+        r.tokens(first, 1)
 
 
 def test_limits_refuse_at_once_rather_than_queue():

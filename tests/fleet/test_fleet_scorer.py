@@ -17,6 +17,7 @@ from kvstrata.plan.calpaths import CalPath
 from kvstrata.plan.host import HostCalibration, PathFit, PrefillFit
 from kvstrata.plan.loadtime import calibrated_load_time
 from kvstrata.policies.payoff import LoadOrRecompute
+from kvstrata.slo import Slo
 
 D, H, S, P = Medium.DEVICE, Medium.HOST, Medium.DISK, Medium.REMOTE
 B = 16  # tokens per block
@@ -99,6 +100,44 @@ def test_ties_go_to_the_first_listed_and_round_robin_takes_turns():
     assert TTFT.choose(REQUEST, servers, index).server == "b"
     rr = RoundRobin()
     assert [rr.choose(REQUEST, servers, index).server for _ in range(4)] == ["b", "a", "c", "b"]
+
+
+SLO = Slo(ttft_s=0.2, tpot_s=0.05)  # headroom 0.6: a server decoding at more than 30 ms a token is full
+
+
+def test_a_tpot_target_sends_the_request_from_a_crowded_prefix_holder_to_a_server_that_keeps_pace():
+    index = fleet("a", "b", a=((PREFIX, H),))  # a holds the prefix: its TTFT is the least (15 ms vs 138)
+    crowded = [ServerState("a", COST, tpot_s=0.031), ServerState("b", COST, tpot_s=0.010)]
+    assert TTFT.choose(REQUEST, crowded, index).server == "a"  # no target: TTFT alone
+    guarded = PredictedTTFT(SLO)
+    choice = guarded.choose(REQUEST, crowded, index)
+    assert choice.server == "b"
+    assert [s.predicted_s for s in choice.scores] == pytest.approx([0.015, 0.138])  # the predictions unchanged
+    # a's decode within the headroom (or idle): a takes it again
+    for pace in (0.029, None):
+        assert guarded.choose(REQUEST, [ServerState("a", COST, tpot_s=pace), crowded[1]], index).server == "a"
+
+
+def test_with_no_server_in_the_headroom_the_target_itself_then_the_least_ttft_decide():
+    index = fleet("a", "b", a=((PREFIX, H),))
+    guarded = PredictedTTFT(SLO)
+    # both past the headroom: a server still under the target wins over one past it
+    past = [ServerState("a", COST, tpot_s=0.06), ServerState("b", COST, tpot_s=0.04)]
+    assert guarded.choose(REQUEST, past, index).server == "b"
+    # both past the target: the least TTFT (the request misses anyway; its first token soonest)
+    both = [ServerState("a", COST, tpot_s=0.2), ServerState("b", COST, tpot_s=0.06)]
+    assert guarded.choose(REQUEST, both, index).server == "a"
+    # a server whose predicted TTFT misses its target is no candidate while one meets both
+    queued = [ServerState("a", COST, queued_tokens=200, tpot_s=0.01), ServerState("b", COST, tpot_s=0.02)]
+    assert predict(REQUEST, queued[0], index).ttft_s > SLO.ttft_s >= predict(REQUEST, queued[1], index).ttft_s
+    assert guarded.choose(REQUEST, queued, index).server == "b"
+
+
+def test_a_pace_or_headroom_that_cannot_be_is_refused():
+    with pytest.raises(ValueError, match="tpot_s must be finite and >= 0 s"):
+        ServerState("a", COST, tpot_s=-0.01)
+    with pytest.raises(ValueError, match="headroom must be in"):
+        PredictedTTFT(SLO, headroom=1.5)
 
 
 def test_every_policy_scores_every_server_in_order():

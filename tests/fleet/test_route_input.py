@@ -74,6 +74,9 @@ def test_what_a_router_tokenizes():
     (["route", "--server", "http://127.0.0.1:9", "--policy", "fastest"], "unknown routing policy 'fastest'"),
     (["route", "--server", "127.0.0.1:9"], "a server is a base URL like http://127.0.0.1:8000"),
     (["route", "--server", "http://a:1", "--server", "http://b:1", "--events", "tcp://a:2"], "1 --events for 2 --server"),
+    (["route", "--server", "http://a:1", "--slo-tpot-ms", "50"], "give --slo-ttft-ms and --slo-tpot-ms together"),
+    (["route", "--server", "http://a:1", "--slo-ttft-ms", "0", "--slo-tpot-ms", "50"],
+     "--slo-ttft-ms and --slo-tpot-ms must be > 0, got 0 and 50"),
 ])
 def test_a_bad_command_line_is_one_line(argv, line, capsys):
     assert cli.main(argv) == 2

@@ -159,6 +159,12 @@ def test_a_stream_passes_through_chunk_by_chunk(servers):
         assert lines[-1] == "data: [DONE]" and len(lines) >= 3
         assert text == text_of(path, whole)
     assert 'kvstrata_route_ttft_seconds_count{kind="measured"' in metrics
+    # every token after the first fed the servers' pace: 6 tokens an answer, less the first (a
+    # chat stream's first event carries the role alone, and its last the finish: up to 2 more; a
+    # first chunk that brought two events counts one less)
+    streamed = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("kvstrata_route_streamed_tokens_total{"))
+    assert 8 <= streamed <= 2 * 5 + 2 + 2, metrics
 
 
 def test_a_server_answering_500_costs_a_retry_not_a_request(servers):

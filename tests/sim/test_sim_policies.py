@@ -22,6 +22,7 @@ from kvstrata.sim.engine import Simulation
 from kvstrata.sim.run import simulate
 from kvstrata.sim.tiers import parse_arch
 from kvstrata.sim.trace import BLOCK_TOKENS, Request
+from kvstrata.slo import Slo
 
 PREFIX_BLOCKS = 16
 
@@ -109,3 +110,29 @@ def test_each_run_is_compared_with_round_robin_on_what_ran_not_on_its_label(conf
         if s.policy is Policy.ROUND_ROBIN:
             assert ratio == 1.0
     assert [s.spec.name for s, _ in rows] == ["hbm", "hbm", "hbm+dram", "hbm+dram"]  # grouped by architecture
+
+
+def one_hot_prefix(requests=1500, gap_ms=40) -> list[Request]:
+    """Every request: the same 16-block prefix, one block of its own, 128 tokens out (a minute at 25/s)."""
+    return [Request(i * gap_ms, (PREFIX_BLOCKS + 1) * BLOCK_TOKENS, 128, tuple(range(PREFIX_BLOCKS)) + (10**6 + i,))
+            for i in range(requests)]
+
+
+def test_a_tpot_target_keeps_one_hot_prefix_from_piling_every_decode_onto_its_instance():
+    # Without a target the instance holding the prefix takes most requests (its TTFT is the
+    # least), and its decode batch slows past 10 ms a token; with one, predicted-ttft sends
+    # requests elsewhere once that instance's pace passes the headroom.
+    slo = Slo(ttft_s=2.0, tpot_s=0.010)
+    base = SimConfig(load_geometry("llama-3-8b"), load_profile("h200-cx7-gen5"), 1, 4)
+    runs = {}
+    for name, target in (("alone", None), ("guarded", slo)):
+        summaries, outcomes = simulate(one_hot_prefix(), replace(base, slo=target), ["hbm+dram"],
+                                       policies=[Policy.PREDICTED_TTFT], slo=slo)
+        runs[name] = (summaries[0], outcomes[0])
+    alone, guarded = runs["alone"][0], runs["guarded"][0]
+    assert alone.tpot_s["p50"] > slo.tpot_s and alone.goodput.share < 0.5
+    assert guarded.tpot_s["p90"] <= slo.tpot_s and guarded.goodput.share > 0.95
+    assert guarded.ttft_s["p90"] <= slo.ttft_s
+    on_first = {name: sum(r.instance == 0 for r in outcome.records) / len(outcome.records)
+                for name, (_, outcome) in runs.items()}
+    assert on_first["alone"] > 0.6 and on_first["guarded"] < 0.4, on_first
