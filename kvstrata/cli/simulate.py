@@ -103,6 +103,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if policies:
         setting = setting.replace(f"; routing: {config.routing.value}", "")
         setting += f"; routed by {', '.join(p.value for p in policies)} (one run each)"
+        if Policy.PREDICTED_TTFT in policies:
+            setting += "; predicted-ttft routes to meet the goodput's SLO"
     load = offered_load(requests, config) if trace_span_s(requests) > 0 else None
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, int] = {}

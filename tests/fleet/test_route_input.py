@@ -84,6 +84,20 @@ def test_a_bad_command_line_is_one_line(argv, line, capsys):
     assert line in err and err.count("\n") == 1
 
 
+def test_the_slo_given_reaches_the_policy_that_routes():
+    import argparse
+
+    from kvstrata.cli.route import config, register
+    from kvstrata.fleet.front import ROUTER, make_app
+    from kvstrata.slo import Slo
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    given = parser.parse_args(["route", "--server", "http://127.0.0.1:9", "--slo-ttft-ms", "500", "--slo-tpot-ms", "40"])
+    assert make_app(config(given))[ROUTER].policy.slo == Slo(0.5, 0.04)
+    assert make_app(config(parser.parse_args(["route", "--server", "http://127.0.0.1:9"])))[ROUTER].policy.slo is None
+
+
 def test_a_calibrated_host_prices_the_servers(tmp_path):
     """``--calibration`` with ``--model-dir``: the model's prefill fit on this host is every server's
     per-token cost, its KV bytes size a block; without ``--model-dir``, one line."""
