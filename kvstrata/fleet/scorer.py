@@ -137,7 +137,8 @@ class PredictedTTFT:
     decoding requests see at most ``headroom`` of the TPOT target per token
     (:attr:`ServerState.tpot_s`: a fuller server's next prefill stalls them past it, and the
     request decodes at that pace too). The least predicted TTFT among the candidates wins; with
-    none, the least of all (the request misses a target anywhere: its first token comes soonest).
+    none, among the servers within the TTFT target and under the TPOT target itself; with none
+    again, the least of all (the request misses a target anywhere: its first token comes soonest).
     Without the TPOT check a prefix held in one server's HBM draws every request that shares it,
     and the decode of all of them slows past the target while other servers idle. Without an
     SLO, TTFT alone decides.
