@@ -17,7 +17,7 @@ from kvstrata import cli
 from kvstrata.bench.cli.common import BenchParser, run_and_report, spread_x
 from kvstrata.bench.cli.serve import hits_text, ms_text, pct_text, pool_choice, same_text
 from kvstrata.cli.workload import add_model_args
-from kvstrata.fleet.scorer import Policy
+from kvstrata.fleet.scorer import TPOT_HEADROOM, Policy
 
 if TYPE_CHECKING:
     from kvstrata.bench.route_plan import RouteBenchConfig
@@ -192,7 +192,9 @@ def _print_route(report: RouteBenchReport) -> None:
         f"Per server: requests the router had {', '.join(report.servers)} answer. Hits: vLLM's own prefix cache, "
         "and kvstrata's beyond it by tier, over the prompt tokens (the servers' counters summed).",
         "Order per round: " + "; ".join(", ".join(p.value for p in o) for o in report.orders)
-        + f". predicted-ttft priced by {report.cost}. SGLang's router: {report.sglang.skipped}.",
+        + f". predicted-ttft priced by {report.cost}, and routing to meet the goodput's SLO (a server past {TPOT_HEADROOM:g}x its "
+        f"TPOT target in pace, or predicted past its TTFT target, is passed over while another is not). "
+        f"SGLang's router: {report.sglang.skipped}.",
         f"Workload: trace {report.trace}; each pass the same conversations with tokens of its own.",
     ]
     same = (f"every one equals the reference's ({report.reference_prompts} distinct prompts)" if report.identical
