@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from kvstrata.extras import missing_extra
 from kvstrata.pool.config import ENV as POOL_ENV
 from kvstrata.pool.config import PoolConfig, load_pool_config, pool_from_env
+from kvstrata.slo import Slo
 
 # The modules that each register one or more sub-commands, in help order. ``kvstrata bench`` is
 # the benchmarks' own module, imported by its name here: the one place the product names its
@@ -117,6 +118,14 @@ def wrote(what: str, path: str | os.PathLike, json_output: bool = False) -> None
 def pool_config(path: str | None) -> PoolConfig | None:
     """The pool of ``--pool FILE``, else of ``$KVSTRATA_POOL``, else None."""
     return load_pool_config(path) if path else pool_from_env()
+
+
+def slo_ms(ttft_ms: float, tpot_ms: float) -> Slo:
+    """``--slo-ttft-ms`` and ``--slo-tpot-ms`` as an SLO; a target not > 0 is one line naming both flags."""
+    try:
+        return Slo(ttft_ms / 1e3, tpot_ms / 1e3)
+    except ValueError:
+        raise CliError(f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {ttft_ms:g} and {tpot_ms:g}") from None
 
 
 def model_dir(path: str) -> Path:

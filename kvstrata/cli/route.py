@@ -84,17 +84,11 @@ def config(args: argparse.Namespace):
 
 def slo(args: argparse.Namespace):
     """``--slo-ttft-ms`` and ``--slo-tpot-ms``: both or neither; None for neither."""
-    from kvstrata.slo import Slo
-
     if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
         return None
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise cli.CliError("give --slo-ttft-ms and --slo-tpot-ms together (the SLO has both targets)")
-    try:
-        return Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    except ValueError:
-        raise cli.CliError(f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {args.slo_ttft_ms:g} and "
-                           f"{args.slo_tpot_ms:g}") from None
+    return cli.slo_ms(args.slo_ttft_ms, args.slo_tpot_ms)
 
 
 def calibrated_cost(args: argparse.Namespace):

@@ -89,7 +89,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     geometry, profile = load_geometry(args.model), resolve_profile(args.hardware)
     sharings = _sharings(args)
     policies = _policies(args.policy)
-    slo = _slo(args)
+    slo = cli.slo_ms(args.slo_ttft_ms, args.slo_tpot_ms)
     extra = {"tier_tokens": _pool_tokens(args), "routing": Routing(args.route), "restore_slots": args.restore_slots,
              "slo": slo}
     if args.fleet_tp is not None:
@@ -144,15 +144,6 @@ def _sharings(args: argparse.Namespace) -> list[KVSharing]:
     if args.kv_sharing == "both" or (args.kv_sharing is None and args.fleet_tp is not None):
         return list(KVSharing)
     return [KVSharing(args.kv_sharing)] if args.kv_sharing else []
-
-
-def _slo(args: argparse.Namespace) -> Slo:
-    """``--slo-ttft-ms`` and ``--slo-tpot-ms``, checked; errors name the flags."""
-    try:
-        return Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    except ValueError:
-        raise cli.CliError(f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {args.slo_ttft_ms:g} and "
-                           f"{args.slo_tpot_ms:g}") from None
 
 
 def goodput_text(s: Summary) -> str:

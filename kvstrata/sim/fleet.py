@@ -75,12 +75,10 @@ class FleetRouting:
         self.names = tuple(f"instance-{i}" for i in range(len(costs)))
         self.index = FleetIndex(self.names)
 
-    def choose(self, request: TraceRequest, queued_tokens: Sequence[int],
-               tpot_s: Sequence[float | None] | None = None) -> int:
+    def choose(self, request: TraceRequest, queued_tokens: Sequence[int], tpot_s: Sequence[float | None]) -> int:
         """The instance ``request`` goes to, given each instance's queued prefill tokens and the
         pace of its decode (None: nothing decoding)."""
-        paces = tpot_s if tpot_s is not None else [None] * len(self.names)
-        states = [ServerState(n, c, q, t) for n, c, q, t in zip(self.names, self.costs, queued_tokens, paces)]
+        states = [ServerState(n, c, q, t) for n, c, q, t in zip(self.names, self.costs, queued_tokens, tpot_s)]
         routed = Request(tuple(request.hash_ids), max(1, request.input_length))
         return self.names.index(self.policy.choose(routed, states, self.index).server)
 

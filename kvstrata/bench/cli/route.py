@@ -98,7 +98,6 @@ def _policies(text: str) -> tuple[Policy, ...]:
 def _config(args: argparse.Namespace, use_pool: bool) -> RouteBenchConfig:
     """The run's configuration, every flag checked (a bad one: one line, before any server)."""
     from kvstrata.bench.route_plan import RouteBenchConfig
-    from kvstrata.slo import Slo
     from kvstrata.calibrate.serving.host import model_facts
     from kvstrata.calibrate.serving.servers import ServeBenchConfig
     from kvstrata.calibrate.serving.workload import ServeWorkload
@@ -108,7 +107,7 @@ def _config(args: argparse.Namespace, use_pool: bool) -> RouteBenchConfig:
         raise cli.CliError(f"--trace {args.trace}: no such file")
     shape = ServeWorkload(args.conversations, args.turns, args.max_tokens, args.user_tokens, args.block_size,
                           args.max_model_len, args.rate, args.seed)
-    slo, policies = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3), _policies(args.policies)
+    slo, policies = cli.slo_ms(args.slo_ttft_ms, args.slo_tpot_ms), _policies(args.policies)
     model = model_dir_of(args)
     facts = model_facts(model, args.dtype)
     tiers = {f"{t}_bytes": getattr(args, f"{t}_mib") * MiB for t in ("host", "disk", "remote")}
